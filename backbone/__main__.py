@@ -1,0 +1,109 @@
+"""python -m backbone generate --model DIR --hub HOST:PORT --prompt TEXT --max-new-tokens N
+[--batch B] [--compare-local] [--json]"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import pathlib
+import sys
+import time
+
+from kvasir_rpc import configure_logging, get_logger
+
+log = get_logger("backbone")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m backbone")
+    sub = parser.add_subparsers(dest="command", required=True)
+    g = sub.add_parser("generate", help="greedy decode with experts on the swarm")
+    g.add_argument("--model", required=True, type=pathlib.Path)
+    g.add_argument("--hub", help="HOST:PORT of the hub's SessionService; without it every expert is local")
+    g.add_argument("--prompt", required=True)
+    g.add_argument("--max-new-tokens", type=int, default=16)
+    g.add_argument("--batch", type=int, default=1, help="sequences decoded together")
+    g.add_argument("--compare-local", action="store_true", help="also decode with every expert local and compare")
+    g.add_argument("--wait-sessions", type=int, default=0, help="wait until the hub lists this many sessions")
+    g.add_argument("--wait-timeout", type=float, default=60.0)
+    g.add_argument("--call-timeout", type=float, default=30.0, help="seconds before a remote call is recomputed here")
+    g.add_argument("--threads", type=int, default=int(os.environ.get("KVASIR_THREADS", "0")) or None)
+    g.add_argument("--json", action="store_true", help="print one JSON object as the last line")
+    g.add_argument("--log-level", default="warning")
+    args = parser.parse_args(argv)
+    configure_logging("backbone", level=args.log_level)
+    if args.max_new_tokens < 1 or args.batch < 1:
+        parser.error("--max-new-tokens and --batch must be at least 1")
+
+    import torch
+
+    from backbone._experts import Dispatcher
+    from backbone._generate import compare, decode, load_model, prompts_for_batch
+    from backbone._links import SessionWatcher
+
+    import transformers
+
+    transformers.utils.logging.disable_progress_bar()
+    transformers.utils.logging.set_verbosity_error()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    try:
+        model, tokenizer = load_model(args.model)
+    except (OSError, ValueError) as exc:
+        print(f"backbone: cannot load {args.model}: {exc}", file=sys.stderr)
+        return 2
+
+    watcher = SessionWatcher(args.hub) if args.hub else None
+    if watcher is not None and not watcher.wait(lambda s: len(s) >= args.wait_sessions, args.wait_timeout):
+        print(f"backbone: the hub at {args.hub} did not list {args.wait_sessions} sessions within "
+              f"{args.wait_timeout}s", file=sys.stderr)
+        watcher.close()
+        return 3
+    dispatcher = Dispatcher(model, watcher, call_timeout_s=args.call_timeout)
+    prompts = prompts_for_batch(args.prompt, args.batch)
+    result: dict[str, object] = {}
+    try:
+        t0 = time.perf_counter()
+        run = decode(model, tokenizer, prompts, args.max_new_tokens)
+        elapsed = time.perf_counter() - t0
+        stats = dispatcher.statistics()
+        n_tokens = int(run.new_tokens.numel())
+        result.update(
+            texts=run.texts,
+            n_tokens=n_tokens,
+            seconds=round(elapsed, 4),
+            tokens_per_s=round(n_tokens / elapsed, 3) if elapsed > 0 else None,
+            **{k: v for k, v in dataclasses.asdict(stats).items()},
+        )
+        if args.compare_local:
+            dispatcher.remote = False
+            local = decode(model, tokenizer, prompts, args.max_new_tokens)
+            result.update(compare(run, local))
+            reference = decode(model, tokenizer, prompts, args.max_new_tokens, implementation="eager")
+            ref = compare(local, reference)
+            result["reference_tokens_identical"] = ref["tokens_identical"]
+            result["reference_max_abs_logit_diff"] = ref["max_abs_logit_diff"]
+    finally:
+        dispatcher.close()
+        if watcher is not None:
+            watcher.close()
+
+    if args.json:
+        print(json.dumps(result))
+    else:
+        for text in result["texts"]:  # type: ignore[attr-defined]
+            print(text)
+        print(f"{result['n_tokens']} tokens in {result['seconds']} s; remote calls {result['remote_calls']}, "
+              f"rows {result['remote_rows']}, fallbacks {result['fallback_calls']}")
+        if args.compare_local:
+            print(f"tokens identical to local: {result['tokens_identical']}; max |Δlogit| "
+                  f"{result['max_abs_logit_diff']}; min cosine {result['min_logit_cosine']:.6f}; "
+                  f"identical to transformers eager: {result['reference_tokens_identical']}")
+    ok = (not args.compare_local) or bool(result.get("tokens_identical"))
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

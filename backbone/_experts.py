@@ -1,0 +1,247 @@
+"""The backbone's experts implementation, plugged into transformers' ExpertsInterface.
+
+The router has already run (transformers' own gate); this function receives its decisions
+and owns the rest: which expert computes where, batched calls per worker, local compute
+while remote calls fly, fallback to local weights for anything lost, and one fixed
+combination order whatever the placement.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import threading
+from collections.abc import Iterable
+
+import torch
+from transformers.integrations.moe import ExpertsInterface
+
+from kvasir_rpc import expert_digest, expert_pb2, get_logger, slices_digest
+from kvasir_rpc._codec import TensorCodecError, decode_tensor, encode_tensor
+from kvasir_rpc._kernel import Route, expert_forward, plan_routes
+from backbone._links import CallRecord, SessionWatcher, WorkerLink
+
+__all__ = ["IMPLEMENTATION", "Dispatcher", "DispatchStats", "install"]
+
+log = get_logger("backbone.experts")
+
+IMPLEMENTATION = "kvasir"
+_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+
+@dataclasses.dataclass(frozen=True)
+class DispatchStats:
+    remote_calls: int
+    remote_rows: int
+    local_rows: int
+    fallback_calls: int
+    fallback_rows: int
+    sessions_used: tuple[str, ...]
+    sessions_rejected: tuple[str, ...]
+
+
+class Dispatcher:
+    """Places (layer, expert) slices on live worker sessions and runs the experts path.
+
+    ``remote=False`` computes every expert locally through the same kernel (the reference
+    the remote run must equal bitwise).
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        watcher: SessionWatcher | None,
+        *,
+        call_timeout_s: float = 30.0,
+    ) -> None:
+        self.watcher = watcher
+        self.call_timeout_s = call_timeout_s
+        self.remote = watcher is not None
+        self._experts: dict[int, torch.nn.Module] = {}
+        for name, module in model.named_modules():
+            if hasattr(module, "gate_up_proj") and hasattr(module, "down_proj") and (m := _LAYER.search(name)):
+                layer = int(m[1])
+                self._experts[layer] = module
+                module._kvasir = (self, layer)  # type: ignore[assignment]
+        if not self._experts:
+            raise ValueError("the model has no experts modules with gate_up_proj/down_proj")
+        self._digests: dict[tuple[int, int], bytes] = {}
+        self._links: dict[str, WorkerLink] = {}
+        self._rejected: set[str] = set()
+        self._seen_version = -1
+        self._routes: dict[int, dict[int, WorkerLink]] = {}
+        self._lock = threading.Lock()
+        self._calls: list[CallRecord] = []
+        self.remote_calls = self.remote_rows = self.local_rows = 0
+        self.fallback_calls = self.fallback_rows = 0
+        self._used: set[str] = set()
+
+    # -- placement -------------------------------------------------------------------
+
+    def _expected_digest(self, slices: dict[int, tuple[int, ...]]) -> bytes | None:
+        digests = {}
+        for layer, experts in slices.items():
+            module = self._experts.get(layer)
+            if module is None:
+                return None
+            for e in experts:
+                if e >= module.gate_up_proj.shape[0]:
+                    return None
+                key = (layer, e)
+                if key not in self._digests:
+                    self._digests[key] = expert_digest(module.gate_up_proj[e], module.down_proj[e])
+                digests[key] = self._digests[key]
+        return slices_digest(digests)
+
+    def _refresh(self) -> None:
+        """Rebuild the route table when the hub's session set changed."""
+        assert self.watcher is not None
+        if self.watcher.version == self._seen_version:
+            return
+        self._seen_version = self.watcher.version
+        live = self.watcher.sessions()
+        for sid in list(self._links):
+            if sid not in live:
+                self._links.pop(sid).close()
+        for sid, s in sorted(live.items(), key=lambda kv: (kv[1].connected_since_unix_ms, kv[0])):
+            if sid in self._links or sid in self._rejected:
+                continue
+            link_slices = {sl.layer: tuple(sl.experts) for sl in s.slices}
+            expected = self._expected_digest(link_slices)
+            if expected is None or expected != s.weights_digest:
+                log.warning("session weights do not match this model; not routing to it", session_id=sid,
+                            wallet=s.wallet)
+                self._rejected.add(sid)
+                continue
+            self._links[sid] = WorkerLink(s)
+        routes: dict[int, dict[int, WorkerLink]] = {}
+        for link in self._links.values():
+            if link.dead is not None:
+                continue
+            for layer, experts in link.slices.items():
+                for e in experts:
+                    routes.setdefault(layer, {}).setdefault(e, link)
+        self._routes = routes
+
+    # -- the experts path ------------------------------------------------------------
+
+    def forward(
+        self, module: torch.nn.Module, layer: int, hidden: torch.Tensor, top_k_index: torch.Tensor,
+        top_k_weights: torch.Tensor,
+    ) -> torch.Tensor:
+        routes = plan_routes(top_k_index, module.gate_up_proj.shape[0])
+        placed: dict[WorkerLink, list[Route]] = {}
+        local: list[Route] = []
+        if self.remote:
+            with self._lock:
+                self._refresh()
+                table = self._routes.get(layer, {})
+            for r in routes:
+                link = table.get(r.expert)
+                if link is not None and link.dead is None:
+                    placed.setdefault(link, []).append(r)
+                else:
+                    local.append(r)
+        else:
+            local = routes
+
+        # Remote calls leave first: one batched call per worker for this layer.
+        inflight: list[tuple[CallRecord, list[Route], WorkerLink]] = []
+        for link, rs in placed.items():
+            rows = torch.cat([hidden[r.token_idx] for r in rs])  # [n, H]
+            weights = torch.cat([top_k_weights[r.token_idx, r.top_k_pos] for r in rs])  # [n]
+            req = expert_pb2.DispatchRequest(
+                layer=layer,
+                hidden=encode_tensor(rows),
+                weights=encode_tensor(weights),
+                segments=[expert_pb2.ExpertSegment(expert=r.expert, rows=len(r.token_idx)) for r in rs],
+            )
+            inflight.append((link.submit(layer, req), rs, link))
+
+        partials: dict[int, torch.Tensor] = {}
+        for r in local:
+            partials[r.expert] = self._local(module, hidden, top_k_weights, r)
+            self.local_rows += len(r.token_idx)
+
+        for rec, rs, link in inflight:
+            try:
+                msg = rec.future.result(timeout=self.call_timeout_s)
+                out = decode_tensor(msg.partials)
+                if out.shape != (rec.rows, hidden.shape[1]) or out.dtype != hidden.dtype:
+                    raise TensorCodecError(f"partials of shape {list(out.shape)} {out.dtype}, expected "
+                                           f"[{rec.rows}, {hidden.shape[1]}] {hidden.dtype}")
+                start = 0
+                for r in rs:
+                    n = len(r.token_idx)
+                    partials[r.expert] = out[start : start + n]
+                    start += n
+                self.remote_calls += 1
+                self.remote_rows += rec.rows
+                self._used.add(link.session_id)
+            except Exception as exc:  # timeout, stream failure, bad answer: recompute here
+                log.warning("remote call lost; computing locally", session_id=link.session_id, layer=layer,
+                            rows=rec.rows, error=repr(exc)[:200])
+                link._fail(exc if isinstance(exc, BaseException) else RuntimeError(str(exc)))
+                with self._lock:
+                    self._seen_version = -1  # rebuild routes without this link
+                self.fallback_calls += 1
+                self.fallback_rows += rec.rows
+                for r in rs:
+                    partials[r.expert] = self._local(module, hidden, top_k_weights, r)
+
+        # One fixed order, whatever ran where: ascending expert, as transformers' eager.
+        final = torch.zeros_like(hidden)
+        for r in routes:
+            final.index_add_(0, r.token_idx, partials[r.expert].to(final.dtype))
+        return final
+
+    @staticmethod
+    def _local(module: torch.nn.Module, hidden: torch.Tensor, top_k_weights: torch.Tensor, r: Route) -> torch.Tensor:
+        return expert_forward(
+            hidden[r.token_idx],
+            module.gate_up_proj[r.expert],
+            module.down_proj[r.expert],
+            module.act_fn,
+            top_k_weights[r.token_idx, r.top_k_pos],
+        )
+
+    def reset_counters(self) -> None:
+        self.remote_calls = self.remote_rows = self.local_rows = 0
+        self.fallback_calls = self.fallback_rows = 0
+        self._used = set()
+
+    def statistics(self) -> DispatchStats:
+        return DispatchStats(
+            remote_calls=self.remote_calls,
+            remote_rows=self.remote_rows,
+            local_rows=self.local_rows,
+            fallback_calls=self.fallback_calls,
+            fallback_rows=self.fallback_rows,
+            sessions_used=tuple(sorted(self._used)),
+            sessions_rejected=tuple(sorted(self._rejected)),
+        )
+
+    def links(self) -> Iterable[WorkerLink]:
+        return list(self._links.values())
+
+    def close(self) -> None:
+        for link in self._links.values():
+            link.close()
+        self._links.clear()
+
+
+def kvasir_experts_forward(
+    self: torch.nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+) -> torch.Tensor:
+    """The function registered as experts implementation ``"kvasir"``."""
+    ctx = getattr(self, "_kvasir", None)
+    if ctx is None:
+        raise RuntimeError("experts implementation 'kvasir' needs a backbone Dispatcher attached to the model")
+    dispatcher, layer = ctx
+    with torch.no_grad():
+        return dispatcher.forward(self, layer, hidden_states, top_k_index, top_k_weights)
+
+
+def install() -> None:
+    """Register the implementation with transformers (idempotent)."""
+    ExpertsInterface.register(IMPLEMENTATION, kvasir_experts_forward)

@@ -1,0 +1,81 @@
+"""Loading a checkpoint with transformers and greedy decoding through the Dispatcher."""
+
+from __future__ import annotations
+
+import dataclasses
+import pathlib
+
+import torch
+
+from backbone._experts import IMPLEMENTATION, Dispatcher, install
+
+__all__ = ["Decode", "compare", "decode", "load_model"]
+
+
+def load_model(model_dir: str | pathlib.Path):  # type: ignore[no-untyped-def]
+    """Load ``(model, tokenizer)`` from a local checkpoint folder, offline, in eval mode."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    install()
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), local_files_only=True, dtype="auto")
+    model.eval()
+    return model, tokenizer
+
+
+@dataclasses.dataclass
+class Decode:
+    sequences: torch.Tensor  # [B, prompt + new]
+    new_tokens: torch.Tensor  # [B, new]
+    logits: torch.Tensor  # [new, B, V], float32
+    texts: list[str]
+
+
+def prompts_for_batch(prompt: str, batch: int) -> list[str]:
+    """``batch`` distinct prompts derived from one, so rows of a batch differ."""
+    return [prompt] + [f"{prompt} ({i})" for i in range(1, batch)]
+
+
+def decode(model, tokenizer, prompts: list[str], max_new_tokens: int, implementation: str = IMPLEMENTATION) -> Decode:  # type: ignore[no-untyped-def]
+    """Greedy decode of exactly ``max_new_tokens`` per prompt with the given experts implementation."""
+    model.set_experts_implementation(implementation)
+    tokenizer.padding_side = "left"
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    enc = tokenizer(prompts, return_tensors="pt", padding=True)
+    with torch.inference_mode():
+        out = model.generate(
+            **enc,
+            do_sample=False,
+            max_new_tokens=max_new_tokens,
+            min_new_tokens=max_new_tokens,
+            output_logits=True,
+            return_dict_in_generate=True,
+            pad_token_id=tokenizer.pad_token_id,
+        )
+    new = out.sequences[:, enc["input_ids"].shape[1] :]
+    logits = torch.stack([step.float() for step in out.logits])
+    texts = tokenizer.batch_decode(new, skip_special_tokens=True)
+    return Decode(sequences=out.sequences, new_tokens=new, logits=logits, texts=texts)
+
+
+def compare(a: Decode, b: Decode) -> dict[str, float | bool]:
+    """Token identity and logit agreement of two decodes of the same prompts."""
+    same_shape = a.logits.shape == b.logits.shape
+    tokens_identical = bool(torch.equal(a.new_tokens, b.new_tokens))
+    if not same_shape:
+        return {"tokens_identical": False, "max_abs_logit_diff": float("inf"), "min_logit_cosine": -1.0,
+                "argmax_agreement": 0.0}
+    diff = (a.logits - b.logits).abs().max().item() if a.logits.numel() else 0.0
+    cos = torch.nn.functional.cosine_similarity(a.logits, b.logits, dim=-1)  # [new, B]
+    agree = (a.logits.argmax(-1) == b.logits.argmax(-1)).float().mean().item()
+    return {
+        "tokens_identical": tokens_identical,
+        "max_abs_logit_diff": float(diff),
+        "min_logit_cosine": float(cos.min().item()) if cos.numel() else 1.0,
+        "argmax_agreement": float(agree),
+    }
+
+
+def attach(model, watcher, call_timeout_s: float = 30.0) -> Dispatcher:  # type: ignore[no-untyped-def]
+    return Dispatcher(model, watcher, call_timeout_s=call_timeout_s)

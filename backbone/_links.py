@@ -1,0 +1,170 @@
+"""Links from the backbone to the swarm: the hub's live session list (WatchSessions) and one
+Dispatch stream per worker session, with per-call bookkeeping in one place."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import queue
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+
+import grpc
+
+from kvasir_rpc import expert_pb2, expert_pb2_grpc, get_logger, session_pb2, session_pb2_grpc, slices_from_proto
+
+__all__ = ["CallRecord", "SessionWatcher", "WorkerLink"]
+
+log = get_logger("backbone.links")
+
+_CHANNEL_OPTIONS = [
+    ("grpc.max_receive_message_length", 256 << 20),
+    ("grpc.max_send_message_length", 256 << 20),
+    # The tunnel carries one connection per session: never open a second one.
+    ("grpc.use_local_subchannel_pool", 1),
+]
+
+
+@dataclasses.dataclass
+class CallRecord:
+    """One remote call: which worker, which layer and rows, when it left."""
+
+    call_id: int
+    session_id: str
+    layer: int
+    rows: int
+    sent_ns: int
+    future: Future[expert_pb2.ExpertPartials]
+
+
+class WorkerLink:
+    """A long-lived ``Dispatch`` stream to one worker session through the hub.
+
+    ``submit`` enqueues a request and returns at once; a reader thread resolves the call's
+    future when the answer arrives. When the stream fails every pending call fails with the
+    stream's RpcError and the link is dead for good (the caller recomputes and stops routing
+    here).
+    """
+
+    _SENTINEL = object()
+
+    def __init__(self, session: session_pb2.Session, on_dead: Callable[[WorkerLink], None] | None = None) -> None:
+        self.session_id = session.session_id
+        self.wallet = session.wallet
+        self.target = session.target
+        self.slices = slices_from_proto(session.slices)
+        self._on_dead = on_dead
+        self._channel = grpc.insecure_channel(self.target, options=_CHANNEL_OPTIONS)
+        self._stub = expert_pb2_grpc.ExpertServiceStub(self._channel)
+        self._requests: queue.SimpleQueue[object] = queue.SimpleQueue()
+        self._pending: dict[int, CallRecord] = {}
+        self._lock = threading.Lock()
+        self._ids = itertools.count(1)
+        self.dead: BaseException | None = None
+        self.calls = 0
+        self.rows = 0
+        self._responses = self._stub.Dispatch(self._iter_requests())
+        self._reader = threading.Thread(target=self._read, name=f"link-{self.session_id}", daemon=True)
+        self._reader.start()
+
+    def _iter_requests(self):  # type: ignore[no-untyped-def]
+        while True:
+            item = self._requests.get()
+            if item is self._SENTINEL:
+                return
+            yield item
+
+    def submit(self, layer: int, request: expert_pb2.DispatchRequest) -> CallRecord:
+        """Send one call; the record's future resolves to ExpertPartials or an exception."""
+        fut: Future[expert_pb2.ExpertPartials] = Future()
+        with self._lock:
+            call_id = next(self._ids)
+            rec = CallRecord(call_id, self.session_id, layer, request.hidden.shape[0], time.perf_counter_ns(), fut)
+            if self.dead is not None:
+                fut.set_exception(self.dead)
+                return rec
+            self._pending[call_id] = rec
+        request.call_id = call_id
+        self._requests.put(request)
+        self.calls += 1
+        self.rows += rec.rows
+        return rec
+
+    def _read(self) -> None:
+        error: BaseException
+        try:
+            for resp in self._responses:
+                p = resp.partials
+                with self._lock:
+                    rec = self._pending.pop(p.call_id, None)
+                if rec is not None:
+                    rec.future.set_result(p)
+            error = ConnectionError(f"worker {self.session_id} ended its Dispatch stream")
+        except grpc.RpcError as exc:
+            error = exc
+        self._fail(error)
+
+    def _fail(self, error: BaseException) -> None:
+        with self._lock:
+            if self.dead is None:
+                self.dead = error
+            pending, self._pending = self._pending, {}
+        for rec in pending.values():
+            if not rec.future.done():
+                rec.future.set_exception(error)
+        if self._on_dead is not None:
+            self._on_dead(self)
+
+    def close(self) -> None:
+        self._requests.put(self._SENTINEL)
+        self._responses.cancel()
+        self._channel.close()
+        self._reader.join(timeout=5)
+
+
+class SessionWatcher:
+    """Follows the hub's WatchSessions stream in a thread and keeps the live set."""
+
+    def __init__(self, hub_address: str) -> None:
+        self._channel = grpc.insecure_channel(hub_address)
+        self._stub = session_pb2_grpc.SessionServiceStub(self._channel)
+        self._cond = threading.Condition()
+        self._sessions: dict[str, session_pb2.Session] = {}
+        self._synced = False
+        self.version = 0
+        self._call = self._stub.WatchSessions(session_pb2.WatchSessionsRequest())
+        self._thread = threading.Thread(target=self._run, name="session-watch", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            for resp in self._call:
+                ev = resp.event
+                with self._cond:
+                    if ev.kind == session_pb2.SessionEvent.KIND_ADDED:
+                        self._sessions[ev.session.session_id] = ev.session
+                    elif ev.kind == session_pb2.SessionEvent.KIND_REMOVED:
+                        self._sessions.pop(ev.session.session_id, None)
+                    elif ev.kind == session_pb2.SessionEvent.KIND_SYNCED:
+                        self._synced = True
+                    self.version += 1
+                    self._cond.notify_all()
+        except grpc.RpcError as exc:
+            if exc.code() != grpc.StatusCode.CANCELLED:
+                log.warning("session watch ended", code=str(exc.code()), details=exc.details())
+
+    def sessions(self) -> dict[str, session_pb2.Session]:
+        with self._cond:
+            return dict(self._sessions)
+
+    def wait(self, predicate: Callable[[dict[str, session_pb2.Session]], bool], timeout: float) -> bool:
+        """Wait until the hub has synced and ``predicate(sessions)`` holds, or time out."""
+        with self._cond:
+            return self._cond.wait_for(lambda: self._synced and predicate(self._sessions), timeout=timeout)
+
+    def close(self) -> None:
+        self._call.cancel()
+        self._channel.close()
+        self._thread.join(timeout=5)

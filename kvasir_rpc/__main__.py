@@ -1,0 +1,5 @@
+import sys
+
+from kvasir_rpc.cli import main
+
+sys.exit(main())

@@ -1,0 +1,256 @@
+"""Reading the experts of a Hugging Face MoE checkpoint: which (layer, expert) slices it has,
+loading one slice lazily from safetensors, digests of slice weights, and the SPEC syntax
+that names slices on the command line.
+
+Published checkpoints store each expert as separate tensors
+(``model.layers.L.mlp.experts.E.{gate,up,down}_proj.weight``; Mixtral names them
+``block_sparse_moe.experts.E.{w1,w3,w2}.weight``); some store the fused 3D form
+(``...experts.gate_up_proj`` [E, 2I, H] and ``...experts.down_proj`` [E, H, I]). Both are
+read here, through ``safe_open`` so only the requested bytes are read from disk.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import pathlib
+import re
+import struct
+from collections.abc import Iterable, Mapping, Sequence
+
+import torch
+from safetensors import safe_open
+
+__all__ = [
+    "CheckpointError",
+    "ExpertIndex",
+    "ModelInfo",
+    "SpecError",
+    "format_slices",
+    "parse_expert_spec",
+    "slices_digest",
+]
+
+_PER_EXPERT = re.compile(
+    r"^(?P<prefix>.*?)layers\.(?P<layer>\d+)\.(?:mlp|block_sparse_moe)\.experts\.(?P<expert>\d+)\."
+    r"(?P<proj>gate_proj|up_proj|down_proj|w1|w2|w3)\.weight$"
+)
+_FUSED = re.compile(
+    r"^(?P<prefix>.*?)layers\.(?P<layer>\d+)\.(?:mlp|block_sparse_moe)\.experts\.(?P<proj>gate_up_proj|down_proj)$"
+)
+_PROJ = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up", "down_proj": "down", "w2": "down"}
+_DIGEST_DOMAIN = b"kvasir.v1.weights\x00"
+
+
+class CheckpointError(ValueError):
+    """The checkpoint folder is missing files or tensors we need."""
+
+
+class SpecError(ValueError):
+    """An expert SPEC string does not parse or names slices the model does not have."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelInfo:
+    """The few config facts the experts path needs."""
+
+    model_type: str
+    num_layers: int
+    num_experts: int
+    hidden_size: int
+    intermediate_size: int
+    hidden_act: str
+    dtype: torch.dtype
+
+
+def _text_config(cfg: dict) -> dict:  # type: ignore[type-arg]
+    return cfg.get("text_config", cfg)
+
+
+def read_model_info(model_dir: str | os.PathLike[str]) -> ModelInfo:
+    path = pathlib.Path(model_dir) / "config.json"
+    try:
+        cfg = json.loads(path.read_text())
+    except FileNotFoundError as exc:
+        raise CheckpointError(f"{path} not found: --model must be a Hugging Face checkpoint folder") from exc
+    text = _text_config(cfg)
+    num_experts = text.get("num_experts", text.get("num_local_experts"))
+    inter = text.get("moe_intermediate_size", text.get("intermediate_size"))
+    if num_experts is None or inter is None:
+        raise CheckpointError(f"{path}: not a Mixture-of-Experts config (no num_experts / num_local_experts)")
+    dtype_name = text.get("dtype") or text.get("torch_dtype") or cfg.get("dtype") or cfg.get("torch_dtype") or "float32"
+    dtype = getattr(torch, str(dtype_name).replace("torch.", ""), None)
+    if not isinstance(dtype, torch.dtype):
+        raise CheckpointError(f"{path}: unknown dtype {dtype_name!r}")
+    return ModelInfo(
+        model_type=str(text.get("model_type", cfg.get("model_type", ""))),
+        num_layers=int(text["num_hidden_layers"]),
+        num_experts=int(num_experts),
+        hidden_size=int(text["hidden_size"]),
+        intermediate_size=int(inter),
+        hidden_act=str(text.get("hidden_act", "silu")),
+        dtype=dtype,
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class _Loc:
+    file: pathlib.Path
+    key: str
+    index: int | None  # row of a fused [E, ...] tensor, None for a per-expert tensor
+
+
+class ExpertIndex:
+    """Where each (layer, expert)'s gate, up and down weights live in a checkpoint.
+
+    Opening reads only the safetensors headers. ``load(layer, expert)`` reads that expert's
+    bytes and returns ``(gate_up [2I, H], down [H, I])`` as the fused form transformers uses.
+    """
+
+    def __init__(self, model_dir: str | os.PathLike[str]) -> None:
+        self.model_dir = pathlib.Path(model_dir)
+        self.info = read_model_info(self.model_dir)
+        self._locs: dict[tuple[int, int], dict[str, _Loc]] = {}
+        for file, keys in self._files_and_keys():
+            for key in keys:
+                if m := _PER_EXPERT.match(key):
+                    slot = self._locs.setdefault((int(m["layer"]), int(m["expert"])), {})
+                    slot[_PROJ[m["proj"]]] = _Loc(file, key, None)
+                elif m := _FUSED.match(key):
+                    layer = int(m["layer"])
+                    for e in range(self.info.num_experts):
+                        slot = self._locs.setdefault((layer, e), {})
+                        slot[m["proj"]] = _Loc(file, key, e)
+        incomplete = [
+            k for k, v in self._locs.items() if not ({"gate", "up", "down"} <= v.keys() or {"gate_up_proj", "down_proj"} <= v.keys())
+        ]
+        if incomplete:
+            raise CheckpointError(f"{self.model_dir}: experts with missing projections: {sorted(incomplete)[:8]}")
+        if not self._locs:
+            raise CheckpointError(f"{self.model_dir}: no expert tensors found in the safetensors files")
+
+    def _files_and_keys(self) -> Iterable[tuple[pathlib.Path, list[str]]]:
+        index = self.model_dir / "model.safetensors.index.json"
+        if index.exists():
+            weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
+            by_file: dict[str, list[str]] = {}
+            for key, fname in weight_map.items():
+                by_file.setdefault(fname, []).append(key)
+            for fname, keys in sorted(by_file.items()):
+                yield self.model_dir / fname, sorted(keys)
+            return
+        files = sorted(self.model_dir.glob("*.safetensors"))
+        if not files:
+            raise CheckpointError(f"{self.model_dir}: no *.safetensors files")
+        for f in files:
+            with safe_open(str(f), framework="pt") as h:
+                yield f, sorted(h.keys())
+
+    @property
+    def slices(self) -> dict[int, tuple[int, ...]]:
+        """Every (layer, expert) in the checkpoint, as {layer: experts}."""
+        out: dict[int, list[int]] = {}
+        for layer, expert in sorted(self._locs):
+            out.setdefault(layer, []).append(expert)
+        return {k: tuple(v) for k, v in out.items()}
+
+    def has(self, layer: int, expert: int) -> bool:
+        return (layer, expert) in self._locs
+
+    def _read(self, loc: _Loc) -> torch.Tensor:
+        with safe_open(str(loc.file), framework="pt") as h:
+            if loc.index is None:
+                return h.get_tensor(loc.key)
+            return h.get_slice(loc.key)[loc.index]
+
+    def load(self, layer: int, expert: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Read one expert: ``(gate_up [2I, H], down [H, I])``. Raises KeyError if absent."""
+        slot = self._locs[(layer, expert)]
+        if "gate_up_proj" in slot:
+            return self._read(slot["gate_up_proj"]).contiguous(), self._read(slot["down_proj"]).contiguous()
+        gate, up, down = (self._read(slot[p]) for p in ("gate", "up", "down"))
+        return torch.cat([gate, up], dim=0).contiguous(), down.contiguous()
+
+    def expert_digest(self, layer: int, expert: int) -> bytes:
+        """sha256 of one expert's weights in the fused form, with dtype and shapes."""
+        gate_up, down = self.load(layer, expert)
+        return expert_digest(gate_up, down)
+
+
+def expert_digest(gate_up: torch.Tensor, down: torch.Tensor) -> bytes:
+    """sha256 over dtype, shapes and raw bytes of ``(gate_up, down)``; the same bytes
+    digest the same wherever they are loaded."""
+    h = hashlib.sha256()
+    for t in (gate_up, down):
+        t = t.detach().cpu().contiguous()
+        h.update(str(t.dtype).encode() + b"\x00" + struct.pack(f"<{t.dim()}Q", *t.shape))
+        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.digest()
+
+
+def slices_digest(expert_digests: Mapping[tuple[int, int], bytes]) -> bytes:
+    """Combine per-expert digests into the one digest a worker announces."""
+    h = hashlib.sha256(_DIGEST_DOMAIN)
+    for (layer, expert), d in sorted(expert_digests.items()):
+        h.update(struct.pack("<II", layer, expert) + d)
+    return h.digest()
+
+
+def _parse_range(text: str, limit: int, what: str) -> range:
+    text = text.strip()
+    if text == "*":
+        return range(limit)
+    m = re.fullmatch(r"(\d+)(?:-(\d+))?", text)
+    if not m:
+        raise SpecError(f"{what} {text!r}: expected N, N-M or *")
+    lo = int(m[1])
+    hi = int(m[2]) if m[2] is not None else lo
+    if lo > hi:
+        raise SpecError(f"{what} range {text!r} is empty")
+    if hi >= limit:
+        raise SpecError(f"{what} {hi} out of range: the model has {limit} ({what}s 0-{limit - 1})")
+    return range(lo, hi + 1)
+
+
+def parse_expert_spec(spec: str, num_layers: int, num_experts: int) -> dict[int, tuple[int, ...]]:
+    """Parse a SPEC: comma-separated items, each ``all`` or ``LAYERS:EXPERTS`` where each side
+    is ``N``, ``N-M`` (inclusive) or ``*``. Returns {layer: sorted experts}.
+
+    ``all``, ``0-3:0-15``, ``*:0-7``, ``0:1,2:3-4``. Raises SpecError with the reason.
+    """
+    out: dict[int, set[int]] = {}
+    items = [s for s in spec.split(",") if s.strip()]
+    if not items:
+        raise SpecError("empty expert SPEC; use e.g. 'all', '*:0-7' or '0-3:0-15'")
+    for item in items:
+        item = item.strip()
+        if item == "all":
+            layers, experts = range(num_layers), range(num_experts)
+        else:
+            if item.count(":") != 1:
+                raise SpecError(f"SPEC item {item!r}: expected LAYERS:EXPERTS or 'all'")
+            lpart, epart = item.split(":")
+            layers = _parse_range(lpart, num_layers, "layer")
+            experts = _parse_range(epart, num_experts, "expert")
+        for layer in layers:
+            out.setdefault(layer, set()).update(experts)
+    return {k: tuple(sorted(v)) for k, v in sorted(out.items())}
+
+
+def format_slices(slices: Mapping[int, Sequence[int]]) -> str:
+    """Compact human form, e.g. ``0:0-3,1:0-3`` (the inverse of parse_expert_spec)."""
+    parts = []
+    for layer, experts in sorted(slices.items()):
+        runs: list[str] = []
+        exp = sorted(experts)
+        i = 0
+        while i < len(exp):
+            j = i
+            while j + 1 < len(exp) and exp[j + 1] == exp[j] + 1:
+                j += 1
+            runs.append(str(exp[i]) if i == j else f"{exp[i]}-{exp[j]}")
+            i = j + 1
+        parts.extend(f"{layer}:{r}" for r in runs)
+    return ",".join(parts)

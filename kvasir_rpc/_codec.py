@@ -1,0 +1,81 @@
+"""Tensor codec: torch.Tensor <-> kvasir.v1.Tensor (dtype, shape, raw little-endian bytes)."""
+
+from __future__ import annotations
+
+import math
+import sys
+
+import torch
+
+from kvasir_rpc._gen.kvasir.v1 import tensor_pb2
+
+__all__ = ["TensorCodecError", "decode_tensor", "encode_tensor", "DTYPE_TO_WIRE", "WIRE_TO_DTYPE"]
+
+DTYPE_TO_WIRE: dict[torch.dtype, int] = {
+    torch.float32: tensor_pb2.D_TYPE_FLOAT32,
+    torch.float16: tensor_pb2.D_TYPE_FLOAT16,
+    torch.bfloat16: tensor_pb2.D_TYPE_BFLOAT16,
+    torch.int32: tensor_pb2.D_TYPE_INT32,
+    torch.int64: tensor_pb2.D_TYPE_INT64,
+}
+WIRE_TO_DTYPE: dict[int, torch.dtype] = {v: k for k, v in DTYPE_TO_WIRE.items()}
+
+# A decoded tensor must fit in memory we are willing to allocate for one call.
+MAX_ELEMENTS = 1 << 31
+
+if sys.byteorder != "little":  # pragma: no cover - every platform we ship on is little-endian
+    raise ImportError("kvasir_rpc's tensor codec needs a little-endian host")
+
+
+class TensorCodecError(ValueError):
+    """A wire tensor is malformed: unknown dtype, bad shape, or byte length that does not match."""
+
+
+def encode_tensor(tensor: torch.Tensor) -> tensor_pb2.Tensor:
+    """Encode a CPU or device tensor as a wire Tensor (copies to CPU, contiguous).
+
+    Raises TensorCodecError for a dtype the wire does not carry.
+    """
+    wire = DTYPE_TO_WIRE.get(tensor.dtype)
+    if wire is None:
+        raise TensorCodecError(
+            f"dtype {tensor.dtype} has no wire form; use one of {sorted(str(d) for d in DTYPE_TO_WIRE)}"
+        )
+    t = tensor.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    t = t.contiguous()
+    # uint8 view of the storage: one copy into the bytes object, no numpy round trip.
+    data = t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
+    return tensor_pb2.Tensor(dtype=wire, shape=list(t.shape), data=data)
+
+
+def decode_tensor(msg: tensor_pb2.Tensor) -> torch.Tensor:
+    """Decode a wire Tensor without copying its bytes (the result is read-only shared memory
+    over the message's buffer; clone it before writing in place).
+
+    Raises TensorCodecError when the dtype is unknown, the shape is too large, or the byte
+    length does not equal prod(shape) * itemsize.
+    """
+    dtype = WIRE_TO_DTYPE.get(msg.dtype)
+    if dtype is None:
+        raise TensorCodecError(f"unknown tensor dtype {msg.dtype}")
+    shape = tuple(int(d) for d in msg.shape)
+    count = math.prod(shape)
+    if count > MAX_ELEMENTS:
+        raise TensorCodecError(f"tensor of shape {list(shape)} has {count} elements, more than {MAX_ELEMENTS}")
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    if len(msg.data) != count * itemsize:
+        raise TensorCodecError(
+            f"tensor of shape {list(shape)} and dtype {dtype} needs {count * itemsize} bytes, got {len(msg.data)}"
+        )
+    if count == 0:
+        return torch.empty(shape, dtype=dtype)
+    # frombuffer shares memory with the immutable bytes object; torch warns that it is
+    # not writable, which is exactly the contract we document.
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        flat = torch.frombuffer(msg.data, dtype=torch.uint8)
+    return flat.view(dtype).reshape(shape)

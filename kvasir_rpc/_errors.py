@@ -1,0 +1,39 @@
+"""Protocol errors, after h11/wsproto: ours (LocalProtocolError) and the peer's
+(RemoteProtocolError, which carries the WebSocket close code to answer with)."""
+
+from __future__ import annotations
+
+__all__ = ["CloseCode", "LocalProtocolError", "RemoteProtocolError", "leaf_exception"]
+
+
+class CloseCode:
+    """WebSocket close codes we use (RFC 6455 section 7.4.1)."""
+
+    NORMAL = 1000
+    GOING_AWAY = 1001
+    PROTOCOL_ERROR = 1002
+    UNSUPPORTED_DATA = 1003
+    POLICY_VIOLATION = 1008
+    MESSAGE_TOO_BIG = 1009
+    INTERNAL_ERROR = 1011
+    TRY_AGAIN_LATER = 1013
+
+
+class LocalProtocolError(Exception):
+    """We tried to do something the protocol does not allow in the current state."""
+
+
+class RemoteProtocolError(Exception):
+    """The peer broke the protocol. ``close_code`` and ``reason`` say what to answer."""
+
+    def __init__(self, reason: str, *, close_code: int = CloseCode.PROTOCOL_ERROR) -> None:
+        super().__init__(reason)
+        self.reason = reason
+        self.close_code = close_code
+
+
+def leaf_exception(exc: BaseException) -> BaseException:
+    """The first non-group exception inside (possibly nested) exception groups."""
+    while isinstance(exc, BaseExceptionGroup) and exc.exceptions:
+        exc = exc.exceptions[0]
+    return exc

@@ -1,0 +1,124 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class ExpertSlice(_message.Message):
+    __slots__ = ("layer", "experts")
+    LAYER_FIELD_NUMBER: _ClassVar[int]
+    EXPERTS_FIELD_NUMBER: _ClassVar[int]
+    layer: int
+    experts: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, layer: _Optional[int] = ..., experts: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class SessionChallenge(_message.Message):
+    __slots__ = ("nonce", "hub_key", "issued_at_unix_ms")
+    NONCE_FIELD_NUMBER: _ClassVar[int]
+    HUB_KEY_FIELD_NUMBER: _ClassVar[int]
+    ISSUED_AT_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    nonce: bytes
+    hub_key: str
+    issued_at_unix_ms: int
+    def __init__(self, nonce: _Optional[bytes] = ..., hub_key: _Optional[str] = ..., issued_at_unix_ms: _Optional[int] = ...) -> None: ...
+
+class HelloBody(_message.Message):
+    __slots__ = ("nonce", "hub_key", "wallet", "slices", "weights_digest", "device", "model_type", "worker_version")
+    NONCE_FIELD_NUMBER: _ClassVar[int]
+    HUB_KEY_FIELD_NUMBER: _ClassVar[int]
+    WALLET_FIELD_NUMBER: _ClassVar[int]
+    SLICES_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    MODEL_TYPE_FIELD_NUMBER: _ClassVar[int]
+    WORKER_VERSION_FIELD_NUMBER: _ClassVar[int]
+    nonce: bytes
+    hub_key: str
+    wallet: str
+    slices: _containers.RepeatedCompositeFieldContainer[ExpertSlice]
+    weights_digest: bytes
+    device: str
+    model_type: str
+    worker_version: str
+    def __init__(self, nonce: _Optional[bytes] = ..., hub_key: _Optional[str] = ..., wallet: _Optional[str] = ..., slices: _Optional[_Iterable[_Union[ExpertSlice, _Mapping]]] = ..., weights_digest: _Optional[bytes] = ..., device: _Optional[str] = ..., model_type: _Optional[str] = ..., worker_version: _Optional[str] = ...) -> None: ...
+
+class SessionHello(_message.Message):
+    __slots__ = ("body", "signature")
+    BODY_FIELD_NUMBER: _ClassVar[int]
+    SIGNATURE_FIELD_NUMBER: _ClassVar[int]
+    body: bytes
+    signature: bytes
+    def __init__(self, body: _Optional[bytes] = ..., signature: _Optional[bytes] = ...) -> None: ...
+
+class SessionAccept(_message.Message):
+    __slots__ = ("session_id",)
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    def __init__(self, session_id: _Optional[str] = ...) -> None: ...
+
+class Session(_message.Message):
+    __slots__ = ("session_id", "wallet", "slices", "weights_digest", "device", "model_type", "connected_since_unix_ms", "bytes_to_worker", "bytes_from_worker", "target", "remote_address")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    WALLET_FIELD_NUMBER: _ClassVar[int]
+    SLICES_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    MODEL_TYPE_FIELD_NUMBER: _ClassVar[int]
+    CONNECTED_SINCE_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_TO_WORKER_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FROM_WORKER_FIELD_NUMBER: _ClassVar[int]
+    TARGET_FIELD_NUMBER: _ClassVar[int]
+    REMOTE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    wallet: str
+    slices: _containers.RepeatedCompositeFieldContainer[ExpertSlice]
+    weights_digest: bytes
+    device: str
+    model_type: str
+    connected_since_unix_ms: int
+    bytes_to_worker: int
+    bytes_from_worker: int
+    target: str
+    remote_address: str
+    def __init__(self, session_id: _Optional[str] = ..., wallet: _Optional[str] = ..., slices: _Optional[_Iterable[_Union[ExpertSlice, _Mapping]]] = ..., weights_digest: _Optional[bytes] = ..., device: _Optional[str] = ..., model_type: _Optional[str] = ..., connected_since_unix_ms: _Optional[int] = ..., bytes_to_worker: _Optional[int] = ..., bytes_from_worker: _Optional[int] = ..., target: _Optional[str] = ..., remote_address: _Optional[str] = ...) -> None: ...
+
+class ListSessionsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ListSessionsResponse(_message.Message):
+    __slots__ = ("sessions",)
+    SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    sessions: _containers.RepeatedCompositeFieldContainer[Session]
+    def __init__(self, sessions: _Optional[_Iterable[_Union[Session, _Mapping]]] = ...) -> None: ...
+
+class WatchSessionsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class SessionEvent(_message.Message):
+    __slots__ = ("kind", "session")
+    class Kind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        KIND_UNSPECIFIED: _ClassVar[SessionEvent.Kind]
+        KIND_ADDED: _ClassVar[SessionEvent.Kind]
+        KIND_REMOVED: _ClassVar[SessionEvent.Kind]
+        KIND_SYNCED: _ClassVar[SessionEvent.Kind]
+    KIND_UNSPECIFIED: SessionEvent.Kind
+    KIND_ADDED: SessionEvent.Kind
+    KIND_REMOVED: SessionEvent.Kind
+    KIND_SYNCED: SessionEvent.Kind
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    kind: SessionEvent.Kind
+    session: Session
+    def __init__(self, kind: _Optional[_Union[SessionEvent.Kind, str]] = ..., session: _Optional[_Union[Session, _Mapping]] = ...) -> None: ...
+
+class WatchSessionsResponse(_message.Message):
+    __slots__ = ("event",)
+    EVENT_FIELD_NUMBER: _ClassVar[int]
+    event: SessionEvent
+    def __init__(self, event: _Optional[_Union[SessionEvent, _Mapping]] = ...) -> None: ...

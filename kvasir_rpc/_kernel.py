@@ -1,0 +1,112 @@
+"""The expert kernel: the one function that turns (rows, slot weights) into an expert's
+partial. The backbone calls it for experts it computes itself and every Python worker calls
+it for the experts it serves, so a remote partial is the same function of the same inputs
+as a local one: bitwise equal on one machine.
+
+``plan_routes`` fixes which rows go to which expert and in what order; the backbone adds the
+partials back in ascending expert order whatever the placement, exactly as transformers'
+eager experts implementation does.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.nn.functional as F
+
+__all__ = [
+    "DispatchInputError",
+    "Route",
+    "expert_forward",
+    "get_activation",
+    "plan_routes",
+    "validate_dispatch",
+]
+
+Activation = Callable[[torch.Tensor], torch.Tensor]
+
+
+def get_activation(name: str) -> Activation:
+    """The activation transformers uses for ``hidden_act=name`` (the same object type)."""
+    from transformers.activations import ACT2FN
+
+    return ACT2FN[name]  # type: ignore[no-any-return]
+
+
+def expert_forward(
+    hidden: torch.Tensor,  # [n, H]
+    gate_up: torch.Tensor,  # [2I, H]
+    down: torch.Tensor,  # [H, I]
+    act: Activation,
+    weights: torch.Tensor,  # [n]
+) -> torch.Tensor:
+    """One SwiGLU-style expert over ``n`` rows, each scaled by its routing weight. [n, H]."""
+    gate, up = F.linear(hidden, gate_up).chunk(2, dim=-1)  # [n, I] each
+    h = act(gate) * up  # [n, I]
+    h = F.linear(h, down)  # [n, H]
+    return h * weights[:, None]
+
+
+@dataclasses.dataclass(frozen=True)
+class Route:
+    """Rows of one forward that go to one expert: ``hidden[token_idx]`` weighted by
+    ``top_k_weights[token_idx, top_k_pos]``, in transformers' eager order."""
+
+    expert: int
+    token_idx: torch.Tensor  # [n] int64
+    top_k_pos: torch.Tensor  # [n] int64
+
+
+def plan_routes(top_k_index: torch.Tensor, num_experts: int) -> list[Route]:
+    """Group the router's choices by expert, ascending, rows in (slot, token) order. [T, K] in."""
+    with torch.no_grad():
+        mask = F.one_hot(top_k_index, num_classes=num_experts + 1).permute(2, 1, 0)  # [E+1, K, T]
+        hit = torch.greater(mask.sum(dim=(-1, -2)), 0).nonzero()
+    routes = []
+    for e in hit[:, 0].tolist():
+        if e == num_experts:  # the padding slot some routers use for "no expert"
+            continue
+        top_k_pos, token_idx = torch.where(mask[e])
+        routes.append(Route(expert=e, token_idx=token_idx, top_k_pos=top_k_pos))
+    return routes
+
+
+class DispatchInputError(ValueError):
+    """A dispatch request that does not fit the worker: wrong shape, dtype or expert."""
+
+    def __init__(self, message: str, *, precondition: bool = False) -> None:
+        super().__init__(message)
+        # True when the request is well formed but asks for an expert the worker does not
+        # hold (FAILED_PRECONDITION), False for malformed input (INVALID_ARGUMENT).
+        self.precondition = precondition
+
+
+def validate_dispatch(
+    hidden: torch.Tensor,
+    weights: torch.Tensor,
+    segments: Sequence[tuple[int, int]],
+    *,
+    hidden_size: int,
+    dtype: torch.dtype,
+    max_rows: int,
+) -> None:
+    """Check a decoded request against what the worker serves. Raises DispatchInputError."""
+    if hidden.dim() != 2 or hidden.shape[1] != hidden_size:
+        raise DispatchInputError(f"hidden must have shape [rows, {hidden_size}], got {list(hidden.shape)}")
+    if hidden.dtype != dtype:
+        raise DispatchInputError(f"hidden must be {dtype}, got {hidden.dtype}")
+    rows = hidden.shape[0]
+    if rows > max_rows:
+        raise DispatchInputError(f"{rows} rows in one call, at most {max_rows}")
+    if weights.dim() != 1 or weights.shape[0] != rows:
+        raise DispatchInputError(f"weights must have shape [{rows}], got {list(weights.shape)}")
+    if not weights.is_floating_point():
+        raise DispatchInputError(f"weights must be floating point, got {weights.dtype}")
+    if sum(n for _, n in segments) != rows:
+        raise DispatchInputError(f"segments cover {sum(n for _, n in segments)} rows, hidden has {rows}")
+    if any(n == 0 for _, n in segments):
+        raise DispatchInputError("a segment has zero rows")
+    if not bool(torch.isfinite(hidden).all()) or not bool(torch.isfinite(weights).all()):
+        raise DispatchInputError("hidden or weights hold NaN or Inf")

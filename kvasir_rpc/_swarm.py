@@ -1,0 +1,137 @@
+"""The local-swarm launcher: starts the components as separate processes on 127.0.0.1
+(port 0 everywhere), waits for them with deadlines, and stops them cleanly. It imports none
+of the component packages; it meets them through their command lines and the protos."""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+
+import grpc
+
+from kvasir_rpc._gen.kvasir.v1 import session_pb2, session_pb2_grpc
+
+__all__ = ["LocalSwarm", "SwarmError"]
+
+
+class SwarmError(RuntimeError):
+    """A component did not start, or ended badly; the message names its log file."""
+
+
+class LocalSwarm:
+    """Processes of one local swarm, their logs under ``workdir/logs``. Use as a context
+    manager: leaving it stops every process (SIGTERM, then SIGKILL after a deadline)."""
+
+    def __init__(self, workdir: str | os.PathLike[str], *, python: str = sys.executable) -> None:
+        self.workdir = pathlib.Path(workdir)
+        self.logs = self.workdir / "logs"
+        self.logs.mkdir(parents=True, exist_ok=True)
+        self.python = python
+        self.procs: dict[str, subprocess.Popen[bytes]] = {}
+        self.hub_ws_port = 0
+        self.hub_grpc_port = 0
+        self.hub_key = ""
+        self.env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", PYTHONUNBUFFERED="1")
+
+    def __enter__(self) -> LocalSwarm:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def _spawn(self, name: str, args: Sequence[str]) -> subprocess.Popen[bytes]:
+        log = open(self.logs / f"{name}.log", "wb")
+        proc = subprocess.Popen(
+            [self.python, *args], stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=self.env,
+            cwd=self.workdir,
+        )
+        log.close()
+        self.procs[name] = proc
+        return proc
+
+    def _check_alive(self, name: str) -> None:
+        proc = self.procs[name]
+        if proc.poll() is not None:
+            tail = (self.logs / f"{name}.log").read_text(errors="replace")[-2000:]
+            raise SwarmError(f"{name} exited with code {proc.returncode}; log {self.logs / (name + '.log')}:\n{tail}")
+
+    @property
+    def hub_ws_url(self) -> str:
+        return f"ws://127.0.0.1:{self.hub_ws_port}"
+
+    @property
+    def hub_grpc_address(self) -> str:
+        return f"127.0.0.1:{self.hub_grpc_port}"
+
+    def start_hub(self, *, timeout: float = 30.0) -> None:
+        ready = self.workdir / "hub.ready.json"
+        ready.unlink(missing_ok=True)
+        self._spawn("hub", ["-m", "relay", "hub", "--listen", "127.0.0.1:0", "--grpc", "127.0.0.1:0",
+                            "--key", str(self.workdir / "hub.key"), "--ready-file", str(ready)])
+        deadline = time.monotonic() + timeout
+        while not ready.exists():
+            self._check_alive("hub")
+            if time.monotonic() > deadline:
+                raise SwarmError(f"hub not listening after {timeout}s; see {self.logs / 'hub.log'}")
+            time.sleep(0.05)
+        info = json.loads(ready.read_text())
+        self.hub_ws_port, self.hub_grpc_port, self.hub_key = info["ws_port"], info["grpc_port"], info["hub_key"]
+
+    def start_worker(self, name: str, model: str | os.PathLike[str], experts: str, *,
+                     extra: Sequence[str] = ()) -> subprocess.Popen[bytes]:
+        return self._spawn(name, ["-m", "worker", "--hub", self.hub_ws_url, "--model", str(model),
+                                  "--experts", experts, "--wallet", str(self.workdir / f"{name}.wallet"), *extra])
+
+    def list_sessions(self, timeout: float = 5.0) -> list[session_pb2.Session]:
+        with grpc.insecure_channel(self.hub_grpc_address) as ch:
+            stub = session_pb2_grpc.SessionServiceStub(ch)
+            return list(stub.ListSessions(session_pb2.ListSessionsRequest(), timeout=timeout).sessions)
+
+    def wait_sessions(self, n: int, *, timeout: float = 120.0, watch: Sequence[str] = ()) -> list[session_pb2.Session]:
+        """Wait until the hub lists at least ``n`` sessions; fail early if a watched process dies."""
+        deadline = time.monotonic() + timeout
+        while True:
+            for name in ("hub", *watch):
+                self._check_alive(name)
+            sessions = self.list_sessions()
+            if len(sessions) >= n:
+                return sessions
+            if time.monotonic() > deadline:
+                raise SwarmError(f"{len(sessions)} of {n} sessions after {timeout}s; logs in {self.logs}")
+            time.sleep(0.1)
+
+    def run_backbone(self, args: Sequence[str], *, timeout: float = 600.0) -> dict[str, object]:
+        """Run ``python -m backbone generate ... --json`` to completion; its JSON result."""
+        out = subprocess.run(
+            [self.python, "-m", "backbone", "generate", "--hub", self.hub_grpc_address, *args, "--json"],
+            capture_output=True, timeout=timeout, env=self.env, cwd=self.workdir, stdin=subprocess.DEVNULL,
+        )
+        (self.logs / "backbone.log").write_bytes(out.stderr)
+        lines = out.stdout.decode(errors="replace").strip().splitlines()
+        if not lines or out.returncode not in (0, 1):
+            raise SwarmError(f"backbone exited with code {out.returncode}:\n{out.stderr.decode(errors='replace')[-3000:]}")
+        result: dict[str, object] = json.loads(lines[-1])
+        result["backbone_exit_code"] = out.returncode
+        return result
+
+    def stop_process(self, name: str, *, sig: int = signal.SIGTERM, timeout: float = 15.0) -> int | None:
+        proc = self.procs.get(name)
+        if proc is None or proc.poll() is not None:
+            return proc.returncode if proc is not None else None
+        proc.send_signal(sig)
+        try:
+            return proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            return proc.wait(timeout=5)
+
+    def stop(self) -> None:
+        # Workers first (they drain), then the hub.
+        for name in sorted(self.procs, key=lambda n: n == "hub"):
+            self.stop_process(name)

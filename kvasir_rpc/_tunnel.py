@@ -1,0 +1,68 @@
+"""The tunnel: one WebSocket (subprotocol ``kvasir.tunnel.v1``) that carries, after the
+session handshake, the raw bytes of HTTP/2 connections between the backbone (client, via
+the hub) and a worker's gRPC server.
+
+Binary messages are HTTP/2 bytes of the current connection. Text messages are control,
+so one session outlives any number of backbone connections:
+
+    hub -> worker   "open"     a backbone connected: the worker opens a fresh connection
+                               to its local gRPC server; binary messages follow both ways
+    worker -> hub   "eof"      the worker's gRPC server ended the connection
+    hub -> worker   "close"    the backbone's connection ended: the worker drops its side
+    worker -> hub   "closed"   the worker dropped it; bytes after this belong to the next "open"
+
+The hub opens the next connection only after "closed", so bytes of two connections never
+mix. This module holds the constants and the byte pump; the sans-IO handshake is in
+``_handshake``.
+"""
+
+from __future__ import annotations
+
+import trio
+from trio_websocket import ConnectionClosed, WebSocketConnection
+
+__all__ = [
+    "CTRL_CLOSE",
+    "CTRL_CLOSED",
+    "CTRL_EOF",
+    "CTRL_OPEN",
+    "MAX_MESSAGE_BYTES",
+    "READ_BYTES",
+    "SUBPROTOCOL",
+    "pump_stream_to_ws",
+]
+
+SUBPROTOCOL = "kvasir.tunnel.v1"
+CTRL_OPEN = "open"
+CTRL_EOF = "eof"
+CTRL_CLOSE = "close"
+CTRL_CLOSED = "closed"
+# Reads of about 1 MiB beat small reads for bulk (see PERF_NOTES); a message never holds
+# more than one read, so the largest legal message is bounded.
+READ_BYTES = 1 << 20
+MAX_MESSAGE_BYTES = 4 << 20
+
+
+async def pump_stream_to_ws(
+    stream: trio.abc.ReceiveStream,
+    ws: WebSocketConnection,
+    counter: list[int] | None = None,
+) -> None:
+    """Copy bytes from ``stream`` into binary messages on ``ws`` until EOF.
+
+    Returns on EOF or when the stream is broken or closed under us; lets
+    ConnectionClosed from the WebSocket propagate. ``counter[0]`` accumulates bytes sent.
+    """
+    while True:
+        try:
+            data = await stream.receive_some(READ_BYTES)
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            return
+        if not data:
+            return
+        await ws.send_message(bytes(data))
+        if counter is not None:
+            counter[0] += len(data)
+
+
+__all__ += ["ConnectionClosed"]

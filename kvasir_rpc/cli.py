@@ -1,0 +1,125 @@
+"""The ``kvasir`` command: ``kvasir model tiny DIR``, ``kvasir demo``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import sys
+import tempfile
+import time
+
+__all__ = ["main"]
+
+DEMO_PROMPT = "The swarm computes every expert"
+
+
+def _cmd_model_tiny(args: argparse.Namespace) -> int:
+    from kvasir_rpc._tiny import make_tiny_checkpoint
+
+    path = make_tiny_checkpoint(args.dir, arch=args.arch, seed=args.seed)
+    print(path)
+    return 0
+
+
+def _default_model_dir(arch: str, seed: int) -> pathlib.Path:
+    return pathlib.Path(".kvasir") / "models" / f"tiny-{arch}-seed{seed}"
+
+
+def run_demo(arch: str, *, seed: int = 0, max_new_tokens: int = 12, batch: int = 2,
+             model: pathlib.Path | None = None, say=print) -> dict[str, object]:  # type: ignore[no-untyped-def]
+    """Make the tiny model if absent, start a hub and two workers (half the experts each),
+    decode with --compare-local, and return the verdict as a dict."""
+    from kvasir_rpc._checkpoint import read_model_info
+    from kvasir_rpc._swarm import LocalSwarm
+    from kvasir_rpc._tiny import make_tiny_checkpoint
+
+    model_dir = model or _default_model_dir(arch, seed)
+    if not (model_dir / "config.json").exists():
+        say(f"making tiny {arch} checkpoint in {model_dir}")
+        make_tiny_checkpoint(model_dir, arch=arch, seed=seed)
+    model_dir = model_dir.resolve()
+    info = read_model_info(model_dir)
+    half = info.num_experts // 2
+    specs = [f"*:0-{half - 1}", f"*:{half}-{info.num_experts - 1}"]
+    with tempfile.TemporaryDirectory(prefix="kvasir-demo-") as work, LocalSwarm(work) as swarm:
+        t0 = time.monotonic()
+        swarm.start_hub()
+        say(f"hub: workers dial {swarm.hub_ws_url}, SessionService on {swarm.hub_grpc_address}")
+        for i, spec in enumerate(specs):
+            swarm.start_worker(f"worker{i + 1}", model_dir, spec)
+        sessions = swarm.wait_sessions(len(specs), watch=[f"worker{i + 1}" for i in range(len(specs))])
+        say(f"{len(sessions)} workers joined in {time.monotonic() - t0:.1f}s (experts {', '.join(specs)})")
+        say(f"decoding {max_new_tokens} tokens x {batch} sequences, remote then all-local then transformers eager")
+        result = swarm.run_backbone(["--model", str(model_dir), "--prompt", DEMO_PROMPT,
+                                     "--max-new-tokens", str(max_new_tokens), "--batch", str(batch),
+                                     "--compare-local", "--wait-sessions", str(len(specs))])
+        after = swarm.list_sessions()
+    result["arch"] = arch
+    result["path"] = "hub"
+    result["sessions"] = [
+        {"session_id": s.session_id, "wallet": s.wallet, "bytes_in": s.bytes_to_worker,
+         "bytes_out": s.bytes_from_worker, "device": s.device}
+        for s in after
+    ]
+    return result
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    from kvasir_rpc._swarm import SwarmError
+
+    quiet = args.json
+
+    def say(msg: str) -> None:
+        print(msg, file=sys.stderr if quiet else sys.stdout, flush=True)
+
+    try:
+        result = run_demo(args.arch, seed=args.seed, max_new_tokens=args.max_new_tokens, batch=args.batch,
+                          model=args.model, say=say)
+    except SwarmError as exc:
+        print(f"demo failed: {exc}", file=sys.stderr)
+        return 2
+    ok = bool(result.get("tokens_identical")) and result.get("max_abs_logit_diff") == 0.0
+    if args.json:
+        print(json.dumps(result))
+    else:
+        for text in result.get("texts", []):  # type: ignore[attr-defined]
+            print(f"  > {text!r}")
+        print(f"remote calls {result['remote_calls']}, rows {result['remote_rows']}, "
+              f"fallbacks {result['fallback_calls']}")
+        for s in result["sessions"]:  # type: ignore[attr-defined]
+            print(f"  session {s['session_id']} wallet {s['wallet'][:16]}… "
+                  f"bytes in {s['bytes_in']:,} out {s['bytes_out']:,}")
+        print(f"max |logit remote - logit local| = {result['max_abs_logit_diff']}, "
+              f"min cosine {result['min_logit_cosine']:.7f}, argmax agreement {result['argmax_agreement']:.3f}")
+        print(f"tokens identical to transformers' eager experts: {result['reference_tokens_identical']}")
+        print("VERDICT: " + ("remote decode is bitwise identical to local" if ok else "MISMATCH"))
+    return 0 if ok else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    from kvasir_rpc._tiny import ARCHES
+
+    parser = argparse.ArgumentParser(prog="kvasir", description="Kvasir RPC: MoE experts on whatever hardware shows up.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    model = sub.add_parser("model", help="checkpoint tools")
+    msub = model.add_subparsers(dest="model_command", required=True)
+    tiny = msub.add_parser("tiny", help="write a small random MoE checkpoint in the Hugging Face layout")
+    tiny.add_argument("dir", type=pathlib.Path)
+    tiny.add_argument("--arch", choices=ARCHES, default="qwen3_moe")
+    tiny.add_argument("--seed", type=int, default=0)
+    tiny.set_defaults(func=_cmd_model_tiny)
+    demo = sub.add_parser("demo", help="the whole swarm on this machine: hub, two workers, a live decode, the verdict")
+    demo.add_argument("--arch", choices=ARCHES, default="qwen3_moe")
+    demo.add_argument("--seed", type=int, default=0)
+    demo.add_argument("--model", type=pathlib.Path, help="checkpoint folder (default: a tiny one under .kvasir/)")
+    demo.add_argument("--max-new-tokens", type=int, default=12)
+    demo.add_argument("--batch", type=int, default=2)
+    demo.add_argument("--json", action="store_true", help="last line of stdout: one JSON object")
+    demo.set_defaults(func=_cmd_demo)
+    args = parser.parse_args(argv)
+    return int(args.func(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,266 @@
+"""The LAN hub: accepts worker WebSockets, runs the session handshake, and makes each live
+session reachable by the backbone as a gRPC target (a per-session TCP listener on the hub's
+gRPC host) whose bytes it splices into that worker's tunnel. Serves SessionService.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import secrets
+from concurrent import futures
+
+import grpc
+import trio
+from trio_websocket import ConnectionClosed, WebSocketConnection, WebSocketRequest, serve_websocket
+
+from kvasir_rpc import (
+    CloseCode,
+    HubHandshake,
+    RemoteProtocolError,
+    Wallet,
+    get_logger,
+    leaf_exception,
+    session_pb2,
+    session_pb2_grpc,
+)
+from kvasir_rpc._tunnel import (
+    CTRL_CLOSE,
+    CTRL_CLOSED,
+    CTRL_EOF,
+    CTRL_OPEN,
+    MAX_MESSAGE_BYTES,
+    READ_BYTES,
+    SUBPROTOCOL,
+)
+from relay._registry import SessionRegistry
+
+__all__ = ["HubConfig", "SessionServicer", "create_session_server", "serve_hub"]
+
+log = get_logger("relay.hub")
+
+
+@dataclasses.dataclass(frozen=True)
+class HubConfig:
+    listen_host: str = "127.0.0.1"
+    listen_port: int = 0
+    grpc_host: str = "127.0.0.1"
+    handshake_timeout_s: float = 10.0
+    # How long a worker may take to acknowledge "close" before the session is dropped.
+    close_timeout_s: float = 10.0
+
+
+class SessionServicer(session_pb2_grpc.SessionServiceServicer):
+    def __init__(self, registry: SessionRegistry) -> None:
+        self._registry = registry
+
+    def ListSessions(self, request, context):  # type: ignore[no-untyped-def]
+        return session_pb2.ListSessionsResponse(sessions=[s.to_proto() for s in self._registry.statistics()])
+
+    def WatchSessions(self, request, context):  # type: ignore[no-untyped-def]
+        q = self._registry.watch()
+        try:
+            while context.is_active():
+                try:
+                    event = q.get(timeout=0.5)
+                except Exception:  # queue.Empty: look at is_active() again
+                    continue
+                if event is None:
+                    return
+                yield session_pb2.WatchSessionsResponse(event=event)
+        finally:
+            self._registry.unwatch(q)
+
+
+def create_session_server(registry: SessionRegistry, address: str) -> tuple[grpc.Server, int]:
+    """A gRPC server with SessionService, reflection and health, bound to ``address``."""
+    from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+    from grpc_reflection.v1alpha import reflection
+
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=16, thread_name_prefix="session-svc"))
+    session_pb2_grpc.add_SessionServiceServicer_to_server(SessionServicer(registry), server)
+    health_servicer = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    health_servicer.set("kvasir.v1.SessionService", health_pb2.HealthCheckResponse.SERVING)
+    reflection.enable_server_reflection(
+        [session_pb2.DESCRIPTOR.services_by_name["SessionService"].full_name, reflection.SERVICE_NAME], server
+    )
+    port = server.add_insecure_port(address)
+    if port == 0:
+        raise OSError(f"could not bind the hub's gRPC address {address}")
+    server.start()
+    return server, port
+
+
+class _Session:
+    """One verified worker: its tunnel, its backbone-facing listener, its splice.
+
+    One task reads the WebSocket for the whole session (so a worker that leaves while no
+    backbone is connected is noticed at once) and hands messages to the splice through a
+    small channel: a slow backbone slows the reader, and so the worker.
+    """
+
+    def __init__(self, hub: _Hub, ws: WebSocketConnection, session_id: str) -> None:
+        self.hub = hub
+        self.ws = ws
+        self.session_id = session_id
+        self.log = log.bind(session_id=session_id)
+        self._inbox_send, self._inbox = trio.open_memory_channel[bytes | str](4)
+        self._busy = False
+
+    async def run(self, task_status=trio.TASK_STATUS_IGNORED) -> None:  # type: ignore[no-untyped-def]
+        listeners = await trio.open_tcp_listeners(0, host=self.hub.config.grpc_host)
+        listener = listeners[0]
+        port = listener.socket.getsockname()[1]
+        async with listener, trio.open_nursery() as nursery:
+            nursery.start_soon(self._read_ws)
+            task_status.started(f"{self.hub.config.grpc_host}:{port}")
+            while True:
+                stream = await listener.accept()
+                if self._busy:
+                    # One HTTP/2 connection per tunnel at a time; gRPC clients reconnect.
+                    await stream.aclose()
+                    continue
+                self._busy = True
+                nursery.start_soon(self._splice, stream)
+
+    async def _read_ws(self) -> None:
+        async with self._inbox_send:
+            while True:
+                msg = await self.ws.get_message()
+                if not self._busy and msg != CTRL_CLOSED:
+                    raise RemoteProtocolError(f"worker sent {type(msg).__name__} while no connection is open")
+                await self._inbox_send.send(msg)
+
+    async def _splice(self, stream: trio.SocketStream) -> None:
+        """Bridge one backbone connection with the worker until either side ends."""
+        reg = self.hub.registry
+        sid = self.session_id
+        await self.ws.send_message(CTRL_OPEN)
+        worker_eof = False
+        async with stream:
+            async with trio.open_nursery() as nursery:
+
+                async def backbone_to_worker() -> None:
+                    while True:
+                        try:
+                            data = await stream.receive_some(READ_BYTES)
+                        except (trio.BrokenResourceError, trio.ClosedResourceError):
+                            data = b""
+                        if not data:
+                            nursery.cancel_scope.cancel()
+                            return
+                        await self.ws.send_message(bytes(data))
+                        reg.count_bytes(sid, to_worker=len(data))
+
+                async def worker_to_backbone() -> None:
+                    nonlocal worker_eof
+                    async for msg in self._inbox:
+                        if isinstance(msg, str):
+                            if msg == CTRL_EOF:
+                                worker_eof = True
+                                nursery.cancel_scope.cancel()
+                                return
+                            raise RemoteProtocolError(f"unexpected control message {msg!r} while open")
+                        reg.count_bytes(sid, from_worker=len(msg))
+                        try:
+                            await stream.send_all(msg)
+                        except (trio.BrokenResourceError, trio.ClosedResourceError):
+                            nursery.cancel_scope.cancel()
+                            return
+
+                nursery.start_soon(backbone_to_worker)
+                nursery.start_soon(worker_to_backbone)
+        # Either side ended: tell the worker, then discard its late bytes until "closed".
+        await self.ws.send_message(CTRL_CLOSE)
+        with trio.fail_after(self.hub.config.close_timeout_s):
+            async for msg in self._inbox:
+                if msg == CTRL_CLOSED:
+                    break
+                if isinstance(msg, str) and msg != CTRL_EOF:
+                    raise RemoteProtocolError(f"unexpected control message {msg!r} while closing")
+        self._busy = False
+        self.log.debug("backbone connection ended", worker_eof=worker_eof)
+
+
+class _Hub:
+    def __init__(self, config: HubConfig, key: Wallet, registry: SessionRegistry) -> None:
+        self.config = config
+        self.key = key
+        self.registry = registry
+        self._ids = itertools.count(1)
+
+    def new_session_id(self) -> str:
+        return f"s{next(self._ids)}-{secrets.token_hex(6)}"
+
+    async def handle(self, request: WebSocketRequest) -> None:
+        if SUBPROTOCOL not in request.proposed_subprotocols:
+            await request.reject(400, body=f"the tunnel needs the WebSocket subprotocol {SUBPROTOCOL}\n".encode())
+            return
+        ws = await request.accept(subprotocol=SUBPROTOCOL)
+        remote = f"{ws.remote.address}:{ws.remote.port}" if hasattr(ws.remote, "address") else str(ws.remote)
+        hs = HubHandshake(self.key.address)
+        try:
+            with trio.fail_after(self.config.handshake_timeout_s):
+                await ws.send_message(hs.challenge())
+                data = await ws.get_message()
+                if isinstance(data, str):
+                    raise RemoteProtocolError("handshake messages are binary", close_code=CloseCode.PROTOCOL_ERROR)
+                info = hs.receive_hello(data)
+                session_id = self.new_session_id()
+                await ws.send_message(hs.accept(session_id))
+        except trio.TooSlowError:
+            log.info("handshake timed out", remote=remote)
+            await ws.aclose(CloseCode.POLICY_VIOLATION, "handshake timed out")
+            return
+        except RemoteProtocolError as exc:
+            log.info("handshake refused", remote=remote, reason=exc.reason, code=exc.close_code)
+            await ws.aclose(exc.close_code, exc.reason[:120])
+            return
+        except ConnectionClosed:
+            return
+        session = _Session(self, ws, session_id)
+        slog = log.bind(session_id=session_id, wallet=info.wallet)
+        try:
+            async with trio.open_nursery() as nursery:
+                target = await nursery.start(session.run)
+                self.registry.add(session_id, info, target=target, remote=remote)
+                slog.info("session open", target=target, device=info.device, layers=len(info.slices))
+        except* ConnectionClosed as eg:
+            reason = leaf_exception(eg).reason  # type: ignore[attr-defined]
+            slog.info("session closed by worker", code=reason.code, reason=reason.reason)
+        except* RemoteProtocolError as eg:
+            exc = leaf_exception(eg)
+            assert isinstance(exc, RemoteProtocolError)
+            slog.warning("session protocol error", reason=exc.reason)
+            await ws.aclose(exc.close_code, exc.reason[:120])
+        except* trio.TooSlowError:
+            slog.warning("worker did not acknowledge close in time")
+            await ws.aclose(CloseCode.POLICY_VIOLATION, "close not acknowledged")
+        finally:
+            self.registry.remove(session_id)
+            slog.info("session removed")
+
+
+async def serve_hub(
+    config: HubConfig,
+    key: Wallet,
+    registry: SessionRegistry,
+    *,
+    task_status=trio.TASK_STATUS_IGNORED,  # type: ignore[no-untyped-def]
+) -> None:
+    """Serve worker WebSockets until cancelled; ``task_status.started(port)``."""
+    hub = _Hub(config, key, registry)
+    async with trio.open_nursery() as nursery:
+        server = await nursery.start(
+            lambda task_status: serve_websocket(
+                hub.handle,
+                config.listen_host,
+                config.listen_port,
+                ssl_context=None,
+                max_message_size=MAX_MESSAGE_BYTES,
+                message_queue_size=4,
+                task_status=task_status,
+            )
+        )
+        task_status.started(server.port)

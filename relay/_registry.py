@@ -1,0 +1,132 @@
+"""The hub's session registry: the single source of who is connected and what they hold.
+
+Written from the trio thread, read from gRPC handler threads, so every access holds one
+lock. Byte counters are plain ints bumped under the lock; ``statistics()`` returns frozen
+snapshots that metrics and SessionService read.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import queue
+import threading
+import time
+
+from kvasir_rpc import HelloInfo, session_pb2, slices_to_proto
+
+__all__ = ["SessionRegistry", "SessionStats"]
+
+
+@dataclasses.dataclass(frozen=True)
+class SessionStats:
+    session_id: str
+    wallet: str
+    slices: dict[int, tuple[int, ...]]
+    weights_digest: bytes
+    device: str
+    model_type: str
+    connected_since_unix_ms: int
+    bytes_to_worker: int
+    bytes_from_worker: int
+    target: str
+    remote_address: str
+
+    def to_proto(self) -> session_pb2.Session:
+        return session_pb2.Session(
+            session_id=self.session_id,
+            wallet=self.wallet,
+            slices=slices_to_proto(self.slices),
+            weights_digest=self.weights_digest,
+            device=self.device,
+            model_type=self.model_type,
+            connected_since_unix_ms=self.connected_since_unix_ms,
+            bytes_to_worker=self.bytes_to_worker,
+            bytes_from_worker=self.bytes_from_worker,
+            target=self.target,
+            remote_address=self.remote_address,
+        )
+
+
+@dataclasses.dataclass
+class _Entry:
+    hello: HelloInfo
+    since_ms: int
+    target: str
+    remote: str
+    to_worker: int = 0
+    from_worker: int = 0
+
+
+class SessionRegistry:
+    """Thread-safe map session id -> live session, with watchers notified of changes."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._sessions: dict[str, _Entry] = {}
+        self._watchers: set[queue.SimpleQueue[session_pb2.SessionEvent | None]] = set()
+
+    def _stats(self, sid: str, e: _Entry) -> SessionStats:
+        h = e.hello
+        return SessionStats(
+            session_id=sid,
+            wallet=h.wallet,
+            slices=h.slices,
+            weights_digest=h.weights_digest,
+            device=h.device,
+            model_type=h.model_type,
+            connected_since_unix_ms=e.since_ms,
+            bytes_to_worker=e.to_worker,
+            bytes_from_worker=e.from_worker,
+            target=e.target,
+            remote_address=e.remote,
+        )
+
+    def _notify(self, kind: int, stats: SessionStats) -> None:
+        event = session_pb2.SessionEvent(kind=kind, session=stats.to_proto())
+        for w in self._watchers:
+            w.put(event)
+
+    def add(self, session_id: str, hello: HelloInfo, *, target: str, remote: str) -> None:
+        with self._lock:
+            entry = _Entry(hello=hello, since_ms=time.time_ns() // 1_000_000, target=target, remote=remote)
+            self._sessions[session_id] = entry
+            self._notify(session_pb2.SessionEvent.KIND_ADDED, self._stats(session_id, entry))
+
+    def remove(self, session_id: str) -> None:
+        with self._lock:
+            entry = self._sessions.pop(session_id, None)
+            if entry is not None:
+                self._notify(session_pb2.SessionEvent.KIND_REMOVED, self._stats(session_id, entry))
+
+    def count_bytes(self, session_id: str, *, to_worker: int = 0, from_worker: int = 0) -> None:
+        with self._lock:
+            entry = self._sessions.get(session_id)
+            if entry is not None:
+                entry.to_worker += to_worker
+                entry.from_worker += from_worker
+
+    def statistics(self) -> list[SessionStats]:
+        """A frozen snapshot of every live session, oldest first."""
+        with self._lock:
+            items = [self._stats(sid, e) for sid, e in self._sessions.items()]
+        return sorted(items, key=lambda s: (s.connected_since_unix_ms, s.session_id))
+
+    def watch(self) -> queue.SimpleQueue[session_pb2.SessionEvent | None]:
+        """A queue that first gets ADDED for each live session and SYNCED, then every change."""
+        q: queue.SimpleQueue[session_pb2.SessionEvent | None] = queue.SimpleQueue()
+        with self._lock:
+            for sid, e in self._sessions.items():
+                q.put(session_pb2.SessionEvent(kind=session_pb2.SessionEvent.KIND_ADDED, session=self._stats(sid, e).to_proto()))
+            q.put(session_pb2.SessionEvent(kind=session_pb2.SessionEvent.KIND_SYNCED))
+            self._watchers.add(q)
+        return q
+
+    def unwatch(self, q: queue.SimpleQueue[session_pb2.SessionEvent | None]) -> None:
+        with self._lock:
+            self._watchers.discard(q)
+
+    def close_watchers(self) -> None:
+        with self._lock:
+            for w in self._watchers:
+                w.put(None)
+            self._watchers.clear()

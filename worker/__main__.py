@@ -1,0 +1,164 @@
+"""python -m worker --hub ws://HOST:PORT --model DIR --experts SPEC --wallet PATH [--device auto|cpu|cuda|mps]"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import os
+import pathlib
+import shutil
+import signal
+import sys
+import tempfile
+import time
+from concurrent import futures
+
+import grpc
+import trio
+
+from kvasir_rpc import (
+    CheckpointError,
+    ExpertIndex,
+    SpecError,
+    Wallet,
+    WorkerHandshake,
+    __version__,
+    configure_logging,
+    expert_digest,
+    expert_pb2_grpc,
+    format_slices,
+    get_activation,
+    get_logger,
+    parse_expert_spec,
+    slices_digest,
+)
+from worker._service import ExpertServicer, LoadedExperts
+from worker._tunnel import TunnelHolder, run_tunnel
+
+log = get_logger("worker")
+
+
+def pick_device(name: str):  # type: ignore[no-untyped-def]
+    import torch
+
+    if name == "auto":
+        if torch.cuda.is_available():
+            return torch.device("cuda")
+        if getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available():
+            return torch.device("mps")
+        return torch.device("cpu")
+    return torch.device(name)
+
+
+def load_experts(model: pathlib.Path, spec: str, device_name: str) -> LoadedExperts:
+    """Read only the named slices from the checkpoint (lazily, through safetensors)."""
+    index = ExpertIndex(model)
+    info = index.info
+    wanted = parse_expert_spec(spec, info.num_layers, info.num_experts)
+    device = pick_device(device_name)
+    weights = {}
+    digests = {}
+    for layer, experts in wanted.items():
+        for e in experts:
+            if not index.has(layer, e):
+                continue  # dense layers of mixed models have no experts
+            gate_up, down = index.load(layer, e)
+            digests[(layer, e)] = expert_digest(gate_up, down)
+            weights[(layer, e)] = (gate_up.to(device), down.to(device))
+    if not weights:
+        raise SpecError(f"SPEC {spec!r} names no expert that {model} has")
+    return LoadedExperts(
+        weights,
+        act=get_activation(info.hidden_act),
+        hidden_size=info.hidden_size,
+        dtype=info.dtype,
+        device=device,
+        model_type=info.model_type,
+        weights_digest=slices_digest(digests),
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m worker", description="Serve expert slices to a Kvasir hub.")
+    p.add_argument("--hub", required=True, help="ws://HOST:PORT of the hub")
+    p.add_argument("--model", required=True, type=pathlib.Path, help="Hugging Face checkpoint folder")
+    p.add_argument("--experts", default="all", help="slices to serve: all, 0-3:0-15, *:0-7, comma-separated")
+    p.add_argument("--wallet", required=True, type=pathlib.Path, help="Ed25519 wallet file (created if missing)")
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda", "mps"])
+    p.add_argument("--threads", type=int, default=int(os.environ.get("KVASIR_THREADS", "0")) or None,
+                   help="torch intra-op threads (default: torch's choice)")
+    p.add_argument("--drain-timeout", type=float, default=10.0, help="seconds to finish in-flight calls on SIGTERM")
+    p.add_argument("--log-level", default="info")
+    args = p.parse_args(argv)
+    configure_logging("worker", level=args.log_level)
+
+    import torch
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    try:
+        wallet = Wallet.load_or_create(args.wallet)
+        experts = load_experts(args.model, args.experts, args.device)
+    except (CheckpointError, SpecError, ValueError, OSError) as exc:
+        print(f"worker: {exc}", file=sys.stderr)
+        return 2
+    log.info(
+        "experts loaded",
+        wallet=wallet.address,
+        slices=format_slices(experts.slices),
+        device=str(experts.device),
+        digest=experts.weights_digest.hex(),
+    )
+
+    # The gRPC server listens on a Unix socket in a private folder: no TCP or UDP listener.
+    sock_dir = tempfile.mkdtemp(prefix="kvasir-worker-")
+    os.chmod(sock_dir, 0o700)
+    uds_path = os.path.join(sock_dir, "expert.sock")
+    servicer = ExpertServicer(experts, wallet.address)
+    server = grpc.server(
+        futures.ThreadPoolExecutor(max_workers=8, thread_name_prefix="expert"),
+        options=[("grpc.max_receive_message_length", 256 << 20), ("grpc.max_send_message_length", 256 << 20)],
+    )
+    expert_pb2_grpc.add_ExpertServiceServicer_to_server(servicer, server)
+    server.add_insecure_port(f"unix:{uds_path}")
+    server.start()
+
+    def make_handshake() -> WorkerHandshake:
+        return WorkerHandshake(
+            wallet,
+            slices=experts.slices,
+            weights_digest=experts.weights_digest,
+            device=str(experts.device),
+            model_type=experts.model_type,
+            worker_version=__version__,
+        )
+
+    holder = TunnelHolder()
+
+    async def run() -> None:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(functools.partial(run_tunnel, args.hub, make_handshake, uds_path, holder=holder))
+            with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+                async for signum in signals:
+                    log.info("draining", signal=signal.Signals(signum).name)
+                    t0 = time.monotonic()
+                    drained = await trio.to_thread.run_sync(servicer.drain, args.drain_timeout)
+                    # Let the answers just computed cross the tunnel before streams are cut.
+                    await trio.sleep(0.2)
+                    await trio.to_thread.run_sync(lambda: server.stop(grace=1.0).wait(3.0))
+                    log.info("drained", in_time=drained, seconds=round(time.monotonic() - t0, 3),
+                             calls=servicer.calls, rows=servicer.rows)
+                    await holder.close()
+                    nursery.cancel_scope.cancel()
+                    break
+
+    try:
+        trio.run(run)
+    finally:
+        server.stop(grace=None)
+        shutil.rmtree(sock_dir, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,141 @@
+"""ExpertService: the worker's pure function (rows, expert ids, weights) -> partials."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Mapping
+
+import grpc
+import torch
+
+from kvasir_rpc import expert_pb2, expert_pb2_grpc, get_logger, slices_to_proto
+from kvasir_rpc._codec import TensorCodecError, decode_tensor, encode_tensor
+from kvasir_rpc._kernel import Activation, DispatchInputError, expert_forward, validate_dispatch
+
+__all__ = ["ExpertServicer", "LoadedExperts"]
+
+log = get_logger("worker.service")
+
+MAX_ROWS_PER_CALL = 1 << 16
+
+
+class LoadedExperts:
+    """The expert weights this worker serves, on its compute device."""
+
+    def __init__(
+        self,
+        weights: Mapping[tuple[int, int], tuple[torch.Tensor, torch.Tensor]],
+        *,
+        act: Activation,
+        hidden_size: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        model_type: str,
+        weights_digest: bytes,
+    ) -> None:
+        self.weights = dict(weights)
+        self.act = act
+        self.hidden_size = hidden_size
+        self.dtype = dtype
+        self.device = device
+        self.model_type = model_type
+        self.weights_digest = weights_digest
+
+    @property
+    def slices(self) -> dict[int, tuple[int, ...]]:
+        out: dict[int, list[int]] = {}
+        for layer, expert in sorted(self.weights):
+            out.setdefault(layer, []).append(expert)
+        return {k: tuple(v) for k, v in out.items()}
+
+
+class ExpertServicer(expert_pb2_grpc.ExpertServiceServicer):
+    """Serves ``Dispatch`` (a stream of batched calls) and ``Describe``.
+
+    Bad input aborts the stream with INVALID_ARGUMENT (malformed) or FAILED_PRECONDITION (an
+    expert this worker does not hold); the caller recomputes what it had in flight.
+    ``drain()`` lets calls being computed finish, then refuses new ones with UNAVAILABLE.
+    """
+
+    def __init__(self, experts: LoadedExperts, wallet: str) -> None:
+        self.experts = experts
+        self.wallet = wallet
+        self._lock = threading.Lock()
+        self._computing = 0
+        self._idle = threading.Condition(self._lock)
+        self._draining = threading.Event()
+        self.calls = 0
+        self.rows = 0
+
+    def drain(self, timeout: float) -> bool:
+        """Stop taking calls; wait until none is being computed. True if drained in time."""
+        self._draining.set()
+        with self._idle:
+            return self._idle.wait_for(lambda: self._computing == 0, timeout=timeout)
+
+    def Describe(self, request, context):  # type: ignore[no-untyped-def]
+        from kvasir_rpc._codec import DTYPE_TO_WIRE
+
+        e = self.experts
+        return expert_pb2.DescribeResponse(
+            wallet=self.wallet,
+            slices=slices_to_proto(e.slices),
+            weights_digest=e.weights_digest,
+            device=str(e.device),
+            model_type=e.model_type,
+            hidden_size=e.hidden_size,
+            dtype=DTYPE_TO_WIRE[e.dtype],
+        )
+
+    def Dispatch(self, request_iterator, context):  # type: ignore[no-untyped-def]
+        for req in request_iterator:
+            with self._lock:
+                if self._draining.is_set():
+                    context.abort(grpc.StatusCode.UNAVAILABLE, "worker is draining for shutdown; send elsewhere")
+                self._computing += 1
+            try:
+                t0 = time.perf_counter_ns()
+                partials = self._compute(req)
+                micros = (time.perf_counter_ns() - t0) // 1000
+            except DispatchInputError as exc:
+                code = grpc.StatusCode.FAILED_PRECONDITION if exc.precondition else grpc.StatusCode.INVALID_ARGUMENT
+                context.abort(code, f"call {req.call_id}: {exc}")
+            except TensorCodecError as exc:
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"call {req.call_id}: {exc}")
+            finally:
+                with self._idle:
+                    self._computing -= 1
+                    self._idle.notify_all()
+            yield expert_pb2.DispatchResponse(
+                partials=expert_pb2.ExpertPartials(call_id=req.call_id, partials=partials, compute_micros=micros)
+            )
+
+    def _compute(self, req: expert_pb2.DispatchRequest):  # type: ignore[no-untyped-def]
+        e = self.experts
+        hidden = decode_tensor(req.hidden)
+        weights = decode_tensor(req.weights)
+        segments = [(s.expert, s.rows) for s in req.segments]
+        validate_dispatch(
+            hidden, weights, segments, hidden_size=e.hidden_size, dtype=e.dtype, max_rows=MAX_ROWS_PER_CALL
+        )
+        missing = [x for x, _ in segments if (req.layer, x) not in e.weights]
+        if missing:
+            raise DispatchInputError(
+                f"layer {req.layer}: this worker does not hold experts {missing}", precondition=True
+            )
+        hidden = hidden.to(e.device)
+        weights = weights.to(e.device)
+        out = []
+        start = 0
+        with torch.inference_mode():
+            for expert, rows in segments:
+                gate_up, down = e.weights[(req.layer, expert)]
+                out.append(
+                    expert_forward(hidden[start : start + rows], gate_up, down, e.act, weights[start : start + rows])
+                )
+                start += rows
+            partials = torch.cat(out) if len(out) > 1 else out[0]
+        self.calls += 1
+        self.rows += start
+        return encode_tensor(partials)
