@@ -18,64 +18,20 @@ import trio
 
 from kvasir_rpc import (
     CheckpointError,
-    ExpertIndex,
     SpecError,
     Wallet,
     WorkerHandshake,
     __version__,
     configure_logging,
-    expert_digest,
     expert_pb2_grpc,
     format_slices,
-    get_activation,
     get_logger,
-    parse_expert_spec,
-    slices_digest,
 )
-from worker._service import ExpertServicer, LoadedExperts
+from worker._load import load_experts
+from worker._service import ExpertServicer
 from worker._tunnel import TunnelHolder, run_tunnel
 
 log = get_logger("worker")
-
-
-def pick_device(name: str):  # type: ignore[no-untyped-def]
-    import torch
-
-    if name == "auto":
-        if torch.cuda.is_available():
-            return torch.device("cuda")
-        if getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available():
-            return torch.device("mps")
-        return torch.device("cpu")
-    return torch.device(name)
-
-
-def load_experts(model: pathlib.Path, spec: str, device_name: str) -> LoadedExperts:
-    """Read only the named slices from the checkpoint (lazily, through safetensors)."""
-    index = ExpertIndex(model)
-    info = index.info
-    wanted = parse_expert_spec(spec, info.num_layers, info.num_experts)
-    device = pick_device(device_name)
-    weights = {}
-    digests = {}
-    for layer, experts in wanted.items():
-        for e in experts:
-            if not index.has(layer, e):
-                continue  # dense layers of mixed models have no experts
-            gate_up, down = index.load(layer, e)
-            digests[(layer, e)] = expert_digest(gate_up, down)
-            weights[(layer, e)] = (gate_up.to(device), down.to(device))
-    if not weights:
-        raise SpecError(f"SPEC {spec!r} names no expert that {model} has")
-    return LoadedExperts(
-        weights,
-        act=get_activation(info.hidden_act),
-        hidden_size=info.hidden_size,
-        dtype=info.dtype,
-        device=device,
-        model_type=info.model_type,
-        weights_digest=slices_digest(digests),
-    )
 
 
 def main(argv: list[str] | None = None) -> int:

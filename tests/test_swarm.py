@@ -1,0 +1,227 @@
+"""Real processes on 127.0.0.1: hub, workers and backbone as separate programs, port 0
+everywhere, every wait bounded."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import time
+
+import grpc
+import psutil
+import pytest
+import torch
+
+from kvasir_rpc import expert_pb2, expert_pb2_grpc
+from kvasir_rpc._codec import encode_tensor
+from kvasir_rpc._swarm import LocalSwarm
+from kvasir_rpc.cli import run_demo
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen3_5_moe", "mixtral"])
+def test_demo_remote_equals_local_bitwise(arch, tiny_models):
+    result = run_demo(arch, model=tiny_models(arch), say=lambda _msg: None)
+    assert result["tokens_identical"] is True
+    assert result["max_abs_logit_diff"] == 0.0
+    assert result["argmax_agreement"] == 1.0
+    assert result["reference_tokens_identical"] is True
+    assert result["remote_calls"] > 0 and result["remote_rows"] > 0
+    assert result["fallback_calls"] == 0
+    assert result["path"] == "hub"
+    sessions = result["sessions"]
+    assert len(sessions) == 2
+    assert len(result["sessions_used"]) == 2, "both workers must have served calls"
+    for s in sessions:
+        assert len(s["wallet"]) == 64 and s["bytes_in"] > 0 and s["bytes_out"] > 0
+
+
+@pytest.fixture(scope="module")
+def swarm(tiny_models, tmp_path_factory):
+    """A hub and two workers holding half the experts each, shared by the tests below."""
+    model = tiny_models("qwen3_moe")
+    with LocalSwarm(tmp_path_factory.mktemp("swarm")) as sw:
+        sw.start_hub()
+        sw.start_worker("worker1", model, "*:0-3")
+        sw.start_worker("worker2", model, "*:4-7")
+        sw.wait_sessions(2, watch=["worker1", "worker2"])
+        sw.model = model  # type: ignore[attr-defined]
+        yield sw
+
+
+def test_worker_has_no_listening_tcp_or_udp_socket(swarm):
+    for name in ("worker1", "worker2"):
+        proc = psutil.Process(swarm.procs[name].pid)
+        conns = proc.net_connections(kind="inet")
+        listening = [c for c in conns if c.status == psutil.CONN_LISTEN]
+        udp = [c for c in conns if c.type == __import__("socket").SOCK_DGRAM]
+        assert listening == [] and udp == [], (name, conns)
+        # It does hold its one outbound connection to the hub.
+        assert any(c.raddr and c.raddr.port == swarm.hub_ws_port for c in conns)
+
+
+def test_session_service_lists_what_workers_hold(swarm):
+    sessions = sorted(swarm.list_sessions(), key=lambda s: s.slices[0].experts[0])
+    assert [tuple(s.slices[0].experts) for s in sessions] == [(0, 1, 2, 3), (4, 5, 6, 7)]
+    for s in sessions:
+        assert len(s.wallet) == 64 and len(s.weights_digest) == 32
+        assert s.device == "cpu" and s.model_type == "qwen3_moe"
+        assert [sl.layer for sl in s.slices] == [0, 1, 2, 3]
+        assert s.connected_since_unix_ms > 0 and s.target.startswith("127.0.0.1:")
+    assert sessions[0].weights_digest != sessions[1].weights_digest
+
+
+def _dispatch(target: str, req: expert_pb2.DispatchRequest) -> expert_pb2.DispatchResponse:
+    with grpc.insecure_channel(target) as ch:
+        grpc.channel_ready_future(ch).result(timeout=15)
+        stub = expert_pb2_grpc.ExpertServiceStub(ch)
+        return next(iter(stub.Dispatch(iter([req]), timeout=15)))
+
+
+def _request(hidden: torch.Tensor, experts: list[tuple[int, int]], layer: int = 0) -> expert_pb2.DispatchRequest:
+    rows = hidden.shape[0]
+    return expert_pb2.DispatchRequest(
+        call_id=7, layer=layer, hidden=encode_tensor(hidden), weights=encode_tensor(torch.ones(rows)),
+        segments=[expert_pb2.ExpertSegment(expert=e, rows=n) for e, n in experts],
+    )
+
+
+def test_expert_service_answers_bad_input_precisely_and_keeps_serving(swarm):
+    target = min(swarm.list_sessions(), key=lambda s: s.slices[0].experts[0]).target  # holds experts 0-3
+    good = _request(torch.randn(3, 64), [(0, 2), (1, 1)])
+    cases = {
+        "wrong width": (_request(torch.randn(3, 65), [(0, 3)]), grpc.StatusCode.INVALID_ARGUMENT),
+        "wrong dtype": (_request(torch.randn(3, 64, dtype=torch.float64).float().half(), [(0, 3)]),
+                        grpc.StatusCode.INVALID_ARGUMENT),
+        "rows not covered": (_request(torch.randn(3, 64), [(0, 2)]), grpc.StatusCode.INVALID_ARGUMENT),
+        "expert not held": (_request(torch.randn(2, 64), [(5, 2)]), grpc.StatusCode.FAILED_PRECONDITION),
+        "layer not held": (_request(torch.randn(2, 64), [(0, 2)], layer=9), grpc.StatusCode.FAILED_PRECONDITION),
+    }
+    short = _request(torch.randn(3, 64), [(0, 3)])
+    short.hidden.data = short.hidden.data[:-1]
+    cases["byte length"] = (short, grpc.StatusCode.INVALID_ARGUMENT)
+    nan = _request(torch.full((1, 64), float("nan")), [(0, 1)])
+    cases["nan"] = (nan, grpc.StatusCode.INVALID_ARGUMENT)
+    for name, (req, code) in cases.items():
+        with pytest.raises(grpc.RpcError) as info:
+            _dispatch(target, req)
+        assert info.value.code() == code, (name, info.value.details())
+        assert info.value.details(), name
+    resp = _dispatch(target, good)
+    assert resp.partials.call_id == 7 and list(resp.partials.partials.shape) == [3, 64]
+    assert len(swarm.list_sessions()) == 2
+
+
+def test_hub_refuses_bad_hello_and_keeps_serving(swarm):
+    import trio
+    from trio_websocket import ConnectionClosed, open_websocket_url
+
+    from kvasir_rpc import HELLO_SIGNATURE_DOMAIN, Wallet, session_pb2
+    from kvasir_rpc._tunnel import SUBPROTOCOL
+
+    wallet, other = Wallet.generate(), Wallet.generate()
+
+    async def attempt(make_hello) -> tuple[int, str]:
+        with trio.fail_after(15):
+            async with open_websocket_url(swarm.hub_ws_url, subprotocols=[SUBPROTOCOL]) as ws:
+                ch = session_pb2.SessionChallenge.FromString(await ws.get_message())
+                await ws.send_message(make_hello(ch))
+                try:
+                    await ws.get_message()
+                except ConnectionClosed as exc:
+                    return exc.reason.code, exc.reason.reason or ""
+                return 0, "accepted"
+
+    def body(ch, nonce=None):
+        return session_pb2.HelloBody(
+            nonce=nonce if nonce is not None else ch.nonce, hub_key=ch.hub_key, wallet=wallet.address,
+            slices=[session_pb2.ExpertSlice(layer=0, experts=[0])], weights_digest=bytes(32), device="cpu",
+        ).SerializeToString()
+
+    def bad_signature(ch):
+        b = body(ch)
+        return session_pb2.SessionHello(body=b, signature=other.sign(HELLO_SIGNATURE_DOMAIN + b)).SerializeToString()
+
+    def stale(ch):
+        b = body(ch, nonce=bytes(32))
+        return session_pb2.SessionHello(body=b, signature=wallet.sign(HELLO_SIGNATURE_DOMAIN + b)).SerializeToString()
+
+    code, reason = trio.run(attempt, bad_signature)
+    assert code == 1008 and "bad signature" in reason
+    code, reason = trio.run(attempt, stale)
+    assert code == 1008 and "stale challenge" in reason
+    code, reason = trio.run(attempt, lambda ch: b"\xff\x00garbage")
+    assert code == 1002
+    assert len(swarm.list_sessions()) == 2
+    # The real sessions still decode.
+    result = swarm.run_backbone(["--model", str(swarm.model), "--prompt", "still here", "--max-new-tokens", "3"])
+    assert result["remote_calls"] > 0 and result["fallback_calls"] == 0
+
+
+def _wait(predicate, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(0.05)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM], ids=["killed", "drained"])
+def test_worker_lost_mid_decode_keeps_tokens_identical(sig, tiny_models, tmp_path):
+    model = tiny_models("qwen3_moe")
+    with LocalSwarm(tmp_path) as sw:
+        sw.start_hub()
+        sw.start_worker("worker1", model, "*:0-3")
+        sw.start_worker("worker2", model, "*:4-7")
+        sw.wait_sessions(2, watch=["worker1", "worker2"])
+        victim = max(sw.list_sessions(), key=lambda s: s.slices[0].experts[0]).session_id
+        backbone = subprocess.Popen(
+            [sw.python, "-m", "backbone", "generate", "--hub", sw.hub_grpc_address, "--model", str(model),
+             "--prompt", "a long decode", "--max-new-tokens", "150", "--compare-local", "--json",
+             "--wait-sessions", "2"],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=sw.env, cwd=tmp_path,
+        )
+        try:
+            def victim_busy() -> bool:
+                for s in sw.list_sessions():
+                    if s.session_id == victim and s.bytes_from_worker > 20_000:
+                        return True
+                return False
+
+            _wait(victim_busy, 120, "the decode to reach worker2")
+            sw.procs["worker2"].send_signal(sig)
+            out, err = backbone.communicate(timeout=300)
+        finally:
+            if backbone.poll() is None:
+                backbone.kill()
+        assert backbone.returncode == 0, err.decode()[-3000:]
+        import json
+
+        result = json.loads(out.decode().strip().splitlines()[-1])
+        assert result["tokens_identical"] is True and result["max_abs_logit_diff"] == 0.0
+        assert result["n_tokens"] == 150
+        assert victim in result["sessions_used"]
+        assert sw.procs["worker2"].wait(timeout=30) == (0 if sig == signal.SIGTERM else -signal.SIGKILL)
+        _wait(lambda: victim not in {s.session_id for s in sw.list_sessions()}, 30, "the hub to drop the session")
+        assert len(sw.list_sessions()) == 1
+
+
+def test_worker_reconnects_after_hub_restart(tiny_models, tmp_path):
+    model = tiny_models("qwen3_moe")
+    with LocalSwarm(tmp_path) as sw:
+        sw.start_hub()
+        ws_port = sw.hub_ws_port
+        sw.start_worker("worker1", model, "all")
+        first = sw.wait_sessions(1, watch=["worker1"])[0]
+        sw.stop_process("hub")
+        # Same address again, as a restarted service would have.
+        sw.procs.pop("hub")
+        ready = sw.workdir / "hub.ready.json"
+        ready.unlink()
+        sw._spawn("hub", ["-m", "relay", "hub", "--listen", f"127.0.0.1:{ws_port}", "--grpc", "127.0.0.1:0",
+                          "--key", str(sw.workdir / "hub.key"), "--ready-file", str(ready)])
+        _wait(ready.exists, 30, "the hub to restart")
+        sw.hub_grpc_port = __import__("json").loads(ready.read_text())["grpc_port"]
+        again = sw.wait_sessions(1, timeout=60, watch=["worker1"])[0]
+        assert again.wallet == first.wallet and again.session_id != first.session_id
+        result = sw.run_backbone(["--model", str(model), "--prompt", "back again", "--max-new-tokens", "2"])
+        assert result["remote_calls"] > 0
