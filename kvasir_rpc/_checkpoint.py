@@ -202,7 +202,7 @@ def _parse_range(text: str, limit: int, what: str) -> range:
     text = text.strip()
     if text == "*":
         return range(limit)
-    m = re.fullmatch(r"(\d+)(?:-(\d+))?", text)
+    m = re.fullmatch(r"([0-9]{1,9})(?:-([0-9]{1,9}))?", text)
     if not m:
         raise SpecError(f"{what} {text!r}: expected N, N-M or *")
     lo = int(m[1])

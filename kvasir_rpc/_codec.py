@@ -51,8 +51,9 @@ def encode_tensor(tensor: torch.Tensor) -> tensor_pb2.Tensor:
 
 
 def decode_tensor(msg: tensor_pb2.Tensor) -> torch.Tensor:
-    """Decode a wire Tensor without copying its bytes (the result is read-only shared memory
-    over the message's buffer; clone it before writing in place).
+    """Decode a wire Tensor as a view over the message's payload bytes (no copy beyond the
+    one some protobuf backends make when the field is read; the result shares that buffer
+    and is read-only: clone it before writing in place).
 
     Raises TensorCodecError when the dtype is unknown, the shape is too large, or the byte
     length does not equal prod(shape) * itemsize.
@@ -61,13 +62,15 @@ def decode_tensor(msg: tensor_pb2.Tensor) -> torch.Tensor:
     if dtype is None:
         raise TensorCodecError(f"unknown tensor dtype {msg.dtype}")
     shape = tuple(int(d) for d in msg.shape)
+    # Bound the extent even of zero-element shapes: torch computes strides from every dim.
+    if math.prod(max(d, 1) for d in shape) > MAX_ELEMENTS:
+        raise TensorCodecError(f"tensor of shape {list(shape)} has too many elements, more than {MAX_ELEMENTS}")
     count = math.prod(shape)
-    if count > MAX_ELEMENTS:
-        raise TensorCodecError(f"tensor of shape {list(shape)} has {count} elements, more than {MAX_ELEMENTS}")
     itemsize = torch.empty((), dtype=dtype).element_size()
-    if len(msg.data) != count * itemsize:
+    data = msg.data  # one read: some protobuf backends copy on every access
+    if len(data) != count * itemsize:
         raise TensorCodecError(
-            f"tensor of shape {list(shape)} and dtype {dtype} needs {count * itemsize} bytes, got {len(msg.data)}"
+            f"tensor of shape {list(shape)} and dtype {dtype} needs {count * itemsize} bytes, got {len(data)}"
         )
     if count == 0:
         return torch.empty(shape, dtype=dtype)
@@ -77,5 +80,5 @@ def decode_tensor(msg: tensor_pb2.Tensor) -> torch.Tensor:
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
-        flat = torch.frombuffer(msg.data, dtype=torch.uint8)
+        flat = torch.frombuffer(data, dtype=torch.uint8)
     return flat.view(dtype).reshape(shape)

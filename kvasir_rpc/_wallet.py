@@ -11,7 +11,7 @@ import nacl.signing
 
 __all__ = ["Wallet", "WalletError", "is_address", "verify_signature"]
 
-_ADDRESS = re.compile(r"^[0-9a-f]{64}$")
+_ADDRESS = re.compile(r"[0-9a-f]{64}")
 
 
 class WalletError(ValueError):
@@ -20,7 +20,7 @@ class WalletError(ValueError):
 
 def is_address(text: str) -> bool:
     """True when ``text`` is 64 lowercase hex characters."""
-    return bool(_ADDRESS.match(text))
+    return bool(_ADDRESS.fullmatch(text))
 
 
 def verify_signature(address: str, message: bytes, signature: bytes) -> bool:
@@ -49,7 +49,10 @@ class Wallet:
     def load(cls, path: str | os.PathLike[str]) -> Wallet:
         """Read a wallet file. Raises WalletError naming the file when it is malformed."""
         p = pathlib.Path(path)
-        text = p.read_text().strip()
+        try:
+            text = p.read_text(encoding="ascii").strip()
+        except UnicodeDecodeError as exc:
+            raise WalletError(f"{p}: not a text file; expected 64 lowercase hex characters") from exc
         if not re.fullmatch(r"[0-9a-f]{64}", text):
             raise WalletError(f"{p}: expected 64 lowercase hex characters (an Ed25519 seed)")
         return cls(nacl.signing.SigningKey(bytes.fromhex(text)))
