@@ -67,7 +67,7 @@ def compare(a: Decode, b: Decode) -> dict[str, float | bool]:
         return {"tokens_identical": False, "max_abs_logit_diff": float("inf"), "min_logit_cosine": -1.0,
                 "argmax_agreement": 0.0}
     diff = (a.logits - b.logits).abs().max().item() if a.logits.numel() else 0.0
-    cos = torch.nn.functional.cosine_similarity(a.logits, b.logits, dim=-1)  # [new, B]
+    cos = torch.nn.functional.cosine_similarity(a.logits.double(), b.logits.double(), dim=-1)  # [new, B]
     agree = (a.logits.argmax(-1) == b.logits.argmax(-1)).float().mean().item()
     return {
         "tokens_identical": tokens_identical,

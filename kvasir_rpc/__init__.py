@@ -1,37 +1,101 @@
 """Kvasir RPC shared library: protocol stubs, tensor codec, expert kernel, tunnel,
 wallets, checkpoint reading and logging. Imports no component package.
 
-Names that need torch (codec, kernel, checkpoint) load on first use, so the relay and the
-ledger start without importing torch.
+Every name loads on first use: the gateway imports no protobuf or gRPC module and the
+relay and the ledger start without torch, while ``from kvasir_rpc import X`` works for all.
 """
 
 from __future__ import annotations
 
 import importlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from kvasir_rpc._errors import CloseCode, LocalProtocolError, RemoteProtocolError, leaf_exception
-from kvasir_rpc._gen.kvasir.v1 import (
-    expert_pb2,
-    expert_pb2_grpc,
-    session_pb2,
-    session_pb2_grpc,
-    tensor_pb2,
-)
-from kvasir_rpc._handshake import (
-    HELLO_SIGNATURE_DOMAIN,
-    HelloInfo,
-    HubHandshake,
-    WorkerHandshake,
-    slices_from_proto,
-    slices_to_proto,
-)
-from kvasir_rpc._log import configure_logging, get_logger
-from kvasir_rpc._wallet import Wallet, WalletError, is_address, verify_signature
+if TYPE_CHECKING:  # the real names, for type checkers; at run time __getattr__ loads them
+    from kvasir_rpc._errors import (
+        CloseCode,
+        LocalProtocolError,
+        RemoteProtocolError,
+        leaf_exception,
+    )
+    from kvasir_rpc._gen.kvasir.v1 import (
+        expert_pb2,
+        expert_pb2_grpc,
+        session_pb2,
+        session_pb2_grpc,
+        tensor_pb2,
+    )
+    from kvasir_rpc._handshake import (
+        HELLO_SIGNATURE_DOMAIN,
+        HelloInfo,
+        HubHandshake,
+        WorkerHandshake,
+        slices_from_proto,
+        slices_to_proto,
+    )
+    from kvasir_rpc._log import (
+        configure_logging,
+        get_logger,
+    )
+    from kvasir_rpc._wallet import (
+        Wallet,
+        WalletError,
+        is_address,
+        verify_signature,
+    )
+    from kvasir_rpc._codec import (
+        TensorCodecError,
+        decode_tensor,
+        encode_tensor,
+    )
+    from kvasir_rpc._checkpoint import (
+        CheckpointError,
+        ExpertIndex,
+        ModelInfo,
+        SpecError,
+        expert_digest,
+        format_slices,
+        parse_expert_spec,
+        read_model_info,
+        slices_digest,
+    )
+    from kvasir_rpc._kernel import (
+        DispatchInputError,
+        Route,
+        expert_forward,
+        get_activation,
+        plan_routes,
+        validate_dispatch,
+    )
+    from kvasir_rpc._tiny import (
+        ARCHES,
+        make_tiny_checkpoint,
+    )
 
 __version__ = "0.1.0"
 
+_GEN = "kvasir_rpc._gen.kvasir.v1"
 _LAZY = {
+    "CloseCode": "kvasir_rpc._errors",
+    "LocalProtocolError": "kvasir_rpc._errors",
+    "RemoteProtocolError": "kvasir_rpc._errors",
+    "leaf_exception": "kvasir_rpc._errors",
+    "expert_pb2": _GEN,
+    "expert_pb2_grpc": _GEN,
+    "session_pb2": _GEN,
+    "session_pb2_grpc": _GEN,
+    "tensor_pb2": _GEN,
+    "HELLO_SIGNATURE_DOMAIN": "kvasir_rpc._handshake",
+    "HelloInfo": "kvasir_rpc._handshake",
+    "HubHandshake": "kvasir_rpc._handshake",
+    "WorkerHandshake": "kvasir_rpc._handshake",
+    "slices_from_proto": "kvasir_rpc._handshake",
+    "slices_to_proto": "kvasir_rpc._handshake",
+    "configure_logging": "kvasir_rpc._log",
+    "get_logger": "kvasir_rpc._log",
+    "Wallet": "kvasir_rpc._wallet",
+    "WalletError": "kvasir_rpc._wallet",
+    "is_address": "kvasir_rpc._wallet",
+    "verify_signature": "kvasir_rpc._wallet",
     "TensorCodecError": "kvasir_rpc._codec",
     "encode_tensor": "kvasir_rpc._codec",
     "decode_tensor": "kvasir_rpc._codec",
@@ -54,37 +118,16 @@ _LAZY = {
     "make_tiny_checkpoint": "kvasir_rpc._tiny",
 }
 
-__all__ = [
-    "HELLO_SIGNATURE_DOMAIN",
-    "CloseCode",
-    "HelloInfo",
-    "HubHandshake",
-    "LocalProtocolError",
-    "RemoteProtocolError",
-    "Wallet",
-    "WalletError",
-    "WorkerHandshake",
-    "__version__",
-    "configure_logging",
-    "leaf_exception",
-    "expert_pb2",
-    "expert_pb2_grpc",
-    "get_logger",
-    "is_address",
-    "session_pb2",
-    "session_pb2_grpc",
-    "slices_from_proto",
-    "slices_to_proto",
-    "tensor_pb2",
-    "verify_signature",
-    *_LAZY,
-]
+__all__ = ["__version__", *_LAZY]
 
 
 def __getattr__(name: str) -> Any:
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module 'kvasir_rpc' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
+    if module == _GEN:
+        value: Any = importlib.import_module(f"{_GEN}.{name}")
+    else:
+        value = getattr(importlib.import_module(module), name)
     globals()[name] = value
     return value

@@ -37,6 +37,8 @@ class LocalSwarm:
         self.hub_ws_port = 0
         self.hub_grpc_port = 0
         self.hub_key = ""
+        self.gateway_port = 0
+        self.gateway_tls = True
         # Every process of a local swarm shares this machine's cores: one torch thread each.
         # Idle OpenMP threads spin, and four processes spinning on two cores made remote
         # calls ~5x slower (measured: 64 tokens in 5.6 s with default threads, 0.9 s with one).
@@ -73,23 +75,69 @@ class LocalSwarm:
     def hub_grpc_address(self) -> str:
         return f"127.0.0.1:{self.hub_grpc_port}"
 
-    def start_hub(self, *, timeout: float = 30.0) -> None:
-        ready = self.workdir / "hub.ready.json"
-        ready.unlink(missing_ok=True)
-        self._spawn("hub", ["-m", "relay", "hub", "--listen", "127.0.0.1:0", "--grpc", "127.0.0.1:0",
-                            "--key", str(self.workdir / "hub.key"), "--ready-file", str(ready)])
+    def _wait_ready(self, name: str, ready: pathlib.Path, timeout: float) -> dict[str, object]:
         deadline = time.monotonic() + timeout
         while not ready.exists():
-            self._check_alive("hub")
+            self._check_alive(name)
             if time.monotonic() > deadline:
-                raise SwarmError(f"hub not listening after {timeout}s; see {self.logs / 'hub.log'}")
+                raise SwarmError(f"{name} not listening after {timeout}s; see {self.logs / (name + '.log')}")
             time.sleep(0.05)
-        info = json.loads(ready.read_text())
-        self.hub_ws_port, self.hub_grpc_port, self.hub_key = info["ws_port"], info["grpc_port"], info["hub_key"]
+        info: dict[str, object] = json.loads(ready.read_text())
+        return info
 
-    def start_worker(self, name: str, model: str | os.PathLike[str], experts: str, *,
+    @property
+    def ca_file(self) -> pathlib.Path:
+        return self.workdir / "certs" / "ca.pem"
+
+    @property
+    def token_file(self) -> pathlib.Path:
+        return self.workdir / "hub.token"
+
+    @property
+    def gateway_url(self) -> str:
+        return f"{'wss' if self.gateway_tls else 'ws'}://127.0.0.1:{self.gateway_port}"
+
+    def start_gateway(self, *, port: int = 0, tls: bool = True, extra: Sequence[str] = (),
+                      timeout: float = 30.0) -> None:
+        """Start the public gateway (dev certificates and a hub token made on first use)."""
+        from kvasir_rpc._certs import make_dev_certs
+
+        if not self.ca_file.exists():
+            make_dev_certs(self.workdir / "certs")
+        if not self.token_file.exists():
+            import secrets
+
+            self.token_file.write_text(secrets.token_urlsafe(32) + "\n")
+            self.token_file.chmod(0o600)
+        ready = self.workdir / "gateway.ready.json"
+        ready.unlink(missing_ok=True)
+        certs = self.workdir / "certs"
+        tls_args = ["--cert", str(certs / "gateway.pem"), "--key", str(certs / "gateway.key")] if tls else ["--insecure-plain-ws"]
+        self._spawn("gateway", ["-m", "relay", "gateway", "--listen", f"127.0.0.1:{port}", *tls_args,
+                                "--hub-token-file", str(self.token_file), "--ready-file", str(ready), *extra])
+        self.gateway_tls = tls
+        self.gateway_port = int(self._wait_ready("gateway", ready, timeout)["port"])  # type: ignore[call-overload]
+
+    def start_hub(self, *, gateway: bool = False, listen_port: int = 0, timeout: float = 30.0) -> None:
+        """Start the hub; with ``gateway`` it also keeps a control connection to our gateway."""
+        ready = self.workdir / "hub.ready.json"
+        ready.unlink(missing_ok=True)
+        args = ["-m", "relay", "hub", "--listen", f"127.0.0.1:{listen_port}", "--grpc", "127.0.0.1:0",
+                "--key", str(self.workdir / "hub.key"), "--ready-file", str(ready)]
+        if gateway:
+            args += ["--gateway", self.gateway_url, "--gateway-token-file", str(self.token_file),
+                     "--ca-file", str(self.ca_file)]
+        self._spawn("hub", args)
+        info = self._wait_ready("hub", ready, timeout)
+        self.hub_ws_port, self.hub_grpc_port = int(info["ws_port"]), int(info["grpc_port"])  # type: ignore[call-overload]
+        self.hub_key = str(info["hub_key"])
+
+    def start_worker(self, name: str, model: str | os.PathLike[str], experts: str, *, via: str = "hub",
                      extra: Sequence[str] = ()) -> subprocess.Popen[bytes]:
-        return self._spawn(name, ["-m", "worker", "--hub", self.hub_ws_url, "--model", str(model),
+        """Start a worker that dials the hub directly (``via="hub"``) or the gateway."""
+        where = (["--hub", self.hub_ws_url] if via == "hub"
+                 else ["--gateway", self.gateway_url, "--ca-file", str(self.ca_file)])
+        return self._spawn(name, ["-m", "worker", *where, "--model", str(model),
                                   "--experts", experts, "--wallet", str(self.workdir / f"{name}.wallet"), *extra])
 
     def list_sessions(self, timeout: float = 5.0) -> list[session_pb2.Session]:
@@ -136,6 +184,7 @@ class LocalSwarm:
             return proc.wait(timeout=5)
 
     def stop(self) -> None:
-        # Workers first (they drain), then the hub.
-        for name in sorted(self.procs, key=lambda n: n == "hub"):
+        # Workers first (they drain), then the hub, then the gateway.
+        order = {"hub": 1, "gateway": 2}
+        for name in sorted(self.procs, key=lambda n: order.get(n, 0)):
             self.stop_process(name)

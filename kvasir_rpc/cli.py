@@ -27,8 +27,9 @@ def _default_model_dir(arch: str, seed: int) -> pathlib.Path:
 
 
 def run_demo(arch: str, *, seed: int = 0, max_new_tokens: int = 12, batch: int = 2,
-             model: pathlib.Path | None = None, say=print) -> dict[str, object]:  # type: ignore[no-untyped-def]
+             model: pathlib.Path | None = None, path: str = "gateway", say=print) -> dict[str, object]:  # type: ignore[no-untyped-def]
     """Make the tiny model if absent, start a hub and two workers (half the experts each),
+    with ``path="gateway"`` behind a TLS gateway that both the hub and the workers dial,
     decode with --compare-local, and return the verdict as a dict."""
     from kvasir_rpc._checkpoint import read_model_info
     from kvasir_rpc._swarm import LocalSwarm
@@ -44,10 +45,13 @@ def run_demo(arch: str, *, seed: int = 0, max_new_tokens: int = 12, batch: int =
     specs = [f"*:0-{half - 1}", f"*:{half}-{info.num_experts - 1}"]
     with tempfile.TemporaryDirectory(prefix="kvasir-demo-") as work, LocalSwarm(work) as swarm:
         t0 = time.monotonic()
-        swarm.start_hub()
-        say(f"hub: workers dial {swarm.hub_ws_url}, SessionService on {swarm.hub_grpc_address}")
+        if path == "gateway":
+            swarm.start_gateway()
+            say(f"gateway: {swarm.gateway_url} (TLS, dev CA); the hub and the workers both dial out to it")
+        swarm.start_hub(gateway=path == "gateway")
+        say(f"hub: SessionService on {swarm.hub_grpc_address}")
         for i, spec in enumerate(specs):
-            swarm.start_worker(f"worker{i + 1}", model_dir, spec)
+            swarm.start_worker(f"worker{i + 1}", model_dir, spec, via=path)
         sessions = swarm.wait_sessions(len(specs), watch=[f"worker{i + 1}" for i in range(len(specs))])
         say(f"{len(sessions)} workers joined in {time.monotonic() - t0:.1f}s (experts {', '.join(specs)})")
         say(f"decoding {max_new_tokens} tokens x {batch} sequences, remote then all-local then transformers eager")
@@ -56,13 +60,22 @@ def run_demo(arch: str, *, seed: int = 0, max_new_tokens: int = 12, batch: int =
                                      "--compare-local", "--wait-sessions", str(len(specs))])
         after = swarm.list_sessions()
     result["arch"] = arch
-    result["path"] = "hub"
+    result["path"] = path
     result["sessions"] = [
         {"session_id": s.session_id, "wallet": s.wallet, "bytes_in": s.bytes_to_worker,
          "bytes_out": s.bytes_from_worker, "device": s.device}
         for s in after
     ]
     return result
+
+
+def _cmd_certs(args: argparse.Namespace) -> int:
+    from kvasir_rpc._certs import make_dev_certs
+
+    paths = make_dev_certs(args.dir, args.host or ["localhost", "127.0.0.1", "::1"])
+    for name, p in paths.items():
+        print(f"{name}: {p}")
+    return 0
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
@@ -75,7 +88,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
     try:
         result = run_demo(args.arch, seed=args.seed, max_new_tokens=args.max_new_tokens, batch=args.batch,
-                          model=args.model, say=say)
+                          model=args.model, path=args.path, say=say)
     except SwarmError as exc:
         print(f"demo failed: {exc}", file=sys.stderr)
         return 2
@@ -109,12 +122,18 @@ def main(argv: list[str] | None = None) -> int:
     tiny.add_argument("--arch", choices=ARCHES, default="qwen3_moe")
     tiny.add_argument("--seed", type=int, default=0)
     tiny.set_defaults(func=_cmd_model_tiny)
+    certs = sub.add_parser("certs", help="make a development CA and a gateway certificate")
+    certs.add_argument("dir", type=pathlib.Path)
+    certs.add_argument("--host", action="append", help="name or IP the certificate covers (repeatable)")
+    certs.set_defaults(func=_cmd_certs)
     demo = sub.add_parser("demo", help="the whole swarm on this machine: hub, two workers, a live decode, the verdict")
     demo.add_argument("--arch", choices=ARCHES, default="qwen3_moe")
     demo.add_argument("--seed", type=int, default=0)
     demo.add_argument("--model", type=pathlib.Path, help="checkpoint folder (default: a tiny one under .kvasir/)")
     demo.add_argument("--max-new-tokens", type=int, default=12)
     demo.add_argument("--batch", type=int, default=2)
+    demo.add_argument("--path", choices=["gateway", "hub"], default="gateway",
+                      help="workers reach the hub through the TLS gateway (default) or directly")
     demo.add_argument("--json", action="store_true", help="last line of stdout: one JSON object")
     demo.set_defaults(func=_cmd_demo)
     args = parser.parse_args(argv)

@@ -1,4 +1,5 @@
-"""python -m relay hub --listen HOST:PORT --grpc HOST:PORT [--key PATH]"""
+"""python -m relay hub --listen HOST:PORT --grpc HOST:PORT [--key PATH] [--gateway wss://HOST:PORT ...]
+python -m relay gateway --listen HOST:PORT --cert PEM --key PEM --hub-token-file FILE"""
 
 from __future__ import annotations
 
@@ -6,55 +7,79 @@ import argparse
 import json
 import pathlib
 import signal
+import ssl
 import sys
 
 import trio
 
-from kvasir_rpc import Wallet, configure_logging, get_logger
-from relay._hub import HubConfig, create_session_server, serve_hub
-from relay._registry import SessionRegistry
+from kvasir_rpc._log import configure_logging, get_logger
 
 
-def _hostport(text: str) -> tuple[str, int]:
-    host, _, port = text.rpartition(":")
-    if not host or not port.isdigit():
-        raise argparse.ArgumentTypeError(f"expected HOST:PORT, got {text!r}")
-    return host.strip("[]"), int(port)
+def _hostport(default_port: int):  # type: ignore[no-untyped-def]
+    def parse(text: str) -> tuple[str, int]:
+        host, sep, port = text.rpartition(":")
+        if not sep:
+            return text.strip("[]"), default_port
+        if not host or not port.isdigit():
+            raise argparse.ArgumentTypeError(f"expected HOST:PORT, got {text!r}")
+        return host.strip("[]"), int(port)
+
+    return parse
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m relay", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
-    hub = sub.add_parser("hub", help="the LAN hub: worker tunnels in, backbone gRPC targets out")
-    hub.add_argument("--listen", type=_hostport, default=("127.0.0.1", 8765), help="WebSocket address for workers")
-    hub.add_argument("--grpc", type=_hostport, default=("127.0.0.1", 8766), help="SessionService address; per-session targets bind on its host")
-    hub.add_argument("--key", type=pathlib.Path, default=pathlib.Path("hub.key"), help="hub Ed25519 key file (created if missing)")
-    hub.add_argument("--ready-file", type=pathlib.Path, help="write {ws_port, grpc_port, hub_key} here once listening")
-    hub.add_argument("--log-level", default="info")
-    args = parser.parse_args(argv)
+def _read_token(path: pathlib.Path) -> str:
+    token = path.read_text().strip()
+    if len(token) < 16:
+        raise SystemExit(f"{path}: the hub token must be at least 16 characters")
+    return token
+
+
+def _write_ready(path: pathlib.Path | None, info: dict[str, object]) -> None:
+    if path is not None:
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(info))
+        tmp.replace(path)
+
+
+async def _until_signal(nursery: trio.Nursery, log, what: str) -> None:  # type: ignore[no-untyped-def]
+    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+        async for _ in signals:
+            log.info(f"{what} stopping")
+            nursery.cancel_scope.cancel()
+            return
+
+
+def run_hub(args: argparse.Namespace) -> int:
+    from kvasir_rpc import Wallet
+    from relay._hub import HubConfig, create_session_server, serve_hub
+    from relay._registry import SessionRegistry
 
     configure_logging("hub", level=args.log_level)
     log = get_logger("relay")
     key = Wallet.load_or_create(args.key)
     registry = SessionRegistry()
     grpc_host, grpc_port = args.grpc
+    gateway_ssl = None
+    token = ""
+    if args.gateway:
+        if not args.gateway.startswith(("wss://", "ws://")):
+            raise SystemExit("--gateway must be a wss:// (or ws://) URL")
+        if args.gateway_token_file is None:
+            raise SystemExit("--gateway needs --gateway-token-file")
+        token = _read_token(args.gateway_token_file)
+        if args.gateway.startswith("wss://"):
+            gateway_ssl = ssl.create_default_context(cafile=str(args.ca_file) if args.ca_file else None)
     server, bound_grpc = create_session_server(registry, f"{grpc_host}:{grpc_port}")
-    config = HubConfig(listen_host=args.listen[0], listen_port=args.listen[1], grpc_host=grpc_host)
+    config = HubConfig(listen_host=args.listen[0], listen_port=args.listen[1], grpc_host=grpc_host,
+                       gateway_url=args.gateway, gateway_token=token, gateway_ssl=gateway_ssl)
 
     async def run() -> None:
         async with trio.open_nursery() as nursery:
             ws_port = await nursery.start(serve_hub, config, key, registry)
-            ready = {"ws_port": ws_port, "grpc_port": bound_grpc, "hub_key": key.address}
-            log.info("hub listening", ws=f"{config.listen_host}:{ws_port}", grpc=f"{grpc_host}:{bound_grpc}", hub_key=key.address)
-            if args.ready_file:
-                tmp = args.ready_file.with_suffix(".tmp")
-                tmp.write_text(json.dumps(ready))
-                tmp.replace(args.ready_file)
-            with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
-                async for _ in signals:
-                    log.info("hub stopping")
-                    nursery.cancel_scope.cancel()
-                    break
+            log.info("hub listening", ws=f"{config.listen_host}:{ws_port}", grpc=f"{grpc_host}:{bound_grpc}",
+                     hub_key=key.address, gateway=args.gateway)
+            _write_ready(args.ready_file, {"ws_port": ws_port, "grpc_port": bound_grpc, "hub_key": key.address})
+            await _until_signal(nursery, log, "hub")
 
     try:
         trio.run(run)
@@ -62,6 +87,73 @@ def main(argv: list[str] | None = None) -> int:
         registry.close_watchers()
         server.stop(grace=1.0).wait(2.0)
     return 0
+
+
+def run_gateway(args: argparse.Namespace) -> int:
+    from relay._gateway import GatewayConfig, serve_gateway
+
+    configure_logging("gateway", level=args.log_level)
+    log = get_logger("relay")
+    token = _read_token(args.hub_token_file)
+    ctx = None
+    if args.cert:
+        ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        ctx.load_cert_chain(str(args.cert), str(args.key))
+        ctx.set_alpn_protocols(["http/1.1"])
+    elif not args.insecure_plain_ws:
+        raise SystemExit("the gateway needs --cert and --key (or --insecure-plain-ws behind a TLS terminator)")
+    config = GatewayConfig(
+        host=args.listen[0], port=args.listen[1], hub_token=token, ssl_context=ctx,
+        handshake_timeout_s=args.handshake_timeout, max_message_bytes=args.max_message_bytes,
+        max_unpaired=args.max_unpaired, max_sessions=args.max_sessions, keepalive_s=args.keepalive,
+        idle_timeout_s=args.idle_timeout, new_connections_per_ip_per_s=args.max_new_per_ip,
+    )
+
+    async def run() -> None:
+        async with trio.open_nursery() as nursery:
+            port, _gw = await nursery.start(serve_gateway, config)
+            log.info("gateway listening", address=f"{config.host}:{port}", tls=ctx is not None)
+            _write_ready(args.ready_file, {"port": port})
+            await _until_signal(nursery, log, "gateway")
+
+    trio.run(run)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m relay")
+    sub = parser.add_subparsers(dest="command", required=True)
+    hub = sub.add_parser("hub", help="the LAN hub: worker tunnels in, backbone gRPC targets out")
+    hub.add_argument("--listen", type=_hostport(8765), default=("127.0.0.1", 8765), help="WebSocket address for LAN workers")
+    hub.add_argument("--grpc", type=_hostport(8766), default=("127.0.0.1", 8766),
+                     help="SessionService address; per-session targets bind on its host")
+    hub.add_argument("--key", type=pathlib.Path, default=pathlib.Path("hub.key"), help="hub Ed25519 key (created if missing)")
+    hub.add_argument("--gateway", help="wss://HOST:PORT of a public gateway to take sessions from")
+    hub.add_argument("--gateway-token-file", type=pathlib.Path, help="file holding the gateway's hub token")
+    hub.add_argument("--ca-file", type=pathlib.Path, help="CA bundle to verify the gateway (default: system trust)")
+    hub.add_argument("--ready-file", type=pathlib.Path, help="write {ws_port, grpc_port, hub_key} here once listening")
+    hub.add_argument("--log-level", default="info")
+    hub.set_defaults(func=run_hub)
+    gw = sub.add_parser("gateway", help="the public gateway: workers and hubs both dial out to it")
+    gw.add_argument("--listen", type=_hostport(443), default=("0.0.0.0", 443))
+    gw.add_argument("--cert", type=pathlib.Path, help="certificate chain (PEM)")
+    gw.add_argument("--key", type=pathlib.Path, help="private key (PEM)")
+    gw.add_argument("--insecure-plain-ws", action="store_true", help="serve ws:// (only behind a TLS terminator)")
+    gw.add_argument("--hub-token-file", type=pathlib.Path, required=True, help="file holding the token hubs present")
+    gw.add_argument("--handshake-timeout", type=float, default=10.0, help="seconds for TLS + HTTP upgrade")
+    gw.add_argument("--max-message-bytes", type=int, default=4 << 20, help="larger messages are closed with 1009")
+    gw.add_argument("--max-unpaired", type=int, default=64, help="workers waiting for a hub at once")
+    gw.add_argument("--max-sessions", type=int, default=1024, help="live spliced sessions")
+    gw.add_argument("--keepalive", type=float, default=20.0, help="ping a silent peer after this many seconds")
+    gw.add_argument("--idle-timeout", type=float, default=120.0, help="close a peer silent this long (1001)")
+    gw.add_argument("--max-new-per-ip", type=float, default=50.0, help="new connections per source address per second")
+    gw.add_argument("--ready-file", type=pathlib.Path, help="write {port} here once listening")
+    gw.add_argument("--log-level", default="info")
+    gw.set_defaults(func=run_gateway)
+    args = parser.parse_args(argv)
+    if args.command == "gateway" and bool(args.cert) != bool(args.key):
+        parser.error("--cert and --key go together")
+    return int(args.func(args))
 
 
 if __name__ == "__main__":

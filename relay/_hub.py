@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import secrets
+import ssl
 from concurrent import futures
 
 import grpc
@@ -48,6 +49,10 @@ class HubConfig:
     handshake_timeout_s: float = 10.0
     # How long a worker may take to acknowledge "close" before the session is dropped.
     close_timeout_s: float = 10.0
+    # Public gateway to keep a control connection to (wss://HOST:PORT), with its hub token.
+    gateway_url: str | None = None
+    gateway_token: str = ""
+    gateway_ssl: ssl.SSLContext | None = None
 
 
 class SessionServicer(session_pb2_grpc.SessionServiceServicer):
@@ -199,6 +204,10 @@ class _Hub:
             return
         ws = await request.accept(subprotocol=SUBPROTOCOL)
         remote = f"{ws.remote.address}:{ws.remote.port}" if hasattr(ws.remote, "address") else str(ws.remote)
+        await self.serve_connection(ws, remote)
+
+    async def serve_connection(self, ws: WebSocketConnection, remote: str) -> None:
+        """Run the handshake and then the session on one worker WebSocket (direct or via a gateway)."""
         hs = HubHandshake(self.key.address)
         try:
             with trio.fail_after(self.config.handshake_timeout_s):
@@ -263,4 +272,10 @@ async def serve_hub(
                 task_status=task_status,
             )
         )
+        if config.gateway_url:
+            from relay._hub_gateway import GatewayLink
+
+            link = GatewayLink(hub.serve_connection, config.gateway_url, config.gateway_token,
+                               ssl_context=config.gateway_ssl)
+            nursery.start_soon(link.run)
         task_status.started(server.port)

@@ -18,16 +18,20 @@ from kvasir_rpc._swarm import LocalSwarm
 from kvasir_rpc.cli import run_demo
 
 
-@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen3_5_moe", "mixtral"])
-def test_demo_remote_equals_local_bitwise(arch, tiny_models):
-    result = run_demo(arch, model=tiny_models(arch), say=lambda _msg: None)
+@pytest.mark.parametrize(
+    ("arch", "path"),
+    [("qwen3_moe", "hub"), ("qwen3_moe", "gateway"), ("qwen3_5_moe", "gateway"), ("mixtral", "gateway")],
+)
+def test_demo_remote_equals_local_bitwise(arch, path, tiny_models):
+    result = run_demo(arch, model=tiny_models(arch), path=path, say=lambda _msg: None)
     assert result["tokens_identical"] is True
     assert result["max_abs_logit_diff"] == 0.0
     assert result["argmax_agreement"] == 1.0
     assert result["reference_tokens_identical"] is True
     assert result["remote_calls"] > 0 and result["remote_rows"] > 0
     assert result["fallback_calls"] == 0
-    assert result["path"] == "hub"
+    assert result["path"] == path
+    assert result["min_logit_cosine"] == 1.0
     sessions = result["sessions"]
     assert len(sessions) == 2
     assert len(result["sessions_used"]) == 2, "both workers must have served calls"

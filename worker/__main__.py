@@ -1,4 +1,4 @@
-"""python -m worker --hub ws://HOST:PORT --model DIR --experts SPEC --wallet PATH [--device auto|cpu|cuda|mps]"""
+"""python -m worker (--hub ws://HOST:PORT | --gateway wss://HOST:PORT) --model DIR --experts SPEC --wallet PATH [--device auto|cpu|cuda|mps]"""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import os
 import pathlib
 import shutil
 import signal
+import ssl
 import sys
 import tempfile
 import time
@@ -36,7 +37,10 @@ log = get_logger("worker")
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m worker", description="Serve expert slices to a Kvasir hub.")
-    p.add_argument("--hub", required=True, help="ws://HOST:PORT of the hub")
+    where = p.add_mutually_exclusive_group(required=True)
+    where.add_argument("--hub", help="ws://HOST:PORT of a hub on this LAN")
+    where.add_argument("--gateway", help="wss://HOST:PORT of a public gateway (port 443 passes most NATs)")
+    p.add_argument("--ca-file", type=pathlib.Path, help="CA bundle to verify the gateway (default: system trust)")
     p.add_argument("--model", required=True, type=pathlib.Path, help="Hugging Face checkpoint folder")
     p.add_argument("--experts", default="all", help="slices to serve: all, 0-3:0-15, *:0-7, comma-separated")
     p.add_argument("--wallet", required=True, type=pathlib.Path, help="Ed25519 wallet file (created if missing)")
@@ -90,10 +94,20 @@ def main(argv: list[str] | None = None) -> int:
         )
 
     holder = TunnelHolder()
+    if args.gateway:
+        if not args.gateway.startswith(("wss://", "ws://")):
+            print("worker: --gateway must be a wss:// URL", file=sys.stderr)
+            return 2
+        url = args.gateway.rstrip("/") + "/v1/worker"
+        ssl_context = (ssl.create_default_context(cafile=str(args.ca_file) if args.ca_file else None)
+                       if url.startswith("wss://") else None)
+    else:
+        url, ssl_context = args.hub, None
 
     async def run() -> None:
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(functools.partial(run_tunnel, args.hub, make_handshake, uds_path, holder=holder))
+            nursery.start_soon(functools.partial(run_tunnel, url, make_handshake, uds_path, holder=holder,
+                                                 ssl_context=ssl_context))
             with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
                 async for signum in signals:
                     log.info("draining", signal=signal.Signals(signum).name)

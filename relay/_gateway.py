@@ -1,0 +1,318 @@
+"""The public gateway: both ends dial out and meet here.
+
+Workers connect to ``/v1/worker``; a hub keeps a control WebSocket on ``/v1/hub/control``
+(bearer token). When a worker arrives the gateway tells the hub ``{"pair": ID, ...}``; the
+hub dials ``/v1/hub/data/ID`` and the gateway splices the two WebSockets, relaying their
+messages both ways without looking inside them. Everything the public can send is bounded:
+handshake time, header and message sizes, unpaired workers, live sessions, idle time and new
+connections per source address per second.
+
+This module imports no protobuf or gRPC module.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hmac
+import json
+import secrets
+import ssl
+import time
+from collections.abc import Callable
+
+import trio
+
+from kvasir_rpc._errors import CloseCode
+from kvasir_rpc._log import get_logger
+from relay._ws import HttpError, HttpRequest, WebSocket, WsClosed, read_request, send_response, upgrade
+
+__all__ = ["GatewayConfig", "GatewayStats", "serve_gateway", "CONTROL_SUBPROTOCOL"]
+
+log = get_logger("relay.gateway")
+
+TUNNEL_SUBPROTOCOL = "kvasir.tunnel.v1"
+CONTROL_SUBPROTOCOL = "kvasir.gateway.v1"
+WORKER_PATH = "/v1/worker"
+CONTROL_PATH = "/v1/hub/control"
+DATA_PREFIX = "/v1/hub/data/"
+
+
+@dataclasses.dataclass(frozen=True)
+class GatewayConfig:
+    host: str = "0.0.0.0"
+    port: int = 443
+    hub_token: str = ""
+    ssl_context: ssl.SSLContext | None = None
+    handshake_timeout_s: float = 10.0
+    max_message_bytes: int = 4 << 20
+    max_unpaired: int = 64
+    max_sessions: int = 1024
+    keepalive_s: float = 20.0
+    idle_timeout_s: float = 120.0
+    pairing_timeout_s: float = 10.0
+    new_connections_per_ip_per_s: float = 50.0
+    max_connections: int = 4096
+
+
+@dataclasses.dataclass(frozen=True)
+class GatewayStats:
+    connections: int
+    hub_connected: bool
+    unpaired: int
+    sessions: int
+    refused: dict[str, int]
+    relayed_bytes: int
+
+
+class _RateLimiter:
+    """Token bucket per source address: ``rate`` new connections a second, burst ``rate``."""
+
+    def __init__(self, rate: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self.rate = rate
+        self._clock = clock
+        self._buckets: dict[str, tuple[float, float]] = {}
+
+    def allow(self, key: str) -> bool:
+        now = self._clock()
+        tokens, last = self._buckets.get(key, (self.rate, now))
+        tokens = min(self.rate, tokens + (now - last) * self.rate)
+        if len(self._buckets) > 65536:  # forget the quiet ones rather than grow without bound
+            self._buckets = {k: v for k, v in self._buckets.items() if now - v[1] < 10}
+        if tokens < 1.0:
+            self._buckets[key] = (tokens, now)
+            return False
+        self._buckets[key] = (tokens - 1.0, now)
+        return True
+
+
+@dataclasses.dataclass
+class _Pending:
+    worker: WebSocket
+    remote: str
+    hub_ws: WebSocket | None = None
+    paired: trio.Event = dataclasses.field(default_factory=trio.Event)
+    done: trio.Event = dataclasses.field(default_factory=trio.Event)
+
+
+class Gateway:
+    def __init__(self, config: GatewayConfig) -> None:
+        self.config = config
+        self._limiter = _RateLimiter(config.new_connections_per_ip_per_s)
+        self._control: WebSocket | None = None
+        self._pending: dict[str, _Pending] = {}
+        self._sessions = 0
+        self._connections = 0
+        self._relayed = 0
+        self.refused: dict[str, int] = {}
+
+    def statistics(self) -> GatewayStats:
+        return GatewayStats(
+            connections=self._connections,
+            hub_connected=self._control is not None,
+            unpaired=sum(1 for p in self._pending.values() if p.hub_ws is None),
+            sessions=self._sessions,
+            refused=dict(self.refused),
+            relayed_bytes=self._relayed,
+        )
+
+    def _refuse(self, why: str) -> None:
+        self.refused[why] = self.refused.get(why, 0) + 1
+
+    def _authorized(self, req: HttpRequest) -> bool:
+        got = (req.header("authorization") or "").encode()
+        want = f"Bearer {self.config.hub_token}".encode()
+        return bool(self.config.hub_token) and hmac.compare_digest(got, want)
+
+    async def handle(self, stream: trio.SocketStream) -> None:
+        try:
+            peer = stream.socket.getpeername()
+            remote = f"{peer[0]}:{peer[1]}"
+            ip = peer[0]
+        except OSError:
+            return
+        if not self._limiter.allow(ip):
+            self._refuse("rate")
+            await stream.aclose()
+            return
+        if self._connections >= self.config.max_connections:
+            self._refuse("connections")
+            await stream.aclose()
+            return
+        self._connections += 1
+        try:
+            await self._handle(stream, remote)
+        finally:
+            self._connections -= 1
+            with trio.CancelScope(shield=True):
+                await stream.aclose()
+
+    async def _handle(self, raw: trio.SocketStream, remote: str) -> None:
+        cfg = self.config
+        stream: trio.abc.Stream = raw
+        try:
+            with trio.fail_after(cfg.handshake_timeout_s):
+                if cfg.ssl_context is not None:
+                    tls = trio.SSLStream(raw, cfg.ssl_context, server_side=True)
+                    await tls.do_handshake()
+                    stream = tls
+                req = await read_request(stream)
+                ws = await self._route(stream, req, remote)
+        except trio.TooSlowError:
+            self._refuse("handshake_timeout")
+            return
+        except (HttpError, trio.BrokenResourceError, trio.ClosedResourceError, ssl.SSLError, OSError):
+            self._refuse("bad_handshake")
+            return
+        if ws is None:
+            return
+        kind, sock, extra = ws
+        try:
+            if kind == "worker":
+                await self._serve_worker(sock, remote)
+            elif kind == "control":
+                await self._serve_control(sock)
+            else:
+                await self._serve_data(sock, extra)
+        except WsClosed:
+            pass
+
+    async def _route(self, stream: trio.abc.Stream, req: HttpRequest, remote: str):  # type: ignore[no-untyped-def]
+        cfg = self.config
+
+        async def ws(sub: str) -> WebSocket:
+            return await upgrade(stream, req, subprotocol=sub, max_message_bytes=cfg.max_message_bytes,
+                                 keepalive_s=cfg.keepalive_s, idle_timeout_s=cfg.idle_timeout_s)
+
+        path = req.path
+        if path == "/healthz":
+            if req.method not in ("GET", "HEAD"):
+                await send_response(stream, 405, "use GET\n")
+                return None
+            await send_response(stream, 200, "ok\n" if self._control is not None else "ok (no hub connected)\n")
+            return None
+        if path == WORKER_PATH:
+            if not req.is_upgrade or req.method != "GET":
+                self._refuse("not_websocket")
+                await send_response(stream, 426, f"{path} takes a WebSocket upgrade\n", headers=[("upgrade", "websocket")])
+                return None
+            if TUNNEL_SUBPROTOCOL not in req.subprotocols:
+                self._refuse("subprotocol")
+                await send_response(stream, 400, f"the tunnel needs the WebSocket subprotocol {TUNNEL_SUBPROTOCOL}\n")
+                return None
+            if self._control is None:
+                self._refuse("no_hub")
+                await send_response(stream, 503, "no hub is connected to this gateway; retry later\n",
+                                    headers=[("retry-after", "5")])
+                return None
+            unpaired = sum(1 for p in self._pending.values() if p.hub_ws is None)
+            if unpaired >= cfg.max_unpaired or self._sessions >= cfg.max_sessions:
+                self._refuse("capacity")
+                await send_response(stream, 503, "gateway at capacity; retry later\n", headers=[("retry-after", "5")])
+                return None
+            return "worker", await ws(TUNNEL_SUBPROTOCOL), None
+        if path == CONTROL_PATH or path.startswith(DATA_PREFIX):
+            if not self._authorized(req):
+                self._refuse("hub_token")
+                await send_response(stream, 401, "hub paths need the hub token (Authorization: Bearer ...)\n",
+                                    headers=[("www-authenticate", "Bearer")])
+                return None
+            if not req.is_upgrade or req.method != "GET":
+                self._refuse("not_websocket")
+                await send_response(stream, 426, f"{path} takes a WebSocket upgrade\n", headers=[("upgrade", "websocket")])
+                return None
+            if path == CONTROL_PATH:
+                return "control", await ws(CONTROL_SUBPROTOCOL), None
+            pid = path[len(DATA_PREFIX):]
+            pending = self._pending.get(pid)
+            if pending is None or pending.hub_ws is not None:
+                self._refuse("unknown_pairing")
+                await send_response(stream, 404, "no worker waits under this pairing id\n")
+                return None
+            return "data", await ws(TUNNEL_SUBPROTOCOL), pid
+        self._refuse("not_found")
+        await send_response(stream, 404, "not found\n")
+        return None
+
+    async def _serve_control(self, ws: WebSocket) -> None:
+        old, self._control = self._control, ws
+        if old is not None:
+            await old.close(CloseCode.GOING_AWAY, "replaced by a newer hub connection")
+        log.info("hub connected")
+        try:
+            while True:
+                msg = await ws.receive_message()
+                if msg != "ping":
+                    await ws.close(CloseCode.PROTOCOL_ERROR, "the control channel takes no messages from the hub")
+                    return
+        finally:
+            if self._control is ws:
+                self._control = None
+                log.info("hub disconnected")
+
+    async def _serve_worker(self, worker: WebSocket, remote: str) -> None:
+        pid = secrets.token_urlsafe(18)
+        pending = _Pending(worker=worker, remote=remote)
+        self._pending[pid] = pending
+        try:
+            control = self._control
+            if control is None:
+                await worker.close(CloseCode.TRY_AGAIN_LATER, "no hub connected")
+                return
+            try:
+                await control.send_message(json.dumps({"pair": pid, "remote": remote}))
+            except WsClosed:
+                await worker.close(CloseCode.TRY_AGAIN_LATER, "hub went away")
+                return
+            with trio.move_on_after(self.config.pairing_timeout_s):
+                await pending.paired.wait()
+            if pending.hub_ws is None:
+                self._refuse("pairing_timeout")
+                await worker.close(CloseCode.TRY_AGAIN_LATER, "no hub took the session in time")
+                return
+            self._sessions += 1
+            try:
+                await self._splice(worker, pending.hub_ws)
+            finally:
+                self._sessions -= 1
+        finally:
+            self._pending.pop(pid, None)
+            pending.done.set()
+
+    async def _serve_data(self, hub_ws: WebSocket, pid: str) -> None:
+        pending = self._pending.get(pid)
+        if pending is None or pending.hub_ws is not None:
+            await hub_ws.close(CloseCode.POLICY_VIOLATION, "pairing gone")
+            return
+        pending.hub_ws = hub_ws
+        pending.paired.set()
+        await pending.done.wait()
+
+    async def _splice(self, a: WebSocket, b: WebSocket) -> None:
+        """Relay messages both ways; when one side closes, close the other with its code."""
+
+        async def pump(src: WebSocket, dst: WebSocket, cancel: trio.CancelScope) -> None:
+            try:
+                while True:
+                    msg = await src.receive_message()
+                    await dst.send_message(msg)
+                    self._relayed += len(msg)
+            except WsClosed as closed:
+                code = closed.code if closed.code not in (1005, 1006, 1015) else CloseCode.GOING_AWAY
+                with trio.CancelScope(shield=True), trio.move_on_after(2):
+                    await dst.close(code, closed.reason or "peer went away")
+                    await src.close(code, closed.reason)
+            cancel.cancel()
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(pump, a, b, nursery.cancel_scope)
+            nursery.start_soon(pump, b, a, nursery.cancel_scope)
+
+
+async def serve_gateway(config: GatewayConfig, *, task_status=trio.TASK_STATUS_IGNORED) -> None:  # type: ignore[no-untyped-def]
+    """Listen on ``config.host:port`` until cancelled; ``task_status.started((port, gateway))``."""
+    gateway = Gateway(config)
+    listeners = await trio.open_tcp_listeners(config.port, host=config.host)
+    port = listeners[0].socket.getsockname()[1]
+    async with trio.open_nursery() as nursery:
+        await nursery.start(trio.serve_listeners, gateway.handle, listeners)
+        task_status.started((port, gateway))

@@ -1,0 +1,88 @@
+"""The hub's side of the public gateway: a control WebSocket kept up with jittered backoff;
+for each worker the gateway announces, a data WebSocket served exactly like a LAN session."""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+import ssl
+from collections.abc import Awaitable, Callable
+
+import trio
+from trio_websocket import ConnectionClosed, HandshakeError, WebSocketConnection, open_websocket_url
+
+from kvasir_rpc import get_logger, leaf_exception
+from kvasir_rpc._tunnel import MAX_MESSAGE_BYTES, SUBPROTOCOL
+
+__all__ = ["CONTROL_SUBPROTOCOL", "GatewayLink"]
+
+log = get_logger("relay.hub.gateway")
+
+CONTROL_SUBPROTOCOL = "kvasir.gateway.v1"
+_PAIR_ID = re.compile(r"[A-Za-z0-9_-]{8,64}")
+_NETWORK_ERRORS = (ConnectionClosed, HandshakeError, OSError, trio.TooSlowError)
+
+ServeConnection = Callable[[WebSocketConnection, str], Awaitable[None]]
+
+
+class GatewayLink:
+    """Keeps this hub reachable through a gateway (``wss://HOST:PORT``) until cancelled.
+
+    ``serve_connection(ws, remote)`` is the hub's own session entry point; sessions run in a
+    nursery of their own, so a lost control connection does not cut live sessions.
+    """
+
+    def __init__(self, serve_connection: ServeConnection, gateway_url: str, token: str, *,
+                 ssl_context: ssl.SSLContext | None = None, min_backoff_s: float = 0.25,
+                 max_backoff_s: float = 15.0) -> None:
+        self._serve = serve_connection
+        self.base = gateway_url.rstrip("/")
+        self._headers = [("Authorization", f"Bearer {token}")]
+        self._ssl = ssl_context
+        self._min_backoff = min_backoff_s
+        self._max_backoff = max_backoff_s
+
+    async def run(self) -> None:
+        backoff = self._min_backoff
+        async with trio.open_nursery() as sessions:
+            while True:
+                connected = await self._control_once(sessions)
+                backoff = self._min_backoff if connected else min(backoff * 2, self._max_backoff)
+                await trio.sleep(backoff * random.uniform(0.5, 1.5))
+
+    async def _control_once(self, sessions: trio.Nursery) -> bool:
+        """One life of the control connection; True if it was established."""
+        connected = False
+        try:
+            async with open_websocket_url(
+                f"{self.base}/v1/hub/control", ssl_context=self._ssl, subprotocols=[CONTROL_SUBPROTOCOL],
+                extra_headers=self._headers, connect_timeout=10, disconnect_timeout=5,
+            ) as ctrl:
+                connected = True
+                log.info("gateway control connected", gateway=self.base)
+                while True:
+                    msg = await ctrl.get_message()
+                    try:
+                        obj = json.loads(msg)
+                        pid, remote = obj["pair"], str(obj.get("remote", ""))[:64]
+                        if not isinstance(pid, str) or not _PAIR_ID.fullmatch(pid):
+                            raise ValueError(pid)
+                    except (ValueError, KeyError, TypeError):
+                        log.warning("gateway sent a malformed control message; ignoring it")
+                        continue
+                    sessions.start_soon(self._serve_pair, pid, remote)
+        except* _NETWORK_ERRORS as eg:
+            log.info("gateway control connection lost", gateway=self.base, error=repr(leaf_exception(eg))[:200])
+        return connected
+
+    async def _serve_pair(self, pid: str, remote: str) -> None:
+        try:
+            async with open_websocket_url(
+                f"{self.base}/v1/hub/data/{pid}", ssl_context=self._ssl, subprotocols=[SUBPROTOCOL],
+                extra_headers=self._headers, max_message_size=MAX_MESSAGE_BYTES, message_queue_size=4,
+                connect_timeout=10, disconnect_timeout=5,
+            ) as ws:
+                await self._serve(ws, f"gateway:{remote}")
+        except* _NETWORK_ERRORS as eg:
+            log.info("gateway data connection ended", pair=pid, error=repr(leaf_exception(eg))[:200])

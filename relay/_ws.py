@@ -1,0 +1,267 @@
+"""A small server-side WebSocket for the gateway: h11 reads the HTTP request (so the gateway
+can answer /healthz, 401, 404 and 426 itself), wsproto does the framing, trio moves bytes.
+
+No protobuf, no gRPC: the gateway relays messages without looking inside them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import h11
+import trio
+from wsproto import ConnectionType, WSConnection
+from wsproto.connection import ConnectionState
+from wsproto.events import (
+    AcceptConnection,
+    BytesMessage,
+    CloseConnection,
+    Message,
+    Ping,
+    Pong,
+    Request,
+    TextMessage,
+)
+from wsproto.utilities import RemoteProtocolError as WsRemoteProtocolError
+
+__all__ = ["HttpRequest", "WebSocket", "WsClosed", "read_request", "send_response", "upgrade"]
+
+MAX_HEADER_BYTES = 16 << 10
+READ_BYTES = 1 << 20
+
+
+class WsClosed(Exception):
+    """The WebSocket is closed: by the peer (``code`` from its close frame, 1006 if it
+    vanished) or by us (``local`` is True)."""
+
+    def __init__(self, code: int, reason: str = "", *, local: bool = False) -> None:
+        super().__init__(f"{code} {reason}".strip())
+        self.code = code
+        self.reason = reason
+        self.local = local
+
+
+@dataclasses.dataclass
+class HttpRequest:
+    method: str
+    target: str
+    headers: list[tuple[bytes, bytes]]
+    trailing: bytes
+
+    def header(self, name: str) -> str | None:
+        key = name.lower().encode()
+        for k, v in self.headers:
+            if k.lower() == key:
+                return v.decode("latin-1")
+        return None
+
+    @property
+    def path(self) -> str:
+        return self.target.split("?", 1)[0]
+
+    @property
+    def is_upgrade(self) -> bool:
+        return (self.header("upgrade") or "").lower() == "websocket" and "upgrade" in (
+            self.header("connection") or ""
+        ).lower()
+
+    @property
+    def subprotocols(self) -> list[str]:
+        raw = ",".join(v.decode("latin-1") for k, v in self.headers if k.lower() == b"sec-websocket-protocol")
+        return [p.strip() for p in raw.split(",") if p.strip()]
+
+
+class HttpError(Exception):
+    """The client's bytes are not an HTTP/1.1 request we can read."""
+
+
+async def read_request(stream: trio.abc.Stream) -> HttpRequest:
+    """Read one HTTP request head. Raises HttpError on garbage, oversized heads or EOF."""
+    conn = h11.Connection(h11.SERVER, max_incomplete_event_size=MAX_HEADER_BYTES)
+    while True:
+        try:
+            event = conn.next_event()
+        except h11.RemoteProtocolError as exc:
+            raise HttpError(str(exc)) from exc
+        if event is h11.NEED_DATA:
+            data = await stream.receive_some(MAX_HEADER_BYTES)
+            if not data:
+                raise HttpError("connection closed before a complete request")
+            conn.receive_data(data)
+            continue
+        if isinstance(event, h11.Request):
+            trailing = b""
+            if (event.method == b"GET") and any(k.lower() == b"upgrade" for k, _ in event.headers):
+                # h11 pauses after an Upgrade request; what follows belongs to the WebSocket.
+                try:
+                    conn.next_event()
+                except h11.RemoteProtocolError:
+                    pass
+                trailing = conn.trailing_data[0]
+            return HttpRequest(
+                method=event.method.decode("ascii", "replace"),
+                target=event.target.decode("ascii", "replace"),
+                headers=list(event.headers),
+                trailing=trailing,
+            )
+        raise HttpError(f"unexpected {type(event).__name__} before a request")
+
+
+async def send_response(stream: trio.abc.Stream, status: int, body: str, *, headers: list[tuple[str, str]] = ()) -> None:  # type: ignore[assignment]
+    """Answer with a plain-text HTTP/1.1 response and close the connection."""
+    payload = body.encode()
+    reason = {200: "OK", 400: "Bad Request", 401: "Unauthorized", 404: "Not Found", 405: "Method Not Allowed",
+              426: "Upgrade Required", 429: "Too Many Requests", 503: "Service Unavailable"}.get(status, "")
+    head = [f"HTTP/1.1 {status} {reason}", "content-type: text/plain; charset=utf-8",
+            f"content-length: {len(payload)}", "connection: close", *(f"{k}: {v}" for k, v in headers)]
+    try:
+        await stream.send_all(("\r\n".join(head) + "\r\n\r\n").encode() + payload)
+    except (trio.BrokenResourceError, trio.ClosedResourceError):
+        pass
+
+
+async def upgrade(
+    stream: trio.abc.Stream,
+    request: HttpRequest,
+    *,
+    subprotocol: str,
+    max_message_bytes: int,
+    keepalive_s: float,
+    idle_timeout_s: float,
+) -> WebSocket:
+    """Accept the WebSocket upgrade of ``request`` with ``subprotocol``."""
+    conn = WSConnection(ConnectionType.SERVER)
+    conn.initiate_upgrade_connection(request.headers, request.target)
+    for event in conn.events():
+        if isinstance(event, Request):
+            break
+    else:  # pragma: no cover - initiate_upgrade_connection always yields the Request
+        raise HttpError("not a WebSocket upgrade")
+    await stream.send_all(conn.send(AcceptConnection(subprotocol=subprotocol)))
+    ws = WebSocket(stream, conn, max_message_bytes=max_message_bytes, keepalive_s=keepalive_s,
+                   idle_timeout_s=idle_timeout_s)
+    if request.trailing:
+        conn.receive_data(request.trailing)
+    return ws
+
+
+class WebSocket:
+    """A server-side WebSocket over a trio stream. One task receives; any task may send.
+
+    ``receive_message`` answers pings, enforces the largest message (close 1009), pings
+    an idle peer every ``keepalive_s`` and closes it (1001) after ``idle_timeout_s`` of
+    silence. Every failure surfaces as WsClosed with the code to report.
+    """
+
+    def __init__(self, stream: trio.abc.Stream, conn: WSConnection, *, max_message_bytes: int,
+                 keepalive_s: float, idle_timeout_s: float) -> None:
+        self._stream = stream
+        self._conn = conn
+        self._max = max_message_bytes
+        self._keepalive = keepalive_s
+        self._idle_timeout = idle_timeout_s
+        self._send_lock = trio.StrictFIFOLock()
+        self._parts: list[bytes | str] = []
+        self._size = 0
+        self._closed: WsClosed | None = None
+        self.bytes_in = 0
+        self.bytes_out = 0
+
+    async def _write(self, data: bytes) -> None:
+        if not data:
+            return
+        async with self._send_lock:
+            try:
+                await self._stream.send_all(data)
+            except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
+                self._closed = self._closed or WsClosed(1006, "connection lost")
+                raise self._closed from exc
+
+    async def send_message(self, message: bytes | str) -> None:
+        if self._closed is not None:
+            raise self._closed
+        event = TextMessage(data=message) if isinstance(message, str) else BytesMessage(data=message)
+        data = self._conn.send(event)
+        self.bytes_out += len(message)
+        await self._write(data)
+
+    async def ping(self, payload: bytes = b"kv") -> None:
+        if self._closed is None and self._conn.state is ConnectionState.OPEN:
+            await self._write(self._conn.send(Ping(payload=payload)))
+
+    async def close(self, code: int = 1000, reason: str = "") -> None:
+        """Send a close frame (if still open) and close the stream. Idempotent."""
+        if self._closed is None:
+            self._closed = WsClosed(code, reason, local=True)
+        if self._conn.state is ConnectionState.OPEN:
+            try:
+                await self._write(self._conn.send(CloseConnection(code=code, reason=reason[:120])))
+            except WsClosed:
+                pass
+        await self._stream.aclose()
+
+    async def receive_message(self) -> bytes | str:
+        while True:
+            if self._closed is not None:
+                raise self._closed
+            try:
+                for event in self._conn.events():
+                    result = await self._handle(event)
+                    if result is not None:
+                        return result
+            except WsRemoteProtocolError as exc:
+                await self.close(1002, f"protocol error: {exc}"[:120])
+                raise WsClosed(1002, str(exc), local=True) from exc
+            data = await self._receive_some()
+            self._conn.receive_data(data)
+
+    async def _receive_some(self) -> bytes:
+        idle = 0.0
+        while True:
+            with trio.move_on_after(self._keepalive) as scope:
+                try:
+                    data = await self._stream.receive_some(READ_BYTES)
+                except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
+                    self._closed = self._closed or WsClosed(1006, "connection lost")
+                    raise self._closed from exc
+            if not scope.cancelled_caught:
+                if not data:
+                    self._closed = self._closed or WsClosed(1006, "connection closed without a close frame")
+                    await self._stream.aclose()
+                    raise self._closed
+                self.bytes_in += len(data)
+                return data
+            idle += self._keepalive
+            if idle >= self._idle_timeout:
+                await self.close(1001, "idle timeout")
+                raise WsClosed(1001, "idle timeout", local=True)
+            await self.ping()
+
+    async def _handle(self, event: object) -> bytes | str | None:
+        if isinstance(event, Message):
+            self._size += len(event.data)
+            if self._size > self._max:
+                await self.close(1009, f"message larger than {self._max} bytes")
+                raise WsClosed(1009, "message too big", local=True)
+            self._parts.append(event.data)
+            if event.message_finished:
+                parts, self._parts, self._size = self._parts, [], 0
+                if isinstance(event, TextMessage):
+                    return "".join(parts)  # type: ignore[arg-type]
+                return b"".join(parts)  # type: ignore[arg-type]
+            return None
+        if isinstance(event, Ping):
+            await self._write(self._conn.send(event.response()))
+            return None
+        if isinstance(event, Pong):
+            return None
+        if isinstance(event, CloseConnection):
+            if self._conn.state is not ConnectionState.CLOSED:
+                try:
+                    await self._write(self._conn.send(event.response()))
+                except WsClosed:
+                    pass
+            self._closed = WsClosed(event.code, event.reason or "")
+            await self._stream.aclose()
+            raise self._closed
+        return None
