@@ -141,6 +141,9 @@ class Gateway:
         self._connections += 1
         try:
             await self._handle(stream, remote)
+        except Exception:  # one connection's failure must never stop the gateway
+            self._refuse("internal_error")
+            log.exception("connection handler failed", remote=remote)
         finally:
             self._connections -= 1
             with trio.CancelScope(shield=True):

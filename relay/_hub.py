@@ -204,7 +204,11 @@ class _Hub:
             return
         ws = await request.accept(subprotocol=SUBPROTOCOL)
         remote = f"{ws.remote.address}:{ws.remote.port}" if hasattr(ws.remote, "address") else str(ws.remote)
-        await self.serve_connection(ws, remote)
+        try:
+            await self.serve_connection(ws, remote)
+        except Exception:  # one session's failure must never stop the hub
+            log.exception("session handler failed", remote=remote)
+            await ws.aclose(CloseCode.INTERNAL_ERROR, "hub error")
 
     async def serve_connection(self, ws: WebSocketConnection, remote: str) -> None:
         """Run the handshake and then the session on one worker WebSocket (direct or via a gateway)."""

@@ -86,3 +86,5 @@ class GatewayLink:
                 await self._serve(ws, f"gateway:{remote}")
         except* _NETWORK_ERRORS as eg:
             log.info("gateway data connection ended", pair=pid, error=repr(leaf_exception(eg))[:200])
+        except* Exception:  # one session's failure must never stop the hub
+            log.exception("gateway session failed", pair=pid)

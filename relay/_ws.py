@@ -198,7 +198,14 @@ class WebSocket:
                 await self._write(self._conn.send(CloseConnection(code=code, reason=reason[:120])))
             except WsClosed:
                 pass
-        await self._stream.aclose()
+        await self._close_stream()
+
+    async def _close_stream(self) -> None:
+        # The peer may already be gone: closing is best effort and never raises.
+        try:
+            await self._stream.aclose()
+        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+            pass
 
     async def receive_message(self) -> bytes | str:
         while True:
@@ -227,7 +234,7 @@ class WebSocket:
             if not scope.cancelled_caught:
                 if not data:
                     self._closed = self._closed or WsClosed(1006, "connection closed without a close frame")
-                    await self._stream.aclose()
+                    await self._close_stream()
                     raise self._closed
                 self.bytes_in += len(data)
                 return data
@@ -262,6 +269,6 @@ class WebSocket:
                 except WsClosed:
                     pass
             self._closed = WsClosed(event.code, event.reason or "")
-            await self._stream.aclose()
+            await self._close_stream()
             raise self._closed
         return None

@@ -1,0 +1,288 @@
+"""The public gateway, for real: TLS on 127.0.0.1, a hub and workers that both dial out,
+hostile traffic beside a live session, and a gateway restart mid-decode."""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import os
+import random
+import signal
+import socket
+import ssl
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+import trio
+from wsproto.events import CloseConnection
+
+from kvasir_rpc._swarm import LocalSwarm
+from wsclient import connect, open_stream, open_tcp, read_until_eof
+
+GATEWAY_LIMITS = ["--handshake-timeout", "2", "--keepalive", "0.5", "--idle-timeout", "2",
+                  "--max-message-bytes", str(1 << 20)]
+
+
+def _wait(predicate, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(0.05)
+
+
+@pytest.fixture(scope="module")
+def gw(tiny_models, tmp_path_factory):
+    model = tiny_models("qwen3_moe")
+    with LocalSwarm(tmp_path_factory.mktemp("gw")) as sw:
+        sw.start_gateway(extra=GATEWAY_LIMITS)
+        sw.start_hub(gateway=True)
+        sw.start_worker("worker1", model, "*:0-3", via="gateway")
+        sw.start_worker("worker2", model, "*:4-7", via="gateway")
+        sw.wait_sessions(2, watch=["gateway", "worker1", "worker2"])
+        sw.model = model  # type: ignore[attr-defined]
+        yield sw
+
+
+def _loopback(ip: str) -> bool:
+    addr = ipaddress.ip_address(ip)
+    mapped = getattr(addr, "ipv4_mapped", None)
+    return (mapped or addr).is_loopback
+
+
+def _client_ssl(sw) -> ssl.SSLContext:
+    return ssl.create_default_context(cafile=str(sw.ca_file))
+
+
+def test_only_the_gateway_listens_publicly(gw):
+    for name in ("worker1", "worker2"):
+        conns = psutil.Process(gw.procs[name].pid).net_connections(kind="inet")
+        assert not [c for c in conns if c.status == psutil.CONN_LISTEN or c.type == socket.SOCK_DGRAM], conns
+    hub = psutil.Process(gw.procs["hub"].pid).net_connections(kind="inet")
+    hub_listen = [c for c in hub if c.status == psutil.CONN_LISTEN]
+    assert hub_listen and all(_loopback(c.laddr.ip) for c in hub_listen), [c.laddr for c in hub_listen]
+    gateway = psutil.Process(gw.procs["gateway"].pid).net_connections(kind="inet")
+    assert [c.laddr.port for c in gateway if c.status == psutil.CONN_LISTEN] == [gw.gateway_port]
+
+
+def test_gateway_process_loads_no_protobuf_or_grpc(gw):
+    maps = [m.path for m in psutil.Process(gw.procs["gateway"].pid).memory_maps()]
+    assert not [p for p in maps if "grpc" in p or "_upb" in p or "protobuf" in p]
+    code = "import sys, relay.__main__, relay._gateway; print(sorted(m for m in sys.modules if m.startswith(('grpc', 'google.protobuf', 'torch'))))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.stdout.strip() == "[]", out.stderr
+
+
+def _http(sw, request: bytes) -> bytes:
+    async def run() -> bytes:
+        with trio.fail_after(10):
+            stream = await open_stream(sw.gateway_port, _client_ssl(sw))
+            await stream.send_all(request)
+            return await read_until_eof(stream)
+
+    return trio.run(run)
+
+
+def test_plain_http_gets_precise_answers(gw):
+    assert _http(gw, b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n").startswith(b"HTTP/1.1 200")
+    assert _http(gw, b"POST /healthz HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\n\r\n").startswith(b"HTTP/1.1 405")
+    assert _http(gw, b"GET /v1/worker HTTP/1.1\r\nHost: x\r\n\r\n").startswith(b"HTTP/1.1 426")
+    assert _http(gw, b"GET /nowhere HTTP/1.1\r\nHost: x\r\n\r\n").startswith(b"HTTP/1.1 404")
+    assert _http(gw, b"GET /v1/hub/control HTTP/1.1\r\nHost: x\r\n\r\n").startswith(b"HTTP/1.1 401")
+    assert _http(gw, b"\x16\x03garbage\r\n\r\n") == b""  # not HTTP: closed without an answer
+
+    async def no_subprotocol() -> int | None:
+        with trio.fail_after(10):
+            ws = await connect(gw.gateway_port, "/v1/worker", ssl_context=_client_ssl(gw))
+            await ws.aclose()
+            return ws.status
+
+    assert trio.run(no_subprotocol) == 400
+
+
+async def _storm(sw, counts: dict[str, int]) -> dict[str, dict[str, int]]:
+    """Hostile connections of every kind, from many source addresses; tallies answers."""
+    ctx = _client_ssl(sw)
+    token_headers = [(b"authorization", b"Bearer not-the-token-0123456789")]
+    port = sw.gateway_port
+    tally: dict[str, dict[str, int]] = {k: {} for k in counts}
+    limiter = trio.CapacityLimiter(48)
+    rng = random.Random(7)
+
+    def note(kind: str, outcome: str) -> None:
+        tally[kind][outcome] = tally[kind].get(outcome, 0) + 1
+
+    async def one(kind: str, i: int) -> None:
+        source = f"127.0.0.{2 + i % 60}"
+        async with limiter:
+            try:
+                with trio.fail_after(20):
+                    if kind == "random_bytes":
+                        s = await open_tcp(port, source)
+                        await s.send_all(rng.randbytes(rng.randint(1, 300)))
+                        await read_until_eof(s)
+                        note(kind, "closed")
+                    elif kind == "half_handshake":
+                        s = await open_stream(port, ctx, source)
+                        await s.send_all(b"GET /v1/worker HTTP/1.1\r\nHost: x\r\nUpgrade: web")
+                        await s.aclose()
+                        note(kind, "abandoned")
+                    elif kind == "slow_handshake":
+                        s = await open_tcp(port, source)
+                        t0 = trio.current_time()
+                        await read_until_eof(s)
+                        note(kind, "closed_after_timeout" if trio.current_time() - t0 >= 1.5 else "closed_early")
+                    elif kind == "wrong_token":
+                        ws = await connect(port, "/v1/hub/control", ssl_context=ctx, source=source,
+                                           headers=token_headers, subprotocols=["kvasir.gateway.v1"])
+                        note(kind, f"http_{ws.status}")
+                        await ws.aclose()
+                    elif kind == "worker_as_hub":
+                        ws = await connect(port, "/v1/hub/data/abcdefghijklmnop", ssl_context=ctx, source=source,
+                                           subprotocols=["kvasir.tunnel.v1"])
+                        note(kind, f"http_{ws.status}")
+                        await ws.aclose()
+                    elif kind in ("oversized", "speaks_first"):
+                        ws = await connect(port, "/v1/worker", ssl_context=ctx, source=source,
+                                           subprotocols=["kvasir.tunnel.v1"])
+                        if ws.status is not None:
+                            note(kind, f"http_{ws.status}")
+                            return
+                        if kind == "oversized":
+                            await ws.next_event()  # the hub's challenge, relayed
+                            await ws.send(bytes((1 << 20) + 1024))
+                        else:
+                            await ws.send(b"\x08\x01 I am the hub now")
+                        ev = await ws.next_event()
+                        while not isinstance(ev, CloseConnection) and ev is not None:
+                            ev = await ws.next_event()
+                        note(kind, f"close_{ev.code}" if isinstance(ev, CloseConnection) else "eof")
+                        await ws.aclose()
+            except trio.TooSlowError:
+                note(kind, "TIMEOUT")
+            except (OSError, trio.BrokenResourceError, ssl.SSLError):
+                note(kind, "reset")
+
+    async with trio.open_nursery() as nursery:
+        i = 0
+        for kind, n in counts.items():
+            for _ in range(n):
+                nursery.start_soon(one, kind, i)
+                i += 1
+    return tally
+
+
+def test_hostile_traffic_does_not_hurt_a_live_session(gw):
+    backbone = subprocess.Popen(
+        [gw.python, "-m", "backbone", "generate", "--hub", gw.hub_grpc_address, "--model", str(gw.model),
+         "--prompt", "under fire", "--max-new-tokens", "120", "--compare-local", "--json", "--wait-sessions", "2"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=gw.env, cwd=gw.workdir,
+    )
+    counts = {"random_bytes": 380, "half_handshake": 280, "wrong_token": 180, "worker_as_hub": 100,
+              "slow_handshake": 30, "oversized": 15, "speaks_first": 15}
+    try:
+        tally = trio.run(_storm, gw, counts)
+        out, err = backbone.communicate(timeout=300)
+    finally:
+        if backbone.poll() is None:
+            backbone.kill()
+    assert sum(counts.values()) >= 1000
+    assert tally["random_bytes"] == {"closed": counts["random_bytes"]}, tally
+    assert tally["half_handshake"] == {"abandoned": counts["half_handshake"]}, tally
+    assert tally["slow_handshake"] == {"closed_after_timeout": counts["slow_handshake"]}, tally
+    assert tally["wrong_token"] == {"http_401": counts["wrong_token"]}, tally
+    assert tally["worker_as_hub"] == {"http_401": counts["worker_as_hub"]}, tally
+    assert tally["oversized"] == {"close_1009": counts["oversized"]}, tally
+    assert set(tally["speaks_first"]) <= {"close_1002", "close_1008"}, tally
+    assert backbone.returncode == 0, err.decode()[-3000:]
+    result = json.loads(out.decode().strip().splitlines()[-1])
+    assert result["tokens_identical"] is True and result["max_abs_logit_diff"] == 0.0
+    assert result["fallback_calls"] == 0 and result["remote_calls"] > 0
+    assert len(gw.list_sessions()) == 2
+    assert _http(gw, b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n").startswith(b"HTTP/1.1 200")
+
+
+def test_new_connections_per_source_address_are_limited(gw):
+    async def burst() -> tuple[int, int]:
+        answered = refused = 0
+
+        async def one() -> None:
+            nonlocal answered, refused
+            with trio.fail_after(10):
+                s = await open_tcp(gw.gateway_port, "127.0.0.200")
+                try:
+                    tls = trio.SSLStream(s, _client_ssl(gw), server_hostname="127.0.0.1")
+                    await tls.do_handshake()
+                    await tls.send_all(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+                    data = await read_until_eof(tls)
+                except (trio.BrokenResourceError, ssl.SSLError, OSError):
+                    data = b""
+                if data.startswith(b"HTTP/1.1 200"):
+                    answered += 1
+                else:
+                    refused += 1
+
+        async with trio.open_nursery() as n:
+            for _ in range(150):
+                n.start_soon(one)
+        return answered, refused
+
+    answered, refused = trio.run(burst)
+    assert answered >= 40 and refused >= 50, (answered, refused)
+    # Other addresses are unaffected.
+    assert _http(gw, b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n").startswith(b"HTTP/1.1 200")
+
+
+def test_silent_peer_is_pinged_then_closed(gw):
+    async def silent() -> tuple[object, int]:
+        with trio.fail_after(20):
+            ws = await connect(gw.gateway_port, "/v1/worker", ssl_context=_client_ssl(gw), source="127.0.0.150",
+                               subprotocols=["kvasir.tunnel.v1"])
+            assert ws.status is None
+            ev = await ws.next_event(answer_pings=False)  # the challenge
+            while not isinstance(ev, CloseConnection) and ev is not None:
+                ev = await ws.next_event(answer_pings=False)
+            return ev, ws.pings
+
+    ev, pings = trio.run(silent)
+    assert isinstance(ev, CloseConnection) and ev.code == 1001 and "idle" in (ev.reason or ""), ev
+    assert pings >= 2
+
+
+def test_gateway_restart_mid_decode(tiny_models, tmp_path):
+    model = tiny_models("qwen3_moe")
+    with LocalSwarm(tmp_path) as sw:
+        sw.start_gateway()
+        port = sw.gateway_port
+        sw.start_hub(gateway=True)
+        sw.start_worker("worker1", model, "*:0-3", via="gateway")
+        sw.start_worker("worker2", model, "*:4-7", via="gateway")
+        sw.wait_sessions(2, watch=["gateway", "worker1", "worker2"])
+        backbone = subprocess.Popen(
+            [sw.python, "-m", "backbone", "generate", "--hub", sw.hub_grpc_address, "--model", str(model),
+             "--prompt", "the gateway goes away", "--max-new-tokens", "150", "--compare-local", "--json",
+             "--wait-sessions", "2"],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=sw.env, cwd=tmp_path,
+        )
+        try:
+            _wait(lambda: sum(s.bytes_from_worker for s in sw.list_sessions()) > 40_000, 120, "decode traffic")
+            sw.stop_process("gateway", sig=signal.SIGKILL)
+            sw.procs.pop("gateway")
+            out, err = backbone.communicate(timeout=300)
+        finally:
+            if backbone.poll() is None:
+                backbone.kill()
+        assert backbone.returncode == 0, err.decode()[-3000:]
+        result = json.loads(out.decode().strip().splitlines()[-1])
+        assert result["tokens_identical"] is True and result["max_abs_logit_diff"] == 0.0
+        assert result["n_tokens"] == 150
+        _wait(lambda: sw.list_sessions() == [], 30, "the hub to drop the gateway sessions")
+        sw.start_gateway(port=port)
+        sessions = sw.wait_sessions(2, timeout=90, watch=["gateway", "hub", "worker1", "worker2"])
+        assert len(sessions) == 2
+        again = sw.run_backbone(["--model", str(model), "--prompt", "back", "--max-new-tokens", "4",
+                                 "--compare-local"])
+        assert again["remote_calls"] > 0 and again["tokens_identical"] is True
