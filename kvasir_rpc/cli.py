@@ -69,6 +69,20 @@ def run_demo(arch: str, *, seed: int = 0, max_new_tokens: int = 12, batch: int =
     return result
 
 
+def _cmd_bench(args: argparse.Namespace) -> int:
+    from kvasir_rpc._bench import run_bench
+
+    def say(msg: str) -> None:
+        print(msg, file=sys.stderr, flush=True)
+
+    result = run_bench(quick=args.quick, say=say)
+    if args.json:
+        print(json.dumps(result))
+    else:
+        print(json.dumps({"ratios": result["ratios"], "figures": result["figures"]}, indent=2))
+    return 0
+
+
 def _cmd_certs(args: argparse.Namespace) -> int:
     from kvasir_rpc._certs import make_dev_certs
 
@@ -122,6 +136,10 @@ def main(argv: list[str] | None = None) -> int:
     tiny.add_argument("--arch", choices=ARCHES, default="qwen3_moe")
     tiny.add_argument("--seed", type=int, default=0)
     tiny.set_defaults(func=_cmd_model_tiny)
+    bench = sub.add_parser("bench", help="benchmarks: the paths side by side in one run, as ratios")
+    bench.add_argument("--quick", action="store_true", help="fewer calls per point")
+    bench.add_argument("--json", action="store_true", help="print the whole result as one JSON object")
+    bench.set_defaults(func=_cmd_bench)
     certs = sub.add_parser("certs", help="make a development CA and a gateway certificate")
     certs.add_argument("dir", type=pathlib.Path)
     certs.add_argument("--host", action="append", help="name or IP the certificate covers (repeatable)")

@@ -48,6 +48,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=int(os.environ.get("KVASIR_THREADS", "0")) or None,
                    help="torch intra-op threads (default: torch's choice)")
     p.add_argument("--drain-timeout", type=float, default=10.0, help="seconds to finish in-flight calls on SIGTERM")
+    p.add_argument("--direct-grpc", metavar="HOST:PORT",
+                   help="also serve ExpertService on this TCP address, without the tunnel (benchmarks, "
+                        "trusted LANs); off by default: the worker opens no listening socket")
     p.add_argument("--log-level", default="info")
     args = p.parse_args(argv)
     configure_logging("worker", level=args.log_level)
@@ -81,6 +84,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     expert_pb2_grpc.add_ExpertServiceServicer_to_server(servicer, server)
     server.add_insecure_port(f"unix:{uds_path}")
+    if args.direct_grpc:
+        # Opt-in, for benchmarks and trusted LANs: the one case where the worker listens.
+        if server.add_insecure_port(args.direct_grpc) == 0:
+            print(f"worker: cannot bind --direct-grpc {args.direct_grpc}", file=sys.stderr)
+            return 2
     server.start()
 
     def make_handshake() -> WorkerHandshake:

@@ -1,0 +1,214 @@
+"""``kvasir bench``: the paths side by side in one run, reported as ratios.
+
+Dispatch: one SwiGLU expert (hidden 2048, intermediate 768, float32, like Qwen3-30B-A3B's)
+at several batch sizes through the in-process kernel, a direct grpcio call on loopback TCP
+(no tunnel), the hub path (worker dials the hub's WebSocket) and the gateway path (worker
+and hub both dial a TLS gateway). Medians and p90s per call, rows/s with one and with
+several calls in flight, relay MB/s, and metered bytes over tensor payload bytes.
+
+Everything runs on this machine at once, so absolute figures move between runs; the
+ratios between paths measured in the same run are what to compare.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import queue
+import socket
+import statistics
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+
+import grpc
+
+__all__ = ["run_bench", "make_bench_checkpoint"]
+
+HIDDEN, INTER = 2048, 768
+BATCHES = (1, 8, 64, 512)
+
+
+def make_bench_checkpoint(directory: pathlib.Path) -> pathlib.Path:
+    """One MoE layer of two experts with Qwen3-30B-A3B's expert shape (38 MB), per-expert tensors."""
+    import torch
+    from safetensors.torch import save_file
+
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "config.json").write_text(json.dumps({
+        "model_type": "qwen3_moe", "num_hidden_layers": 1, "num_experts": 2, "hidden_size": HIDDEN,
+        "moe_intermediate_size": INTER, "hidden_act": "silu", "dtype": "float32",
+    }))
+    g = torch.Generator().manual_seed(0)
+    tensors = {}
+    for e in range(2):
+        p = f"model.layers.0.mlp.experts.{e}"
+        tensors[f"{p}.gate_proj.weight"] = torch.randn(INTER, HIDDEN, generator=g) * 0.02
+        tensors[f"{p}.up_proj.weight"] = torch.randn(INTER, HIDDEN, generator=g) * 0.02
+        tensors[f"{p}.down_proj.weight"] = torch.randn(HIDDEN, INTER, generator=g) * 0.02
+    save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    return directory
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))]
+
+
+class _Stream:
+    """One Dispatch stream; ``call`` is a blocking round trip, ``burst`` keeps k in flight."""
+
+    def __init__(self, target: str) -> None:
+        from kvasir_rpc._gen.kvasir.v1 import expert_pb2_grpc
+
+        self.channel = grpc.insecure_channel(target, options=[("grpc.max_receive_message_length", 256 << 20),
+                                                             ("grpc.max_send_message_length", 256 << 20)])
+        grpc.channel_ready_future(self.channel).result(timeout=30)
+        self.q: queue.SimpleQueue[object] = queue.SimpleQueue()
+        self.responses = expert_pb2_grpc.ExpertServiceStub(self.channel).Dispatch(self._iter())
+
+    def _iter(self) -> Iterator[object]:
+        while True:
+            item = self.q.get()
+            if item is None:
+                return
+            yield item
+
+    def call(self, req: object) -> object:
+        self.q.put(req)
+        return next(self.responses)
+
+    def burst(self, req: object, n: int, k: int) -> float:
+        """Send n calls keeping k in flight; seconds taken."""
+        t0 = time.perf_counter()
+        sent = 0
+        for _ in range(min(k, n)):
+            self.q.put(req)
+            sent += 1
+        for _ in range(n):
+            next(self.responses)
+            if sent < n:
+                self.q.put(req)
+                sent += 1
+        return time.perf_counter() - t0
+
+    def close(self) -> None:
+        self.q.put(None)
+        self.responses.cancel()
+        self.channel.close()
+
+
+def run_bench(*, quick: bool = False, say: Callable[[str], None] = print) -> dict[str, object]:
+    import torch
+
+    from kvasir_rpc._checkpoint import ExpertIndex
+    from kvasir_rpc._codec import encode_tensor
+    from kvasir_rpc._gen.kvasir.v1 import expert_pb2
+    from kvasir_rpc._kernel import expert_forward, get_activation
+    from kvasir_rpc._swarm import LocalSwarm
+
+    torch.set_num_threads(1)
+    calls = {1: 60, 8: 40, 64: 20, 512: 6} if quick else {1: 300, 8: 200, 64: 100, 512: 30}
+    in_flight = 4
+    paths: dict[str, dict[str, object]] = {}
+    wire: dict[str, dict[str, float]] = {}
+    with tempfile.TemporaryDirectory(prefix="kvasir-bench-") as tmp, LocalSwarm(tmp) as sw:
+        ckpt = make_bench_checkpoint(pathlib.Path(tmp) / "expert")
+        index = ExpertIndex(ckpt)
+        gate_up, down = index.load(0, 0)
+        act = get_activation("silu")
+        direct_port = _free_port()
+        say("starting gateway (TLS), hub and two workers")
+        sw.start_gateway()
+        sw.start_hub(gateway=True)
+        sw.start_worker("worker_hub", ckpt, "0:0", via="hub", extra=["--direct-grpc", f"127.0.0.1:{direct_port}"])
+        sw.start_worker("worker_gateway", ckpt, "0:0", via="gateway")
+        sessions = sw.wait_sessions(2, watch=["gateway", "worker_hub", "worker_gateway"])
+        by_path = {("gateway" if s.remote_address.startswith("gateway:") else "hub"): s for s in sessions}
+        targets = {"direct": f"127.0.0.1:{direct_port}", "hub": by_path["hub"].target,
+                   "gateway": by_path["gateway"].target}
+
+        def metered(path: str) -> int:
+            for s in sw.list_sessions():
+                if s.session_id == by_path[path].session_id:
+                    return int(s.bytes_to_worker + s.bytes_from_worker)
+            return 0
+
+        g = torch.Generator().manual_seed(1)
+        for batch in BATCHES:
+            hidden = torch.randn(batch, HIDDEN, generator=g)
+            weights = torch.rand(batch, generator=g)
+            req = expert_pb2.DispatchRequest(call_id=1, layer=0, hidden=encode_tensor(hidden),
+                                             weights=encode_tensor(weights),
+                                             segments=[expert_pb2.ExpertSegment(expert=0, rows=batch)])
+            payload = (hidden.numel() + weights.numel() + hidden.numel()) * 4  # request tensors + partials
+            n = calls[batch]
+            # In-process: the same kernel, no network.
+            times = []
+            for _ in range(n):
+                t0 = time.perf_counter()
+                expert_forward(hidden, gate_up, down, act, weights)
+                times.append(time.perf_counter() - t0)
+            paths.setdefault("inprocess", {})[str(batch)] = _summary(times, batch, payload, in_flight_rows_s=None)
+            for path, target in targets.items():
+                stream = _Stream(target)
+                try:
+                    for _ in range(3):
+                        stream.call(req)  # warm up the connection and the worker
+                    before = metered(path) if path != "direct" else 0
+                    times = []
+                    for _ in range(n):
+                        t0 = time.perf_counter()
+                        stream.call(req)
+                        times.append(time.perf_counter() - t0)
+                    if path != "direct":
+                        wire.setdefault(path, {})[str(batch)] = round((metered(path) - before) / (payload * n), 4)
+                    secs = stream.burst(req, n, in_flight)
+                    paths.setdefault(path, {})[str(batch)] = _summary(times, batch, payload,
+                                                                      in_flight_rows_s=batch * n / secs)
+                finally:
+                    stream.close()
+            say(f"batch {batch}: " + ", ".join(f"{p} p50 {paths[p][str(batch)]['p50_ms']} ms" for p in paths))  # type: ignore[index]
+
+    def p50(path: str, b: int) -> float:
+        return float(paths[path][str(b)]["p50_ms"])  # type: ignore[index]
+
+    def rows(path: str, b: int, key: str = "rows_s") -> float:
+        return float(paths[path][str(b)][key])  # type: ignore[index]
+
+    ratios = {
+        "gateway_over_direct_p50_b1": round(p50("gateway", 1) / p50("direct", 1), 3),
+        "hub_over_direct_p50_b1": round(p50("hub", 1) / p50("direct", 1), 3),
+        "gateway_over_inprocess_rows_b512": round(rows("gateway", 512, "rows_s_in_flight") / rows("inprocess", 512), 3),
+        "direct_over_inprocess_rows_b512": round(rows("direct", 512) / rows("inprocess", 512), 3),
+        "wire_over_payload_b64": wire["gateway"]["64"],
+    }
+    figures = {
+        "gateway_added_ms_b1": round(p50("gateway", 1) - p50("direct", 1), 3),
+        "hub_added_ms_b1": round(p50("hub", 1) - p50("direct", 1), 3),
+        "gateway_tls_mb_s_b512": paths["gateway"]["512"]["mb_s"],  # type: ignore[index]
+        "hub_mb_s_b512": paths["hub"]["512"]["mb_s"],  # type: ignore[index]
+        "direct_mb_s_b512": paths["direct"]["512"]["mb_s"],  # type: ignore[index]
+    }
+    return {"dispatch": paths, "wire": wire, "ratios": ratios, "figures": figures,
+            "machine": {"cpus": os.cpu_count(), "torch_threads": 1}, "quick": quick}
+
+
+def _summary(times: list[float], batch: int, payload: int, *, in_flight_rows_s: float | None) -> dict[str, float]:
+    med = statistics.median(times)
+    out = {
+        "p50_ms": round(med * 1000, 3),
+        "p90_ms": round(_pct(times, 0.9) * 1000, 3),
+        "rows_s": round(batch / med, 1),
+        "mb_s": round(payload / med / 1e6, 1),
+    }
+    if in_flight_rows_s is not None:
+        out["rows_s_in_flight"] = round(in_flight_rows_s, 1)
+    return out
