@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test proto lint venv clean
+.PHONY: demo test proto lint venv clean system-deps
 
 venv: $(STAMP)
 
@@ -19,11 +19,22 @@ $(STAMP): pyproject.toml constraints.txt
 demo: $(STAMP)
 	$(VENV)/bin/kvasir demo
 
-test: $(STAMP) lint
+test: $(STAMP) system-deps lint
 	$(PY) -m pytest -q
 
 lint: $(STAMP)
 	$(VENV)/bin/buf lint
+	$(VENV)/bin/mypy kvasir_rpc relay worker backbone ledger
+
+# The ledger's tests start a throwaway PostgreSQL cluster: they need Debian's server binaries.
+system-deps:
+	@if ! ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1; then \
+	  if [ "$$(id -u)" = 0 ]; then \
+	    apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends postgresql; \
+	  else \
+	    echo "PostgreSQL server binaries are missing: run 'sudo apt-get install postgresql' (Debian/Ubuntu)" >&2; exit 1; \
+	  fi; \
+	fi
 
 proto: $(STAMP)
 	$(PY) tools/gen_proto.py

@@ -26,6 +26,13 @@ __all__ = ["IMPLEMENTATION", "Dispatcher", "DispatchStats", "install"]
 log = get_logger("backbone.experts")
 
 IMPLEMENTATION = "kvasir"
+
+
+def _expert_weights(module: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+    """The fused ``gate_up_proj`` [E, 2I, H] and ``down_proj`` [E, H, I] of an experts module."""
+    gate_up, down = module.gate_up_proj, module.down_proj
+    assert isinstance(gate_up, torch.Tensor) and isinstance(down, torch.Tensor)
+    return gate_up, down
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
 
@@ -84,12 +91,13 @@ class Dispatcher:
             module = self._experts.get(layer)
             if module is None:
                 return None
+            gate_up, down = _expert_weights(module)
             for e in experts:
-                if e >= module.gate_up_proj.shape[0]:
+                if e >= gate_up.shape[0]:
                     return None
                 key = (layer, e)
                 if key not in self._digests:
-                    self._digests[key] = expert_digest(module.gate_up_proj[e], module.down_proj[e])
+                    self._digests[key] = expert_digest(gate_up[e], down[e])
                 digests[key] = self._digests[key]
         return slices_digest(digests)
 
@@ -129,7 +137,7 @@ class Dispatcher:
         self, module: torch.nn.Module, layer: int, hidden: torch.Tensor, top_k_index: torch.Tensor,
         top_k_weights: torch.Tensor,
     ) -> torch.Tensor:
-        routes = plan_routes(top_k_index, module.gate_up_proj.shape[0])
+        routes = plan_routes(top_k_index, _expert_weights(module)[0].shape[0])
         placed: dict[WorkerLink, list[Route]] = {}
         local: list[Route] = []
         if self.remote:
@@ -197,12 +205,11 @@ class Dispatcher:
 
     @staticmethod
     def _local(module: torch.nn.Module, hidden: torch.Tensor, top_k_weights: torch.Tensor, r: Route) -> torch.Tensor:
+        gate_up, down = _expert_weights(module)
+        act = module.act_fn
+        assert callable(act)
         return expert_forward(
-            hidden[r.token_idx],
-            module.gate_up_proj[r.expert],
-            module.down_proj[r.expert],
-            module.act_fn,
-            top_k_weights[r.token_idx, r.top_k_pos],
+            hidden[r.token_idx], gate_up[r.expert], down[r.expert], act, top_k_weights[r.token_idx, r.top_k_pos]
         )
 
     def reset_counters(self) -> None:

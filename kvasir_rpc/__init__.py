@@ -20,6 +20,8 @@ if TYPE_CHECKING:  # the real names, for type checkers; at run time __getattr__ 
     from kvasir_rpc._gen.kvasir.v1 import (
         expert_pb2,
         expert_pb2_grpc,
+        ledger_pb2,
+        ledger_pb2_grpc,
         session_pb2,
         session_pb2_grpc,
         tensor_pb2,
@@ -31,6 +33,15 @@ if TYPE_CHECKING:  # the real names, for type checkers; at run time __getattr__ 
         WorkerHandshake,
         slices_from_proto,
         slices_to_proto,
+    )
+    from kvasir_rpc._receipts import (
+        DEFAULT_RATE_NANO_PER_BYTE,
+        ReceiptError,
+        format_kvr,
+        format_units,
+        open_receipt,
+        sign_receipt,
+        validate_receipt,
     )
     from kvasir_rpc._log import (
         configure_logging,
@@ -81,6 +92,8 @@ _LAZY = {
     "leaf_exception": "kvasir_rpc._errors",
     "expert_pb2": _GEN,
     "expert_pb2_grpc": _GEN,
+    "ledger_pb2": _GEN,
+    "ledger_pb2_grpc": _GEN,
     "session_pb2": _GEN,
     "session_pb2_grpc": _GEN,
     "tensor_pb2": _GEN,
@@ -90,6 +103,13 @@ _LAZY = {
     "WorkerHandshake": "kvasir_rpc._handshake",
     "slices_from_proto": "kvasir_rpc._handshake",
     "slices_to_proto": "kvasir_rpc._handshake",
+    "DEFAULT_RATE_NANO_PER_BYTE": "kvasir_rpc._receipts",
+    "ReceiptError": "kvasir_rpc._receipts",
+    "format_kvr": "kvasir_rpc._receipts",
+    "format_units": "kvasir_rpc._receipts",
+    "open_receipt": "kvasir_rpc._receipts",
+    "sign_receipt": "kvasir_rpc._receipts",
+    "validate_receipt": "kvasir_rpc._receipts",
     "configure_logging": "kvasir_rpc._log",
     "get_logger": "kvasir_rpc._log",
     "Wallet": "kvasir_rpc._wallet",

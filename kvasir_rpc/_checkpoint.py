@@ -241,7 +241,7 @@ def parse_expert_spec(spec: str, num_layers: int, num_experts: int) -> dict[int,
 
 def format_slices(slices: Mapping[int, Sequence[int]]) -> str:
     """Compact human form, e.g. ``0:0-3,1:0-3`` (the inverse of parse_expert_spec)."""
-    parts = []
+    parts: list[str] = []
     for layer, experts in sorted(slices.items()):
         runs: list[str] = []
         exp = sorted(experts)

@@ -11,7 +11,7 @@ from kvasir_rpc._gen.kvasir.v1 import tensor_pb2
 
 __all__ = ["TensorCodecError", "decode_tensor", "encode_tensor", "DTYPE_TO_WIRE", "WIRE_TO_DTYPE"]
 
-DTYPE_TO_WIRE: dict[torch.dtype, int] = {
+DTYPE_TO_WIRE: dict[torch.dtype, tensor_pb2.DType] = {
     torch.float32: tensor_pb2.D_TYPE_FLOAT32,
     torch.float16: tensor_pb2.D_TYPE_FLOAT16,
     torch.bfloat16: tensor_pb2.D_TYPE_BFLOAT16,

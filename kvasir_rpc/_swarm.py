@@ -12,10 +12,14 @@ import subprocess
 import sys
 import time
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import grpc
 
 from kvasir_rpc._gen.kvasir.v1 import session_pb2, session_pb2_grpc
+
+if TYPE_CHECKING:
+    from kvasir_rpc._gen.kvasir.v1 import ledger_pb2
 
 __all__ = ["LocalSwarm", "SwarmError"]
 
@@ -39,6 +43,7 @@ class LocalSwarm:
         self.hub_key = ""
         self.gateway_port = 0
         self.gateway_tls = True
+        self.ledger_port = 0
         # Every process of a local swarm shares this machine's cores: one torch thread each.
         # Idle OpenMP threads spin, and four processes spinning on two cores made remote
         # calls ~5x slower (measured: 64 tokens in 5.6 s with default threads, 0.9 s with one).
@@ -118,12 +123,37 @@ class LocalSwarm:
         self.gateway_tls = tls
         self.gateway_port = int(self._wait_ready("gateway", ready, timeout)["port"])  # type: ignore[call-overload]
 
-    def start_hub(self, *, gateway: bool = False, listen_port: int = 0, timeout: float = 30.0) -> None:
-        """Start the hub; with ``gateway`` it also keeps a control connection to our gateway."""
+    @property
+    def hub_key_file(self) -> pathlib.Path:
+        return self.workdir / "hub.key"
+
+    @property
+    def ledger_address(self) -> str:
+        return f"127.0.0.1:{self.ledger_port}"
+
+    def start_ledger(self, *, db: str | None = None, port: int = 0, timeout: float = 30.0) -> None:
+        """Start the ledger, trusting this swarm's hub key (made now if missing)."""
+        from kvasir_rpc._wallet import Wallet
+
+        hub_key = Wallet.load_or_create(self.hub_key_file).address
+        ready = self.workdir / "ledger.ready.json"
+        ready.unlink(missing_ok=True)
+        url = db or f"sqlite:///{self.workdir / 'ledger.sqlite'}"
+        self._spawn("ledger", ["-m", "ledger", "serve", "--listen", f"127.0.0.1:{port}", "--db", url,
+                               "--trust-key", hub_key, "--ready-file", str(ready)])
+        self.ledger_port = int(self._wait_ready("ledger", ready, timeout)["port"])  # type: ignore[call-overload]
+
+    def start_hub(self, *, gateway: bool = False, listen_port: int = 0, receipt_interval: float = 1.0,
+                  timeout: float = 30.0) -> None:
+        """Start the hub; with ``gateway`` it also keeps a control connection to our gateway, and
+        when a ledger runs it delivers receipts there."""
         ready = self.workdir / "hub.ready.json"
         ready.unlink(missing_ok=True)
         args = ["-m", "relay", "hub", "--listen", f"127.0.0.1:{listen_port}", "--grpc", "127.0.0.1:0",
-                "--key", str(self.workdir / "hub.key"), "--ready-file", str(ready)]
+                "--key", str(self.hub_key_file), "--ready-file", str(ready),
+                "--contrib-db", str(self.workdir / "hub-contrib.sqlite"), "--receipt-interval", str(receipt_interval)]
+        if self.ledger_port:
+            args += ["--ledger", self.ledger_address]
         if gateway:
             args += ["--gateway", self.gateway_url, "--gateway-token-file", str(self.token_file),
                      "--ca-file", str(self.ca_file)]
@@ -158,6 +188,46 @@ class LocalSwarm:
                 raise SwarmError(f"{len(sessions)} of {n} sessions after {timeout}s; logs in {self.logs}")
             time.sleep(0.1)
 
+    def ledger_credits(self, wallet: str, timeout: float = 5.0) -> list[ledger_pb2.Credit]:
+        """Every Credit the ledger holds for ``wallet`` (all pages)."""
+        from kvasir_rpc._gen.kvasir.v1 import ledger_pb2, ledger_pb2_grpc
+
+        out: list[ledger_pb2.Credit] = []
+        with grpc.insecure_channel(self.ledger_address) as ch:
+            stub = ledger_pb2_grpc.LedgerServiceStub(ch)
+            token = ""
+            while True:
+                resp = stub.ListCredits(ledger_pb2.ListCreditsRequest(wallet=wallet, page_size=500, page_token=token),
+                                        timeout=timeout)
+                out.extend(resp.credits)
+                token = resp.next_page_token
+                if not token:
+                    return out
+
+    def ledger_balance(self, wallet: str, timeout: float = 5.0):  # type: ignore[no-untyped-def]
+        from kvasir_rpc._gen.kvasir.v1 import ledger_pb2, ledger_pb2_grpc
+
+        with grpc.insecure_channel(self.ledger_address) as ch:
+            return ledger_pb2_grpc.LedgerServiceStub(ch).GetBalance(ledger_pb2.GetBalanceRequest(wallet=wallet),
+                                                                     timeout=timeout)
+
+    def wait_credited(self, sessions: Sequence[session_pb2.Session], *, timeout: float = 60.0) -> dict[str, int]:
+        """Wait until the ledger credited every byte the hub counted for ``sessions``;
+        returns credited bytes per session id."""
+        deadline = time.monotonic() + timeout
+        while True:
+            live = {s.session_id: s for s in self.list_sessions()}
+            credited: dict[str, int] = {}
+            for s in sessions:
+                credited[s.session_id] = sum(int(c.bytes) for c in self.ledger_credits(s.wallet)
+                                             if c.session_id == s.session_id)
+            counted = {sid: int(s.bytes_to_worker + s.bytes_from_worker) for sid, s in live.items()}
+            if all(credited[s.session_id] == counted.get(s.session_id, -1) for s in sessions):
+                return credited
+            if time.monotonic() > deadline:
+                raise SwarmError(f"ledger credited {credited} of {counted} bytes after {timeout}s; logs in {self.logs}")
+            time.sleep(0.2)
+
     def run_backbone(self, args: Sequence[str], *, timeout: float = 600.0) -> dict[str, object]:
         """Run ``python -m backbone generate ... --json`` to completion; its JSON result."""
         out = subprocess.run(
@@ -185,6 +255,6 @@ class LocalSwarm:
 
     def stop(self) -> None:
         # Workers first (they drain), then the hub, then the gateway.
-        order = {"hub": 1, "gateway": 2}
+        order = {"hub": 1, "gateway": 2, "ledger": 3}
         for name in sorted(self.procs, key=lambda n: order.get(n, 0)):
             self.stop_process(name)

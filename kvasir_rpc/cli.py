@@ -32,6 +32,7 @@ def run_demo(arch: str, *, seed: int = 0, max_new_tokens: int = 12, batch: int =
     with ``path="gateway"`` behind a TLS gateway that both the hub and the workers dial,
     decode with --compare-local, and return the verdict as a dict."""
     from kvasir_rpc._checkpoint import read_model_info
+    from kvasir_rpc._receipts import DEFAULT_RATE_NANO_PER_BYTE, format_kvr, format_units
     from kvasir_rpc._swarm import LocalSwarm
     from kvasir_rpc._tiny import make_tiny_checkpoint
 
@@ -45,6 +46,8 @@ def run_demo(arch: str, *, seed: int = 0, max_new_tokens: int = 12, batch: int =
     specs = [f"*:0-{half - 1}", f"*:{half}-{info.num_experts - 1}"]
     with tempfile.TemporaryDirectory(prefix="kvasir-demo-") as work, LocalSwarm(work) as swarm:
         t0 = time.monotonic()
+        swarm.start_ledger()
+        say(f"ledger: {swarm.ledger_address} (SQLite), trusting the hub's key")
         if path == "gateway":
             swarm.start_gateway()
             say(f"gateway: {swarm.gateway_url} (TLS, dev CA); the hub and the workers both dial out to it")
@@ -59,13 +62,22 @@ def run_demo(arch: str, *, seed: int = 0, max_new_tokens: int = 12, batch: int =
                                      "--max-new-tokens", str(max_new_tokens), "--batch", str(batch),
                                      "--compare-local", "--wait-sessions", str(len(specs))])
         after = swarm.list_sessions()
+        say("waiting for the hub's signed receipts to be credited")
+        credited = swarm.wait_credited(after)
+        rows = []
+        for s in after:
+            nano = sum(int(c.nano_kvr) for c in swarm.ledger_credits(s.wallet) if c.session_id == s.session_id)
+            total = int(s.bytes_to_worker + s.bytes_from_worker)
+            rows.append({"session_id": s.session_id, "wallet": s.wallet, "bytes_in": s.bytes_to_worker,
+                         "bytes_out": s.bytes_from_worker, "device": s.device, "bytes": total,
+                         "units": format_units(total), "credited_bytes": credited[s.session_id],
+                         "credited_nano_kvr": nano, "credited_kvr": format_kvr(nano)})
+        ledger_total = sum(int(swarm.ledger_balance(w).pending_nano_kvr) for w in {s.wallet for s in after})
     result["arch"] = arch
     result["path"] = path
-    result["sessions"] = [
-        {"session_id": s.session_id, "wallet": s.wallet, "bytes_in": s.bytes_to_worker,
-         "bytes_out": s.bytes_from_worker, "device": s.device}
-        for s in after
-    ]
+    result["sessions"] = rows
+    result["ledger_total_nano_kvr"] = ledger_total
+    result["rate_nano_per_byte"] = DEFAULT_RATE_NANO_PER_BYTE
     return result
 
 
@@ -106,7 +118,10 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     except SwarmError as exc:
         print(f"demo failed: {exc}", file=sys.stderr)
         return 2
-    ok = bool(result.get("tokens_identical")) and result.get("max_abs_logit_diff") == 0.0
+    paid = result["ledger_total_nano_kvr"] == sum(
+        s["bytes"] * result["rate_nano_per_byte"] for s in result["sessions"]  # type: ignore[attr-defined]
+    )
+    ok = bool(result.get("tokens_identical")) and result.get("max_abs_logit_diff") == 0.0 and paid
     if args.json:
         print(json.dumps(result))
     else:
@@ -115,12 +130,16 @@ def _cmd_demo(args: argparse.Namespace) -> int:
         print(f"remote calls {result['remote_calls']}, rows {result['remote_rows']}, "
               f"fallbacks {result['fallback_calls']}")
         for s in result["sessions"]:  # type: ignore[attr-defined]
-            print(f"  session {s['session_id']} wallet {s['wallet'][:16]}… "
-                  f"bytes in {s['bytes_in']:,} out {s['bytes_out']:,}")
+            print(f"  session {s['session_id']} wallet {s['wallet'][:16]}… bytes {s['bytes']:,} "
+                  f"(in {s['bytes_in']:,}, out {s['bytes_out']:,}) = {s['units']} units "
+                  f"-> credited {s['credited_kvr']} KVR")
+        print(f"ledger total {result['ledger_total_nano_kvr']:,} nano-KVR "
+              f"({result['rate_nano_per_byte']} nano-KVR per byte)")
         print(f"max |logit remote - logit local| = {result['max_abs_logit_diff']}, "
               f"min cosine {result['min_logit_cosine']:.7f}, argmax agreement {result['argmax_agreement']:.3f}")
         print(f"tokens identical to transformers' eager experts: {result['reference_tokens_identical']}")
-        print("VERDICT: " + ("remote decode is bitwise identical to local" if ok else "MISMATCH"))
+        print("VERDICT: " + ("remote decode is bitwise identical to local; every byte credited once"
+                             if ok else "MISMATCH"))
     return 0 if ok else 1
 
 

@@ -69,12 +69,22 @@ def run_hub(args: argparse.Namespace) -> int:
         token = _read_token(args.gateway_token_file)
         if args.gateway.startswith("wss://"):
             gateway_ssl = ssl.create_default_context(cafile=str(args.ca_file) if args.ca_file else None)
+    from relay._contrib import ContributionStore
+    from relay._receipt_sender import ReceiptSender
+
+    store = ContributionStore(args.contrib_db)
+    ended = store.end_open_sessions()
+    if ended:
+        log.info("sessions of a previous run closed; their receipts will be sent", sessions=ended)
+    sender = ReceiptSender(store, registry, key, args.ledger, interval_s=args.receipt_interval)
+    registry.on_removed.append(sender.session_ended)
     server, bound_grpc = create_session_server(registry, f"{grpc_host}:{grpc_port}")
     config = HubConfig(listen_host=args.listen[0], listen_port=args.listen[1], grpc_host=grpc_host,
                        gateway_url=args.gateway, gateway_token=token, gateway_ssl=gateway_ssl)
 
     async def run() -> None:
         async with trio.open_nursery() as nursery:
+            nursery.start_soon(sender.run)
             ws_port = await nursery.start(serve_hub, config, key, registry)
             log.info("hub listening", ws=f"{config.listen_host}:{ws_port}", grpc=f"{grpc_host}:{bound_grpc}",
                      hub_key=key.address, gateway=args.gateway)
@@ -86,6 +96,7 @@ def run_hub(args: argparse.Namespace) -> int:
     finally:
         registry.close_watchers()
         server.stop(grace=1.0).wait(2.0)
+        store.close()
     return 0
 
 
@@ -131,6 +142,10 @@ def main(argv: list[str] | None = None) -> int:
     hub.add_argument("--gateway", help="wss://HOST:PORT of a public gateway to take sessions from")
     hub.add_argument("--gateway-token-file", type=pathlib.Path, help="file holding the gateway's hub token")
     hub.add_argument("--ca-file", type=pathlib.Path, help="CA bundle to verify the gateway (default: system trust)")
+    hub.add_argument("--ledger", metavar="HOST:PORT", help="LedgerService to deliver signed byte receipts to")
+    hub.add_argument("--contrib-db", type=pathlib.Path, default=pathlib.Path("hub-contrib.sqlite"),
+                     help="SQLite file of per-session byte counters and receipts (survives restarts)")
+    hub.add_argument("--receipt-interval", type=float, default=2.0, help="seconds between receipts")
     hub.add_argument("--ready-file", type=pathlib.Path, help="write {ws_port, grpc_port, hub_key} here once listening")
     hub.add_argument("--log-level", default="info")
     hub.set_defaults(func=run_hub)

@@ -203,7 +203,8 @@ class _Hub:
             await request.reject(400, body=f"the tunnel needs the WebSocket subprotocol {SUBPROTOCOL}\n".encode())
             return
         ws = await request.accept(subprotocol=SUBPROTOCOL)
-        remote = f"{ws.remote.address}:{ws.remote.port}" if hasattr(ws.remote, "address") else str(ws.remote)
+        peer = ws.remote
+        remote = peer if isinstance(peer, str) else f"{peer.address}:{peer.port}"
         try:
             await self.serve_connection(ws, remote)
         except Exception:  # one session's failure must never stop the hub
@@ -243,10 +244,10 @@ class _Hub:
             reason = leaf_exception(eg).reason  # type: ignore[attr-defined]
             slog.info("session closed by worker", code=reason.code, reason=reason.reason)
         except* RemoteProtocolError as eg:
-            exc = leaf_exception(eg)
-            assert isinstance(exc, RemoteProtocolError)
-            slog.warning("session protocol error", reason=exc.reason)
-            await ws.aclose(exc.close_code, exc.reason[:120])
+            perr = leaf_exception(eg)
+            assert isinstance(perr, RemoteProtocolError)
+            slog.warning("session protocol error", reason=perr.reason)
+            await ws.aclose(perr.close_code, perr.reason[:120])
         except* trio.TooSlowError:
             slog.warning("worker did not acknowledge close in time")
             await ws.aclose(CloseCode.POLICY_VIOLATION, "close not acknowledged")

@@ -38,7 +38,7 @@ class GatewayLink:
                  max_backoff_s: float = 15.0) -> None:
         self._serve = serve_connection
         self.base = gateway_url.rstrip("/")
-        self._headers = [("Authorization", f"Bearer {token}")]
+        self._headers = [(b"Authorization", f"Bearer {token}".encode())]
         self._ssl = ssl_context
         self._min_backoff = min_backoff_s
         self._max_backoff = max_backoff_s

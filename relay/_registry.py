@@ -11,6 +11,7 @@ import dataclasses
 import queue
 import threading
 import time
+from collections.abc import Callable
 
 from kvasir_rpc import HelloInfo, session_pb2, slices_to_proto
 
@@ -64,6 +65,8 @@ class SessionRegistry:
         self._lock = threading.Lock()
         self._sessions: dict[str, _Entry] = {}
         self._watchers: set[queue.SimpleQueue[session_pb2.SessionEvent | None]] = set()
+        # Called with the final SessionStats of each session that ends (outside the lock).
+        self.on_removed: list[Callable[[SessionStats], None]] = []
 
     def _stats(self, sid: str, e: _Entry) -> SessionStats:
         h = e.hello
@@ -81,7 +84,7 @@ class SessionRegistry:
             remote_address=e.remote,
         )
 
-    def _notify(self, kind: int, stats: SessionStats) -> None:
+    def _notify(self, kind: session_pb2.SessionEvent.Kind, stats: SessionStats) -> None:
         event = session_pb2.SessionEvent(kind=kind, session=stats.to_proto())
         for w in self._watchers:
             w.put(event)
@@ -95,8 +98,12 @@ class SessionRegistry:
     def remove(self, session_id: str) -> None:
         with self._lock:
             entry = self._sessions.pop(session_id, None)
-            if entry is not None:
-                self._notify(session_pb2.SessionEvent.KIND_REMOVED, self._stats(session_id, entry))
+            if entry is None:
+                return
+            stats = self._stats(session_id, entry)
+            self._notify(session_pb2.SessionEvent.KIND_REMOVED, stats)
+        for hook in self.on_removed:
+            hook(stats)
 
     def count_bytes(self, session_id: str, *, to_worker: int = 0, from_worker: int = 0) -> None:
         with self._lock:

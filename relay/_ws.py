@@ -87,7 +87,7 @@ async def read_request(stream: trio.abc.Stream) -> HttpRequest:
             data = await stream.receive_some(MAX_HEADER_BYTES)
             if not data:
                 raise HttpError("connection closed before a complete request")
-            conn.receive_data(data)
+            conn.receive_data(bytes(data))
             continue
         if isinstance(event, h11.Request):
             trailing = b""
@@ -237,7 +237,7 @@ class WebSocket:
                     await self._close_stream()
                     raise self._closed
                 self.bytes_in += len(data)
-                return data
+                return bytes(data)
             idle += self._keepalive
             if idle >= self._idle_timeout:
                 await self.close(1001, "idle timeout")

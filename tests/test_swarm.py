@@ -37,6 +37,9 @@ def test_demo_remote_equals_local_bitwise(arch, path, tiny_models):
     assert len(result["sessions_used"]) == 2, "both workers must have served calls"
     for s in sessions:
         assert len(s["wallet"]) == 64 and s["bytes_in"] > 0 and s["bytes_out"] > 0
+        assert s["bytes"] == s["bytes_in"] + s["bytes_out"] == s["credited_bytes"]
+        assert s["credited_nano_kvr"] == s["bytes"] * 7
+    assert result["ledger_total_nano_kvr"] == sum(s["bytes"] * 7 for s in sessions)
 
 
 @pytest.fixture(scope="module")

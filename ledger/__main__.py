@@ -1,0 +1,129 @@
+"""python -m ledger serve --listen HOST:PORT --db URL --trust-key HEX [--trust-key HEX ...]
+                         [--rate-nano-per-byte 7] [--ready-file PATH]
+python -m ledger bench --db URL [-n N] [--batch B] [--submitters S]"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import pathlib
+import signal
+import sys
+import threading
+from types import FrameType
+
+from kvasir_rpc._log import configure_logging, get_logger
+
+
+def _hostport(text: str) -> str:
+    host, sep, port = text.rpartition(":")
+    if not sep or not host or not port.isdigit() or int(port) > 65535:
+        raise argparse.ArgumentTypeError(f"expected HOST:PORT, got {text!r}")
+    return text
+
+
+def _hub_key(text: str) -> str:
+    from kvasir_rpc import is_address
+
+    if not is_address(text):
+        raise argparse.ArgumentTypeError(f"a hub key is 64 lowercase hex characters, got {text[:80]!r}")
+    return text
+
+
+def _write_ready(path: pathlib.Path | None, info: dict[str, object]) -> None:
+    # Write then rename: a reader never sees a half-written file.
+    if path is not None:
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(info))
+        tmp.replace(path)
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    from ledger._service import serve_ledger
+    from ledger._store import StoreError, open_store
+
+    configure_logging("ledger", level=args.log_level)
+    log = get_logger("ledger")
+    stop = threading.Event()
+
+    def on_signal(signum: int, _frame: FrameType | None) -> None:
+        log.info("ledger stopping", signal=signal.Signals(signum).name)
+        stop.set()
+
+    # Installed before anything slow, so a SIGTERM during start-up still stops us cleanly.
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    try:
+        store = open_store(args.db, pool_size=args.workers)
+    except StoreError as exc:
+        log.error("cannot open the ledger database", db=_redact(args.db), error=str(exc))
+        return 2
+    try:
+        try:
+            server, port, health = serve_ledger(args.listen, store, args.trust_key, args.rate_nano_per_byte,
+                                                max_workers=args.workers)
+        except (OSError, ValueError) as exc:
+            log.error("cannot serve", error=str(exc))
+            return 2
+        log.info("ledger listening", address=args.listen, port=port, db=_redact(args.db),
+                 trusted_hubs=len(set(args.trust_key)), rate_nano_per_byte=args.rate_nano_per_byte)
+        _write_ready(args.ready_file, {"port": port})
+        while not stop.wait(1.0):
+            pass
+        health.enter_graceful_shutdown()
+        # In-flight batches finish (and commit) within the grace; later calls get UNAVAILABLE.
+        server.stop(grace=3.0).wait(5.0)
+        log.info("ledger stopped", **dataclasses.asdict(store.statistics()))
+    finally:
+        store.close()
+    return 0
+
+
+def _redact(url: str) -> str:
+    # postgresql://user:secret@host/db -> postgresql://user:***@host/db
+    scheme, sep, rest = url.partition("://")
+    creds, at, host = rest.rpartition("@")
+    if sep and at and ":" in creds:
+        return f"{scheme}://{creds.split(':', 1)[0]}:***@{host}"
+    return url
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    from ledger._bench import bench_receipts
+
+    configure_logging("ledger-bench", level="warning")
+    rate = bench_receipts(args.db, args.n, batch_size=args.batch, submitters=args.submitters)
+    print(json.dumps({"db": _redact(args.db), "receipts": args.n, "batch_size": args.batch,
+                      "submitters": args.submitters, "receipts_per_s": round(rate, 1)}))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m ledger")
+    sub = parser.add_subparsers(dest="command", required=True)
+    serve = sub.add_parser("serve", help="serve LedgerService (gRPC, reflection, health)")
+    serve.add_argument("--listen", type=_hostport, default="127.0.0.1:8767", help="HOST:PORT (port 0: any free port)")
+    serve.add_argument("--db", default="sqlite:///ledger.db",
+                       help="sqlite:///PATH (default sqlite:///ledger.db) or postgresql://USER@HOST:PORT/DB")
+    serve.add_argument("--trust-key", type=_hub_key, action="append", required=True,
+                       help="a hub's Ed25519 public key (64 hex) whose receipts count; repeat for more hubs")
+    serve.add_argument("--rate-nano-per-byte", type=int, default=7, help="nano-KVR per byte (7 = 0.007 KVR per 10^6 bytes)")
+    serve.add_argument("--ready-file", type=pathlib.Path, help="write {port} here (atomically) once listening")
+    serve.add_argument("--workers", type=int, default=8, help="concurrent calls, and database connections")
+    serve.add_argument("--log-level", default="info")
+    serve.set_defaults(func=run_serve)
+    bench = sub.add_parser("bench", help="durable credited receipts per second through the gRPC service")
+    bench.add_argument("--db", required=True, help="a scratch database URL (the benchmark adds credits to it)")
+    bench.add_argument("-n", type=int, default=5000, help="receipts in all")
+    bench.add_argument("--batch", type=int, default=100, help="receipts per SubmitReceipts call")
+    bench.add_argument("--submitters", type=int, default=1, help="concurrent hubs")
+    bench.set_defaults(func=run_bench)
+    args = parser.parse_args(argv)
+    if args.command == "serve" and not 1 <= args.rate_nano_per_byte <= 1000:
+        parser.error("--rate-nano-per-byte must be 1 to 1000")
+    return int(args.func(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

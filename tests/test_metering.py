@@ -1,0 +1,46 @@
+"""Every byte accounted: the hub's counters survive a restart and reach the ledger once."""
+
+from __future__ import annotations
+
+import signal
+import sqlite3
+import time
+
+from kvasir_rpc._swarm import LocalSwarm
+
+
+def _wait(predicate, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(0.1)
+
+
+def test_hub_restart_loses_no_counted_byte(tiny_models, tmp_path):
+    model = tiny_models("qwen3_moe")
+    with LocalSwarm(tmp_path) as sw:
+        sw.start_ledger()
+        sw.start_hub(receipt_interval=30.0)  # long: the final receipts must come from the restart path
+        sw.start_worker("worker1", model, "all")
+        sw.wait_sessions(1, watch=["worker1"])
+        sw.run_backbone(["--model", str(model), "--prompt", "count me", "--max-new-tokens", "6"])
+        before = sw.list_sessions()[0]
+        counted = before.bytes_to_worker + before.bytes_from_worker
+        assert counted > 0
+        # A graceful stop saves the counters; the restart sends what the ledger lacks.
+        assert sw.stop_process("hub", sig=signal.SIGTERM) == 0
+        sw.procs.pop("hub")
+        db = sqlite3.connect(tmp_path / "hub-contrib.sqlite")
+        saved = db.execute("SELECT bytes_to_worker + bytes_from_worker FROM sessions WHERE session_id = ?",
+                           (before.session_id,)).fetchone()[0]
+        db.close()
+        assert saved == counted
+        sw.start_hub(receipt_interval=0.5, listen_port=sw.hub_ws_port)
+        credited = lambda: sum(c.bytes for c in sw.ledger_credits(before.wallet) if c.session_id == before.session_id)  # noqa: E731
+        _wait(lambda: credited() == counted, 60, "the old session's bytes to be credited")
+        # The worker came back as a new session; the old one is credited exactly once.
+        sw.wait_sessions(1, watch=["worker1"])
+        time.sleep(1.5)
+        assert credited() == counted
+        assert sw.ledger_balance(before.wallet).pending_nano_kvr >= counted * 7
