@@ -228,19 +228,33 @@ class LocalSwarm:
                 raise SwarmError(f"ledger credited {credited} of {counted} bytes after {timeout}s; logs in {self.logs}")
             time.sleep(0.2)
 
+    def start_backbone(self, args: Sequence[str]) -> subprocess.Popen[bytes]:
+        """Start ``python -m backbone generate --hub <ours> ARGS --json``; see backbone_result."""
+        return subprocess.Popen(
+            [self.python, "-m", "backbone", "generate", "--hub", self.hub_grpc_address, *args, "--json"],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=self.env, cwd=self.workdir, stdin=subprocess.DEVNULL,
+        )
+
+    def backbone_result(self, proc: subprocess.Popen[bytes], *, timeout: float = 600.0) -> dict[str, object]:
+        """Wait for a started backbone (killing it past ``timeout``); its JSON result, with
+        ``backbone_exit_code`` (0: identical or no comparison asked, 1: a mismatch)."""
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(timeout=10)
+        (self.logs / "backbone.log").write_bytes(err)
+        lines = out.decode(errors="replace").strip().splitlines()
+        if not lines or proc.returncode not in (0, 1):
+            raise SwarmError(f"backbone exited with code {proc.returncode}:\n{err.decode(errors='replace')[-3000:]}")
+        result: dict[str, object] = json.loads(lines[-1])
+        result["backbone_exit_code"] = proc.returncode
+        return result
+
     def run_backbone(self, args: Sequence[str], *, timeout: float = 600.0) -> dict[str, object]:
         """Run ``python -m backbone generate ... --json`` to completion; its JSON result."""
-        out = subprocess.run(
-            [self.python, "-m", "backbone", "generate", "--hub", self.hub_grpc_address, *args, "--json"],
-            capture_output=True, timeout=timeout, env=self.env, cwd=self.workdir, stdin=subprocess.DEVNULL,
-        )
-        (self.logs / "backbone.log").write_bytes(out.stderr)
-        lines = out.stdout.decode(errors="replace").strip().splitlines()
-        if not lines or out.returncode not in (0, 1):
-            raise SwarmError(f"backbone exited with code {out.returncode}:\n{out.stderr.decode(errors='replace')[-3000:]}")
-        result: dict[str, object] = json.loads(lines[-1])
-        result["backbone_exit_code"] = out.returncode
-        return result
+        return self.backbone_result(self.start_backbone(args), timeout=timeout)
 
     def stop_process(self, name: str, *, sig: int = signal.SIGTERM, timeout: float = 15.0) -> int | None:
         proc = self.procs.get(name)

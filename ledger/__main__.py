@@ -13,14 +13,14 @@ import sys
 import threading
 from types import FrameType
 
+from kvasir_rpc._cliargs import hostport, write_ready_file
 from kvasir_rpc._log import configure_logging, get_logger
 
 
-def _hostport(text: str) -> str:
-    host, sep, port = text.rpartition(":")
-    if not sep or not host or not port.isdigit() or int(port) > 65535:
-        raise argparse.ArgumentTypeError(f"expected HOST:PORT, got {text!r}")
-    return text
+def _listen(text: str) -> str:
+    host, port = hostport()(text)
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
 
 
 def _hub_key(text: str) -> str:
@@ -29,14 +29,6 @@ def _hub_key(text: str) -> str:
     if not is_address(text):
         raise argparse.ArgumentTypeError(f"a hub key is 64 lowercase hex characters, got {text[:80]!r}")
     return text
-
-
-def _write_ready(path: pathlib.Path | None, info: dict[str, object]) -> None:
-    # Write then rename: a reader never sees a half-written file.
-    if path is not None:
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(info))
-        tmp.replace(path)
 
 
 def run_serve(args: argparse.Namespace) -> int:
@@ -68,7 +60,7 @@ def run_serve(args: argparse.Namespace) -> int:
             return 2
         log.info("ledger listening", address=args.listen, port=port, db=_redact(args.db),
                  trusted_hubs=len(set(args.trust_key)), rate_nano_per_byte=args.rate_nano_per_byte)
-        _write_ready(args.ready_file, {"port": port})
+        write_ready_file(args.ready_file, {"port": port})
         while not stop.wait(1.0):
             pass
         health.enter_graceful_shutdown()
@@ -103,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m ledger")
     sub = parser.add_subparsers(dest="command", required=True)
     serve = sub.add_parser("serve", help="serve LedgerService (gRPC, reflection, health)")
-    serve.add_argument("--listen", type=_hostport, default="127.0.0.1:8767", help="HOST:PORT (port 0: any free port)")
+    serve.add_argument("--listen", type=_listen, default="127.0.0.1:8767", help="HOST:PORT (port 0: any free port)")
     serve.add_argument("--db", default="sqlite:///ledger.db",
                        help="sqlite:///PATH (default sqlite:///ledger.db) or postgresql://USER@HOST:PORT/DB")
     serve.add_argument("--trust-key", type=_hub_key, action="append", required=True,

@@ -4,7 +4,6 @@ python -m relay gateway --listen HOST:PORT --cert PEM --key PEM --hub-token-file
 from __future__ import annotations
 
 import argparse
-import json
 import pathlib
 import signal
 import ssl
@@ -12,19 +11,8 @@ import sys
 
 import trio
 
+from kvasir_rpc._cliargs import hostport, write_ready_file
 from kvasir_rpc._log import configure_logging, get_logger
-
-
-def _hostport(default_port: int):  # type: ignore[no-untyped-def]
-    def parse(text: str) -> tuple[str, int]:
-        host, sep, port = text.rpartition(":")
-        if not sep:
-            return text.strip("[]"), default_port
-        if not host or not port.isdigit():
-            raise argparse.ArgumentTypeError(f"expected HOST:PORT, got {text!r}")
-        return host.strip("[]"), int(port)
-
-    return parse
 
 
 def _read_token(path: pathlib.Path) -> str:
@@ -32,13 +20,6 @@ def _read_token(path: pathlib.Path) -> str:
     if len(token) < 16:
         raise SystemExit(f"{path}: the hub token must be at least 16 characters")
     return token
-
-
-def _write_ready(path: pathlib.Path | None, info: dict[str, object]) -> None:
-    if path is not None:
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(info))
-        tmp.replace(path)
 
 
 async def _until_signal(nursery: trio.Nursery, log, what: str) -> None:  # type: ignore[no-untyped-def]
@@ -88,7 +69,7 @@ def run_hub(args: argparse.Namespace) -> int:
             ws_port = await nursery.start(serve_hub, config, key, registry)
             log.info("hub listening", ws=f"{config.listen_host}:{ws_port}", grpc=f"{grpc_host}:{bound_grpc}",
                      hub_key=key.address, gateway=args.gateway)
-            _write_ready(args.ready_file, {"ws_port": ws_port, "grpc_port": bound_grpc, "hub_key": key.address})
+            write_ready_file(args.ready_file, {"ws_port": ws_port, "grpc_port": bound_grpc, "hub_key": key.address})
             await _until_signal(nursery, log, "hub")
 
     try:
@@ -124,7 +105,7 @@ def run_gateway(args: argparse.Namespace) -> int:
         async with trio.open_nursery() as nursery:
             port, _gw = await nursery.start(serve_gateway, config)
             log.info("gateway listening", address=f"{config.host}:{port}", tls=ctx is not None)
-            _write_ready(args.ready_file, {"port": port})
+            write_ready_file(args.ready_file, {"port": port})
             await _until_signal(nursery, log, "gateway")
 
     trio.run(run)
@@ -135,8 +116,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m relay")
     sub = parser.add_subparsers(dest="command", required=True)
     hub = sub.add_parser("hub", help="the LAN hub: worker tunnels in, backbone gRPC targets out")
-    hub.add_argument("--listen", type=_hostport(8765), default=("127.0.0.1", 8765), help="WebSocket address for LAN workers")
-    hub.add_argument("--grpc", type=_hostport(8766), default=("127.0.0.1", 8766),
+    hub.add_argument("--listen", type=hostport(8765), default=("127.0.0.1", 8765), help="WebSocket address for LAN workers")
+    hub.add_argument("--grpc", type=hostport(8766), default=("127.0.0.1", 8766),
                      help="SessionService address; per-session targets bind on its host")
     hub.add_argument("--key", type=pathlib.Path, default=pathlib.Path("hub.key"), help="hub Ed25519 key (created if missing)")
     hub.add_argument("--gateway", help="wss://HOST:PORT of a public gateway to take sessions from")
@@ -150,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     hub.add_argument("--log-level", default="info")
     hub.set_defaults(func=run_hub)
     gw = sub.add_parser("gateway", help="the public gateway: workers and hubs both dial out to it")
-    gw.add_argument("--listen", type=_hostport(443), default=("0.0.0.0", 443))
+    gw.add_argument("--listen", type=hostport(443), default=("0.0.0.0", 443))
     gw.add_argument("--cert", type=pathlib.Path, help="certificate chain (PEM)")
     gw.add_argument("--key", type=pathlib.Path, help="private key (PEM)")
     gw.add_argument("--insecure-plain-ws", action="store_true", help="serve ws:// (only behind a TLS terminator)")

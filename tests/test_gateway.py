@@ -4,34 +4,25 @@ hostile traffic beside a live session, and a gateway restart mid-decode."""
 from __future__ import annotations
 
 import ipaddress
-import json
-import os
 import random
 import signal
 import socket
 import ssl
 import subprocess
 import sys
-import time
 
 import psutil
 import pytest
 import trio
+from helpers import wait_until
+from wsclient import connect, open_stream, open_tcp, read_until_eof
 from wsproto.events import CloseConnection
 
 from kvasir_rpc._swarm import LocalSwarm
-from wsclient import connect, open_stream, open_tcp, read_until_eof
 
 GATEWAY_LIMITS = ["--handshake-timeout", "2", "--keepalive", "0.5", "--idle-timeout", "2",
                   "--max-message-bytes", str(1 << 20)]
 
-
-def _wait(predicate, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(0.05)
 
 
 @pytest.fixture(scope="module")
@@ -176,19 +167,14 @@ async def _storm(sw, counts: dict[str, int]) -> dict[str, dict[str, int]]:
 
 
 def test_hostile_traffic_does_not_hurt_a_live_session(gw):
-    backbone = subprocess.Popen(
-        [gw.python, "-m", "backbone", "generate", "--hub", gw.hub_grpc_address, "--model", str(gw.model),
-         "--prompt", "under fire", "--max-new-tokens", "120", "--compare-local", "--json", "--wait-sessions", "2"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=gw.env, cwd=gw.workdir,
-    )
+    backbone = gw.start_backbone(["--model", str(gw.model), "--prompt", "under fire", "--max-new-tokens", "120",
+                                  "--compare-local", "--wait-sessions", "2"])
     counts = {"random_bytes": 380, "half_handshake": 280, "wrong_token": 180, "worker_as_hub": 100,
               "slow_handshake": 30, "oversized": 15, "speaks_first": 15}
     try:
         tally = trio.run(_storm, gw, counts)
-        out, err = backbone.communicate(timeout=300)
     finally:
-        if backbone.poll() is None:
-            backbone.kill()
+        result = gw.backbone_result(backbone, timeout=300)
     assert sum(counts.values()) >= 1000
     assert tally["random_bytes"] == {"closed": counts["random_bytes"]}, tally
     assert tally["half_handshake"] == {"abandoned": counts["half_handshake"]}, tally
@@ -197,8 +183,7 @@ def test_hostile_traffic_does_not_hurt_a_live_session(gw):
     assert tally["worker_as_hub"] == {"http_401": counts["worker_as_hub"]}, tally
     assert tally["oversized"] == {"close_1009": counts["oversized"]}, tally
     assert set(tally["speaks_first"]) <= {"close_1002", "close_1008"}, tally
-    assert backbone.returncode == 0, err.decode()[-3000:]
-    result = json.loads(out.decode().strip().splitlines()[-1])
+    assert result["backbone_exit_code"] == 0
     assert result["tokens_identical"] is True and result["max_abs_logit_diff"] == 0.0
     assert result["fallback_calls"] == 0 and result["remote_calls"] > 0
     assert len(gw.list_sessions()) == 2
@@ -261,25 +246,18 @@ def test_gateway_restart_mid_decode(tiny_models, tmp_path):
         sw.start_worker("worker1", model, "*:0-3", via="gateway")
         sw.start_worker("worker2", model, "*:4-7", via="gateway")
         sw.wait_sessions(2, watch=["gateway", "worker1", "worker2"])
-        backbone = subprocess.Popen(
-            [sw.python, "-m", "backbone", "generate", "--hub", sw.hub_grpc_address, "--model", str(model),
-             "--prompt", "the gateway goes away", "--max-new-tokens", "150", "--compare-local", "--json",
-             "--wait-sessions", "2"],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=sw.env, cwd=tmp_path,
-        )
+        backbone = sw.start_backbone(["--model", str(model), "--prompt", "the gateway goes away",
+                                      "--max-new-tokens", "150", "--compare-local", "--wait-sessions", "2"])
         try:
-            _wait(lambda: sum(s.bytes_from_worker for s in sw.list_sessions()) > 40_000, 120, "decode traffic")
+            wait_until(lambda: sum(s.bytes_from_worker for s in sw.list_sessions()) > 40_000, 120, "decode traffic")
             sw.stop_process("gateway", sig=signal.SIGKILL)
             sw.procs.pop("gateway")
-            out, err = backbone.communicate(timeout=300)
         finally:
-            if backbone.poll() is None:
-                backbone.kill()
-        assert backbone.returncode == 0, err.decode()[-3000:]
-        result = json.loads(out.decode().strip().splitlines()[-1])
+            result = sw.backbone_result(backbone, timeout=300)
+        assert result["backbone_exit_code"] == 0
         assert result["tokens_identical"] is True and result["max_abs_logit_diff"] == 0.0
         assert result["n_tokens"] == 150
-        _wait(lambda: sw.list_sessions() == [], 30, "the hub to drop the gateway sessions")
+        wait_until(lambda: sw.list_sessions() == [], 30, "the hub to drop the gateway sessions")
         sw.start_gateway(port=port)
         sessions = sw.wait_sessions(2, timeout=90, watch=["gateway", "hub", "worker1", "worker2"])
         assert len(sessions) == 2

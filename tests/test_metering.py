@@ -6,15 +6,9 @@ import signal
 import sqlite3
 import time
 
+from helpers import wait_until
+
 from kvasir_rpc._swarm import LocalSwarm
-
-
-def _wait(predicate, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(0.1)
 
 
 def test_hub_restart_loses_no_counted_byte(tiny_models, tmp_path):
@@ -38,7 +32,7 @@ def test_hub_restart_loses_no_counted_byte(tiny_models, tmp_path):
         assert saved == counted
         sw.start_hub(receipt_interval=0.5, listen_port=sw.hub_ws_port)
         credited = lambda: sum(c.bytes for c in sw.ledger_credits(before.wallet) if c.session_id == before.session_id)  # noqa: E731
-        _wait(lambda: credited() == counted, 60, "the old session's bytes to be credited")
+        wait_until(lambda: credited() == counted, 60, "the old session's bytes to be credited")
         # The worker came back as a new session; the old one is credited exactly once.
         sw.wait_sessions(1, watch=["worker1"])
         time.sleep(1.5)

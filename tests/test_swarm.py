@@ -4,13 +4,12 @@ everywhere, every wait bounded."""
 from __future__ import annotations
 
 import signal
-import subprocess
-import time
 
 import grpc
 import psutil
 import pytest
 import torch
+from helpers import wait_until
 
 from kvasir_rpc import expert_pb2, expert_pb2_grpc
 from kvasir_rpc._codec import encode_tensor
@@ -164,13 +163,6 @@ def test_hub_refuses_bad_hello_and_keeps_serving(swarm):
     assert result["remote_calls"] > 0 and result["fallback_calls"] == 0
 
 
-def _wait(predicate, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(0.05)
-
 
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM], ids=["killed", "drained"])
 def test_worker_lost_mid_decode_keeps_tokens_identical(sig, tiny_models, tmp_path):
@@ -181,34 +173,23 @@ def test_worker_lost_mid_decode_keeps_tokens_identical(sig, tiny_models, tmp_pat
         sw.start_worker("worker2", model, "*:4-7")
         sw.wait_sessions(2, watch=["worker1", "worker2"])
         victim = max(sw.list_sessions(), key=lambda s: s.slices[0].experts[0]).session_id
-        backbone = subprocess.Popen(
-            [sw.python, "-m", "backbone", "generate", "--hub", sw.hub_grpc_address, "--model", str(model),
-             "--prompt", "a long decode", "--max-new-tokens", "150", "--compare-local", "--json",
-             "--wait-sessions", "2"],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=sw.env, cwd=tmp_path,
-        )
+        backbone = sw.start_backbone(["--model", str(model), "--prompt", "a long decode", "--max-new-tokens", "150",
+                                      "--compare-local", "--wait-sessions", "2"])
+
+        def victim_busy() -> bool:
+            return any(s.session_id == victim and s.bytes_from_worker > 20_000 for s in sw.list_sessions())
+
         try:
-            def victim_busy() -> bool:
-                for s in sw.list_sessions():
-                    if s.session_id == victim and s.bytes_from_worker > 20_000:
-                        return True
-                return False
-
-            _wait(victim_busy, 120, "the decode to reach worker2")
+            wait_until(victim_busy, 120, "the decode to reach worker2")
             sw.procs["worker2"].send_signal(sig)
-            out, err = backbone.communicate(timeout=300)
         finally:
-            if backbone.poll() is None:
-                backbone.kill()
-        assert backbone.returncode == 0, err.decode()[-3000:]
-        import json
-
-        result = json.loads(out.decode().strip().splitlines()[-1])
+            result = sw.backbone_result(backbone, timeout=300)
+        assert result["backbone_exit_code"] == 0
         assert result["tokens_identical"] is True and result["max_abs_logit_diff"] == 0.0
         assert result["n_tokens"] == 150
         assert victim in result["sessions_used"]
         assert sw.procs["worker2"].wait(timeout=30) == (0 if sig == signal.SIGTERM else -signal.SIGKILL)
-        _wait(lambda: victim not in {s.session_id for s in sw.list_sessions()}, 30, "the hub to drop the session")
+        wait_until(lambda: victim not in {s.session_id for s in sw.list_sessions()}, 30, "the hub to drop the session")
         assert len(sw.list_sessions()) == 1
 
 
@@ -226,7 +207,7 @@ def test_worker_reconnects_after_hub_restart(tiny_models, tmp_path):
         ready.unlink()
         sw._spawn("hub", ["-m", "relay", "hub", "--listen", f"127.0.0.1:{ws_port}", "--grpc", "127.0.0.1:0",
                           "--key", str(sw.workdir / "hub.key"), "--ready-file", str(ready)])
-        _wait(ready.exists, 30, "the hub to restart")
+        wait_until(ready.exists, 30, "the hub to restart")
         sw.hub_grpc_port = __import__("json").loads(ready.read_text())["grpc_port"]
         again = sw.wait_sessions(1, timeout=60, watch=["worker1"])[0]
         assert again.wallet == first.wallet and again.session_id != first.session_id
