@@ -30,6 +30,9 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--wait-timeout", type=float, default=60.0)
     g.add_argument("--call-timeout", type=float, default=30.0, help="seconds before a remote call is recomputed here")
     g.add_argument("--threads", type=int, default=int(os.environ.get("KVASIR_THREADS", "0")) or None)
+    g.add_argument("--wire-dtype", choices=["model", "bfloat16", "float16"], default="model",
+                   help="dtype activations travel in: the model's (bit-exact, default) or, for a float32 "
+                        "model, bfloat16/float16 (half the bytes, not bit-exact)")
     g.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     g.add_argument("--log-level", default="warning")
     args = parser.parse_args(argv)
@@ -61,7 +64,11 @@ def main(argv: list[str] | None = None) -> int:
               f"{args.wait_timeout}s", file=sys.stderr)
         watcher.close()
         return 3
-    dispatcher = Dispatcher(model, watcher, call_timeout_s=args.call_timeout)
+    wire_dtype = None if args.wire_dtype == "model" else getattr(torch, args.wire_dtype)
+    model_dtype = next(model.parameters()).dtype
+    if wire_dtype is not None and (model_dtype != torch.float32 or wire_dtype == model_dtype):
+        wire_dtype = None  # float16/bfloat16 models already travel as they are
+    dispatcher = Dispatcher(model, watcher, call_timeout_s=args.call_timeout, wire_dtype=wire_dtype)
     prompts = prompts_for_batch(args.prompt, args.batch)
     result: dict[str, object] = {}
     try:
@@ -75,6 +82,8 @@ def main(argv: list[str] | None = None) -> int:
             n_tokens=n_tokens,
             seconds=round(elapsed, 4),
             tokens_per_s=round(n_tokens / elapsed, 3) if elapsed > 0 else None,
+            wire_dtype=str(wire_dtype or model_dtype).replace("torch.", ""),
+            bit_exact_wire=wire_dtype is None,
             **{k: v for k, v in dataclasses.asdict(stats).items()},
         )
         if args.compare_local:

@@ -60,8 +60,12 @@ class Dispatcher:
         watcher: SessionWatcher | None,
         *,
         call_timeout_s: float = 30.0,
+        wire_dtype: torch.dtype | None = None,
     ) -> None:
         self.watcher = watcher
+        # None: activations travel in the model's dtype (bit-exact). bfloat16/float16 for a
+        # float32 model halves the bytes and is not bit-exact.
+        self.wire_dtype = wire_dtype
         self.call_timeout_s = call_timeout_s
         self.remote = watcher is not None
         self._experts: dict[int, torch.nn.Module] = {}
@@ -157,6 +161,8 @@ class Dispatcher:
         inflight: list[tuple[CallRecord, list[Route], WorkerLink]] = []
         for link, rs in placed.items():
             rows = torch.cat([hidden[r.token_idx] for r in rs])  # [n, H]
+            if self.wire_dtype is not None and rows.dtype != self.wire_dtype:
+                rows = rows.to(self.wire_dtype)
             weights = torch.cat([top_k_weights[r.token_idx, r.top_k_pos] for r in rs])  # [n]
             req = expert_pb2.DispatchRequest(
                 layer=layer,
@@ -175,9 +181,12 @@ class Dispatcher:
             try:
                 msg = rec.future.result(timeout=self.call_timeout_s)
                 out = decode_tensor(msg.partials)
-                if out.shape != (rec.rows, hidden.shape[1]) or out.dtype != hidden.dtype:
+                sent_dtype = self.wire_dtype or hidden.dtype
+                if out.shape != (rec.rows, hidden.shape[1]) or out.dtype != sent_dtype:
                     raise TensorCodecError(f"partials of shape {list(out.shape)} {out.dtype}, expected "
-                                           f"[{rec.rows}, {hidden.shape[1]}] {hidden.dtype}")
+                                           f"[{rec.rows}, {hidden.shape[1]}] {sent_dtype}")
+                if out.dtype != hidden.dtype:
+                    out = out.to(hidden.dtype)
                 start = 0
                 for r in rs:
                     n = len(r.token_idx)

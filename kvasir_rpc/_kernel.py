@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 __all__ = [
+    "WIRE_DTYPES",
     "DispatchInputError",
     "Route",
     "expert_forward",
@@ -73,6 +74,11 @@ def plan_routes(top_k_index: torch.Tensor, num_experts: int) -> list[Route]:
     return routes
 
 
+# Narrower dtypes a float32 model's activations may travel in when the caller trades bit
+# exactness for half the bytes (the worker computes in the model's dtype either way).
+WIRE_DTYPES = (torch.bfloat16, torch.float16)
+
+
 class DispatchInputError(ValueError):
     """A dispatch request that does not fit the worker: wrong shape, dtype or expert."""
 
@@ -95,8 +101,9 @@ def validate_dispatch(
     """Check a decoded request against what the worker serves. Raises DispatchInputError."""
     if hidden.dim() != 2 or hidden.shape[1] != hidden_size:
         raise DispatchInputError(f"hidden must have shape [rows, {hidden_size}], got {list(hidden.shape)}")
-    if hidden.dtype != dtype:
-        raise DispatchInputError(f"hidden must be {dtype}, got {hidden.dtype}")
+    if hidden.dtype != dtype and not (dtype == torch.float32 and hidden.dtype in WIRE_DTYPES):
+        narrow = f" (or {' / '.join(map(str, WIRE_DTYPES))} on a narrow wire)" if dtype == torch.float32 else ""
+        raise DispatchInputError(f"hidden must be {dtype}{narrow}, got {hidden.dtype}")
     rows = hidden.shape[0]
     if rows > max_rows:
         raise DispatchInputError(f"{rows} rows in one call, at most {max_rows}")

@@ -124,7 +124,9 @@ class ExpertServicer(expert_pb2_grpc.ExpertServiceServicer):
             raise DispatchInputError(
                 f"layer {req.layer}: this worker does not hold experts {missing}", precondition=True
             )
-        hidden = hidden.to(e.device)
+        wire_dtype = hidden.dtype
+        # Activations sent narrower than the model are widened here; partials go back narrow.
+        hidden = hidden.to(device=e.device, dtype=e.dtype)
         weights = weights.to(e.device)
         out = []
         start = 0
@@ -136,6 +138,8 @@ class ExpertServicer(expert_pb2_grpc.ExpertServiceServicer):
                 )
                 start += rows
             partials = torch.cat(out) if len(out) > 1 else out[0]
+            if wire_dtype != partials.dtype:
+                partials = partials.to(wire_dtype)
         self.calls += 1
         self.rows += start
         return encode_tensor(partials)
