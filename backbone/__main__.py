@@ -26,6 +26,10 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--max-new-tokens", type=int, default=16)
     g.add_argument("--batch", type=int, default=1, help="sequences decoded together")
     g.add_argument("--compare-local", action="store_true", help="also decode with every expert local and compare")
+    g.add_argument("--groups", default="1",
+                   help="micro-batch pipelining: decode this many groups of sequences concurrently so one "
+                        "computes while others wait on the network; 'auto' picks from a measured remote "
+                        "step and a local one")
     g.add_argument("--wait-sessions", type=int, default=0, help="wait until the hub lists this many sessions")
     g.add_argument("--wait-timeout", type=float, default=60.0)
     g.add_argument("--call-timeout", type=float, default=30.0, help="seconds before a remote call is recomputed here")
@@ -43,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from backbone._experts import Dispatcher
-    from backbone._generate import compare, decode, load_model, prompts_for_batch
+    from backbone._generate import compare, decode_grouped, load_model, prompts_for_batch
     from backbone._links import SessionWatcher
 
     import transformers
@@ -72,8 +76,10 @@ def main(argv: list[str] | None = None) -> int:
     prompts = prompts_for_batch(args.prompt, args.batch)
     result: dict[str, object] = {}
     try:
+        groups, why = _choose_groups(args.groups, dispatcher, model, tokenizer, prompts, decode_grouped)
+        dispatcher.reset_counters()
         t0 = time.perf_counter()
-        run = decode(model, tokenizer, prompts, args.max_new_tokens)
+        run = decode_grouped(model, tokenizer, prompts, args.max_new_tokens, groups)
         elapsed = time.perf_counter() - t0
         stats = dispatcher.statistics()
         n_tokens = int(run.new_tokens.numel())
@@ -84,13 +90,15 @@ def main(argv: list[str] | None = None) -> int:
             tokens_per_s=round(n_tokens / elapsed, 3) if elapsed > 0 else None,
             wire_dtype=str(wire_dtype or model_dtype).replace("torch.", ""),
             bit_exact_wire=wire_dtype is None,
+            groups=groups,
+            groups_reason=why,
             **{k: v for k, v in dataclasses.asdict(stats).items()},
         )
         if args.compare_local:
             dispatcher.remote = False
-            local = decode(model, tokenizer, prompts, args.max_new_tokens)
+            local = decode_grouped(model, tokenizer, prompts, args.max_new_tokens, groups)
             result.update(compare(run, local))
-            reference = decode(model, tokenizer, prompts, args.max_new_tokens, implementation="eager")
+            reference = decode_grouped(model, tokenizer, prompts, args.max_new_tokens, groups, implementation="eager")
             ref = compare(local, reference)
             result["reference_tokens_identical"] = ref["tokens_identical"]
             result["reference_max_abs_logit_diff"] = ref["max_abs_logit_diff"]
@@ -112,6 +120,35 @@ def main(argv: list[str] | None = None) -> int:
                   f"identical to transformers eager: {result['reference_tokens_identical']}")
     ok = (not args.compare_local) or bool(result.get("tokens_identical"))
     return 0 if ok else 1
+
+
+def _choose_groups(spec: str, dispatcher, model, tokenizer, prompts, decode_grouped):  # type: ignore[no-untyped-def]
+    """The number of concurrent groups: forced, or from a measured remote step and local step.
+
+    A step that waits on the network for k times its compute time leaves room for k groups
+    to take turns on the CPU; never more groups than sequences, nor than 16.
+    """
+    if spec != "auto":
+        try:
+            n = int(spec)
+        except ValueError:
+            raise SystemExit(f"--groups takes a number or 'auto', got {spec!r}") from None
+        return max(1, min(n, len(prompts))), "forced"
+    if not dispatcher.remote or len(prompts) == 1:
+        return 1, "nothing to overlap"
+    decode_grouped(model, tokenizer, prompts, 2, 1)  # warm both paths up
+    t0 = time.perf_counter()
+    decode_grouped(model, tokenizer, prompts, 3, 1)
+    remote = time.perf_counter() - t0
+    dispatcher.remote = False
+    try:
+        t0 = time.perf_counter()
+        decode_grouped(model, tokenizer, prompts, 3, 1)
+        local = time.perf_counter() - t0
+    finally:
+        dispatcher.remote = True
+    k = max(1, min(len(prompts), 16, round(remote / max(local, 1e-6))))
+    return k, f"remote step {remote / 3 * 1000:.1f} ms vs local {local / 3 * 1000:.1f} ms"
 
 
 if __name__ == "__main__":

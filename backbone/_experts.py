@@ -86,6 +86,7 @@ class Dispatcher:
         self.remote_calls = self.remote_rows = self.local_rows = 0
         self.fallback_calls = self.fallback_rows = 0
         self._used: set[str] = set()
+        self._stats_lock = threading.Lock()
 
     # -- placement -------------------------------------------------------------------
 
@@ -175,7 +176,8 @@ class Dispatcher:
         partials: dict[int, torch.Tensor] = {}
         for r in local:
             partials[r.expert] = self._local(module, hidden, top_k_weights, r)
-            self.local_rows += len(r.token_idx)
+        with self._stats_lock:
+            self.local_rows += sum(len(r.token_idx) for r in local)
 
         for rec, rs, link in inflight:
             try:
@@ -192,17 +194,19 @@ class Dispatcher:
                     n = len(r.token_idx)
                     partials[r.expert] = out[start : start + n]
                     start += n
-                self.remote_calls += 1
-                self.remote_rows += rec.rows
-                self._used.add(link.session_id)
+                with self._stats_lock:
+                    self.remote_calls += 1
+                    self.remote_rows += rec.rows
+                    self._used.add(link.session_id)
             except Exception as exc:  # timeout, stream failure, bad answer: recompute here
                 log.warning("remote call lost; computing locally", session_id=link.session_id, layer=layer,
                             rows=rec.rows, error=repr(exc)[:200])
                 link._fail(exc if isinstance(exc, BaseException) else RuntimeError(str(exc)))
                 with self._lock:
                     self._seen_version = -1  # rebuild routes without this link
-                self.fallback_calls += 1
-                self.fallback_rows += rec.rows
+                with self._stats_lock:
+                    self.fallback_calls += 1
+                    self.fallback_rows += rec.rows
                 for r in rs:
                     partials[r.expert] = self._local(module, hidden, top_k_weights, r)
 

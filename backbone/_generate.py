@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import pathlib
+import threading
 
 import torch
 
@@ -57,6 +58,51 @@ def decode(model, tokenizer, prompts: list[str], max_new_tokens: int, implementa
     logits = torch.stack([step.float() for step in out.logits])
     texts = tokenizer.batch_decode(new, skip_special_tokens=True)
     return Decode(sequences=out.sequences, new_tokens=new, logits=logits, texts=texts)
+
+
+def decode_grouped(model, tokenizer, prompts: list[str], max_new_tokens: int, groups: int,  # type: ignore[no-untyped-def]
+                   implementation: str = IMPLEMENTATION) -> Decode:
+    """Micro-batch pipelining: split ``prompts`` into ``groups`` (prompt i goes to group
+    i % groups) and decode the groups concurrently, one thread each, so one group computes
+    while others wait on remote experts. torch releases the GIL inside its kernels and the
+    Dispatcher is thread-safe. The result is in the original prompt order.
+
+    Each group is padded on its own, so compare a grouped decode with a decode of the same
+    grouping (the local reference does exactly that).
+    """
+    groups = max(1, min(groups, len(prompts)))
+    if groups == 1:
+        return decode(model, tokenizer, prompts, max_new_tokens, implementation)
+    model.set_experts_implementation(implementation)
+    parts: list[Decode | None] = [None] * groups
+    errors: list[BaseException] = []
+
+    def run(g: int) -> None:
+        try:
+            parts[g] = decode(model, tokenizer, prompts[g::groups], max_new_tokens, implementation)
+        except BaseException as exc:  # re-raised in the caller's thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(g,), name=f"group-{g}") for g in range(groups)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    done = [p for p in parts if p is not None]
+    order = [i for g in range(groups) for i in range(g, len(prompts), groups)]
+    inverse = torch.empty(len(order), dtype=torch.long)
+    inverse[torch.tensor(order)] = torch.arange(len(order))
+    new_tokens = torch.cat([p.new_tokens for p in done])[inverse]
+    logits = torch.cat([p.logits for p in done], dim=1)[:, inverse]
+    texts_in_group_order = [t for p in done for t in p.texts]
+    texts = [texts_in_group_order[int(j)] for j in inverse]
+    # Sequences differ in padding per group; keep each group's own, in prompt order.
+    sequences = [row for p in done for row in p.sequences]
+    return Decode(sequences=torch.nn.utils.rnn.pad_sequence([sequences[int(j)] for j in inverse],
+                                                            batch_first=True),
+                  new_tokens=new_tokens, logits=logits, texts=texts)
 
 
 def compare(a: Decode, b: Decode) -> dict[str, float | bool]:

@@ -86,10 +86,10 @@ class WorkerLink:
                 fut.set_exception(self.dead)
                 return rec
             self._pending[call_id] = rec
+            self.calls += 1
+            self.rows += rec.rows
         request.call_id = call_id
         self._requests.put(request)
-        self.calls += 1
-        self.rows += rec.rows
         return rec
 
     def _read(self) -> None:

@@ -197,8 +197,53 @@ def run_bench(*, quick: bool = False, say: Callable[[str], None] = print) -> dic
         "hub_mb_s_b512": paths["hub"]["512"]["mb_s"],  # type: ignore[index]
         "direct_mb_s_b512": paths["direct"]["512"]["mb_s"],  # type: ignore[index]
     }
-    return {"dispatch": paths, "wire": wire, "ratios": ratios, "figures": figures,
+    say("decode: all experts local vs every MoE layer on workers through the gateway, RTT 0/13/50 ms")
+    decode = run_decode_bench(quick=quick, say=say)
+    for rtt in RTTS_MS:
+        ratios[f"decode_remote_over_local_rtt{rtt}"] = decode[f"rtt{rtt}"]["remote_over_local"]  # type: ignore[index]
+    return {"dispatch": paths, "wire": wire, "decode": decode, "ratios": ratios, "figures": figures,
             "machine": {"cpus": os.cpu_count(), "torch_threads": 1}, "quick": quick}
+
+
+RTTS_MS = (0, 13, 50)
+DECODE_MODEL = {"hidden_size": 512, "num_experts": 16, "moe_intermediate_size": 512, "num_hidden_layers": 4}
+
+
+def run_decode_bench(*, quick: bool = False, say: Callable[[str], None] = print) -> dict[str, object]:
+    """Aggregate tokens/s of many concurrent sequences: every expert local, against every MoE
+    layer's experts on two workers that reach the hub through the TLS gateway over a link
+    with an emulated round trip (a latency proxy between the workers and the gateway).
+    The remote runs pick their micro-batch groups from measured step times."""
+    from kvasir_rpc._swarm import LocalSwarm
+    from kvasir_rpc._tiny import make_tiny_checkpoint
+
+    batch, tokens = (32, 8) if quick else (64, 16)
+    args_common = ["--prompt", "the swarm", "--max-new-tokens", str(tokens), "--batch", str(batch)]
+    out: dict[str, object] = {"model": DECODE_MODEL, "batch": batch, "new_tokens": tokens}
+    with tempfile.TemporaryDirectory(prefix="kvasir-bench-decode-") as tmp, LocalSwarm(tmp) as sw:
+        model = make_tiny_checkpoint(pathlib.Path(tmp) / "model", arch="qwen3_moe", seed=0, overrides=DECODE_MODEL)
+        rtt_file = pathlib.Path(tmp) / "rtt_ms"
+        sw.start_gateway()
+        sw.start_hub(gateway=True)
+        proxy = sw.start_latency_proxy("latency", sw.gateway_port, rtt_file)
+        half = DECODE_MODEL["num_experts"] // 2
+        url = f"wss://127.0.0.1:{proxy}"
+        sw.start_worker("worker1", model, f"*:0-{half - 1}", via="gateway", gateway_url=url)
+        sw.start_worker("worker2", model, f"*:{half}-{DECODE_MODEL['num_experts'] - 1}", via="gateway", gateway_url=url)
+        sw.wait_sessions(2, watch=["gateway", "latency", "worker1", "worker2"])
+        local = sw.run_backbone(["--model", str(model), *args_common], hub=False)
+        out["local_tokens_per_s"] = local["tokens_per_s"]
+        say(f"  local: {local['tokens_per_s']} tokens/s")
+        for rtt in RTTS_MS:
+            rtt_file.write_text(str(rtt))
+            time.sleep(0.3)  # the proxy re-reads the file every 0.1 s
+            remote = sw.run_backbone(["--model", str(model), *args_common, "--groups", "auto", "--wait-sessions", "2"])
+            ratio = round(float(remote["tokens_per_s"]) / float(local["tokens_per_s"]), 3)  # type: ignore[arg-type]
+            out[f"rtt{rtt}"] = {"remote_tokens_per_s": remote["tokens_per_s"], "remote_over_local": ratio,
+                                "groups": remote["groups"], "groups_reason": remote["groups_reason"],
+                                "remote_calls": remote["remote_calls"], "fallback_calls": remote["fallback_calls"]}
+            say(f"  rtt {rtt} ms: {remote['tokens_per_s']} tokens/s with {remote['groups']} groups ({ratio} of local)")
+    return out
 
 
 def _summary(times: list[float], batch: int, payload: int, *, in_flight_rows_s: float | None) -> dict[str, float]:

@@ -163,10 +163,11 @@ class LocalSwarm:
         self.hub_key = str(info["hub_key"])
 
     def start_worker(self, name: str, model: str | os.PathLike[str], experts: str, *, via: str = "hub",
-                     extra: Sequence[str] = ()) -> subprocess.Popen[bytes]:
-        """Start a worker that dials the hub directly (``via="hub"``) or the gateway."""
+                     gateway_url: str | None = None, extra: Sequence[str] = ()) -> subprocess.Popen[bytes]:
+        """Start a worker that dials the hub directly (``via="hub"``) or the gateway (at
+        ``gateway_url`` when given, e.g. through a latency proxy)."""
         where = (["--hub", self.hub_ws_url] if via == "hub"
-                 else ["--gateway", self.gateway_url, "--ca-file", str(self.ca_file)])
+                 else ["--gateway", gateway_url or self.gateway_url, "--ca-file", str(self.ca_file)])
         return self._spawn(name, ["-m", "worker", *where, "--model", str(model),
                                   "--experts", experts, "--wallet", str(self.workdir / f"{name}.wallet"), *extra])
 
@@ -228,10 +229,23 @@ class LocalSwarm:
                 raise SwarmError(f"ledger credited {credited} of {counted} bytes after {timeout}s; logs in {self.logs}")
             time.sleep(0.2)
 
-    def start_backbone(self, args: Sequence[str]) -> subprocess.Popen[bytes]:
-        """Start ``python -m backbone generate --hub <ours> ARGS --json``; see backbone_result."""
+    def start_latency_proxy(self, name: str, upstream_port: int, rtt_file: pathlib.Path,
+                            timeout: float = 30.0) -> int:
+        """A latency proxy to 127.0.0.1:upstream_port whose RTT (ms) is read from ``rtt_file``."""
+        ready = self.workdir / f"{name}.ready.json"
+        ready.unlink(missing_ok=True)
+        if not rtt_file.exists():
+            rtt_file.write_text("0")
+        self._spawn(name, ["-m", "kvasir_rpc._latency", "--upstream", f"127.0.0.1:{upstream_port}",
+                           "--rtt-file", str(rtt_file), "--ready-file", str(ready)])
+        return int(self._wait_ready(name, ready, timeout)["port"])  # type: ignore[call-overload]
+
+    def start_backbone(self, args: Sequence[str], *, hub: bool = True) -> subprocess.Popen[bytes]:
+        """Start ``python -m backbone generate --hub <ours> ARGS --json`` (without ``--hub``:
+        every expert local); see backbone_result."""
+        where = ["--hub", self.hub_grpc_address] if hub else []
         return subprocess.Popen(
-            [self.python, "-m", "backbone", "generate", "--hub", self.hub_grpc_address, *args, "--json"],
+            [self.python, "-m", "backbone", "generate", *where, *args, "--json"],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=self.env, cwd=self.workdir, stdin=subprocess.DEVNULL,
         )
 
@@ -252,9 +266,9 @@ class LocalSwarm:
         result["backbone_exit_code"] = proc.returncode
         return result
 
-    def run_backbone(self, args: Sequence[str], *, timeout: float = 600.0) -> dict[str, object]:
+    def run_backbone(self, args: Sequence[str], *, hub: bool = True, timeout: float = 600.0) -> dict[str, object]:
         """Run ``python -m backbone generate ... --json`` to completion; its JSON result."""
-        return self.backbone_result(self.start_backbone(args), timeout=timeout)
+        return self.backbone_result(self.start_backbone(args, hub=hub), timeout=timeout)
 
     def stop_process(self, name: str, *, sig: int = signal.SIGTERM, timeout: float = 15.0) -> int | None:
         proc = self.procs.get(name)

@@ -338,7 +338,11 @@ def _unreadable_ids(tok: Any, vocab_size: int) -> list[int]:
 
 
 def make_tiny_checkpoint(
-    directory: str | os.PathLike[str], *, arch: str = "qwen3_moe", seed: int = 0
+    directory: str | os.PathLike[str],
+    *,
+    arch: str = "qwen3_moe",
+    seed: int = 0,
+    overrides: dict[str, Any] | None = None,
 ) -> pathlib.Path:
     """Write a tiny random MoE checkpoint in the Hugging Face layout.
 
@@ -351,6 +355,9 @@ def make_tiny_checkpoint(
             and a shared expert) or ``"mixtral"`` (MixtralForCausalLM).
         seed: Seed for the random weights.  The same ``(arch, seed)`` always
             gives a byte-identical ``model.safetensors``.
+        overrides: Config values to change (e.g. ``hidden_size``, ``num_experts``,
+            ``moe_intermediate_size`` for a larger benchmark model; ``num_hidden_layers``
+            for ``qwen3_moe`` and ``mixtral``).
 
     Returns:
         The checkpoint directory as a :class:`pathlib.Path`.  It holds
@@ -373,7 +380,9 @@ def make_tiny_checkpoint(
     path = pathlib.Path(directory)
     path.mkdir(parents=True, exist_ok=True)
 
-    config_dict = _configs()[arch]
+    config_dict = {**_configs()[arch], **(overrides or {})}
+    if arch == "qwen3_moe":
+        config_dict["max_window_layers"] = config_dict["num_hidden_layers"]
     vocab_size = int(config_dict["vocab_size"])
     tok = _write_tokenizer(path, vocab_size)
     if tok.get_vocab_size(with_added_tokens=True) > vocab_size:  # pragma: no cover

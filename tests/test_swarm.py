@@ -231,3 +231,17 @@ def test_bfloat16_wire_halves_the_bytes_and_says_it_is_not_exact(swarm):
     assert 0.45 < (t2 - t1) / (t1 - t0) < 0.65, (t1 - t0, t2 - t1)
     assert narrow["min_logit_cosine"] > 0.999
     assert narrow["max_abs_logit_diff"] > 0.0  # honest: not bit-exact
+
+
+@pytest.mark.parametrize("groups", ["3", "auto"])
+def test_pipelined_groups_stay_bitwise_equal(swarm, groups):
+    result = swarm.run_backbone(["--model", str(swarm.model), "--prompt", "pipelined", "--max-new-tokens", "6",
+                                 "--batch", "5", "--groups", groups, "--compare-local"])
+    assert result["backbone_exit_code"] == 0
+    assert result["tokens_identical"] is True and result["max_abs_logit_diff"] == 0.0
+    assert result["reference_tokens_identical"] is True
+    assert result["n_tokens"] == 30 and result["remote_calls"] > 0 and result["fallback_calls"] == 0
+    if groups == "3":
+        assert result["groups"] == 3 and result["groups_reason"] == "forced"
+    else:
+        assert 1 <= result["groups"] <= 5 and "remote step" in result["groups_reason"]
