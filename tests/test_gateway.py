@@ -14,7 +14,8 @@ import sys
 import psutil
 import pytest
 import trio
-from helpers import wait_until
+import trio.testing
+from helpers import trustme_certs, wait_until
 from wsclient import connect, open_stream, open_tcp, read_until_eof
 from wsproto.events import CloseConnection
 
@@ -29,6 +30,7 @@ GATEWAY_LIMITS = ["--handshake-timeout", "2", "--keepalive", "0.5", "--idle-time
 def gw(tiny_models, tmp_path_factory):
     model = tiny_models("qwen3_moe")
     with LocalSwarm(tmp_path_factory.mktemp("gw")) as sw:
+        trustme_certs(sw.workdir)
         sw.start_gateway(extra=GATEWAY_LIMITS)
         sw.start_hub(gateway=True)
         sw.start_worker("worker1", model, "*:0-3", via="gateway")
@@ -240,6 +242,7 @@ def test_silent_peer_is_pinged_then_closed(gw):
 def test_gateway_restart_mid_decode(tiny_models, tmp_path):
     model = tiny_models("qwen3_moe")
     with LocalSwarm(tmp_path) as sw:
+        trustme_certs(sw.workdir)
         sw.start_gateway()
         port = sw.gateway_port
         sw.start_hub(gateway=True)
@@ -264,3 +267,42 @@ def test_gateway_restart_mid_decode(tiny_models, tmp_path):
         again = sw.run_backbone(["--model", str(model), "--prompt", "back", "--max-new-tokens", "4",
                                  "--compare-local"])
         assert again["remote_calls"] > 0 and again["tokens_identical"] is True
+
+
+def test_kvasir_certs_makes_a_ca_that_verifies_the_gateway(tmp_path):
+    """`kvasir certs DIR` (the cryptography library): a TLS handshake with it succeeds for the
+    names it covers and fails for others."""
+    out = subprocess.run([sys.executable, "-m", "kvasir_rpc", "certs", str(tmp_path), "--host", "127.0.0.1",
+                          "--host", "gw.example"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert oct((tmp_path / "gateway.key").stat().st_mode & 0o777) == "0o600"
+    server = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    server.load_cert_chain(str(tmp_path / "gateway.pem"), str(tmp_path / "gateway.key"))
+    client = ssl.create_default_context(cafile=str(tmp_path / "ca.pem"))
+
+    async def handshake(name: str) -> bool:
+        a, b = trio.testing.memory_stream_pair()
+        ok = True
+
+        async def serve() -> None:
+            try:
+                await trio.SSLStream(b, server, server_side=True).do_handshake()
+            except (trio.BrokenResourceError, ssl.SSLError):
+                pass
+
+        async def dial() -> None:
+            nonlocal ok
+            try:
+                await trio.SSLStream(a, client, server_hostname=name).do_handshake()
+            except (trio.BrokenResourceError, ssl.SSLError):
+                ok = False
+            await a.aclose()
+
+        with trio.fail_after(10):
+            async with trio.open_nursery() as n:
+                n.start_soon(serve)
+                n.start_soon(dial)
+        return ok
+
+    assert trio.run(handshake, "127.0.0.1") and trio.run(handshake, "gw.example")
+    assert not trio.run(handshake, "other.example")
