@@ -37,6 +37,10 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--wire-dtype", choices=["model", "bfloat16", "float16"], default="model",
                    help="dtype activations travel in: the model's (bit-exact, default) or, for a float32 "
                         "model, bfloat16/float16 (half the bytes, not bit-exact)")
+    g.add_argument("--expert-weights", choices=["auto", "all", "on-demand"], default="auto",
+                   help="'all': hold every expert, as loaded; 'on-demand': drop them and read an expert from "
+                        "the checkpoint the first time it must be computed here; 'auto': on-demand when experts "
+                        "live on a hub's workers and no local comparison is asked")
     g.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     g.add_argument("--log-level", default="warning")
     args = parser.parse_args(argv)
@@ -49,6 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     from backbone._experts import Dispatcher
     from backbone._generate import compare, decode_grouped, load_model, prompts_for_batch
     from backbone._links import SessionWatcher
+    from kvasir_rpc import ExpertIndex
 
     import transformers
 
@@ -72,7 +77,14 @@ def main(argv: list[str] | None = None) -> int:
     model_dtype = next(model.parameters()).dtype
     if wire_dtype is not None and (model_dtype != torch.float32 or wire_dtype == model_dtype):
         wire_dtype = None  # float16/bfloat16 models already travel as they are
-    dispatcher = Dispatcher(model, watcher, call_timeout_s=args.call_timeout, wire_dtype=wire_dtype)
+    on_demand = args.expert_weights == "on-demand" or (
+        args.expert_weights == "auto" and watcher is not None and not args.compare_local
+    )
+    if on_demand and args.compare_local:
+        parser.error("--compare-local runs transformers' eager experts, which need every expert: use --expert-weights all")
+    source = ExpertIndex(args.model) if on_demand else None
+    dispatcher = Dispatcher(model, watcher, call_timeout_s=args.call_timeout, wire_dtype=wire_dtype,
+                            expert_source=source)
     prompts = prompts_for_batch(args.prompt, args.batch)
     result: dict[str, object] = {}
     try:
@@ -92,6 +104,8 @@ def main(argv: list[str] | None = None) -> int:
             bit_exact_wire=wire_dtype is None,
             groups=groups,
             groups_reason=why,
+            expert_weights="on-demand" if on_demand else "all",
+            rss_bytes=_rss_bytes(),
             **{k: v for k, v in dataclasses.asdict(stats).items()},
         )
         if args.compare_local:
@@ -122,6 +136,12 @@ def main(argv: list[str] | None = None) -> int:
     return 0 if ok else 1
 
 
+def _rss_bytes() -> int:
+    import psutil
+
+    return int(psutil.Process().memory_info().rss)
+
+
 def _choose_groups(spec: str, dispatcher, model, tokenizer, prompts, decode_grouped):  # type: ignore[no-untyped-def]
     """The number of concurrent groups: forced, or from a measured remote step and local step.
 
@@ -147,6 +167,7 @@ def _choose_groups(spec: str, dispatcher, model, tokenizer, prompts, decode_grou
         local = time.perf_counter() - t0
     finally:
         dispatcher.remote = True
+        dispatcher.drop_loaded()
     k = max(1, min(len(prompts), 16, round(remote / max(local, 1e-6))))
     return k, f"remote step {remote / 3 * 1000:.1f} ms vs local {local / 3 * 1000:.1f} ms"
 

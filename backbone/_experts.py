@@ -9,6 +9,7 @@ combination order whatever the placement.
 from __future__ import annotations
 
 import dataclasses
+import gc
 import re
 import threading
 from collections.abc import Iterable
@@ -16,7 +17,7 @@ from collections.abc import Iterable
 import torch
 from transformers.integrations.moe import ExpertsInterface
 
-from kvasir_rpc import expert_digest, expert_pb2, get_logger, slices_digest
+from kvasir_rpc import ExpertIndex, expert_digest, expert_pb2, get_logger, slices_digest
 from kvasir_rpc._codec import TensorCodecError, decode_tensor, encode_tensor
 from kvasir_rpc._kernel import Route, expert_forward, plan_routes
 from backbone._links import CallRecord, SessionWatcher, WorkerLink
@@ -40,6 +41,7 @@ _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 class DispatchStats:
     remote_calls: int
     remote_rows: int
+    expert_bytes_held: int
     local_rows: int
     fallback_calls: int
     fallback_rows: int
@@ -61,6 +63,7 @@ class Dispatcher:
         *,
         call_timeout_s: float = 30.0,
         wire_dtype: torch.dtype | None = None,
+        expert_source: ExpertIndex | None = None,
     ) -> None:
         self.watcher = watcher
         # None: activations travel in the model's dtype (bit-exact). bfloat16/float16 for a
@@ -87,6 +90,41 @@ class Dispatcher:
         self.fallback_calls = self.fallback_rows = 0
         self._used: set[str] = set()
         self._stats_lock = threading.Lock()
+        # On-demand experts: the model's expert tensors are dropped (meta) and an expert is
+        # read from the checkpoint the first time this backbone has to compute it, so
+        # resident memory follows the dense part plus the experts computed here.
+        self._source = expert_source
+        self._loaded: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+        self._load_lock = threading.Lock()
+        if expert_source is not None:
+            for module in self._experts.values():
+                gate_up, down = _expert_weights(module)
+                module.gate_up_proj = torch.nn.Parameter(torch.empty(gate_up.shape, device="meta"), requires_grad=False)
+                module.down_proj = torch.nn.Parameter(torch.empty(down.shape, device="meta"), requires_grad=False)
+            gc.collect()
+
+    def _weights(self, module: torch.nn.Module, layer: int, expert: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """One expert's ``(gate_up [2I, H], down [H, I])``: the model's, or read on demand."""
+        if self._source is None:
+            gate_up, down = _expert_weights(module)
+            return gate_up[expert], down[expert]
+        key = (layer, expert)
+        with self._load_lock:
+            if key not in self._loaded:
+                self._loaded[key] = self._source.load(layer, expert)
+            return self._loaded[key]
+
+    def drop_loaded(self) -> None:
+        """Forget experts read on demand (after a measurement that computed them all here)."""
+        with self._load_lock:
+            self._loaded.clear()
+        gc.collect()
+
+    def expert_bytes_held(self) -> int:
+        """Bytes of expert weights this process holds in memory."""
+        if self._source is None:
+            return sum(t.numel() * t.element_size() for m in self._experts.values() for t in _expert_weights(m))
+        return sum(t.numel() * t.element_size() for pair in self._loaded.values() for t in pair)
 
     # -- placement -------------------------------------------------------------------
 
@@ -96,13 +134,16 @@ class Dispatcher:
             module = self._experts.get(layer)
             if module is None:
                 return None
-            gate_up, down = _expert_weights(module)
+            num_experts = _expert_weights(module)[0].shape[0]
             for e in experts:
-                if e >= gate_up.shape[0]:
+                if e >= num_experts:
                     return None
                 key = (layer, e)
                 if key not in self._digests:
-                    self._digests[key] = expert_digest(gate_up[e], down[e])
+                    if self._source is not None:
+                        self._digests[key] = self._source.expert_digest(layer, e)
+                    else:
+                        self._digests[key] = expert_digest(*self._weights(module, layer, e))
                 digests[key] = self._digests[key]
         return slices_digest(digests)
 
@@ -175,7 +216,7 @@ class Dispatcher:
 
         partials: dict[int, torch.Tensor] = {}
         for r in local:
-            partials[r.expert] = self._local(module, hidden, top_k_weights, r)
+            partials[r.expert] = self._local(module, layer, hidden, top_k_weights, r)
         with self._stats_lock:
             self.local_rows += sum(len(r.token_idx) for r in local)
 
@@ -208,7 +249,7 @@ class Dispatcher:
                     self.fallback_calls += 1
                     self.fallback_rows += rec.rows
                 for r in rs:
-                    partials[r.expert] = self._local(module, hidden, top_k_weights, r)
+                    partials[r.expert] = self._local(module, layer, hidden, top_k_weights, r)
 
         # One fixed order, whatever ran where: ascending expert, as transformers' eager.
         final = torch.zeros_like(hidden)
@@ -216,14 +257,12 @@ class Dispatcher:
             final.index_add_(0, r.token_idx, partials[r.expert].to(final.dtype))
         return final
 
-    @staticmethod
-    def _local(module: torch.nn.Module, hidden: torch.Tensor, top_k_weights: torch.Tensor, r: Route) -> torch.Tensor:
-        gate_up, down = _expert_weights(module)
+    def _local(self, module: torch.nn.Module, layer: int, hidden: torch.Tensor, top_k_weights: torch.Tensor,
+               r: Route) -> torch.Tensor:
+        gate_up, down = self._weights(module, layer, r.expert)
         act = module.act_fn
         assert callable(act)
-        return expert_forward(
-            hidden[r.token_idx], gate_up[r.expert], down[r.expert], act, top_k_weights[r.token_idx, r.top_k_pos]
-        )
+        return expert_forward(hidden[r.token_idx], gate_up, down, act, top_k_weights[r.token_idx, r.top_k_pos])
 
     def reset_counters(self) -> None:
         self.remote_calls = self.remote_rows = self.local_rows = 0
@@ -234,6 +273,7 @@ class Dispatcher:
         return DispatchStats(
             remote_calls=self.remote_calls,
             remote_rows=self.remote_rows,
+            expert_bytes_held=self.expert_bytes_held(),
             local_rows=self.local_rows,
             fallback_calls=self.fallback_calls,
             fallback_rows=self.fallback_rows,
