@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test proto lint venv clean system-deps
+.PHONY: demo test bench proto lint venv clean system-deps bench-deps
 
 venv: $(STAMP)
 
@@ -21,6 +21,18 @@ demo: $(STAMP)
 
 test: $(STAMP) system-deps lint
 	$(PY) -m pytest -q
+
+# Benchmarks (not part of the tests): the edge path needs Debian's nginx.
+bench: $(STAMP) bench-deps
+	$(VENV)/bin/kvasir bench
+
+bench-deps:
+	@command -v nginx >/dev/null 2>&1 || [ -x /usr/sbin/nginx ] || { \
+	  if [ "$$(id -u)" = 0 ]; then \
+	    apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends nginx-light; \
+	  else \
+	    echo "nginx is missing: run 'sudo apt-get install nginx-light' (or kvasir bench skips the edge path)" >&2; \
+	  fi; }
 
 lint: $(STAMP)
 	$(VENV)/bin/buf lint

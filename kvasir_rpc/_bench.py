@@ -112,14 +112,15 @@ def run_bench(*, quick: bool = False, say: Callable[[str], None] = print) -> dic
     from kvasir_rpc._codec import encode_tensor
     from kvasir_rpc._gen.kvasir.v1 import expert_pb2
     from kvasir_rpc._kernel import expert_forward, get_activation
-    from kvasir_rpc._swarm import LocalSwarm
+    from kvasir_rpc._swarm import LocalSwarm, SwarmError
 
     torch.set_num_threads(1)
     calls = {1: 60, 8: 40, 64: 20, 512: 6} if quick else {1: 300, 8: 200, 64: 100, 512: 30}
     in_flight = 4
     paths: dict[str, dict[str, object]] = {}
     wire: dict[str, dict[str, float]] = {}
-    with tempfile.TemporaryDirectory(prefix="kvasir-bench-") as tmp, LocalSwarm(tmp) as sw:
+    with tempfile.TemporaryDirectory(prefix="kvasir-bench-") as tmp, LocalSwarm(tmp) as sw, \
+            LocalSwarm(pathlib.Path(tmp) / "edge-swarm") as edge_sw:
         ckpt = make_bench_checkpoint(pathlib.Path(tmp) / "expert")
         index = ExpertIndex(ckpt)
         gate_up, down = index.load(0, 0)
@@ -134,9 +135,22 @@ def run_bench(*, quick: bool = False, say: Callable[[str], None] = print) -> dic
         by_path = {("gateway" if s.remote_address.startswith("gateway:") else "hub"): s for s in sessions}
         targets = {"direct": f"127.0.0.1:{direct_port}", "hub": by_path["hub"].target,
                    "gateway": by_path["gateway"].target}
+        swarm_of = {"hub": sw, "gateway": sw}
+        # The edge path: nginx terminates TLS in front of a plain-ws gateway (a second swarm).
+        try:
+            edge_sw.start_gateway(tls=False)
+            edge_sw.start_hub(gateway=True)
+            edge_port = edge_sw.start_edge(edge_sw.gateway_port)
+            edge_sw.start_worker("worker_edge", ckpt, "0:0", via="gateway", gateway_url=f"wss://127.0.0.1:{edge_port}")
+            by_path["edge"] = edge_sw.wait_sessions(1, watch=["gateway", "edge", "worker_edge"])[0]
+            targets["edge"] = by_path["edge"].target
+            swarm_of["edge"] = edge_sw
+            say("edge path: nginx (TLS) in front of a plain-ws gateway")
+        except SwarmError as exc:
+            say(f"edge path skipped: {exc}")
 
         def metered(path: str) -> int:
-            for s in sw.list_sessions():
+            for s in swarm_of[path].list_sessions():
                 if s.session_id == by_path[path].session_id:
                     return int(s.bytes_to_worker + s.bytes_from_worker)
             return 0
@@ -183,10 +197,12 @@ def run_bench(*, quick: bool = False, say: Callable[[str], None] = print) -> dic
     def rows(path: str, b: int, key: str = "rows_s") -> float:
         return float(paths[path][str(b)][key])  # type: ignore[index]
 
+    # "The faster of the two gateway paths" for the throughput ratio.
+    fast = max((p for p in ("gateway", "edge") if p in paths), key=lambda p: rows(p, 512, "rows_s_in_flight"))
     ratios = {
         "gateway_over_direct_p50_b1": round(p50("gateway", 1) / p50("direct", 1), 3),
         "hub_over_direct_p50_b1": round(p50("hub", 1) / p50("direct", 1), 3),
-        "gateway_over_inprocess_rows_b512": round(rows("gateway", 512, "rows_s_in_flight") / rows("inprocess", 512), 3),
+        "gateway_over_inprocess_rows_b512": round(rows(fast, 512, "rows_s_in_flight") / rows("inprocess", 512), 3),
         "direct_over_inprocess_rows_b512": round(rows("direct", 512) / rows("inprocess", 512), 3),
         "wire_over_payload_b64": wire["gateway"]["64"],
     }
@@ -194,6 +210,8 @@ def run_bench(*, quick: bool = False, say: Callable[[str], None] = print) -> dic
         "gateway_added_ms_b1": round(p50("gateway", 1) - p50("direct", 1), 3),
         "hub_added_ms_b1": round(p50("hub", 1) - p50("direct", 1), 3),
         "gateway_tls_mb_s_b512": paths["gateway"]["512"]["mb_s"],  # type: ignore[index]
+        "gateway_edge_mb_s_b512": paths["edge"]["512"]["mb_s"] if "edge" in paths else None,  # type: ignore[index]
+        "faster_gateway_path": fast,
         "hub_mb_s_b512": paths["hub"]["512"]["mb_s"],  # type: ignore[index]
         "direct_mb_s_b512": paths["direct"]["512"]["mb_s"],  # type: ignore[index]
     }

@@ -56,11 +56,12 @@ class LocalSwarm:
     def __exit__(self, *exc: object) -> None:
         self.stop()
 
-    def _spawn(self, name: str, args: Sequence[str]) -> subprocess.Popen[bytes]:
+    def _spawn(self, name: str, args: Sequence[str], *, program: str | None = None) -> subprocess.Popen[bytes]:
+        """Start ``python ARGS`` (or ``program ARGS``) with its output in ``logs/NAME.log``."""
         log = open(self.logs / f"{name}.log", "wb")
         proc = subprocess.Popen(
-            [self.python, *args], stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=self.env,
-            cwd=self.workdir,
+            [program or self.python, *args], stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            env=self.env, cwd=self.workdir,
         )
         log.close()
         self.procs[name] = proc
@@ -229,6 +230,60 @@ class LocalSwarm:
                 raise SwarmError(f"ledger credited {credited} of {counted} bytes after {timeout}s; logs in {self.logs}")
             time.sleep(0.2)
 
+    def start_edge(self, upstream_port: int, *, timeout: float = 30.0) -> int:
+        """nginx (Debian's package) terminating TLS in front of a plain-ws gateway on
+        ``upstream_port``, as a CDN edge would. Returns its port; SwarmError without nginx."""
+        import shutil
+        import socket
+
+        nginx = shutil.which("nginx") or ("/usr/sbin/nginx" if os.path.exists("/usr/sbin/nginx") else None)
+        if nginx is None:
+            raise SwarmError("nginx not found: install Debian's nginx (apt-get install nginx-light)")
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = int(s.getsockname()[1])
+        root = self.workdir / "edge"
+        root.mkdir(exist_ok=True)
+        certs = self.workdir / "certs"
+        conf = root / "nginx.conf"
+        conf.write_text(f"""daemon off;
+worker_processes 1;
+pid {root}/nginx.pid;
+error_log {self.logs}/edge-error.log warn;
+events {{ worker_connections 1024; }}
+http {{
+    access_log off;
+    client_body_temp_path {root}/body; proxy_temp_path {root}/proxy; fastcgi_temp_path {root}/fcgi;
+    uwsgi_temp_path {root}/uwsgi; scgi_temp_path {root}/scgi;
+    map $http_upgrade $connection_upgrade {{ default upgrade; '' close; }}
+    server {{
+        listen 127.0.0.1:{port} ssl;
+        ssl_certificate {certs}/gateway.pem;
+        ssl_certificate_key {certs}/gateway.key;
+        location / {{
+            proxy_pass http://127.0.0.1:{upstream_port};
+            proxy_http_version 1.1;
+            proxy_set_header Upgrade $http_upgrade;
+            proxy_set_header Connection $connection_upgrade;
+            proxy_buffering off;
+            proxy_request_buffering off;
+            proxy_read_timeout 3600s;
+            proxy_send_timeout 3600s;
+        }}
+    }}
+}}
+""")
+        self._spawn("edge", ["-p", str(root), "-c", str(conf), "-e", str(self.logs / "edge-error.log")], program=nginx)
+        deadline = time.monotonic() + timeout
+        while True:
+            self._check_alive("edge")
+            with socket.socket() as s:
+                if s.connect_ex(("127.0.0.1", port)) == 0:
+                    return port
+            if time.monotonic() > deadline:
+                raise SwarmError(f"nginx not listening after {timeout}s; see {self.logs / 'edge.log'}")
+            time.sleep(0.05)
+
     def start_latency_proxy(self, name: str, upstream_port: int, rtt_file: pathlib.Path,
                             timeout: float = 30.0) -> int:
         """A latency proxy to 127.0.0.1:upstream_port whose RTT (ms) is read from ``rtt_file``."""
@@ -283,6 +338,6 @@ class LocalSwarm:
 
     def stop(self) -> None:
         # Workers first (they drain), then the hub, then the gateway.
-        order = {"hub": 1, "gateway": 2, "ledger": 3}
+        order = {"hub": 1, "edge": 2, "gateway": 3, "ledger": 4}
         for name in sorted(self.procs, key=lambda n: order.get(n, 0)):
             self.stop_process(name)
