@@ -12,6 +12,7 @@ import sys
 import trio
 
 from kvasir_rpc._cliargs import hostport, write_ready_file
+from kvasir_rpc._fastmask import install as install_fast_masking
 from kvasir_rpc._log import configure_logging, get_logger
 
 
@@ -36,6 +37,7 @@ def run_hub(args: argparse.Namespace) -> int:
     from relay._registry import SessionRegistry
 
     configure_logging("hub", level=args.log_level)
+    install_fast_masking()
     log = get_logger("relay")
     key = Wallet.load_or_create(args.key)
     registry = SessionRegistry()
@@ -85,6 +87,7 @@ def run_gateway(args: argparse.Namespace) -> int:
     from relay._gateway import GatewayConfig, serve_gateway
 
     configure_logging("gateway", level=args.log_level)
+    install_fast_masking()
     log = get_logger("relay")
     token = _read_token(args.hub_token_file)
     ctx = None

@@ -272,7 +272,7 @@ async def serve_hub(
                 config.listen_host,
                 config.listen_port,
                 ssl_context=None,
-                max_message_size=MAX_MESSAGE_BYTES,
+                max_message_size=MAX_MESSAGE_BYTES, receive_buffer_size=READ_BYTES,
                 message_queue_size=4,
                 task_status=task_status,
             )

@@ -13,7 +13,7 @@ import trio
 from trio_websocket import ConnectionClosed, HandshakeError, WebSocketConnection, open_websocket_url
 
 from kvasir_rpc import get_logger, leaf_exception
-from kvasir_rpc._tunnel import MAX_MESSAGE_BYTES, SUBPROTOCOL
+from kvasir_rpc._tunnel import MAX_MESSAGE_BYTES, READ_BYTES, SUBPROTOCOL
 
 __all__ = ["CONTROL_SUBPROTOCOL", "GatewayLink"]
 
@@ -80,7 +80,8 @@ class GatewayLink:
         try:
             async with open_websocket_url(
                 f"{self.base}/v1/hub/data/{pid}", ssl_context=self._ssl, subprotocols=[SUBPROTOCOL],
-                extra_headers=self._headers, max_message_size=MAX_MESSAGE_BYTES, message_queue_size=4,
+                extra_headers=self._headers, max_message_size=MAX_MESSAGE_BYTES, receive_buffer_size=READ_BYTES,
+                message_queue_size=4,
                 connect_timeout=10, disconnect_timeout=5,
             ) as ws:
                 await self._serve(ws, f"gateway:{remote}")

@@ -54,6 +54,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--log-level", default="info")
     args = p.parse_args(argv)
     configure_logging("worker", level=args.log_level)
+    from kvasir_rpc._fastmask import install as install_fast_masking
+
+    install_fast_masking()
 
     import torch
 

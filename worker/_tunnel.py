@@ -17,6 +17,7 @@ from kvasir_rpc._tunnel import (
     CTRL_EOF,
     CTRL_OPEN,
     MAX_MESSAGE_BYTES,
+    READ_BYTES,
     SUBPROTOCOL,
     pump_stream_to_ws,
 )
@@ -114,7 +115,7 @@ async def run_tunnel(
                 url,
                 ssl_context=ssl_context,
                 subprotocols=[SUBPROTOCOL],
-                max_message_size=MAX_MESSAGE_BYTES,
+                max_message_size=MAX_MESSAGE_BYTES, receive_buffer_size=READ_BYTES,
                 message_queue_size=4,
                 connect_timeout=HANDSHAKE_TIMEOUT_S,
                 disconnect_timeout=5,
