@@ -19,7 +19,7 @@ mix. This module holds the constants and the byte pump; the sans-IO handshake is
 from __future__ import annotations
 
 import trio
-from trio_websocket import ConnectionClosed, WebSocketConnection
+from trio_websocket import WebSocketConnection
 
 __all__ = [
     "CTRL_CLOSE",
@@ -43,15 +43,11 @@ READ_BYTES = 1 << 20
 MAX_MESSAGE_BYTES = 4 << 20
 
 
-async def pump_stream_to_ws(
-    stream: trio.abc.ReceiveStream,
-    ws: WebSocketConnection,
-    counter: list[int] | None = None,
-) -> None:
+async def pump_stream_to_ws(stream: trio.abc.ReceiveStream, ws: WebSocketConnection) -> None:
     """Copy bytes from ``stream`` into binary messages on ``ws`` until EOF.
 
-    Returns on EOF or when the stream is broken or closed under us; lets
-    ConnectionClosed from the WebSocket propagate. ``counter[0]`` accumulates bytes sent.
+    Returns on EOF or when the stream is broken or closed under us; lets the WebSocket's
+    ConnectionClosed propagate.
     """
     while True:
         try:
@@ -61,8 +57,3 @@ async def pump_stream_to_ws(
         if not data:
             return
         await ws.send_message(bytes(data))
-        if counter is not None:
-            counter[0] += len(data)
-
-
-__all__ += ["ConnectionClosed"]

@@ -155,6 +155,3 @@ async def run_tunnel(
         if not established:
             backoff = min(backoff * 2, max_backoff_s)
         await trio.sleep(delay)
-
-
-__all__ += ["CloseCode"]
