@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import signal
 import sqlite3
-import time
 
 from helpers import wait_until
 
@@ -33,8 +32,14 @@ def test_hub_restart_loses_no_counted_byte(tiny_models, tmp_path):
         sw.start_hub(receipt_interval=0.5, listen_port=sw.hub_ws_port)
         credited = lambda: sum(c.bytes for c in sw.ledger_credits(before.wallet) if c.session_id == before.session_id)  # noqa: E731
         wait_until(lambda: credited() == counted, 60, "the old session's bytes to be credited")
-        # The worker came back as a new session; the old one is credited exactly once.
+        # The worker came back as a new session; once the hub holds no unanswered receipt,
+        # the old session stands credited exactly once.
         sw.wait_sessions(1, watch=["worker1"])
-        time.sleep(1.5)
+
+        def nothing_pending() -> bool:
+            with sqlite3.connect(tmp_path / "hub-contrib.sqlite") as db:
+                return db.execute("SELECT COUNT(*) FROM receipts WHERE state = 'pending'").fetchone()[0] == 0
+
+        wait_until(nothing_pending, 30, "the hub's receipts to be answered")
         assert credited() == counted
         assert sw.ledger_balance(before.wallet).pending_nano_kvr >= counted * 7

@@ -5,7 +5,6 @@ plan_routes + expert_forward (locally or after a codec round trip, as a worker d
 bitwise equal to transformers' eager experts loop.
 """
 
-import math
 
 import pytest
 import torch
