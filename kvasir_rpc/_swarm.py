@@ -145,7 +145,7 @@ class LocalSwarm:
         self.ledger_port = int(self._wait_ready("ledger", ready, timeout)["port"])  # type: ignore[call-overload]
 
     def start_hub(self, *, gateway: bool = False, listen_port: int = 0, receipt_interval: float = 1.0,
-                  timeout: float = 30.0) -> None:
+                  extra: Sequence[str] = (), timeout: float = 30.0) -> None:
         """Start the hub; with ``gateway`` it also keeps a control connection to our gateway, and
         when a ledger runs it delivers receipts there."""
         ready = self.workdir / "hub.ready.json"
@@ -155,6 +155,7 @@ class LocalSwarm:
                 "--contrib-db", str(self.workdir / "hub-contrib.sqlite"), "--receipt-interval", str(receipt_interval)]
         if self.ledger_port:
             args += ["--ledger", self.ledger_address]
+        args += list(extra)
         if gateway:
             args += ["--gateway", self.gateway_url, "--gateway-token-file", str(self.token_file),
                      "--ca-file", str(self.ca_file)]

@@ -29,6 +29,7 @@ __all__ = [
     "MAX_MESSAGE_BYTES",
     "READ_BYTES",
     "SUBPROTOCOL",
+    "keepalive",
     "pump_stream_to_ws",
 ]
 
@@ -41,6 +42,20 @@ CTRL_CLOSED = "closed"
 # more than one read, so the largest legal message is bounded.
 READ_BYTES = 1 << 20
 MAX_MESSAGE_BYTES = 4 << 20
+
+
+async def keepalive(ws: WebSocketConnection, interval_s: float, timeout_s: float) -> None:
+    """Ping the peer every ``interval_s``; raise RemoteProtocolError (close 1001) when a pong
+    does not come back within ``timeout_s``: the peer froze or its path silently broke, and
+    nothing else would notice while the tunnel is idle."""
+    from kvasir_rpc._errors import CloseCode, RemoteProtocolError
+
+    while True:
+        await trio.sleep(interval_s)
+        with trio.move_on_after(timeout_s) as scope:
+            await ws.ping()
+        if scope.cancelled_caught:
+            raise RemoteProtocolError(f"keepalive: no pong within {timeout_s:g} s", close_code=CloseCode.GOING_AWAY)
 
 
 async def pump_stream_to_ws(stream: trio.abc.ReceiveStream, ws: WebSocketConnection) -> None:

@@ -63,7 +63,8 @@ def run_hub(args: argparse.Namespace) -> int:
     registry.on_removed.append(sender.session_ended)
     server, bound_grpc = create_session_server(registry, f"{grpc_host}:{grpc_port}")
     config = HubConfig(listen_host=args.listen[0], listen_port=args.listen[1], grpc_host=grpc_host,
-                       gateway_url=args.gateway, gateway_token=token, gateway_ssl=gateway_ssl)
+                       gateway_url=args.gateway, gateway_token=token, gateway_ssl=gateway_ssl,
+                       keepalive_s=args.keepalive, keepalive_timeout_s=args.keepalive_timeout)
 
     async def run() -> None:
         async with trio.open_nursery() as nursery:
@@ -130,6 +131,9 @@ def main(argv: list[str] | None = None) -> int:
     hub.add_argument("--contrib-db", type=pathlib.Path, default=pathlib.Path("hub-contrib.sqlite"),
                      help="SQLite file of per-session byte counters and receipts (survives restarts)")
     hub.add_argument("--receipt-interval", type=float, default=2.0, help="seconds between receipts")
+    hub.add_argument("--keepalive", type=float, default=15.0, help="ping each worker this often (seconds)")
+    hub.add_argument("--keepalive-timeout", type=float, default=10.0,
+                     help="drop a session whose worker does not answer a ping within this many seconds")
     hub.add_argument("--ready-file", type=pathlib.Path, help="write {ws_port, grpc_port, hub_key} here once listening")
     hub.add_argument("--log-level", default="info")
     hub.set_defaults(func=run_hub)

@@ -33,6 +33,7 @@ from kvasir_rpc._tunnel import (
     MAX_MESSAGE_BYTES,
     READ_BYTES,
     SUBPROTOCOL,
+    keepalive,
 )
 from relay._registry import SessionRegistry
 
@@ -49,6 +50,10 @@ class HubConfig:
     handshake_timeout_s: float = 10.0
     # How long a worker may take to acknowledge "close" before the session is dropped.
     close_timeout_s: float = 10.0
+    # Ping each worker this often; a worker that does not answer within the timeout is gone
+    # (frozen, or its network path silently broke) and its session is dropped.
+    keepalive_s: float = 15.0
+    keepalive_timeout_s: float = 10.0
     # Public gateway to keep a control connection to (wss://HOST:PORT), with its hub token.
     gateway_url: str | None = None
     gateway_token: str = ""
@@ -119,6 +124,7 @@ class _Session:
         port = listener.socket.getsockname()[1]
         async with listener, trio.open_nursery() as nursery:
             nursery.start_soon(self._read_ws)
+            nursery.start_soon(keepalive, self.ws, self.hub.config.keepalive_s, self.hub.config.keepalive_timeout_s)
             task_status.started(f"{self.hub.config.grpc_host}:{port}")
             while True:
                 stream = await listener.accept()
@@ -246,11 +252,15 @@ class _Hub:
         except* RemoteProtocolError as eg:
             perr = leaf_exception(eg)
             assert isinstance(perr, RemoteProtocolError)
-            slog.warning("session protocol error", reason=perr.reason)
-            await ws.aclose(perr.close_code, perr.reason[:120])
+            slog.warning("session ended", reason=perr.reason)
+            self.registry.remove(session_id)
+            with trio.move_on_after(2):  # the peer may be gone: do not wait on it
+                await ws.aclose(perr.close_code, perr.reason[:120])
         except* trio.TooSlowError:
             slog.warning("worker did not acknowledge close in time")
-            await ws.aclose(CloseCode.POLICY_VIOLATION, "close not acknowledged")
+            self.registry.remove(session_id)
+            with trio.move_on_after(2):
+                await ws.aclose(CloseCode.POLICY_VIOLATION, "close not acknowledged")
         finally:
             self.registry.remove(session_id)
             slog.info("session removed")
@@ -274,6 +284,7 @@ async def serve_hub(
                 ssl_context=None,
                 max_message_size=MAX_MESSAGE_BYTES, receive_buffer_size=READ_BYTES,
                 message_queue_size=4,
+                disconnect_timeout=5,
                 task_status=task_status,
             )
         )

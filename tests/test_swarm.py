@@ -245,3 +245,22 @@ def test_pipelined_groups_stay_bitwise_equal(swarm, groups):
         assert result["groups"] == 3 and result["groups_reason"] == "forced"
     else:
         assert 1 <= result["groups"] <= 5 and "measured tokens/s by groups" in result["groups_reason"]
+
+
+def test_frozen_worker_is_dropped_and_rejoins_when_it_thaws(tiny_models, tmp_path):
+    """A worker that stops answering (SIGSTOP: no FIN, no RST) must not stay listed forever:
+    the hub's keepalive drops it; thawed, it notices its dead connection and rejoins."""
+    model = tiny_models("qwen3_moe")
+    with LocalSwarm(tmp_path) as sw:
+        sw.start_hub(extra=["--keepalive", "0.5", "--keepalive-timeout", "1"])
+        sw.start_worker("worker1", model, "all")
+        first = sw.wait_sessions(1, watch=["worker1"])[0]
+        sw.procs["worker1"].send_signal(signal.SIGSTOP)
+        try:
+            wait_until(lambda: sw.list_sessions() == [], 20, "the hub to drop the frozen worker")
+        finally:
+            sw.procs["worker1"].send_signal(signal.SIGCONT)
+        again = sw.wait_sessions(1, timeout=60, watch=["worker1"])[0]
+        assert again.wallet == first.wallet and again.session_id != first.session_id
+        result = sw.run_backbone(["--model", str(model), "--prompt", "thawed", "--max-new-tokens", "2"])
+        assert result["remote_calls"] > 0 and result["fallback_calls"] == 0

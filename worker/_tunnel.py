@@ -19,6 +19,7 @@ from kvasir_rpc._tunnel import (
     MAX_MESSAGE_BYTES,
     READ_BYTES,
     SUBPROTOCOL,
+    keepalive,
     pump_stream_to_ws,
 )
 
@@ -38,8 +39,10 @@ class _Conn:
         self.done = trio.Event()
 
 
-async def serve_session(ws: WebSocketConnection, uds_path: str) -> None:
-    """Follow the hub's control messages until the WebSocket closes (ConnectionClosed)."""
+async def serve_session(ws: WebSocketConnection, uds_path: str, *, keepalive_s: float = 15.0,
+                        keepalive_timeout_s: float = 10.0) -> None:
+    """Follow the hub's control messages until the WebSocket closes (ConnectionClosed) or
+    the hub stops answering pings (RemoteProtocolError)."""
     conn: _Conn | None = None
 
     async def pump(c: _Conn) -> None:
@@ -52,6 +55,7 @@ async def serve_session(ws: WebSocketConnection, uds_path: str) -> None:
             c.done.set()
 
     async with trio.open_nursery() as nursery:
+        nursery.start_soon(keepalive, ws, keepalive_s, keepalive_timeout_s)
         try:
             while True:
                 msg = await ws.get_message()
@@ -143,8 +147,11 @@ async def run_tunnel(
                 log.info("session established", session_id=session_id, hub_key=hs.hub_key, url=url)
                 try:
                     await serve_session(ws, uds_path)
-                except RemoteProtocolError as exc:
-                    await ws.aclose(exc.close_code, exc.reason[:120])
+                except* RemoteProtocolError as eg:
+                    perr = leaf_exception(eg)
+                    assert isinstance(perr, RemoteProtocolError)
+                    with trio.move_on_after(2):  # the hub may be gone: do not wait on it
+                        await ws.aclose(perr.close_code, perr.reason[:120])
                     raise
         except* ConnectionClosed as eg:
             reason = leaf_exception(eg).reason  # type: ignore[attr-defined]
