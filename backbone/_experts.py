@@ -34,6 +34,8 @@ def _expert_weights(module: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor
     gate_up, down = module.gate_up_proj, module.down_proj
     assert isinstance(gate_up, torch.Tensor) and isinstance(down, torch.Tensor)
     return gate_up, down
+
+
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
 

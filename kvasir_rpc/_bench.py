@@ -16,7 +16,6 @@ import json
 import os
 import pathlib
 import queue
-import socket
 import statistics
 import tempfile
 import time
@@ -49,12 +48,6 @@ def make_bench_checkpoint(directory: pathlib.Path) -> pathlib.Path:
         tensors[f"{p}.down_proj.weight"] = torch.randn(HIDDEN, INTER, generator=g) * 0.02
     save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
     return directory
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _pct(xs: list[float], q: float) -> float:
@@ -112,7 +105,7 @@ def run_bench(*, quick: bool = False, say: Callable[[str], None] = print) -> dic
     from kvasir_rpc._codec import encode_tensor
     from kvasir_rpc._gen.kvasir.v1 import expert_pb2
     from kvasir_rpc._kernel import expert_forward, get_activation
-    from kvasir_rpc._swarm import LocalSwarm, SwarmError
+    from kvasir_rpc._swarm import LocalSwarm, SwarmError, free_port
 
     torch.set_num_threads(1)
     calls = {1: 60, 8: 40, 64: 20, 512: 6} if quick else {1: 300, 8: 200, 64: 100, 512: 30}
@@ -125,7 +118,7 @@ def run_bench(*, quick: bool = False, say: Callable[[str], None] = print) -> dic
         index = ExpertIndex(ckpt)
         gate_up, down = index.load(0, 0)
         act = get_activation("silu")
-        direct_port = _free_port()
+        direct_port = free_port()
         say("starting gateway (TLS), hub and two workers")
         sw.start_gateway()
         sw.start_hub(gateway=True)

@@ -21,7 +21,17 @@ from kvasir_rpc._gen.kvasir.v1 import session_pb2, session_pb2_grpc
 if TYPE_CHECKING:
     from kvasir_rpc._gen.kvasir.v1 import ledger_pb2
 
-__all__ = ["LocalSwarm", "SwarmError"]
+__all__ = ["LocalSwarm", "SwarmError", "free_port"]
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago, for programs that cannot bind
+    port 0 and report it back (nginx, --direct-grpc). Racy by nature; tooling only."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
 
 class SwarmError(RuntimeError):
@@ -240,9 +250,7 @@ class LocalSwarm:
         nginx = shutil.which("nginx") or ("/usr/sbin/nginx" if os.path.exists("/usr/sbin/nginx") else None)
         if nginx is None:
             raise SwarmError("nginx not found: install Debian's nginx (apt-get install nginx-light)")
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = int(s.getsockname()[1])
+        port = free_port()
         root = self.workdir / "edge"
         root.mkdir(exist_ok=True)
         certs = self.workdir / "certs"

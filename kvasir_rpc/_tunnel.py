@@ -21,6 +21,8 @@ from __future__ import annotations
 import trio
 from trio_websocket import WebSocketConnection
 
+from kvasir_rpc._errors import CloseCode, RemoteProtocolError
+
 __all__ = [
     "CTRL_CLOSE",
     "CTRL_CLOSED",
@@ -48,8 +50,6 @@ async def keepalive(ws: WebSocketConnection, interval_s: float, timeout_s: float
     """Ping the peer every ``interval_s``; raise RemoteProtocolError (close 1001) when a pong
     does not come back within ``timeout_s``: the peer froze or its path silently broke, and
     nothing else would notice while the tunnel is idle."""
-    from kvasir_rpc._errors import CloseCode, RemoteProtocolError
-
     while True:
         await trio.sleep(interval_s)
         with trio.move_on_after(timeout_s) as scope:

@@ -15,7 +15,7 @@ import time
 from kvasir_rpc import Wallet, get_logger
 from relay._registry import SessionStats
 
-__all__ = ["ContributionStore", "PendingReceipt", "SessionTotals"]
+__all__ = ["ContributionStore", "PendingReceipt"]
 
 log = get_logger("relay.contrib")
 
@@ -48,17 +48,6 @@ class PendingReceipt:
     session_id: str
     seq: int
     signed: bytes  # a serialized kvasir.v1.SignedReceipt
-
-
-@dataclasses.dataclass(frozen=True)
-class SessionTotals:
-    session_id: str
-    wallet: str
-    bytes_to_worker: int
-    bytes_from_worker: int
-    ended: bool
-    last_seq: int
-    acked_bytes: int  # cumulative bytes of the newest receipt the ledger acknowledged
 
 
 class ContributionStore:
@@ -158,20 +147,3 @@ class ContributionStore:
             except BaseException:
                 self._db.execute("ROLLBACK")
                 raise
-
-    def totals(self) -> list[SessionTotals]:
-        with self._lock:
-            rows = self._db.execute(
-                "SELECT s.session_id, s.wallet, s.bytes_to_worker, s.bytes_from_worker, s.ended_unix_ms IS NOT NULL,"
-                " s.last_seq, COALESCE((SELECT MAX(cumulative_bytes) FROM receipts r"
-                "   WHERE r.session_id = s.session_id AND r.state = 'acked'), 0)"
-                " FROM sessions s ORDER BY s.started_unix_ms, s.session_id"
-            ).fetchall()
-        return [SessionTotals(r[0], r[1], r[2], r[3], bool(r[4]), r[5], r[6]) for r in rows]
-
-    def saved_counters(self, session_id: str) -> tuple[int, int]:
-        with self._lock:
-            row = self._db.execute(
-                "SELECT bytes_to_worker, bytes_from_worker FROM sessions WHERE session_id = ?", (session_id,)
-            ).fetchone()
-        return (row[0], row[1]) if row else (0, 0)

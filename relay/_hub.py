@@ -253,12 +253,10 @@ class _Hub:
             perr = leaf_exception(eg)
             assert isinstance(perr, RemoteProtocolError)
             slog.warning("session ended", reason=perr.reason)
-            self.registry.remove(session_id)
             with trio.move_on_after(2):  # the peer may be gone: do not wait on it
                 await ws.aclose(perr.close_code, perr.reason[:120])
         except* trio.TooSlowError:
             slog.warning("worker did not acknowledge close in time")
-            self.registry.remove(session_id)
             with trio.move_on_after(2):
                 await ws.aclose(CloseCode.POLICY_VIOLATION, "close not acknowledged")
         finally:
