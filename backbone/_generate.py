@@ -5,10 +5,12 @@ from __future__ import annotations
 import dataclasses
 import pathlib
 import threading
+import time
 
 import torch
 
 from backbone._experts import IMPLEMENTATION, Dispatcher, install
+from kvasir_rpc._kernel import threads_initializer
 
 __all__ = ["Decode", "compare", "decode", "load_model"]
 
@@ -30,6 +32,29 @@ class Decode:
     new_tokens: torch.Tensor  # [B, new]
     logits: torch.Tensor  # [new, B, V], float32
     texts: list[str]
+    # Decode-phase rate of each group, prefill excluded: rows x (steps - 1) over the time
+    # from the first step's logits to the last's. Groups run at once, so rates add up.
+    step_rates: list[float] = dataclasses.field(default_factory=list)
+
+    @property
+    def decode_tokens_per_s(self) -> float | None:
+        return sum(self.step_rates) if self.step_rates else None
+
+
+class _StepClock:
+    """A logits processor that changes nothing and notes when each step's logits arrive."""
+
+    def __init__(self) -> None:
+        self.times: list[float] = []
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        self.times.append(time.perf_counter())
+        return scores
+
+    def rate(self, rows: int) -> list[float]:
+        if len(self.times) < 2 or self.times[-1] <= self.times[0]:
+            return []
+        return [rows * (len(self.times) - 1) / (self.times[-1] - self.times[0])]
 
 
 def prompts_for_batch(prompt: str, batch: int) -> list[str]:
@@ -44,9 +69,13 @@ def decode(model, tokenizer, prompts: list[str], max_new_tokens: int, implementa
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     enc = tokenizer(prompts, return_tensors="pt", padding=True)
+    from transformers import LogitsProcessorList
+
+    clock = _StepClock()
     with torch.inference_mode():
         out = model.generate(
             **enc,
+            logits_processor=LogitsProcessorList([clock]),
             do_sample=False,
             max_new_tokens=max_new_tokens,
             min_new_tokens=max_new_tokens,
@@ -57,7 +86,8 @@ def decode(model, tokenizer, prompts: list[str], max_new_tokens: int, implementa
     new = out.sequences[:, enc["input_ids"].shape[1] :]
     logits = torch.stack([step.float() for step in out.logits])
     texts = tokenizer.batch_decode(new, skip_special_tokens=True)
-    return Decode(sequences=out.sequences, new_tokens=new, logits=logits, texts=texts)
+    return Decode(sequences=out.sequences, new_tokens=new, logits=logits, texts=texts,
+                  step_rates=clock.rate(len(prompts)))
 
 
 def decode_grouped(model, tokenizer, prompts: list[str], max_new_tokens: int, groups: int,  # type: ignore[no-untyped-def]
@@ -77,7 +107,10 @@ def decode_grouped(model, tokenizer, prompts: list[str], max_new_tokens: int, gr
     parts: list[Decode | None] = [None] * groups
     errors: list[BaseException] = []
 
+    same_threads = threads_initializer()
+
     def run(g: int) -> None:
+        same_threads()  # or OpenMP gives this thread every core
         try:
             parts[g] = decode(model, tokenizer, prompts[g::groups], max_new_tokens, implementation)
         except BaseException as exc:  # re-raised in the caller's thread
@@ -102,7 +135,8 @@ def decode_grouped(model, tokenizer, prompts: list[str], max_new_tokens: int, gr
     sequences = [row for p in done for row in p.sequences]
     return Decode(sequences=torch.nn.utils.rnn.pad_sequence([sequences[int(j)] for j in inverse],
                                                             batch_first=True),
-                  new_tokens=new_tokens, logits=logits, texts=texts)
+                  new_tokens=new_tokens, logits=logits, texts=texts,
+                  step_rates=[r for p in done for r in p.step_rates])
 
 
 def compare(a: Decode, b: Decode) -> dict[str, float | bool]:

@@ -60,6 +60,8 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
+    from kvasir_rpc._kernel import threads_initializer
+
     if args.threads:
         torch.set_num_threads(args.threads)
     try:
@@ -82,7 +84,8 @@ def main(argv: list[str] | None = None) -> int:
     uds_path = os.path.join(sock_dir, "expert.sock")
     servicer = ExpertServicer(experts, wallet.address)
     server = grpc.server(
-        futures.ThreadPoolExecutor(max_workers=8, thread_name_prefix="expert"),
+        # Carry --threads into the pool's threads (see threads_initializer).
+        futures.ThreadPoolExecutor(max_workers=8, thread_name_prefix="expert", initializer=threads_initializer()),
         options=[("grpc.max_receive_message_length", 256 << 20), ("grpc.max_send_message_length", 256 << 20)],
     )
     expert_pb2_grpc.add_ExpertServiceServicer_to_server(servicer, server)
