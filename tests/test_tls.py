@@ -1,0 +1,217 @@
+"""Bulk TLS reads (kvasir_rpc._tls) and the WebSocket opener built on them, over real TLS
+on 127.0.0.1 with trustme certificates; and torch's thread setting carried into the
+threads that compute."""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+import ssl
+import threading
+
+import pytest
+import trio
+import trustme
+from trio_websocket import ConnectionRejected, ConnectionTimeout, HandshakeError, serve_websocket
+
+from kvasir_rpc._tls import BulkTLSStream, open_tls_over_tcp, open_websocket_url
+
+
+@pytest.fixture(scope="module")
+def contexts() -> tuple[ssl.SSLContext, ssl.SSLContext]:
+    ca = trustme.CA()
+    leaf = ca.issue_cert("127.0.0.1")
+    server = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    leaf.configure_cert(server)
+    client = ssl.create_default_context()
+    ca.configure_trust(client)
+    return server, client
+
+
+def _echo_server(server_ctx: ssl.SSLContext, sizes: list[int]):  # type: ignore[no-untyped-def]
+    async def handler(tcp: trio.SocketStream) -> None:
+        stream = BulkTLSStream(trio.SSLStream(tcp, server_ctx, server_side=True))
+        try:
+            await stream.do_handshake()
+            while data := await stream.receive_some(1 << 20):
+                sizes.append(len(data))
+                await stream.send_all(data)
+        except trio.BrokenResourceError:
+            pass
+        finally:
+            await trio.aclose_forcefully(stream)
+
+    return handler
+
+
+def test_bulk_reads_return_more_than_one_record_and_every_byte(contexts) -> None:  # type: ignore[no-untyped-def]
+    server_ctx, client_ctx = contexts
+    payload = os.urandom(6 << 20) + b"end"
+    sizes: list[int] = []
+    got = bytearray()
+
+    async def main() -> None:
+        with trio.fail_after(30):
+            async with trio.open_nursery() as nursery:
+                listeners = await nursery.start(functools.partial(trio.serve_tcp, _echo_server(server_ctx, sizes), 0, host="127.0.0.1"))
+                port = listeners[0].socket.getsockname()[1]
+                client = await open_tls_over_tcp("127.0.0.1", port, client_ctx)
+
+                async def reader() -> None:
+                    while len(got) < len(payload):
+                        got.extend(await client.receive_some(1 << 20))
+
+                async with trio.open_nursery() as inner:
+                    inner.start_soon(reader)
+                    for i in range(0, len(payload), 1 << 20):
+                        await client.send_all(payload[i:i + (1 << 20)])
+                await client.aclose()
+                nursery.cancel_scope.cancel()
+
+    trio.run(main)
+    assert hashlib.sha256(got).digest() == hashlib.sha256(payload).digest()
+    assert sum(sizes) == len(payload)
+    # trio's SSLStream alone never returns more than one 16 KiB record per read.
+    assert max(sizes) > 16384
+
+
+def test_bulk_read_never_exceeds_max_bytes(contexts) -> None:  # type: ignore[no-untyped-def]
+    server_ctx, client_ctx = contexts
+    reads: list[int] = []
+
+    async def main() -> None:
+        with trio.fail_after(30):
+            async with trio.open_nursery() as nursery:
+                async def handler(tcp: trio.SocketStream) -> None:
+                    stream = BulkTLSStream(trio.SSLStream(tcp, server_ctx, server_side=True))
+                    await stream.do_handshake()
+                    await stream.send_all(b"x" * (1 << 20))
+                    await trio.sleep(5)
+
+                listeners = await nursery.start(functools.partial(trio.serve_tcp, handler, 0, host="127.0.0.1"))
+                client = await open_tls_over_tcp("127.0.0.1", listeners[0].socket.getsockname()[1], client_ctx)
+                total = 0
+                while total < 1 << 20:
+                    data = await client.receive_some(50_000)
+                    reads.append(len(data))
+                    total += len(data)
+                await client.aclose()
+                nursery.cancel_scope.cancel()
+
+    trio.run(main)
+    assert sum(reads) == 1 << 20 and max(reads) <= 50_000
+
+
+def test_open_websocket_url_over_wss_carries_messages_and_reports_rejections(contexts) -> None:  # type: ignore[no-untyped-def]
+    server_ctx, client_ctx = contexts
+    echoed: list[bytes] = []
+
+    async def handler(request) -> None:  # type: ignore[no-untyped-def]
+        if request.path == "/no":
+            await request.reject(401, body=b"go away")
+            return
+        ws = await request.accept(subprotocol="t.v1")
+        msg = await ws.get_message()
+        await ws.send_message(msg)
+
+    async def main() -> None:
+        with trio.fail_after(30):
+            async with trio.open_nursery() as nursery:
+                server = await nursery.start(lambda task_status: serve_websocket(
+                    handler, "127.0.0.1", 0, ssl_context=server_ctx, max_message_size=8 << 20, task_status=task_status))
+                base = f"wss://127.0.0.1:{server.port}"
+                big = os.urandom(3 << 20)
+                async with open_websocket_url(f"{base}/yes", client_ctx, subprotocols=["t.v1"],
+                                              max_message_size=8 << 20, receive_buffer_size=1 << 20) as ws:
+                    assert ws.subprotocol == "t.v1"
+                    await ws.send_message(big)
+                    echoed.append(await ws.get_message())  # type: ignore[arg-type]
+                assert echoed == [big]
+                with pytest.raises(ConnectionRejected) as rejected:
+                    async with open_websocket_url(f"{base}/no", client_ctx):
+                        pass
+                assert rejected.value.status_code == 401
+                # Nothing listening: a HandshakeError naming the OS error, not a bare OSError.
+                with pytest.raises(HandshakeError):
+                    async with open_websocket_url("wss://127.0.0.1:1/x", client_ctx, connect_timeout=5):
+                        pass
+                nursery.cancel_scope.cancel()
+
+    trio.run(main)
+
+
+def test_open_websocket_url_times_out_on_a_silent_server(contexts) -> None:  # type: ignore[no-untyped-def]
+    _, client_ctx = contexts
+
+    async def main() -> None:
+        with trio.fail_after(30):
+            async with trio.open_nursery() as nursery:
+                async def silent(stream: trio.SocketStream) -> None:
+                    await trio.sleep(60)
+
+                listeners = await nursery.start(functools.partial(trio.serve_tcp, silent, 0, host="127.0.0.1"))
+                port = listeners[0].socket.getsockname()[1]
+                with pytest.raises(ConnectionTimeout):
+                    async with open_websocket_url(f"wss://127.0.0.1:{port}/x", client_ctx, connect_timeout=0.5):
+                        pass
+                nursery.cancel_scope.cancel()
+
+    trio.run(main)
+
+
+def test_open_websocket_url_rejects_other_schemes() -> None:
+    async def main() -> None:
+        async with open_websocket_url("https://127.0.0.1/x"):
+            pass
+
+    with pytest.raises(ValueError, match="ws:// or wss://"):
+        trio.run(main)
+
+
+def _omp_max_threads():  # type: ignore[no-untyped-def]
+    """libgomp's own ``omp_get_max_threads`` for the calling thread (torch.__config__ would
+    set the thread's count before reporting it)."""
+    import ctypes
+
+    import torch  # loads the libgomp torch uses
+
+    with open("/proc/self/maps") as maps:
+        paths = {line.split()[-1] for line in maps if "libgomp" in line and line.split()[-1].startswith("/")}
+    if not paths or "OpenMP" not in torch.__config__.parallel_info():
+        return None
+    return ctypes.CDLL(sorted(paths)[0]).omp_get_max_threads
+
+
+def _threads_in_new_thread(probe, initializer) -> int:  # type: ignore[no-untyped-def]
+    seen: list[int] = []
+
+    def run() -> None:
+        if initializer is not None:
+            initializer()
+        seen.append(int(probe()))
+
+    t = threading.Thread(target=run)
+    t.start()
+    t.join()
+    return seen[0]
+
+
+def test_threads_initializer_carries_the_thread_count_into_new_threads() -> None:
+    """Under OpenMP a thread made later gets every core whatever the main thread set;
+    the worker's pool and the backbone's group threads run threads_initializer first."""
+    import torch
+
+    from kvasir_rpc._kernel import threads_initializer
+
+    probe = _omp_max_threads()
+    if probe is None or (os.cpu_count() or 1) < 2 or os.environ.get("OMP_NUM_THREADS"):
+        pytest.skip("needs torch's OpenMP build, 2 cores and no OMP_NUM_THREADS")
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        assert probe() == 1
+        assert _threads_in_new_thread(probe, None) > 1  # the trap
+        assert _threads_in_new_thread(probe, threads_initializer()) == 1
+    finally:
+        torch.set_num_threads(before)
