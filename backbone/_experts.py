@@ -49,6 +49,7 @@ class DispatchStats:
     fallback_rows: int
     sessions_used: tuple[str, ...]
     sessions_rejected: tuple[str, ...]
+    shared_overlapped: int = 0
 
 
 class Dispatcher:
@@ -81,6 +82,7 @@ class Dispatcher:
                 module._kvasir = (self, layer)  # type: ignore[assignment]
         if not self._experts:
             raise ValueError("the model has no experts modules with gate_up_proj/down_proj")
+        self._defer_shared(model)
         self._digests: dict[tuple[int, int], bytes] = {}
         self._links: dict[str, WorkerLink] = {}
         self._rejected: set[str] = set()
@@ -90,6 +92,7 @@ class Dispatcher:
         self._calls: list[CallRecord] = []
         self.remote_calls = self.remote_rows = self.local_rows = 0
         self.fallback_calls = self.fallback_rows = 0
+        self.shared_overlapped = 0
         self._used: set[str] = set()
         self._stats_lock = threading.Lock()
         # On-demand experts: the model's expert tensors are dropped (meta) and an expert is
@@ -104,6 +107,67 @@ class Dispatcher:
                 module.gate_up_proj = torch.nn.Parameter(torch.empty(gate_up.shape, device="meta"), requires_grad=False)
                 module.down_proj = torch.nn.Parameter(torch.empty(down.shape, device="meta"), requires_grad=False)
             gc.collect()
+
+    # -- shared experts, computed while the remote calls fly --------------------------------
+
+    def _defer_shared(self, model: torch.nn.Module) -> None:
+        """Qwen3.5-style blocks compute ``shared_expert(x)`` before they call the experts and
+        use it only after the experts return. With remote experts its compute is moved into
+        this layer's experts call, after the remote calls leave: the shared expert's
+        ``forward`` (an instance attribute; modules and weights stay as they are) returns an
+        empty tensor of the right shape and notes its input; ``forward`` below fills that
+        tensor with the shared expert's own output, same ops on the same input, so the
+        result is bitwise unchanged. A hook on the block checks that the tensor was filled
+        before the block returns and raises otherwise, should a later transformers
+        change the order."""
+        self._pending = threading.local()
+        for name, block in model.named_modules():
+            shared = getattr(block, "shared_expert", None)
+            experts = getattr(block, "experts", None)
+            m = _LAYER.search(name + ".")
+            if not isinstance(shared, torch.nn.Module) or getattr(experts, "_kvasir", None) is None or m is None:
+                continue
+            layer = int(m[1])
+            previous = getattr(shared, "_kvasir_shared", None)
+            if previous is not None:  # a Dispatcher attached to this model before: replace it
+                compute, handle = previous
+                handle.remove()
+            else:
+                compute = shared.forward
+            shared.forward = self._deferred(layer, compute, experts)  # type: ignore[method-assign]
+            handle = block.register_forward_hook(self._check_filled(layer))
+            shared._kvasir_shared = (compute, handle)  # type: ignore[assignment]
+
+    def _deferred(self, layer: int, compute, experts: object):  # type: ignore[no-untyped-def]
+        config = getattr(experts, "config", None)
+
+        def forward(x: torch.Tensor) -> torch.Tensor:
+            ours = getattr(config, "_experts_implementation", None) == IMPLEMENTATION
+            pending = self._pending.__dict__.setdefault("by_layer", {})
+            if not (self.remote and ours) or torch.is_grad_enabled():
+                pending.pop(layer, None)  # nothing stale from a forward that raised
+                return compute(x)
+            out = torch.empty_like(x)
+            pending[layer] = (compute, x, out)
+            return out
+
+        return forward
+
+    def _check_filled(self, layer: int):  # type: ignore[no-untyped-def]
+        def hook(module: torch.nn.Module, args: object, output: object) -> None:
+            if self._pending.__dict__.get("by_layer", {}).pop(layer, None) is not None:
+                raise RuntimeError(f"layer {layer}: the shared expert's output was used before the experts call "
+                                   "computed it; this transformers version orders the MoE block differently")
+
+        return hook
+
+    def _run_shared(self, layer: int) -> None:
+        pending = self._pending.__dict__.get("by_layer", {}).pop(layer, None)
+        if pending is not None:
+            compute, x, out = pending
+            out.copy_(compute(x))
+            with self._stats_lock:
+                self.shared_overlapped += 1
 
     def _weights(self, module: torch.nn.Module, layer: int, expert: int) -> tuple[torch.Tensor, torch.Tensor]:
         """One expert's ``(gate_up [2I, H], down [H, I])``: the model's, or read on demand."""
@@ -216,6 +280,7 @@ class Dispatcher:
             )
             inflight.append((link.submit(layer, req), rs, link))
 
+        self._run_shared(layer)  # while the calls fly
         partials: dict[int, torch.Tensor] = {}
         for r in local:
             partials[r.expert] = self._local(module, layer, hidden, top_k_weights, r)
@@ -269,6 +334,7 @@ class Dispatcher:
     def reset_counters(self) -> None:
         self.remote_calls = self.remote_rows = self.local_rows = 0
         self.fallback_calls = self.fallback_rows = 0
+        self.shared_overlapped = 0
         self._used = set()
 
     def statistics(self) -> DispatchStats:
@@ -281,6 +347,7 @@ class Dispatcher:
             fallback_rows=self.fallback_rows,
             sessions_used=tuple(sorted(self._used)),
             sessions_rejected=tuple(sorted(self._rejected)),
+            shared_overlapped=self.shared_overlapped,
         )
 
     def links(self) -> Iterable[WorkerLink]:

@@ -31,6 +31,8 @@ def test_demo_remote_equals_local_bitwise(arch, path, tiny_models):
     assert result["fallback_calls"] == 0
     assert result["path"] == path
     assert result["min_logit_cosine"] == 1.0
+    # Qwen3.5's shared expert was computed while the remote calls flew, bitwise as above.
+    assert (result["shared_overlapped"] > 0) == (arch == "qwen3_5_moe")
     sessions = result["sessions"]
     assert len(sessions) == 2
     assert len(result["sessions_used"]) == 2, "both workers must have served calls"
