@@ -16,6 +16,7 @@ import json
 import os
 import pathlib
 import queue
+import shutil
 import statistics
 import tempfile
 import time
@@ -217,21 +218,47 @@ def run_bench(*, quick: bool = False, say: Callable[[str], None] = print) -> dic
 
 
 RTTS_MS = (0, 13, 50)
-DECODE_MODEL = {"hidden_size": 512, "num_experts": 16, "moe_intermediate_size": 512, "num_hidden_layers": 4}
+# One MoE layer's shapes as Qwen3-30B-A3B's (hidden 2048, 32/4 heads of 128 there, here
+# 16/4; expert intermediate 768), with 8 experts of which 2 per token and 2 layers: compute
+# per layer is what hides a round trip, and a toy hidden size would leave nothing to hide
+# it behind (at hidden 512, 64 sequences computed a whole step in ~50 ms locally, less than
+# one 50 ms round trip per MoE layer). 300 MB of float32 experts.
+DECODE_MODEL = {"hidden_size": 2048, "num_attention_heads": 16, "num_key_value_heads": 4, "head_dim": 128,
+                "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 768, "num_hidden_layers": 2}
+
+
+def _core_split() -> tuple[frozenset[int], frozenset[int]] | None:
+    """(backbone host, elsewhere): the backbone and its hub get one core, the gateway, the
+    latency proxy and the workers the rest, so "remote" experts are computed on other
+    cores, as on other machines, and the local run has the backbone's core alone."""
+    try:
+        cpus = sorted(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return None
+    if len(cpus) < 2 or shutil.which("taskset") is None:
+        return None
+    return frozenset(cpus[:1]), frozenset(cpus[1:])
 
 
 def run_decode_bench(*, quick: bool = False, say: Callable[[str], None] = print) -> dict[str, object]:
     """Aggregate tokens/s of many concurrent sequences: every expert local, against every MoE
     layer's experts on two workers that reach the hub through the TLS gateway over a link
     with an emulated round trip (a latency proxy between the workers and the gateway).
-    The remote runs pick their micro-batch groups from measured step times."""
+    The remote runs pick their micro-batch groups from measured step times. Processes are
+    pinned by :func:`_core_split` where the machine allows it."""
     from kvasir_rpc._swarm import LocalSwarm
     from kvasir_rpc._tiny import make_tiny_checkpoint
 
-    batch, tokens = (32, 8) if quick else (64, 16)
+    batch, tokens = (32, 6) if quick else (64, 16)
     args_common = ["--prompt", "the swarm", "--max-new-tokens", str(tokens), "--batch", str(batch)]
-    out: dict[str, object] = {"model": DECODE_MODEL, "batch": batch, "new_tokens": tokens}
+    split = _core_split()
+    out: dict[str, object] = {"model": DECODE_MODEL, "batch": batch, "new_tokens": tokens,
+                              "cores": None if split is None else {"backbone_and_hub": sorted(split[0]),
+                                                                   "gateway_proxy_workers": sorted(split[1])}}
     with tempfile.TemporaryDirectory(prefix="kvasir-bench-decode-") as tmp, LocalSwarm(tmp) as sw:
+        if split is not None:
+            sw.default_cpus = split[1]
+            sw.cpus["backbone"] = sw.cpus["hub"] = split[0]
         model = make_tiny_checkpoint(pathlib.Path(tmp) / "model", arch="qwen3_moe", seed=0, overrides=DECODE_MODEL)
         rtt_file = pathlib.Path(tmp) / "rtt_ms"
         sw.start_gateway()
@@ -243,17 +270,24 @@ def run_decode_bench(*, quick: bool = False, say: Callable[[str], None] = print)
         sw.start_worker("worker2", model, f"*:{half}-{DECODE_MODEL['num_experts'] - 1}", via="gateway", gateway_url=url)
         sw.wait_sessions(2, watch=["gateway", "latency", "worker1", "worker2"])
         local = sw.run_backbone(["--model", str(model), *args_common], hub=False)
-        out["local_tokens_per_s"] = local["tokens_per_s"]
-        say(f"  local: {local['tokens_per_s']} tokens/s")
+        out["local_tokens_per_s"] = local["decode_tokens_per_s"]
+        out["local_tokens_per_s_with_prefill"] = local["tokens_per_s"]
+        say(f"  local: {local['decode_tokens_per_s']} tokens/s decoding ({local['tokens_per_s']} with the prefill)")
         for rtt in RTTS_MS:
             rtt_file.write_text(str(rtt))
             time.sleep(0.3)  # the proxy re-reads the file every 0.1 s
             remote = sw.run_backbone(["--model", str(model), *args_common, "--groups", "auto", "--wait-sessions", "2"])
-            ratio = round(float(remote["tokens_per_s"]) / float(local["tokens_per_s"]), 3)  # type: ignore[arg-type]
-            out[f"rtt{rtt}"] = {"remote_tokens_per_s": remote["tokens_per_s"], "remote_over_local": ratio,
+            # Steady decoding, prefill excluded (backbone's decode_tokens_per_s); the figures
+            # with the prefill are kept beside it.
+            ratio = round(float(remote["decode_tokens_per_s"]) / float(local["decode_tokens_per_s"]), 3)  # type: ignore[arg-type]
+            with_prefill = round(float(remote["tokens_per_s"]) / float(local["tokens_per_s"]), 3)  # type: ignore[arg-type]
+            out[f"rtt{rtt}"] = {"remote_tokens_per_s": remote["decode_tokens_per_s"], "remote_over_local": ratio,
+                                "remote_tokens_per_s_with_prefill": remote["tokens_per_s"],
+                                "remote_over_local_with_prefill": with_prefill,
                                 "groups": remote["groups"], "groups_reason": remote["groups_reason"],
                                 "remote_calls": remote["remote_calls"], "fallback_calls": remote["fallback_calls"]}
-            say(f"  rtt {rtt} ms: {remote['tokens_per_s']} tokens/s with {remote['groups']} groups ({ratio} of local)")
+            say(f"  rtt {rtt} ms: {remote['decode_tokens_per_s']} tokens/s decoding with {remote['groups']} groups "
+                f"({ratio} of local; {with_prefill} with the prefill)")
     return out
 
 

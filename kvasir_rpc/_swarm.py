@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import pathlib
+import shutil
 import signal
 import subprocess
 import sys
@@ -59,6 +60,17 @@ class LocalSwarm:
         # calls ~5x slower (measured: 64 tokens in 5.6 s with default threads, 0.9 s with one).
         self.env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", PYTHONUNBUFFERED="1")
         self.env.setdefault("KVASIR_THREADS", "1")
+        # Optional CPU pinning by process name ("backbone" for backbones), so a benchmark can
+        # give the backbone its own core, as workers on their own hardware would leave it.
+        self.cpus: dict[str, frozenset[int]] = {}
+        self.default_cpus: frozenset[int] | None = None
+
+    def _pinned(self, name: str, argv: list[str]) -> list[str]:
+        cpus = self.cpus.get(name, self.default_cpus)
+        taskset = shutil.which("taskset")
+        if not cpus or taskset is None:
+            return argv
+        return [taskset, "-c", ",".join(str(c) for c in sorted(cpus)), *argv]
 
     def __enter__(self) -> LocalSwarm:
         return self
@@ -70,7 +82,7 @@ class LocalSwarm:
         """Start ``python ARGS`` (or ``program ARGS``) with its output in ``logs/NAME.log``."""
         log = open(self.logs / f"{name}.log", "wb")
         proc = subprocess.Popen(
-            [program or self.python, *args], stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            self._pinned(name, [program or self.python, *args]), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
             env=self.env, cwd=self.workdir,
         )
         log.close()
@@ -309,7 +321,7 @@ http {{
         every expert local); see backbone_result."""
         where = ["--hub", self.hub_grpc_address] if hub else []
         return subprocess.Popen(
-            [self.python, "-m", "backbone", "generate", *where, *args, "--json"],
+            self._pinned("backbone", [self.python, "-m", "backbone", "generate", *where, *args, "--json"]),
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=self.env, cwd=self.workdir, stdin=subprocess.DEVNULL,
         )
 
