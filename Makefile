@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test bench proto lint venv clean system-deps bench-deps
+.PHONY: demo test bench profile proto lint venv clean system-deps bench-deps
 
 venv: $(STAMP)
 
@@ -25,6 +25,11 @@ test: $(STAMP) system-deps lint
 # Benchmarks (not part of the tests): the edge path needs Debian's nginx.
 bench: $(STAMP) bench-deps
 	$(VENV)/bin/kvasir bench
+
+# Where the relay time goes (py-spy on gateway, hub and worker); see tools/profile_relays.py.
+profile: $(STAMP)
+	$(PY) -m pip install --quiet -c constraints.txt py-spy
+	$(PY) tools/profile_relays.py
 
 bench-deps:
 	@command -v nginx >/dev/null 2>&1 || [ -x /usr/sbin/nginx ] || { \
