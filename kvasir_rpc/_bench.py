@@ -143,6 +143,21 @@ def run_bench(*, quick: bool = False, say: Callable[[str], None] = print) -> dic
         except SwarmError as exc:
             say(f"edge path skipped: {exc}")
 
+        session_changes: dict[str, int] = {}
+
+        def renew(path: str) -> str:
+            wallet = by_path[path].wallet
+            say(f"{path}: session {by_path[path].session_id} is gone; looking for its worker's new one")
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline:
+                for s in swarm_of[path].list_sessions():
+                    if s.wallet == wallet and s.session_id != by_path[path].session_id:
+                        by_path[path] = s
+                        session_changes[path] = session_changes.get(path, 0) + 1
+                        return str(s.target)
+                time.sleep(0.2)
+            raise SwarmError(f"{path}: the worker did not come back within 60 s")
+
         def metered(path: str) -> int:
             for s in swarm_of[path].list_sessions():
                 if s.session_id == by_path[path].session_id:
@@ -166,7 +181,12 @@ def run_bench(*, quick: bool = False, say: Callable[[str], None] = print) -> dic
                 times.append(time.perf_counter() - t0)
             paths.setdefault("inprocess", {})[str(batch)] = _summary(times, batch, payload, in_flight_rows_s=None)
             for path, target in targets.items():
-                stream = _Stream(target)
+                try:
+                    stream = _Stream(target)
+                except grpc.FutureTimeoutError:
+                    # The worker's session was replaced (it reconnected): find its new one.
+                    target = targets[path] = renew(path)
+                    stream = _Stream(target)
                 try:
                     for _ in range(3):
                         stream.call(req)  # warm up the connection and the worker
@@ -213,6 +233,7 @@ def run_bench(*, quick: bool = False, say: Callable[[str], None] = print) -> dic
     decode = run_decode_bench(quick=quick, say=say)
     for rtt in RTTS_MS:
         ratios[f"decode_remote_over_local_rtt{rtt}"] = decode[f"rtt{rtt}"]["remote_over_local"]  # type: ignore[index]
+    figures["session_changes"] = session_changes  # workers that reconnected mid-run (should be empty)
     return {"dispatch": paths, "wire": wire, "decode": decode, "ratios": ratios, "figures": figures,
             "machine": {"cpus": os.cpu_count(), "torch_threads": 1}, "quick": quick}
 

@@ -1,16 +1,16 @@
-"""Bulk reads over TLS for the relays.
+"""TLS for the relays, lean on the bulk path.
 
-``trio.SSLStream.receive_some`` returns at most one TLS record (16 KiB), however much
-plaintext the bytes it already read off the socket hold: a 1 MiB tunnel message costs 64
-trips through trio's retry loop and, above it, 64 feeds of the WebSocket parser. Measured
-here (one-way 1 MiB writes, loopback, 2 cores): 236-258 MB/s read through ``SSLStream``,
-399-484 MB/s through :class:`BulkTLSStream`, and the gateway relays with two TLS legs.
+``trio.SSLStream.receive_some`` returns at most one TLS record (16 KiB) per call and
+refills 64 KiB at a time through a general retry loop: a 1 MiB tunnel message cost 64
+trips through that loop and 64 feeds of the WebSocket parser above it. :class:`TLSStream`
+reads up to 1 MiB off the socket per refill and returns every record already buffered, up
+to ``max_bytes``; it is ``ssl.MemoryBIO`` and ``SSLObject`` over a trio socket stream,
+nothing more. Measured (one-way 1 MiB writes, loopback, 2 cores, MB/s read):
+``SSLStream`` 236-258, ``SSLStream`` drained of its buffered records 399-484,
+:class:`TLSStream` see ``tools/`` and the commit that added it.
 
-:class:`BulkTLSStream` wraps an ``SSLStream``: after the wrapped ``receive_some`` returns,
-it keeps decrypting records that are already buffered, without another socket read, up to
-``max_bytes``. Everything else is delegated. Only the receiving task touches the TLS
-object between awaits, as it does inside trio; bytes OpenSSL wants to send in answer to
-a record it read (a TLS 1.3 key update) go out with the stream's next send or receive.
+:func:`open_websocket_url` is trio-websocket's client over this stream, so the hub and the
+workers dial the gateway through it too.
 """
 
 from __future__ import annotations
@@ -23,56 +23,156 @@ from collections.abc import AsyncIterator, Sequence
 import trio
 from trio_websocket import ConnectionTimeout, HandshakeError, WebSocketConnection, wrap_client_stream
 
-__all__ = ["BulkTLSStream", "open_tls_over_tcp", "open_websocket_url"]
+__all__ = ["RECEIVE_BYTES", "TLSStream", "open_tls_over_tcp", "open_websocket_url"]
+
+# One socket read per refill: about 1 MiB, as the tunnel reads (see PERF_NOTES).
+RECEIVE_BYTES = 1 << 20
 
 
-class BulkTLSStream(trio.abc.Stream):
-    """An ``SSLStream`` whose reads drain every buffered record (see the module doc)."""
+class TLSStream(trio.abc.Stream):
+    """TLS over a trio socket stream with ``ssl.MemoryBIO``: one socket read of up to 1 MiB
+    per refill and every buffered record decrypted per ``receive_some``.
 
-    def __init__(self, inner: trio.SSLStream[trio.SocketStream]) -> None:
-        self.inner = inner
-        # trio keeps the TLS object private; the receive path below only reads from it.
-        self._tls: ssl.SSLObject = inner._ssl_object
+    trio's ``SSLStream`` returns one 16 KiB record per read and refills 64 KiB at a time
+    through a general retry loop; on the relays' bulk path that loop, not the cipher, was
+    the cost (see the module doc for the figures). One task receives at a time and one
+    sends at a time (as the relays and trio-websocket use it); bytes the TLS object wants
+    to send in answer to a record it read (a TLS 1.3 key update) go out under the same
+    lock as ordinary sends, so records never interleave. A transport EOF without
+    close_notify reads as EOF: the WebSocket above has its own closing handshake.
+    """
 
-    @property
-    def transport_stream(self) -> trio.SocketStream:
-        return self.inner.transport_stream
+    def __init__(self, transport: trio.SocketStream, ssl_context: ssl.SSLContext, *, server_side: bool = False,
+                 server_hostname: str | None = None) -> None:
+        self.transport_stream = transport
+        self._incoming = ssl.MemoryBIO()
+        self._outgoing = ssl.MemoryBIO()
+        self._tls = ssl_context.wrap_bio(self._incoming, self._outgoing, server_side=server_side,
+                                         server_hostname=server_hostname)
+        self._send_lock = trio.Lock()
+        self._handshake_done = False
+        self._handshake_lock = trio.Lock()
+        self._transport_eof = False
+
+    async def _flush(self) -> None:
+        """Send what the TLS object produced, in order, under the send lock; bytes added
+        while a send is in progress go out before the lock is let go."""
+        async with self._send_lock:
+            while self._outgoing.pending:
+                await self.transport_stream.send_all(self._outgoing.read())
+
+    async def _flush_if_free(self) -> None:
+        """The receiving side's output (a key-update answer): sent now if no send is in
+        progress, else left to that send, which sends it before it lets go of the lock.
+        Waiting for the lock here could deadlock: a sender blocked on a full socket waits
+        for the peer, and the peer for us to read."""
+        if not self._outgoing.pending:
+            return
+        try:
+            self._send_lock.acquire_nowait()
+        except trio.WouldBlock:
+            return
+        try:
+            while self._outgoing.pending:
+                await self.transport_stream.send_all(self._outgoing.read())
+        finally:
+            self._send_lock.release()
+
+    async def _refill(self) -> bool:
+        """Read once from the socket into the TLS object; False at the transport's EOF."""
+        if self._transport_eof:
+            return False
+        data = await self.transport_stream.receive_some(RECEIVE_BYTES)
+        if not data:
+            self._transport_eof = True
+            self._incoming.write_eof()
+            return False
+        self._incoming.write(data)
+        return True
 
     async def do_handshake(self) -> None:
-        await self.inner.do_handshake()
+        async with self._handshake_lock:
+            while not self._handshake_done:
+                try:
+                    self._tls.do_handshake()
+                    self._handshake_done = True
+                except ssl.SSLWantReadError:
+                    await self._flush()
+                    if not await self._refill():
+                        raise trio.BrokenResourceError("the peer closed the connection during the TLS handshake") from None
+                    continue
+                except ssl.SSLError as exc:
+                    with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+                        await self._flush()  # our alert, best effort
+                    raise trio.BrokenResourceError(f"TLS handshake failed: {exc}") from exc
+                await self._flush()
 
     async def receive_some(self, max_bytes: int | None = None) -> bytes:
-        data = bytes(await self.inner.receive_some(max_bytes))
-        if not data or max_bytes is None:
-            return data
-        chunks = [data]
-        size = len(data)
-        while size < max_bytes:
+        if not self._handshake_done:
+            await self.do_handshake()
+        limit = max_bytes or RECEIVE_BYTES
+        chunks: list[bytes] = []
+        size = 0
+        while True:
             try:
-                more = self._tls.read(max_bytes - size)
-            except ssl.SSLError:
-                break  # nothing buffered (SSLWantReadError), or an error the next call reports
-            if not more:
+                data = self._tls.read(limit - size)
+            except ssl.SSLWantReadError:
+                if chunks:
+                    break  # return what is decrypted; the socket may have nothing more yet
+                await self._flush_if_free()
+                if await self._refill():
+                    continue
+                break  # transport EOF without close_notify: EOF
+            except (ssl.SSLZeroReturnError, ssl.SSLEOFError):
+                break  # close_notify, or the transport's EOF without it: EOF
+            except ssl.SSLError as exc:
+                raise trio.BrokenResourceError(f"TLS error: {exc}") from exc
+            if not data:
                 break
-            chunks.append(more)
-            size += len(more)
-        return data if len(chunks) == 1 else b"".join(chunks)
+            chunks.append(data)
+            size += len(data)
+            if size >= limit:
+                break
+        await self._flush_if_free()
+        if not chunks:
+            await trio.lowlevel.checkpoint()
+            return b""
+        return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
     async def send_all(self, data: bytes | bytearray | memoryview) -> None:
-        await self.inner.send_all(data)
+        if not self._handshake_done:
+            await self.do_handshake()
+        async with self._send_lock:
+            # Encrypt under the lock, so the outgoing buffer holds our records only while
+            # we send them (see _flush_if_free).
+            try:
+                self._tls.write(data)
+            except ssl.SSLError as exc:
+                raise trio.BrokenResourceError(f"TLS error: {exc}") from exc
+            while self._outgoing.pending:
+                await self.transport_stream.send_all(self._outgoing.read())
 
     async def wait_send_all_might_not_block(self) -> None:
-        await self.inner.wait_send_all_might_not_block()
+        await self.transport_stream.wait_send_all_might_not_block()
 
     async def aclose(self) -> None:
-        await self.inner.aclose()
+        """Send close_notify (best effort, without waiting for the peer's) and close."""
+        try:
+            if self._handshake_done:
+                with contextlib.suppress(ssl.SSLError):
+                    self._tls.unwrap()
+                with trio.move_on_after(1), contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError,
+                                                                 OSError):
+                    await self._flush()
+        finally:
+            await self.transport_stream.aclose()
 
 
-async def open_tls_over_tcp(host: str, port: int, ssl_context: ssl.SSLContext) -> BulkTLSStream:
-    """Connect and complete the TLS handshake (``https_compatible``, as WebSocket clients do)."""
+async def open_tls_over_tcp(host: str, port: int, ssl_context: ssl.SSLContext) -> TLSStream:
+    """Connect and complete the TLS handshake."""
     tcp = await trio.open_tcp_stream(host, port)
     try:
-        stream = BulkTLSStream(trio.SSLStream(tcp, ssl_context, server_hostname=host, https_compatible=True))
+        stream = TLSStream(tcp, ssl_context, server_hostname=host)
         await stream.do_handshake()
     except BaseException:
         await trio.aclose_forcefully(tcp)
@@ -94,8 +194,8 @@ async def open_websocket_url(
     disconnect_timeout: float = 5.0,
 ) -> AsyncIterator[WebSocketConnection]:
     """trio-websocket's ``open_websocket_url`` with the same errors (ConnectionTimeout,
-    HandshakeError, ConnectionRejected), whose ``wss://`` connections read through
-    :class:`BulkTLSStream`. The WebSocket itself is trio-websocket's, over its public
+    HandshakeError, ConnectionRejected), whose ``wss://`` connections run over
+    :class:`TLSStream`. The WebSocket itself is trio-websocket's, over its public
     ``wrap_client_stream``."""
     parts = urllib.parse.urlsplit(url)
     if parts.scheme not in ("ws", "wss") or not parts.hostname:

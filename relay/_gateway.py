@@ -24,7 +24,7 @@ import trio
 
 from kvasir_rpc._errors import CloseCode
 from kvasir_rpc._log import get_logger
-from kvasir_rpc._tls import BulkTLSStream
+from kvasir_rpc._tls import TLSStream
 from relay._ws import HttpError, HttpRequest, WebSocket, WsClosed, read_request, send_response, upgrade
 
 __all__ = ["GatewayConfig", "GatewayStats", "serve_gateway", "CONTROL_SUBPROTOCOL"]
@@ -156,7 +156,7 @@ class Gateway:
         try:
             with trio.fail_after(cfg.handshake_timeout_s):
                 if cfg.ssl_context is not None:
-                    tls = BulkTLSStream(trio.SSLStream(raw, cfg.ssl_context, server_side=True))
+                    tls = TLSStream(raw, cfg.ssl_context, server_side=True)
                     await tls.do_handshake()
                     stream = tls
                 req = await read_request(stream)

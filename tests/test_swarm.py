@@ -192,6 +192,8 @@ def test_worker_lost_mid_decode_keeps_tokens_identical(sig, tiny_models, tmp_pat
         assert sw.procs["worker2"].wait(timeout=30) == (0 if sig == signal.SIGTERM else -signal.SIGKILL)
         wait_until(lambda: victim not in {s.session_id for s in sw.list_sessions()}, 30, "the hub to drop the session")
         assert len(sw.list_sessions()) == 1
+        # A draining worker leaves once: it does not dial the hub again on its way out.
+        assert (sw.logs / "worker2.log").read_text().count("session established") == 1
 
 
 def test_worker_reconnects_after_hub_restart(tiny_models, tmp_path):

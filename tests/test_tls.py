@@ -1,9 +1,10 @@
-"""Bulk TLS reads (kvasir_rpc._tls) and the WebSocket opener built on them, over real TLS
+"""The relays' TLS stream (kvasir_rpc._tls) and the WebSocket opener built on them, over real TLS
 on 127.0.0.1 with trustme certificates; and torch's thread setting carried into the
 threads that compute."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import os
@@ -15,7 +16,7 @@ import trio
 import trustme
 from trio_websocket import ConnectionRejected, ConnectionTimeout, HandshakeError, serve_websocket
 
-from kvasir_rpc._tls import BulkTLSStream, open_tls_over_tcp, open_websocket_url
+from kvasir_rpc._tls import TLSStream, open_tls_over_tcp, open_websocket_url
 
 
 @pytest.fixture(scope="module")
@@ -31,7 +32,7 @@ def contexts() -> tuple[ssl.SSLContext, ssl.SSLContext]:
 
 def _echo_server(server_ctx: ssl.SSLContext, sizes: list[int]):  # type: ignore[no-untyped-def]
     async def handler(tcp: trio.SocketStream) -> None:
-        stream = BulkTLSStream(trio.SSLStream(tcp, server_ctx, server_side=True))
+        stream = TLSStream(tcp, server_ctx, server_side=True)
         try:
             await stream.do_handshake()
             while data := await stream.receive_some(1 << 20):
@@ -84,7 +85,7 @@ def test_bulk_read_never_exceeds_max_bytes(contexts) -> None:  # type: ignore[no
         with trio.fail_after(30):
             async with trio.open_nursery() as nursery:
                 async def handler(tcp: trio.SocketStream) -> None:
-                    stream = BulkTLSStream(trio.SSLStream(tcp, server_ctx, server_side=True))
+                    stream = TLSStream(tcp, server_ctx, server_side=True)
                     await stream.do_handshake()
                     await stream.send_all(b"x" * (1 << 20))
                     await trio.sleep(5)
@@ -101,6 +102,72 @@ def test_bulk_read_never_exceeds_max_bytes(contexts) -> None:  # type: ignore[no
 
     trio.run(main)
     assert sum(reads) == 1 << 20 and max(reads) <= 50_000
+
+
+def test_close_notify_and_ragged_eof_both_read_as_eof(contexts) -> None:  # type: ignore[no-untyped-def]
+    server_ctx, client_ctx = contexts
+    got: dict[str, object] = {}
+
+    async def main() -> None:
+        with trio.fail_after(30):
+            async with trio.open_nursery() as nursery:
+                async def handler(tcp: trio.SocketStream) -> None:
+                    stream = TLSStream(tcp, server_ctx, server_side=True)
+                    await stream.do_handshake()
+                    mode = await stream.receive_some(100)
+                    await stream.send_all(b"bye")
+                    if mode == b"clean":
+                        await stream.aclose()  # close_notify, then FIN
+                    else:
+                        await tcp.aclose()  # FIN without close_notify
+
+                listeners = await nursery.start(functools.partial(trio.serve_tcp, handler, 0, host="127.0.0.1"))
+                port = listeners[0].socket.getsockname()[1]
+                for mode in (b"clean", b"ragged"):
+                    client = await open_tls_over_tcp("127.0.0.1", port, client_ctx)
+                    await client.send_all(mode)
+                    data = b""
+                    while chunk := await client.receive_some(1 << 20):
+                        data += chunk
+                    got[mode.decode()] = data
+                    assert await client.receive_some(10) == b""  # EOF stays EOF
+                    await client.aclose()
+                nursery.cancel_scope.cancel()
+
+    trio.run(main)
+    assert got == {"clean": b"bye", "ragged": b"bye"}
+
+
+def test_failed_handshakes_raise_broken_resource_on_both_sides(contexts) -> None:  # type: ignore[no-untyped-def]
+    server_ctx, _ = contexts
+    untrusting = ssl.create_default_context()  # does not trust the test CA
+    server_errors: list[BaseException] = []
+
+    async def main() -> None:
+        with trio.fail_after(30):
+            async with trio.open_nursery() as nursery:
+                async def handler(tcp: trio.SocketStream) -> None:
+                    try:
+                        await TLSStream(tcp, server_ctx, server_side=True).do_handshake()
+                    except trio.BrokenResourceError as exc:
+                        server_errors.append(exc)
+
+                listeners = await nursery.start(functools.partial(trio.serve_tcp, handler, 0, host="127.0.0.1"))
+                port = listeners[0].socket.getsockname()[1]
+                with pytest.raises(trio.BrokenResourceError, match="TLS handshake failed"):
+                    await open_tls_over_tcp("127.0.0.1", port, untrusting)
+                # Not TLS at all: the server's handshake fails, the server stays up.
+                raw = await trio.open_tcp_stream("127.0.0.1", port)
+                await raw.send_all(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+                with contextlib.suppress(trio.BrokenResourceError):
+                    await raw.receive_some(100)  # an alert or nothing, then the close
+                await raw.aclose()
+                while len(server_errors) < 2:
+                    await trio.sleep(0.01)
+                nursery.cancel_scope.cancel()
+
+    trio.run(main)
+    assert len(server_errors) == 2
 
 
 def test_open_websocket_url_over_wss_carries_messages_and_reports_rejections(contexts) -> None:  # type: ignore[no-untyped-def]

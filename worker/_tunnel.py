@@ -94,8 +94,12 @@ class TunnelHolder:
 
     def __init__(self) -> None:
         self.ws: WebSocketConnection | None = None
+        self.closing = False
 
     async def close(self, reason: str = "worker shutting down") -> None:
+        """Close with 1001 and stop ``run_tunnel`` from dialling again (it would register
+        a new session in the moment before the process exits)."""
+        self.closing = True
         if self.ws is not None:
             with trio.move_on_after(2):
                 await self.ws.aclose(CloseCode.GOING_AWAY, reason)
@@ -159,6 +163,8 @@ async def run_tunnel(
             log.info("tunnel closed", code=reason.code, reason=reason.reason)
         except* (OSError, HandshakeError, trio.TooSlowError, RemoteProtocolError) as eg:
             log.info("tunnel failed", error=repr(leaf_exception(eg)))
+        if holder is not None and holder.closing:
+            return
         delay = 0.05 if established else backoff * random.uniform(0.5, 1.5)
         if not established:
             backoff = min(backoff * 2, max_backoff_s)
