@@ -6,8 +6,8 @@ trips through that loop and 64 feeds of the WebSocket parser above it. :class:`T
 reads up to 1 MiB off the socket per refill and returns every record already buffered, up
 to ``max_bytes``; it is ``ssl.MemoryBIO`` and ``SSLObject`` over a trio socket stream,
 nothing more. Measured (one-way 1 MiB writes, loopback, 2 cores, MB/s read):
-``SSLStream`` 236-258, ``SSLStream`` drained of its buffered records 399-484,
-:class:`TLSStream` see ``tools/`` and the commit that added it.
+``SSLStream`` 205-258, ``SSLStream`` drained of its buffered records 399-484,
+:class:`TLSStream` 449-487.
 
 :func:`open_websocket_url` is trio-websocket's client over this stream, so the hub and the
 workers dial the gateway through it too.

@@ -534,3 +534,18 @@ def test_validate_dispatch_accepts_exactly_the_consistent_requests(width, weight
         assert not ok
     else:
         assert ok
+
+
+@SETTINGS
+@given(
+    values=st.lists(st.one_of(st.floats(allow_nan=True, allow_infinity=True, width=32),
+                              st.sampled_from([3.0e38, -3.0e38, 65504.0])), min_size=0, max_size=40),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]),
+)
+def test_all_finite_agrees_with_the_elementwise_check(values, dtype):
+    """The one-reduction finiteness check says exactly what isfinite().all() says, also
+    when huge finite values overflow the sum (3e38 + 3e38) or the narrow dtype."""
+    from kvasir_rpc._kernel import _all_finite
+
+    t = torch.tensor(values, dtype=torch.float32).to(dtype)
+    assert _all_finite(t) == bool(torch.isfinite(t).all())
