@@ -270,7 +270,7 @@ def run_decode_bench(*, quick: bool = False, say: Callable[[str], None] = print)
     from kvasir_rpc._swarm import LocalSwarm
     from kvasir_rpc._tiny import make_tiny_checkpoint
 
-    batch, tokens = (32, 6) if quick else (64, 16)
+    batch, tokens = (32, 6) if quick else (128, 16)
     args_common = ["--prompt", "the swarm", "--max-new-tokens", str(tokens), "--batch", str(batch)]
     split = _core_split()
     out: dict[str, object] = {"model": DECODE_MODEL, "batch": batch, "new_tokens": tokens,
