@@ -268,15 +268,20 @@ class Dispatcher:
         # Remote calls leave first: one batched call per worker for this layer.
         inflight: list[tuple[CallRecord, list[Route], WorkerLink]] = []
         for link, rs in placed.items():
-            rows = torch.cat([hidden[r.token_idx] for r in rs])  # [n, H]
+            tokens = torch.cat([r.token_idx for r in rs])  # one per assignment, in segment order
+            # A token routed to several of this worker's experts travels once.
+            distinct, index = torch.unique(tokens, return_inverse=True)
+            dedupe = distinct.numel() < tokens.numel()
+            rows = hidden[distinct] if dedupe else hidden[tokens]  # [n, H]
             if self.wire_dtype is not None and rows.dtype != self.wire_dtype:
                 rows = rows.to(self.wire_dtype)
-            weights = torch.cat([top_k_weights[r.token_idx, r.top_k_pos] for r in rs])  # [n]
+            weights = torch.cat([top_k_weights[r.token_idx, r.top_k_pos] for r in rs])  # [assignments]
             req = expert_pb2.DispatchRequest(
                 layer=layer,
                 hidden=encode_tensor(rows),
                 weights=encode_tensor(weights),
                 segments=[expert_pb2.ExpertSegment(expert=r.expert, rows=len(r.token_idx)) for r in rs],
+                row_index=index.tolist() if dedupe else (),
             )
             inflight.append((link.submit(layer, req), rs, link))
 

@@ -81,7 +81,8 @@ class WorkerLink:
         fut: Future[expert_pb2.ExpertPartials] = Future()
         with self._lock:
             call_id = next(self._ids)
-            rec = CallRecord(call_id, self.session_id, layer, request.hidden.shape[0], time.perf_counter_ns(), fut)
+            assignments = sum(seg.rows for seg in request.segments)  # the rows of the answer
+            rec = CallRecord(call_id, self.session_id, layer, assignments, time.perf_counter_ns(), fut)
             if self.dead is not None:
                 fut.set_exception(self.dead)
                 return rec

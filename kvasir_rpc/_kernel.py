@@ -110,22 +110,33 @@ def validate_dispatch(
     hidden_size: int,
     dtype: torch.dtype,
     max_rows: int,
+    row_index: torch.Tensor | None = None,
 ) -> None:
-    """Check a decoded request against what the worker serves. Raises DispatchInputError."""
+    """Check a decoded request against what the worker serves. Raises DispatchInputError.
+
+    ``row_index`` (int64, one entry per assignment) when the request's hidden holds each
+    distinct row once; otherwise assignment i is hidden row i."""
     if hidden.dim() != 2 or hidden.shape[1] != hidden_size:
         raise DispatchInputError(f"hidden must have shape [rows, {hidden_size}], got {list(hidden.shape)}")
     if hidden.dtype != dtype and not (dtype == torch.float32 and hidden.dtype in WIRE_DTYPES):
         narrow = f" (or {' / '.join(map(str, WIRE_DTYPES))} on a narrow wire)" if dtype == torch.float32 else ""
         raise DispatchInputError(f"hidden must be {dtype}{narrow}, got {hidden.dtype}")
     rows = hidden.shape[0]
-    if rows > max_rows:
-        raise DispatchInputError(f"{rows} rows in one call, at most {max_rows}")
-    if weights.dim() != 1 or weights.shape[0] != rows:
-        raise DispatchInputError(f"weights must have shape [{rows}], got {list(weights.shape)}")
+    covered = sum(n for _, n in segments)
+    if max(rows, covered) > max_rows:
+        raise DispatchInputError(f"{max(rows, covered)} rows in one call, at most {max_rows}")
+    if row_index is None:
+        if covered != rows:
+            raise DispatchInputError(f"segments cover {covered} rows, hidden has {rows}")
+    else:
+        if row_index.numel() != covered:
+            raise DispatchInputError(f"row_index has {row_index.numel()} entries, segments cover {covered} rows")
+        if covered and int(row_index.max()) >= rows:
+            raise DispatchInputError(f"row_index names row {int(row_index.max())}, hidden has {rows} rows")
+    if weights.dim() != 1 or weights.shape[0] != covered:
+        raise DispatchInputError(f"weights must have shape [{covered}], got {list(weights.shape)}")
     if not weights.is_floating_point():
         raise DispatchInputError(f"weights must be floating point, got {weights.dtype}")
-    if sum(n for _, n in segments) != rows:
-        raise DispatchInputError(f"segments cover {sum(n for _, n in segments)} rows, hidden has {rows}")
     if any(n == 0 for _, n in segments):
         raise DispatchInputError("a segment has zero rows")
     if not _all_finite(hidden) or not _all_finite(weights):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import pathlib
 import sys
@@ -27,10 +28,12 @@ def _default_model_dir(arch: str, seed: int) -> pathlib.Path:
 
 
 def run_demo(arch: str, *, seed: int = 0, max_new_tokens: int = 12, batch: int = 2,
-             model: pathlib.Path | None = None, path: str = "gateway", say=print) -> dict[str, object]:  # type: ignore[no-untyped-def]
+             model: pathlib.Path | None = None, path: str = "gateway", say=print,  # type: ignore[no-untyped-def]
+             workdir: pathlib.Path | None = None) -> dict[str, object]:
     """Make the tiny model if absent, start a hub and two workers (half the experts each),
     with ``path="gateway"`` behind a TLS gateway that both the hub and the workers dial,
-    decode with --compare-local, and return the verdict as a dict."""
+    decode with --compare-local, and return the verdict as a dict. The swarm's files and
+    logs go to ``workdir`` (kept) or a temporary folder."""
     from kvasir_rpc._checkpoint import read_model_info
     from kvasir_rpc._receipts import DEFAULT_RATE_NANO_PER_BYTE, format_kvr, format_units
     from kvasir_rpc._swarm import LocalSwarm
@@ -44,7 +47,10 @@ def run_demo(arch: str, *, seed: int = 0, max_new_tokens: int = 12, batch: int =
     info = read_model_info(model_dir)
     half = info.num_experts // 2
     specs = [f"*:0-{half - 1}", f"*:{half}-{info.num_experts - 1}"]
-    with tempfile.TemporaryDirectory(prefix="kvasir-demo-") as work, LocalSwarm(work) as swarm:
+    with contextlib.ExitStack() as stack:
+        work = str(workdir) if workdir is not None else stack.enter_context(
+            tempfile.TemporaryDirectory(prefix="kvasir-demo-"))
+        swarm = stack.enter_context(LocalSwarm(work))
         t0 = time.monotonic()
         swarm.start_ledger()
         say(f"ledger: {swarm.ledger_address} (SQLite), trusting the hub's key")

@@ -549,3 +549,17 @@ def test_all_finite_agrees_with_the_elementwise_check(values, dtype):
 
     t = torch.tensor(values, dtype=torch.float32).to(dtype)
     assert _all_finite(t) == bool(torch.isfinite(t).all())
+
+
+def test_validate_dispatch_with_row_index():
+    hidden = torch.zeros(3, HIDDEN, dtype=torch.bfloat16)
+    segs = [(0, 2), (1, 3)]
+    _check(hidden=hidden, weights=torch.zeros(5), segments=segs, row_index=torch.tensor([2, 0, 0, 1, 2]))
+    with pytest.raises(DispatchInputError, match="row_index names row 3, hidden has 3 rows"):
+        _check(hidden=hidden, weights=torch.zeros(5), segments=segs, row_index=torch.tensor([3, 0, 0, 1, 2]))
+    with pytest.raises(DispatchInputError, match="row_index has 4 entries, segments cover 5 rows"):
+        _check(hidden=hidden, weights=torch.zeros(5), segments=segs, row_index=torch.tensor([0, 0, 1, 2]))
+    with pytest.raises(DispatchInputError, match=r"weights must have shape \[5\], got \[3\]"):
+        _check(hidden=hidden, weights=torch.zeros(3), segments=segs, row_index=torch.tensor([2, 0, 0, 1, 2]))
+    with pytest.raises(DispatchInputError, match="65 rows in one call, at most 64"):
+        _check(hidden=hidden, weights=torch.zeros(65), segments=[(0, 65)], row_index=torch.zeros(65, dtype=torch.long))

@@ -12,7 +12,7 @@ import torch
 from helpers import wait_until
 
 from kvasir_rpc import expert_pb2, expert_pb2_grpc
-from kvasir_rpc._codec import encode_tensor
+from kvasir_rpc._codec import decode_tensor, encode_tensor
 from kvasir_rpc._swarm import LocalSwarm
 from kvasir_rpc.cli import run_demo
 
@@ -21,8 +21,11 @@ from kvasir_rpc.cli import run_demo
     ("arch", "path"),
     [("qwen3_moe", "hub"), ("qwen3_moe", "gateway"), ("qwen3_5_moe", "gateway"), ("mixtral", "gateway")],
 )
-def test_demo_remote_equals_local_bitwise(arch, path, tiny_models):
-    result = run_demo(arch, model=tiny_models(arch), path=path, say=lambda _msg: None)
+def test_demo_remote_equals_local_bitwise(arch, path, tiny_models, tmp_path):
+    result = run_demo(arch, model=tiny_models(arch), path=path, say=lambda _msg: None, workdir=tmp_path)
+    # What the swarm logged about sessions, shown if an assertion below fails.
+    events = [line[:240] for log in sorted((tmp_path / "logs").glob("*.log")) for line in log.read_text().splitlines()
+              if any(k in line for k in ("session", "tunnel", "keepalive", "error", "Error"))]
     assert result["tokens_identical"] is True
     assert result["max_abs_logit_diff"] == 0.0
     assert result["argmax_agreement"] == 1.0
@@ -34,10 +37,10 @@ def test_demo_remote_equals_local_bitwise(arch, path, tiny_models):
     # Qwen3.5's shared expert was computed while the remote calls flew, bitwise as above.
     assert (result["shared_overlapped"] > 0) == (arch == "qwen3_5_moe")
     sessions = result["sessions"]
-    assert len(sessions) == 2
+    assert len(sessions) == 2, events
     assert len(result["sessions_used"]) == 2, "both workers must have served calls"
     for s in sessions:
-        assert len(s["wallet"]) == 64 and s["bytes_in"] > 0 and s["bytes_out"] > 0
+        assert len(s["wallet"]) == 64 and s["bytes_in"] > 0 and s["bytes_out"] > 0, (sessions, events)
         assert s["bytes"] == s["bytes_in"] + s["bytes_out"] == s["credited_bytes"]
         assert s["credited_nano_kvr"] == s["bytes"] * 7
     assert result["ledger_total_nano_kvr"] == sum(s["bytes"] * 7 for s in sessions)
@@ -108,6 +111,13 @@ def test_expert_service_answers_bad_input_precisely_and_keeps_serving(swarm):
     cases["byte length"] = (short, grpc.StatusCode.INVALID_ARGUMENT)
     nan = _request(torch.full((1, 64), float("nan")), [(0, 1)])
     cases["nan"] = (nan, grpc.StatusCode.INVALID_ARGUMENT)
+    # Deduplicated rows: an index past hidden's rows, or one entry short of the assignments.
+    far = _request(torch.randn(2, 64), [(0, 2)])
+    far.row_index[:] = [0, 2]
+    cases["row_index out of range"] = (far, grpc.StatusCode.INVALID_ARGUMENT)
+    few = _request(torch.randn(2, 64), [(0, 2)])
+    few.row_index[:] = [1]
+    cases["row_index too short"] = (few, grpc.StatusCode.INVALID_ARGUMENT)
     for name, (req, code) in cases.items():
         with pytest.raises(grpc.RpcError) as info:
             _dispatch(target, req)
@@ -116,6 +126,24 @@ def test_expert_service_answers_bad_input_precisely_and_keeps_serving(swarm):
     resp = _dispatch(target, good)
     assert resp.partials.call_id == 7 and list(resp.partials.partials.shape) == [3, 64]
     assert len(swarm.list_sessions()) == 2
+
+
+def test_deduplicated_rows_give_the_same_partials(swarm):
+    """A token routed to two experts of one worker can travel once (row_index): the
+    partials equal those of the same assignments sent row by row, bitwise."""
+    target = min(swarm.list_sessions(), key=lambda s: s.slices[0].experts[0]).target  # holds experts 0-3
+    distinct = torch.randn(3, 64)
+    index = [2, 0, 0, 1, 2]  # expert 0 gets rows 2 and 0, expert 3 gets rows 0, 1 and 2
+    weights = torch.rand(5)
+    segments = [expert_pb2.ExpertSegment(expert=0, rows=2), expert_pb2.ExpertSegment(expert=3, rows=3)]
+    packed = expert_pb2.DispatchRequest(call_id=1, layer=1, hidden=encode_tensor(distinct),
+                                        weights=encode_tensor(weights), segments=segments, row_index=index)
+    spread = expert_pb2.DispatchRequest(call_id=2, layer=1, hidden=encode_tensor(distinct[index]),
+                                        weights=encode_tensor(weights), segments=segments)
+    a = decode_tensor(_dispatch(target, packed).partials.partials)
+    b = decode_tensor(_dispatch(target, spread).partials.partials)
+    assert a.shape == (5, 64) and torch.equal(a, b)
+    assert packed.ByteSize() < spread.ByteSize()
 
 
 def test_hub_refuses_bad_hello_and_keeps_serving(swarm):

@@ -116,8 +116,11 @@ class ExpertServicer(expert_pb2_grpc.ExpertServiceServicer):
         hidden = decode_tensor(req.hidden)
         weights = decode_tensor(req.weights)
         segments = [(s.expert, s.rows) for s in req.segments]
+        # Deduplicated rows: each distinct row once, one index per assignment.
+        index = torch.tensor(req.row_index, dtype=torch.long) if len(req.row_index) else None
         validate_dispatch(
-            hidden, weights, segments, hidden_size=e.hidden_size, dtype=e.dtype, max_rows=MAX_ROWS_PER_CALL
+            hidden, weights, segments, hidden_size=e.hidden_size, dtype=e.dtype, max_rows=MAX_ROWS_PER_CALL,
+            row_index=index,
         )
         missing = [x for x, _ in segments if (req.layer, x) not in e.weights]
         if missing:
@@ -133,9 +136,8 @@ class ExpertServicer(expert_pb2_grpc.ExpertServiceServicer):
         with torch.inference_mode():
             for expert, rows in segments:
                 gate_up, down = e.weights[(req.layer, expert)]
-                out.append(
-                    expert_forward(hidden[start : start + rows], gate_up, down, e.act, weights[start : start + rows])
-                )
+                x = hidden[start : start + rows] if index is None else hidden[index[start : start + rows]]
+                out.append(expert_forward(x, gate_up, down, e.act, weights[start : start + rows]))
                 start += rows
             partials = torch.cat(out) if len(out) > 1 else out[0]
             if wire_dtype != partials.dtype:
