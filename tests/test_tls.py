@@ -30,6 +30,22 @@ def contexts() -> tuple[ssl.SSLContext, ssl.SSLContext]:
     return server, client
 
 
+async def _listen(nursery: trio.Nursery, handler) -> int:  # type: ignore[no-untyped-def]
+    """Serve ``handler`` on a fresh 127.0.0.1 port; the port."""
+    listeners = await nursery.start(functools.partial(trio.serve_tcp, handler, 0, host="127.0.0.1"))
+    return int(listeners[0].socket.getsockname()[1])
+
+
+def _tls_handler(server_ctx: ssl.SSLContext, body):  # type: ignore[no-untyped-def]
+    """A serve_tcp handler: the server side of the TLS handshake, then ``body(stream, tcp)``."""
+    async def handler(tcp: trio.SocketStream) -> None:
+        stream = TLSStream(tcp, server_ctx, server_side=True)
+        await stream.do_handshake()
+        await body(stream, tcp)
+
+    return handler
+
+
 def _echo_server(server_ctx: ssl.SSLContext, sizes: list[int]):  # type: ignore[no-untyped-def]
     async def handler(tcp: trio.SocketStream) -> None:
         stream = TLSStream(tcp, server_ctx, server_side=True)
@@ -55,8 +71,7 @@ def test_bulk_reads_return_more_than_one_record_and_every_byte(contexts) -> None
     async def main() -> None:
         with trio.fail_after(30):
             async with trio.open_nursery() as nursery:
-                listeners = await nursery.start(functools.partial(trio.serve_tcp, _echo_server(server_ctx, sizes), 0, host="127.0.0.1"))
-                port = listeners[0].socket.getsockname()[1]
+                port = await _listen(nursery, _echo_server(server_ctx, sizes))
                 client = await open_tls_over_tcp("127.0.0.1", port, client_ctx)
 
                 async def reader() -> None:
@@ -84,14 +99,12 @@ def test_bulk_read_never_exceeds_max_bytes(contexts) -> None:  # type: ignore[no
     async def main() -> None:
         with trio.fail_after(30):
             async with trio.open_nursery() as nursery:
-                async def handler(tcp: trio.SocketStream) -> None:
-                    stream = TLSStream(tcp, server_ctx, server_side=True)
-                    await stream.do_handshake()
+                async def body(stream: TLSStream, tcp: trio.SocketStream) -> None:
                     await stream.send_all(b"x" * (1 << 20))
                     await trio.sleep(5)
 
-                listeners = await nursery.start(functools.partial(trio.serve_tcp, handler, 0, host="127.0.0.1"))
-                client = await open_tls_over_tcp("127.0.0.1", listeners[0].socket.getsockname()[1], client_ctx)
+                port = await _listen(nursery, _tls_handler(server_ctx, body))
+                client = await open_tls_over_tcp("127.0.0.1", port, client_ctx)
                 total = 0
                 while total < 1 << 20:
                     data = await client.receive_some(50_000)
@@ -111,9 +124,7 @@ def test_close_notify_and_ragged_eof_both_read_as_eof(contexts) -> None:  # type
     async def main() -> None:
         with trio.fail_after(30):
             async with trio.open_nursery() as nursery:
-                async def handler(tcp: trio.SocketStream) -> None:
-                    stream = TLSStream(tcp, server_ctx, server_side=True)
-                    await stream.do_handshake()
+                async def body(stream: TLSStream, tcp: trio.SocketStream) -> None:
                     mode = await stream.receive_some(100)
                     await stream.send_all(b"bye")
                     if mode == b"clean":
@@ -121,8 +132,7 @@ def test_close_notify_and_ragged_eof_both_read_as_eof(contexts) -> None:  # type
                     else:
                         await tcp.aclose()  # FIN without close_notify
 
-                listeners = await nursery.start(functools.partial(trio.serve_tcp, handler, 0, host="127.0.0.1"))
-                port = listeners[0].socket.getsockname()[1]
+                port = await _listen(nursery, _tls_handler(server_ctx, body))
                 for mode in (b"clean", b"ragged"):
                     client = await open_tls_over_tcp("127.0.0.1", port, client_ctx)
                     await client.send_all(mode)
@@ -152,8 +162,7 @@ def test_failed_handshakes_raise_broken_resource_on_both_sides(contexts) -> None
                     except trio.BrokenResourceError as exc:
                         server_errors.append(exc)
 
-                listeners = await nursery.start(functools.partial(trio.serve_tcp, handler, 0, host="127.0.0.1"))
-                port = listeners[0].socket.getsockname()[1]
+                port = await _listen(nursery, handler)
                 with pytest.raises(trio.BrokenResourceError, match="TLS handshake failed"):
                     await open_tls_over_tcp("127.0.0.1", port, untrusting)
                 # Not TLS at all: the server's handshake fails, the server stays up.
@@ -217,8 +226,7 @@ def test_open_websocket_url_times_out_on_a_silent_server(contexts) -> None:  # t
                 async def silent(stream: trio.SocketStream) -> None:
                     await trio.sleep(60)
 
-                listeners = await nursery.start(functools.partial(trio.serve_tcp, silent, 0, host="127.0.0.1"))
-                port = listeners[0].socket.getsockname()[1]
+                port = await _listen(nursery, silent)
                 with pytest.raises(ConnectionTimeout):
                     async with open_websocket_url(f"wss://127.0.0.1:{port}/x", client_ctx, connect_timeout=0.5):
                         pass
