@@ -53,13 +53,28 @@ class TLSStream(trio.abc.Stream):
         self._handshake_done = False
         self._handshake_lock = trio.Lock()
         self._transport_eof = False
+        # Set when a send stopped between encrypting and sending (cancelled, or the socket
+        # failed): the peer would see a gap in the record sequence, so nothing more may go.
+        self._broken: str | None = None
 
     async def _flush(self) -> None:
         """Send what the TLS object produced, in order, under the send lock; bytes added
         while a send is in progress go out before the lock is let go."""
         async with self._send_lock:
-            while self._outgoing.pending:
-                await self.transport_stream.send_all(self._outgoing.read())
+            await self._send_pending()
+
+    async def _send_pending(self) -> None:
+        """Send the TLS object's output; the send lock is held. A send cut short leaves the
+        stream broken (see ``_broken``)."""
+        if self._broken is not None:
+            raise trio.BrokenResourceError(self._broken)
+        while self._outgoing.pending:
+            data = self._outgoing.read()
+            try:
+                await self.transport_stream.send_all(data)
+            except BaseException as exc:
+                self._broken = f"TLS stream unusable: a send was cut short ({type(exc).__name__})"
+                raise
 
     async def _flush_if_free(self) -> None:
         """The receiving side's output (a key-update answer): sent now if no send is in
@@ -73,8 +88,7 @@ class TLSStream(trio.abc.Stream):
         except trio.WouldBlock:
             return
         try:
-            while self._outgoing.pending:
-                await self.transport_stream.send_all(self._outgoing.read())
+            await self._send_pending()
         finally:
             self._send_lock.release()
 
@@ -143,14 +157,15 @@ class TLSStream(trio.abc.Stream):
         if not self._handshake_done:
             await self.do_handshake()
         async with self._send_lock:
+            if self._broken is not None:
+                raise trio.BrokenResourceError(self._broken)
             # Encrypt under the lock, so the outgoing buffer holds our records only while
             # we send them (see _flush_if_free).
             try:
                 self._tls.write(data)
             except ssl.SSLError as exc:
                 raise trio.BrokenResourceError(f"TLS error: {exc}") from exc
-            while self._outgoing.pending:
-                await self.transport_stream.send_all(self._outgoing.read())
+            await self._send_pending()
 
     async def wait_send_all_might_not_block(self) -> None:
         await self.transport_stream.wait_send_all_might_not_block()

@@ -33,6 +33,7 @@ __all__ = [
     "SUBPROTOCOL",
     "keepalive",
     "pump_stream_to_ws",
+    "send_whole",
 ]
 
 SUBPROTOCOL = "kvasir.tunnel.v1"
@@ -44,6 +45,27 @@ CTRL_CLOSED = "closed"
 # more than one read, so the largest legal message is bounded.
 READ_BYTES = 1 << 20
 MAX_MESSAGE_BYTES = 4 << 20
+# How long one message may take to leave once started (a peer that reads nothing for this
+# long is gone; the keepalive says the same sooner).
+SEND_TIMEOUT_S = 60.0
+
+
+async def send_whole(ws: WebSocketConnection, message: bytes | str, timeout_s: float = SEND_TIMEOUT_S) -> None:
+    """Send one message on the tunnel so that a cancellation cannot cut it in half.
+
+    Pumps are cancelled when the other side of a connection ends, often while they are
+    sending. A frame cut in the middle (or a TLS record encrypted and never sent) corrupts
+    the WebSocket for every message after it, and the session dies with it: a worker then
+    re-registers as a new session. The send is shielded from the caller's cancellation,
+    which takes effect at the next checkpoint; a send that cannot finish in ``timeout_s``
+    raises RemoteProtocolError (close 1001), as the stream is no longer usable."""
+    with trio.CancelScope(shield=True) as scope:
+        scope.deadline = trio.current_time() + timeout_s
+        await ws.send_message(message)
+    if scope.cancelled_caught:
+        raise RemoteProtocolError(f"a tunnel message could not be sent within {timeout_s:g} s",
+                                  close_code=CloseCode.GOING_AWAY)
+    await trio.lowlevel.checkpoint_if_cancelled()
 
 
 async def keepalive(ws: WebSocketConnection, interval_s: float, timeout_s: float) -> None:
@@ -71,4 +93,4 @@ async def pump_stream_to_ws(stream: trio.abc.ReceiveStream, ws: WebSocketConnect
             return
         if not data:
             return
-        await ws.send_message(bytes(data))
+        await send_whole(ws, bytes(data))

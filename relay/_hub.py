@@ -34,6 +34,7 @@ from kvasir_rpc._tunnel import (
     READ_BYTES,
     SUBPROTOCOL,
     keepalive,
+    send_whole,
 )
 from relay._registry import SessionRegistry
 
@@ -161,7 +162,7 @@ class _Session:
                         if not data:
                             nursery.cancel_scope.cancel()
                             return
-                        await self.ws.send_message(bytes(data))
+                        await send_whole(self.ws, bytes(data))
                         reg.count_bytes(sid, to_worker=len(data))
 
                 async def worker_to_backbone() -> None:

@@ -290,3 +290,60 @@ def test_threads_initializer_carries_the_thread_count_into_new_threads() -> None
         assert _threads_in_new_thread(probe, threads_initializer()) == 1
     finally:
         torch.set_num_threads(before)
+
+
+def test_a_send_cut_short_breaks_the_stream_instead_of_corrupting_it(contexts) -> None:  # type: ignore[no-untyped-def]
+    """Encrypted records that never reach the socket leave a gap the peer cannot decrypt
+    past: after a cancelled send, sending again raises instead of writing garbage."""
+    server_ctx, client_ctx = contexts
+
+    async def main() -> None:
+        with trio.fail_after(30):
+            async with trio.open_nursery() as nursery:
+                async def body(stream: TLSStream, tcp: trio.SocketStream) -> None:
+                    await trio.sleep(30)  # reads nothing: the client's socket fills
+
+                port = await _listen(nursery, _tls_handler(server_ctx, body))
+                client = await open_tls_over_tcp("127.0.0.1", port, client_ctx)
+                with trio.move_on_after(0.5) as scope:
+                    while True:
+                        await client.send_all(b"x" * (1 << 20))
+                assert scope.cancelled_caught
+                with pytest.raises(trio.BrokenResourceError, match="cut short"):
+                    await client.send_all(b"more")
+                await trio.aclose_forcefully(client)
+                nursery.cancel_scope.cancel()
+
+    trio.run(main)
+
+
+def test_send_whole_survives_cancellation_mid_message() -> None:
+    """A pump cancelled while it sends must not cut the frame: the peer gets the whole
+    message and the tunnel carries the next one."""
+    from kvasir_rpc._tunnel import send_whole
+
+    big = os.urandom(24 << 20)  # more than loopback socket buffers hold
+    got: list[bytes] = []
+
+    async def handler(request) -> None:  # type: ignore[no-untyped-def]
+        ws = await request.accept()
+        await trio.sleep(0.5)  # let the sender block mid-message
+        for _ in range(2):
+            got.append(await ws.get_message())  # type: ignore[arg-type]
+
+    async def main() -> None:
+        with trio.fail_after(60):
+            async with trio.open_nursery() as nursery:
+                server = await nursery.start(lambda task_status: serve_websocket(
+                    handler, "127.0.0.1", 0, ssl_context=None, max_message_size=32 << 20, task_status=task_status))
+                async with open_websocket_url(f"ws://127.0.0.1:{server.port}/t") as ws:
+                    with trio.move_on_after(0.1) as scope:
+                        await send_whole(ws, big)
+                    assert scope.cancelled_caught  # the cancellation arrived, after the message left
+                    await ws.send_message(b"after")
+                    while len(got) < 2:
+                        await trio.sleep(0.01)
+                nursery.cancel_scope.cancel()
+
+    trio.run(main)
+    assert got[0] == big and got[1] == b"after"

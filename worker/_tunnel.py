@@ -22,6 +22,7 @@ from kvasir_rpc._tunnel import (
     SUBPROTOCOL,
     keepalive,
     pump_stream_to_ws,
+    send_whole,
 )
 
 __all__ = ["TunnelHolder", "run_tunnel", "serve_session"]
@@ -51,7 +52,7 @@ async def serve_session(ws: WebSocketConnection, uds_path: str, *, keepalive_s: 
             with c.scope:
                 await pump_stream_to_ws(c.stream, ws)
                 # Our gRPC server ended the connection: tell the hub.
-                await ws.send_message(CTRL_EOF)
+                await send_whole(ws, CTRL_EOF)
         finally:
             c.done.set()
 
