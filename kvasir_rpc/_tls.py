@@ -23,10 +23,9 @@ from collections.abc import AsyncIterator, Sequence
 import trio
 from trio_websocket import ConnectionTimeout, HandshakeError, WebSocketConnection, wrap_client_stream
 
-__all__ = ["RECEIVE_BYTES", "TLSStream", "open_tls_over_tcp", "open_websocket_url"]
+from kvasir_rpc._tunnel import READ_BYTES
 
-# One socket read per refill: about 1 MiB, as the tunnel reads (see PERF_NOTES).
-RECEIVE_BYTES = 1 << 20
+__all__ = ["TLSStream", "open_tls_over_tcp", "open_websocket_url"]
 
 
 class TLSStream(trio.abc.Stream):
@@ -96,7 +95,7 @@ class TLSStream(trio.abc.Stream):
         """Read once from the socket into the TLS object; False at the transport's EOF."""
         if self._transport_eof:
             return False
-        data = await self.transport_stream.receive_some(RECEIVE_BYTES)
+        data = await self.transport_stream.receive_some(READ_BYTES)
         if not data:
             self._transport_eof = True
             self._incoming.write_eof()
@@ -124,7 +123,7 @@ class TLSStream(trio.abc.Stream):
     async def receive_some(self, max_bytes: int | None = None) -> bytes:
         if not self._handshake_done:
             await self.do_handshake()
-        limit = max_bytes or RECEIVE_BYTES
+        limit = max_bytes or READ_BYTES
         chunks: list[bytes] = []
         size = 0
         while True:
