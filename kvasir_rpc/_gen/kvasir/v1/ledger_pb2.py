@@ -24,37 +24,37 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16kvasir/v1/ledger.proto\x12\tkvasir.v1\"\x84\x01\n\x0b\x42yteReceipt\x12\x0f\n\x07hub_key\x18\x01 \x01(\t\x12\x12\n\nsession_id\x18\x02 \x01(\t\x12\x0e\n\x06wallet\x18\x03 \x01(\t\x12\x0b\n\x03seq\x18\x04 \x01(\x04\x12\x18\n\x10\x63umulative_bytes\x18\x05 \x01(\x04\x12\x19\n\x11issued_at_unix_ms\x18\x06 \x01(\x03\"3\n\rSignedReceipt\x12\x0f\n\x07receipt\x18\x01 \x01(\x0c\x12\x11\n\tsignature\x18\x02 \x01(\x0c\"\xec\x01\n\x06\x43redit\x12\x11\n\tcredit_id\x18\x01 \x01(\x04\x12\x0e\n\x06wallet\x18\x02 \x01(\t\x12\x0f\n\x07hub_key\x18\x03 \x01(\t\x12\x12\n\nsession_id\x18\x04 \x01(\t\x12\x0b\n\x03seq\x18\x05 \x01(\x04\x12\x18\n\x10\x63umulative_bytes\x18\x06 \x01(\x04\x12\r\n\x05\x62ytes\x18\x07 \x01(\x04\x12\x10\n\x08nano_kvr\x18\x08 \x01(\x04\x12\x1a\n\x12rate_nano_per_byte\x18\t \x01(\x04\x12\x19\n\x11issued_at_unix_ms\x18\n \x01(\x03\x12\x1b\n\x13\x63redited_at_unix_ms\x18\x0b \x01(\x03\"\x95\x01\n\rReceiptResult\x12(\n\x06status\x18\x01 \x01(\x0e\x32\x18.kvasir.v1.ReceiptStatus\x12\'\n\x06reason\x18\x02 \x01(\x0e\x32\x17.kvasir.v1.RejectReason\x12\x0e\n\x06\x64\x65tail\x18\x03 \x01(\t\x12!\n\x06\x63redit\x18\x04 \x01(\x0b\x32\x11.kvasir.v1.Credit\"C\n\x15SubmitReceiptsRequest\x12*\n\x08receipts\x18\x01 \x03(\x0b\x32\x18.kvasir.v1.SignedReceipt\"C\n\x16SubmitReceiptsResponse\x12)\n\x07results\x18\x01 \x03(\x0b\x32\x18.kvasir.v1.ReceiptResult\"#\n\x11GetBalanceRequest\x12\x0e\n\x06wallet\x18\x01 \x01(\t\"\x90\x01\n\x12GetBalanceResponse\x12\x0e\n\x06wallet\x18\x01 \x01(\t\x12\x18\n\x10pending_nano_kvr\x18\x02 \x01(\x04\x12\x13\n\x0bpending_kvr\x18\x03 \x01(\t\x12\x16\n\x0e\x62ytes_credited\x18\x04 \x01(\x04\x12\r\n\x05units\x18\x05 \x01(\t\x12\x14\n\x0c\x63redit_count\x18\x06 \x01(\x04\"K\n\x12ListCreditsRequest\x12\x0e\n\x06wallet\x18\x01 \x01(\t\x12\x11\n\tpage_size\x18\x02 \x01(\x05\x12\x12\n\npage_token\x18\x03 \x01(\t\"R\n\x13ListCreditsResponse\x12\"\n\x07\x63redits\x18\x01 \x03(\x0b\x32\x11.kvasir.v1.Credit\x12\x17\n\x0fnext_page_token\x18\x02 \x01(\t*\xa1\x01\n\rReceiptStatus\x12\x1e\n\x1aRECEIPT_STATUS_UNSPECIFIED\x10\x00\x12\x1b\n\x17RECEIPT_STATUS_CREDITED\x10\x01\x12\x1c\n\x18RECEIPT_STATUS_DUPLICATE\x10\x02\x12\x18\n\x14RECEIPT_STATUS_STALE\x10\x03\x12\x1b\n\x17RECEIPT_STATUS_REJECTED\x10\x04*\xec\x01\n\x0cRejectReason\x12\x1d\n\x19REJECT_REASON_UNSPECIFIED\x10\x00\x12\x1b\n\x17REJECT_REASON_MALFORMED\x10\x01\x12\x1f\n\x1bREJECT_REASON_INVALID_FIELD\x10\x02\x12\x1f\n\x1bREJECT_REASON_BAD_SIGNATURE\x10\x03\x12\x1f\n\x1bREJECT_REASON_UNTRUSTED_KEY\x10\x04\x12!\n\x1dREJECT_REASON_WALLET_MISMATCH\x10\x05\x12\x1a\n\x16REJECT_REASON_CONFLICT\x10\x06\x32\xff\x01\n\rLedgerService\x12U\n\x0eSubmitReceipts\x12 .kvasir.v1.SubmitReceiptsRequest\x1a!.kvasir.v1.SubmitReceiptsResponse\x12I\n\nGetBalance\x12\x1c.kvasir.v1.GetBalanceRequest\x1a\x1d.kvasir.v1.GetBalanceResponse\x12L\n\x0bListCredits\x12\x1d.kvasir.v1.ListCreditsRequest\x1a\x1e.kvasir.v1.ListCreditsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16kvasir/v1/ledger.proto\x12\tkvasir.v1\"\x99\x01\n\x0b\x42yteReceipt\x12\x0f\n\x07hub_key\x18\x01 \x01(\t\x12\x12\n\nsession_id\x18\x02 \x01(\t\x12\x0e\n\x06wallet\x18\x03 \x01(\t\x12\x0b\n\x03seq\x18\x04 \x01(\x04\x12\x18\n\x10\x63umulative_bytes\x18\x05 \x01(\x04\x12\x19\n\x11issued_at_unix_ms\x18\x06 \x01(\x03\x12\x13\n\x0bquarantined\x18\x07 \x01(\x08\"3\n\rSignedReceipt\x12\x0f\n\x07receipt\x18\x01 \x01(\x0c\x12\x11\n\tsignature\x18\x02 \x01(\x0c\"\x81\x02\n\x06\x43redit\x12\x11\n\tcredit_id\x18\x01 \x01(\x04\x12\x0e\n\x06wallet\x18\x02 \x01(\t\x12\x0f\n\x07hub_key\x18\x03 \x01(\t\x12\x12\n\nsession_id\x18\x04 \x01(\t\x12\x0b\n\x03seq\x18\x05 \x01(\x04\x12\x18\n\x10\x63umulative_bytes\x18\x06 \x01(\x04\x12\r\n\x05\x62ytes\x18\x07 \x01(\x04\x12\x10\n\x08nano_kvr\x18\x08 \x01(\x04\x12\x1a\n\x12rate_nano_per_byte\x18\t \x01(\x04\x12\x19\n\x11issued_at_unix_ms\x18\n \x01(\x03\x12\x1b\n\x13\x63redited_at_unix_ms\x18\x0b \x01(\x03\x12\x13\n\x0bquarantined\x18\x0c \x01(\x08\"\x95\x01\n\rReceiptResult\x12(\n\x06status\x18\x01 \x01(\x0e\x32\x18.kvasir.v1.ReceiptStatus\x12\'\n\x06reason\x18\x02 \x01(\x0e\x32\x17.kvasir.v1.RejectReason\x12\x0e\n\x06\x64\x65tail\x18\x03 \x01(\t\x12!\n\x06\x63redit\x18\x04 \x01(\x0b\x32\x11.kvasir.v1.Credit\"C\n\x15SubmitReceiptsRequest\x12*\n\x08receipts\x18\x01 \x03(\x0b\x32\x18.kvasir.v1.SignedReceipt\"C\n\x16SubmitReceiptsResponse\x12)\n\x07results\x18\x01 \x03(\x0b\x32\x18.kvasir.v1.ReceiptResult\"#\n\x11GetBalanceRequest\x12\x0e\n\x06wallet\x18\x01 \x01(\t\"\x90\x01\n\x12GetBalanceResponse\x12\x0e\n\x06wallet\x18\x01 \x01(\t\x12\x18\n\x10pending_nano_kvr\x18\x02 \x01(\x04\x12\x13\n\x0bpending_kvr\x18\x03 \x01(\t\x12\x16\n\x0e\x62ytes_credited\x18\x04 \x01(\x04\x12\r\n\x05units\x18\x05 \x01(\t\x12\x14\n\x0c\x63redit_count\x18\x06 \x01(\x04\"K\n\x12ListCreditsRequest\x12\x0e\n\x06wallet\x18\x01 \x01(\t\x12\x11\n\tpage_size\x18\x02 \x01(\x05\x12\x12\n\npage_token\x18\x03 \x01(\t\"R\n\x13ListCreditsResponse\x12\"\n\x07\x63redits\x18\x01 \x03(\x0b\x32\x11.kvasir.v1.Credit\x12\x17\n\x0fnext_page_token\x18\x02 \x01(\t*\xa1\x01\n\rReceiptStatus\x12\x1e\n\x1aRECEIPT_STATUS_UNSPECIFIED\x10\x00\x12\x1b\n\x17RECEIPT_STATUS_CREDITED\x10\x01\x12\x1c\n\x18RECEIPT_STATUS_DUPLICATE\x10\x02\x12\x18\n\x14RECEIPT_STATUS_STALE\x10\x03\x12\x1b\n\x17RECEIPT_STATUS_REJECTED\x10\x04*\x93\x02\n\x0cRejectReason\x12\x1d\n\x19REJECT_REASON_UNSPECIFIED\x10\x00\x12\x1b\n\x17REJECT_REASON_MALFORMED\x10\x01\x12\x1f\n\x1bREJECT_REASON_INVALID_FIELD\x10\x02\x12\x1f\n\x1bREJECT_REASON_BAD_SIGNATURE\x10\x03\x12\x1f\n\x1bREJECT_REASON_UNTRUSTED_KEY\x10\x04\x12!\n\x1dREJECT_REASON_WALLET_MISMATCH\x10\x05\x12\x1a\n\x16REJECT_REASON_CONFLICT\x10\x06\x12%\n!REJECT_REASON_SESSION_QUARANTINED\x10\x07\x32\xff\x01\n\rLedgerService\x12U\n\x0eSubmitReceipts\x12 .kvasir.v1.SubmitReceiptsRequest\x1a!.kvasir.v1.SubmitReceiptsResponse\x12I\n\nGetBalance\x12\x1c.kvasir.v1.GetBalanceRequest\x1a\x1d.kvasir.v1.GetBalanceResponse\x12L\n\x0bListCredits\x12\x1d.kvasir.v1.ListCreditsRequest\x1a\x1e.kvasir.v1.ListCreditsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kvasir.v1.ledger_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_RECEIPTSTATUS']._serialized_start=1100
-  _globals['_RECEIPTSTATUS']._serialized_end=1261
-  _globals['_REJECTREASON']._serialized_start=1264
-  _globals['_REJECTREASON']._serialized_end=1500
+  _globals['_RECEIPTSTATUS']._serialized_start=1142
+  _globals['_RECEIPTSTATUS']._serialized_end=1303
+  _globals['_REJECTREASON']._serialized_start=1306
+  _globals['_REJECTREASON']._serialized_end=1581
   _globals['_BYTERECEIPT']._serialized_start=38
-  _globals['_BYTERECEIPT']._serialized_end=170
-  _globals['_SIGNEDRECEIPT']._serialized_start=172
-  _globals['_SIGNEDRECEIPT']._serialized_end=223
-  _globals['_CREDIT']._serialized_start=226
-  _globals['_CREDIT']._serialized_end=462
-  _globals['_RECEIPTRESULT']._serialized_start=465
-  _globals['_RECEIPTRESULT']._serialized_end=614
-  _globals['_SUBMITRECEIPTSREQUEST']._serialized_start=616
-  _globals['_SUBMITRECEIPTSREQUEST']._serialized_end=683
-  _globals['_SUBMITRECEIPTSRESPONSE']._serialized_start=685
-  _globals['_SUBMITRECEIPTSRESPONSE']._serialized_end=752
-  _globals['_GETBALANCEREQUEST']._serialized_start=754
-  _globals['_GETBALANCEREQUEST']._serialized_end=789
-  _globals['_GETBALANCERESPONSE']._serialized_start=792
-  _globals['_GETBALANCERESPONSE']._serialized_end=936
-  _globals['_LISTCREDITSREQUEST']._serialized_start=938
-  _globals['_LISTCREDITSREQUEST']._serialized_end=1013
-  _globals['_LISTCREDITSRESPONSE']._serialized_start=1015
-  _globals['_LISTCREDITSRESPONSE']._serialized_end=1097
-  _globals['_LEDGERSERVICE']._serialized_start=1503
-  _globals['_LEDGERSERVICE']._serialized_end=1758
+  _globals['_BYTERECEIPT']._serialized_end=191
+  _globals['_SIGNEDRECEIPT']._serialized_start=193
+  _globals['_SIGNEDRECEIPT']._serialized_end=244
+  _globals['_CREDIT']._serialized_start=247
+  _globals['_CREDIT']._serialized_end=504
+  _globals['_RECEIPTRESULT']._serialized_start=507
+  _globals['_RECEIPTRESULT']._serialized_end=656
+  _globals['_SUBMITRECEIPTSREQUEST']._serialized_start=658
+  _globals['_SUBMITRECEIPTSREQUEST']._serialized_end=725
+  _globals['_SUBMITRECEIPTSRESPONSE']._serialized_start=727
+  _globals['_SUBMITRECEIPTSRESPONSE']._serialized_end=794
+  _globals['_GETBALANCEREQUEST']._serialized_start=796
+  _globals['_GETBALANCEREQUEST']._serialized_end=831
+  _globals['_GETBALANCERESPONSE']._serialized_start=834
+  _globals['_GETBALANCERESPONSE']._serialized_end=978
+  _globals['_LISTCREDITSREQUEST']._serialized_start=980
+  _globals['_LISTCREDITSREQUEST']._serialized_end=1055
+  _globals['_LISTCREDITSRESPONSE']._serialized_start=1057
+  _globals['_LISTCREDITSRESPONSE']._serialized_end=1139
+  _globals['_LEDGERSERVICE']._serialized_start=1584
+  _globals['_LEDGERSERVICE']._serialized_end=1839
 # @@protoc_insertion_point(module_scope)

@@ -24,6 +24,7 @@ class RejectReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     REJECT_REASON_UNTRUSTED_KEY: _ClassVar[RejectReason]
     REJECT_REASON_WALLET_MISMATCH: _ClassVar[RejectReason]
     REJECT_REASON_CONFLICT: _ClassVar[RejectReason]
+    REJECT_REASON_SESSION_QUARANTINED: _ClassVar[RejectReason]
 RECEIPT_STATUS_UNSPECIFIED: ReceiptStatus
 RECEIPT_STATUS_CREDITED: ReceiptStatus
 RECEIPT_STATUS_DUPLICATE: ReceiptStatus
@@ -36,22 +37,25 @@ REJECT_REASON_BAD_SIGNATURE: RejectReason
 REJECT_REASON_UNTRUSTED_KEY: RejectReason
 REJECT_REASON_WALLET_MISMATCH: RejectReason
 REJECT_REASON_CONFLICT: RejectReason
+REJECT_REASON_SESSION_QUARANTINED: RejectReason
 
 class ByteReceipt(_message.Message):
-    __slots__ = ("hub_key", "session_id", "wallet", "seq", "cumulative_bytes", "issued_at_unix_ms")
+    __slots__ = ("hub_key", "session_id", "wallet", "seq", "cumulative_bytes", "issued_at_unix_ms", "quarantined")
     HUB_KEY_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     WALLET_FIELD_NUMBER: _ClassVar[int]
     SEQ_FIELD_NUMBER: _ClassVar[int]
     CUMULATIVE_BYTES_FIELD_NUMBER: _ClassVar[int]
     ISSUED_AT_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    QUARANTINED_FIELD_NUMBER: _ClassVar[int]
     hub_key: str
     session_id: str
     wallet: str
     seq: int
     cumulative_bytes: int
     issued_at_unix_ms: int
-    def __init__(self, hub_key: _Optional[str] = ..., session_id: _Optional[str] = ..., wallet: _Optional[str] = ..., seq: _Optional[int] = ..., cumulative_bytes: _Optional[int] = ..., issued_at_unix_ms: _Optional[int] = ...) -> None: ...
+    quarantined: bool
+    def __init__(self, hub_key: _Optional[str] = ..., session_id: _Optional[str] = ..., wallet: _Optional[str] = ..., seq: _Optional[int] = ..., cumulative_bytes: _Optional[int] = ..., issued_at_unix_ms: _Optional[int] = ..., quarantined: _Optional[bool] = ...) -> None: ...
 
 class SignedReceipt(_message.Message):
     __slots__ = ("receipt", "signature")
@@ -62,7 +66,7 @@ class SignedReceipt(_message.Message):
     def __init__(self, receipt: _Optional[bytes] = ..., signature: _Optional[bytes] = ...) -> None: ...
 
 class Credit(_message.Message):
-    __slots__ = ("credit_id", "wallet", "hub_key", "session_id", "seq", "cumulative_bytes", "bytes", "nano_kvr", "rate_nano_per_byte", "issued_at_unix_ms", "credited_at_unix_ms")
+    __slots__ = ("credit_id", "wallet", "hub_key", "session_id", "seq", "cumulative_bytes", "bytes", "nano_kvr", "rate_nano_per_byte", "issued_at_unix_ms", "credited_at_unix_ms", "quarantined")
     CREDIT_ID_FIELD_NUMBER: _ClassVar[int]
     WALLET_FIELD_NUMBER: _ClassVar[int]
     HUB_KEY_FIELD_NUMBER: _ClassVar[int]
@@ -74,6 +78,7 @@ class Credit(_message.Message):
     RATE_NANO_PER_BYTE_FIELD_NUMBER: _ClassVar[int]
     ISSUED_AT_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
     CREDITED_AT_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    QUARANTINED_FIELD_NUMBER: _ClassVar[int]
     credit_id: int
     wallet: str
     hub_key: str
@@ -85,7 +90,8 @@ class Credit(_message.Message):
     rate_nano_per_byte: int
     issued_at_unix_ms: int
     credited_at_unix_ms: int
-    def __init__(self, credit_id: _Optional[int] = ..., wallet: _Optional[str] = ..., hub_key: _Optional[str] = ..., session_id: _Optional[str] = ..., seq: _Optional[int] = ..., cumulative_bytes: _Optional[int] = ..., bytes: _Optional[int] = ..., nano_kvr: _Optional[int] = ..., rate_nano_per_byte: _Optional[int] = ..., issued_at_unix_ms: _Optional[int] = ..., credited_at_unix_ms: _Optional[int] = ...) -> None: ...
+    quarantined: bool
+    def __init__(self, credit_id: _Optional[int] = ..., wallet: _Optional[str] = ..., hub_key: _Optional[str] = ..., session_id: _Optional[str] = ..., seq: _Optional[int] = ..., cumulative_bytes: _Optional[int] = ..., bytes: _Optional[int] = ..., nano_kvr: _Optional[int] = ..., rate_nano_per_byte: _Optional[int] = ..., issued_at_unix_ms: _Optional[int] = ..., credited_at_unix_ms: _Optional[int] = ..., quarantined: _Optional[bool] = ...) -> None: ...
 
 class ReceiptResult(_message.Message):
     __slots__ = ("status", "reason", "detail", "credit")

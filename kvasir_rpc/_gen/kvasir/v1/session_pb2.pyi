@@ -7,6 +7,17 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class Violation(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    VIOLATION_UNSPECIFIED: _ClassVar[Violation]
+    VIOLATION_NON_FINITE: _ClassVar[Violation]
+    VIOLATION_AUDIT_MISMATCH: _ClassVar[Violation]
+    VIOLATION_MALFORMED: _ClassVar[Violation]
+VIOLATION_UNSPECIFIED: Violation
+VIOLATION_NON_FINITE: Violation
+VIOLATION_AUDIT_MISMATCH: Violation
+VIOLATION_MALFORMED: Violation
+
 class ExpertSlice(_message.Message):
     __slots__ = ("layer", "experts")
     LAYER_FIELD_NUMBER: _ClassVar[int]
@@ -60,7 +71,7 @@ class SessionAccept(_message.Message):
     def __init__(self, session_id: _Optional[str] = ...) -> None: ...
 
 class Session(_message.Message):
-    __slots__ = ("session_id", "wallet", "slices", "weights_digest", "device", "model_type", "connected_since_unix_ms", "bytes_to_worker", "bytes_from_worker", "target", "remote_address")
+    __slots__ = ("session_id", "wallet", "slices", "weights_digest", "device", "model_type", "connected_since_unix_ms", "bytes_to_worker", "bytes_from_worker", "target", "remote_address", "work_bytes")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     WALLET_FIELD_NUMBER: _ClassVar[int]
     SLICES_FIELD_NUMBER: _ClassVar[int]
@@ -72,6 +83,7 @@ class Session(_message.Message):
     BYTES_FROM_WORKER_FIELD_NUMBER: _ClassVar[int]
     TARGET_FIELD_NUMBER: _ClassVar[int]
     REMOTE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    WORK_BYTES_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     wallet: str
     slices: _containers.RepeatedCompositeFieldContainer[ExpertSlice]
@@ -83,7 +95,8 @@ class Session(_message.Message):
     bytes_from_worker: int
     target: str
     remote_address: str
-    def __init__(self, session_id: _Optional[str] = ..., wallet: _Optional[str] = ..., slices: _Optional[_Iterable[_Union[ExpertSlice, _Mapping]]] = ..., weights_digest: _Optional[bytes] = ..., device: _Optional[str] = ..., model_type: _Optional[str] = ..., connected_since_unix_ms: _Optional[int] = ..., bytes_to_worker: _Optional[int] = ..., bytes_from_worker: _Optional[int] = ..., target: _Optional[str] = ..., remote_address: _Optional[str] = ...) -> None: ...
+    work_bytes: int
+    def __init__(self, session_id: _Optional[str] = ..., wallet: _Optional[str] = ..., slices: _Optional[_Iterable[_Union[ExpertSlice, _Mapping]]] = ..., weights_digest: _Optional[bytes] = ..., device: _Optional[str] = ..., model_type: _Optional[str] = ..., connected_since_unix_ms: _Optional[int] = ..., bytes_to_worker: _Optional[int] = ..., bytes_from_worker: _Optional[int] = ..., target: _Optional[str] = ..., remote_address: _Optional[str] = ..., work_bytes: _Optional[int] = ...) -> None: ...
 
 class ListSessionsRequest(_message.Message):
     __slots__ = ()
@@ -122,3 +135,59 @@ class WatchSessionsResponse(_message.Message):
     EVENT_FIELD_NUMBER: _ClassVar[int]
     event: SessionEvent
     def __init__(self, event: _Optional[_Union[SessionEvent, _Mapping]] = ...) -> None: ...
+
+class WorkReport(_message.Message):
+    __slots__ = ("session_id", "cumulative_bytes", "calls", "rows")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    CUMULATIVE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    CALLS_FIELD_NUMBER: _ClassVar[int]
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    cumulative_bytes: int
+    calls: int
+    rows: int
+    def __init__(self, session_id: _Optional[str] = ..., cumulative_bytes: _Optional[int] = ..., calls: _Optional[int] = ..., rows: _Optional[int] = ...) -> None: ...
+
+class ReportWorkRequest(_message.Message):
+    __slots__ = ("run_id", "reports")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    REPORTS_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    reports: _containers.RepeatedCompositeFieldContainer[WorkReport]
+    def __init__(self, run_id: _Optional[str] = ..., reports: _Optional[_Iterable[_Union[WorkReport, _Mapping]]] = ...) -> None: ...
+
+class ReportWorkResponse(_message.Message):
+    __slots__ = ("refused_session_ids",)
+    REFUSED_SESSION_IDS_FIELD_NUMBER: _ClassVar[int]
+    refused_session_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, refused_session_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class QuarantineRequest(_message.Message):
+    __slots__ = ("session_id", "violation", "layer", "expert", "call_id", "row", "max_abs_diff", "tolerance", "audited_rows", "detail")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    VIOLATION_FIELD_NUMBER: _ClassVar[int]
+    LAYER_FIELD_NUMBER: _ClassVar[int]
+    EXPERT_FIELD_NUMBER: _ClassVar[int]
+    CALL_ID_FIELD_NUMBER: _ClassVar[int]
+    ROW_FIELD_NUMBER: _ClassVar[int]
+    MAX_ABS_DIFF_FIELD_NUMBER: _ClassVar[int]
+    TOLERANCE_FIELD_NUMBER: _ClassVar[int]
+    AUDITED_ROWS_FIELD_NUMBER: _ClassVar[int]
+    DETAIL_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    violation: Violation
+    layer: int
+    expert: int
+    call_id: int
+    row: int
+    max_abs_diff: float
+    tolerance: float
+    audited_rows: int
+    detail: str
+    def __init__(self, session_id: _Optional[str] = ..., violation: _Optional[_Union[Violation, str]] = ..., layer: _Optional[int] = ..., expert: _Optional[int] = ..., call_id: _Optional[int] = ..., row: _Optional[int] = ..., max_abs_diff: _Optional[float] = ..., tolerance: _Optional[float] = ..., audited_rows: _Optional[int] = ..., detail: _Optional[str] = ...) -> None: ...
+
+class QuarantineResponse(_message.Message):
+    __slots__ = ("refused_until_unix_ms",)
+    REFUSED_UNTIL_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    refused_until_unix_ms: int
+    def __init__(self, refused_until_unix_ms: _Optional[int] = ...) -> None: ...

@@ -27,6 +27,8 @@ if _version_not_supported:
 
 class SessionServiceStub:
     """SessionService is served by the hub: who is connected and what they hold.
+    ReportWork and Quarantine are the backbone's: they need the metadata
+    "authorization: Bearer <backbone token>" (UNAUTHENTICATED otherwise).
     """
 
     def __init__(self, channel):
@@ -45,10 +47,22 @@ class SessionServiceStub:
                 request_serializer=kvasir_dot_v1_dot_session__pb2.WatchSessionsRequest.SerializeToString,
                 response_deserializer=kvasir_dot_v1_dot_session__pb2.WatchSessionsResponse.FromString,
                 _registered_method=True)
+        self.ReportWork = channel.unary_unary(
+                '/kvasir.v1.SessionService/ReportWork',
+                request_serializer=kvasir_dot_v1_dot_session__pb2.ReportWorkRequest.SerializeToString,
+                response_deserializer=kvasir_dot_v1_dot_session__pb2.ReportWorkResponse.FromString,
+                _registered_method=True)
+        self.Quarantine = channel.unary_unary(
+                '/kvasir.v1.SessionService/Quarantine',
+                request_serializer=kvasir_dot_v1_dot_session__pb2.QuarantineRequest.SerializeToString,
+                response_deserializer=kvasir_dot_v1_dot_session__pb2.QuarantineResponse.FromString,
+                _registered_method=True)
 
 
 class SessionServiceServicer:
     """SessionService is served by the hub: who is connected and what they hold.
+    ReportWork and Quarantine are the backbone's: they need the metadata
+    "authorization: Bearer <backbone token>" (UNAUTHENTICATED otherwise).
     """
 
     def ListSessions(self, request, context):
@@ -59,6 +73,21 @@ class SessionServiceServicer:
 
     def WatchSessions(self, request, context):
         """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ReportWork(self, request, context):
+        """Accepted work per session: what the hub signs receipts for.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Quarantine(self, request, context):
+        """Ends a session that delivered wrong work: no more calls or credit, and
+        its wallet is refused for the hub's quarantine time.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -76,6 +105,16 @@ def add_SessionServiceServicer_to_server(servicer, server):
                     request_deserializer=kvasir_dot_v1_dot_session__pb2.WatchSessionsRequest.FromString,
                     response_serializer=kvasir_dot_v1_dot_session__pb2.WatchSessionsResponse.SerializeToString,
             ),
+            'ReportWork': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReportWork,
+                    request_deserializer=kvasir_dot_v1_dot_session__pb2.ReportWorkRequest.FromString,
+                    response_serializer=kvasir_dot_v1_dot_session__pb2.ReportWorkResponse.SerializeToString,
+            ),
+            'Quarantine': grpc.unary_unary_rpc_method_handler(
+                    servicer.Quarantine,
+                    request_deserializer=kvasir_dot_v1_dot_session__pb2.QuarantineRequest.FromString,
+                    response_serializer=kvasir_dot_v1_dot_session__pb2.QuarantineResponse.SerializeToString,
+            ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
             'kvasir.v1.SessionService', rpc_method_handlers)
@@ -86,6 +125,8 @@ def add_SessionServiceServicer_to_server(servicer, server):
  # This class is part of an EXPERIMENTAL API.
 class SessionService:
     """SessionService is served by the hub: who is connected and what they hold.
+    ReportWork and Quarantine are the backbone's: they need the metadata
+    "authorization: Bearer <backbone token>" (UNAUTHENTICATED otherwise).
     """
 
     @staticmethod
@@ -132,6 +173,60 @@ class SessionService:
             '/kvasir.v1.SessionService/WatchSessions',
             kvasir_dot_v1_dot_session__pb2.WatchSessionsRequest.SerializeToString,
             kvasir_dot_v1_dot_session__pb2.WatchSessionsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReportWork(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvasir.v1.SessionService/ReportWork',
+            kvasir_dot_v1_dot_session__pb2.ReportWorkRequest.SerializeToString,
+            kvasir_dot_v1_dot_session__pb2.ReportWorkResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Quarantine(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvasir.v1.SessionService/Quarantine',
+            kvasir_dot_v1_dot_session__pb2.QuarantineRequest.SerializeToString,
+            kvasir_dot_v1_dot_session__pb2.QuarantineResponse.FromString,
             options,
             channel_credentials,
             insecure,
