@@ -41,18 +41,39 @@ def main(argv: list[str] | None = None) -> int:
                    help="'all': hold every expert, as loaded; 'on-demand': drop them and read an expert from "
                         "the checkpoint the first time it must be computed here; 'auto': on-demand when experts "
                         "live on a hub's workers and no local comparison is asked")
+    g.add_argument("--hub-token-file", type=pathlib.Path,
+                   help="the hub's backbone token (its --backbone-token-file): opens worker targets and "
+                        "reports accepted work; needed with --hub")
+    g.add_argument("--audit-rate", type=float, default=None,
+                   help="fraction of remote rows recomputed here to check the worker (default 0.02; "
+                        "each session's first call is audited too; 0 turns sampling off)")
     g.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     g.add_argument("--log-level", default="warning")
     args = parser.parse_args(argv)
     configure_logging("backbone", level=args.log_level)
     if args.max_new_tokens < 1 or args.batch < 1:
         parser.error("--max-new-tokens and --batch must be at least 1")
+    if args.audit_rate is not None and not 0.0 <= args.audit_rate <= 1.0:
+        parser.error("--audit-rate is a fraction from 0 to 1")
+    token = None
+    if args.hub:
+        from kvasir_rpc._access import TokenError, load_token
+
+        if args.hub_token_file is None:
+            parser.error("--hub needs --hub-token-file: the file the hub was given as --backbone-token-file "
+                         "(it creates hub-backbone.token beside itself by default)")
+        try:
+            token = load_token(args.hub_token_file)
+        except TokenError as exc:
+            parser.error(str(exc))
 
     import torch
 
+    from backbone._audit import DEFAULT_AUDIT_RATE
     from backbone._experts import Dispatcher
     from backbone._generate import compare, decode_grouped, load_model, prompts_for_batch
     from backbone._links import SessionWatcher
+    from backbone._work import WorkReporter
     from kvasir_rpc import ExpertIndex
 
     import transformers
@@ -83,8 +104,10 @@ def main(argv: list[str] | None = None) -> int:
     if on_demand and args.compare_local:
         parser.error("--compare-local runs transformers' eager experts, which need every expert: use --expert-weights all")
     source = ExpertIndex(args.model) if on_demand else None
+    reporter = WorkReporter(args.hub, token) if args.hub and token else None
+    audit_rate = DEFAULT_AUDIT_RATE if args.audit_rate is None else args.audit_rate
     dispatcher = Dispatcher(model, watcher, call_timeout_s=args.call_timeout, wire_dtype=wire_dtype,
-                            expert_source=source)
+                            expert_source=source, audit_rate=audit_rate, reporter=reporter, token=token)
     prompts = prompts_for_batch(args.prompt, args.batch)
     result: dict[str, object] = {}
     try:
@@ -117,10 +140,14 @@ def main(argv: list[str] | None = None) -> int:
             ref = compare(local, reference)
             result["reference_tokens_identical"] = ref["tokens_identical"]
             result["reference_max_abs_logit_diff"] = ref["max_abs_logit_diff"]
+        result["audit_rate"] = audit_rate
     finally:
         dispatcher.close()
         if watcher is not None:
             watcher.close()
+        if reporter is not None:
+            result["work_reported"] = reporter.close()
+            result["work"] = {sid: dataclasses.asdict(t) for sid, t in reporter.statistics().items()}
 
     if args.json:
         print(json.dumps(result))
@@ -133,7 +160,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"tokens identical to local: {result['tokens_identical']}; max |Δlogit| "
                   f"{result['max_abs_logit_diff']}; min cosine {result['min_logit_cosine']:.6f}; "
                   f"identical to transformers eager: {result['reference_tokens_identical']}")
-    ok = (not args.compare_local) or bool(result.get("tokens_identical"))
+    # On a bit-exact wire the remote run must equal the local one in every logit, not only in
+    # its tokens; a narrow wire (reported as not exact) is judged on its tokens.
+    ok = (not args.compare_local) or (bool(result.get("tokens_identical")) and (
+        result.get("max_abs_logit_diff") == 0.0 or not result.get("bit_exact_wire")))
     return 0 if ok else 1
 
 

@@ -12,17 +12,20 @@ import dataclasses
 import gc
 import re
 import threading
+import time
 from collections.abc import Iterable
 
 import torch
 from transformers.integrations.moe import ExpertsInterface
 
-from kvasir_rpc import ExpertIndex, expert_digest, expert_pb2, get_logger, slices_digest
+from kvasir_rpc import ExpertIndex, expert_digest, expert_pb2, get_logger, session_pb2, slices_digest
 from kvasir_rpc._codec import TensorCodecError, decode_tensor, encode_tensor
-from kvasir_rpc._kernel import Route, expert_forward, plan_routes
+from kvasir_rpc._kernel import Route, all_finite, expert_forward, plan_routes
+from backbone._audit import DEFAULT_AUDIT_RATE, RowSampler, audit_rows
 from backbone._links import CallRecord, SessionWatcher, WorkerLink
+from backbone._work import WorkReporter
 
-__all__ = ["IMPLEMENTATION", "Dispatcher", "DispatchStats", "install"]
+__all__ = ["IMPLEMENTATION", "Dispatcher", "DispatchStats", "ReplayNeeded", "install"]
 
 log = get_logger("backbone.experts")
 
@@ -50,6 +53,29 @@ class DispatchStats:
     sessions_used: tuple[str, ...]
     sessions_rejected: tuple[str, ...]
     shared_overlapped: int = 0
+    audited_rows: int = 0
+    audit_exact_rows: int = 0
+    audit_seconds: float = 0.0
+    sessions_quarantined: tuple[str, ...] = ()
+    replays: int = 0
+
+
+class ReplayNeeded(RuntimeError):
+    """A session this decode used was caught delivering wrong work: everything it touched
+    must be recomputed without it (the decode restarts from the prompt)."""
+
+
+@dataclasses.dataclass
+class _Sent:
+    """What left for one remote call, kept until its answer is checked."""
+
+    record: CallRecord
+    routes: list[Route]
+    link: WorkerLink
+    rows: torch.Tensor  # [distinct, H] as sent (wire dtype)
+    weights: torch.Tensor  # [assignments] as sent
+    index: torch.Tensor | None  # [assignments] row of `rows` per assignment, or None: the identity
+    request_bytes: int
 
 
 class Dispatcher:
@@ -67,8 +93,20 @@ class Dispatcher:
         call_timeout_s: float = 30.0,
         wire_dtype: torch.dtype | None = None,
         expert_source: ExpertIndex | None = None,
+        audit_rate: float = DEFAULT_AUDIT_RATE,
+        reporter: WorkReporter | None = None,
+        token: str | None = None,
     ) -> None:
         self.watcher = watcher
+        self.reporter = reporter
+        # The hub's backbone token: a session's target opens only with the key derived from it.
+        self.token = token
+        self._sampler = RowSampler(audit_rate)
+        self._quarantined: set[str] = set()
+        # Sessions whose answers the current decode attempt of this thread used.
+        self._attempt = threading.local()
+        self.audited_rows = self.audit_exact_rows = self.replays = 0
+        self.audit_seconds = 0.0
         # None: activations travel in the model's dtype (bit-exact). bfloat16/float16 for a
         # float32 model halves the bytes and is not bit-exact.
         self.wire_dtype = wire_dtype
@@ -224,7 +262,7 @@ class Dispatcher:
             if sid not in live:
                 self._links.pop(sid).close()
         for sid, s in sorted(live.items(), key=lambda kv: (kv[1].connected_since_unix_ms, kv[0])):
-            if sid in self._links or sid in self._rejected:
+            if sid in self._links or sid in self._rejected or sid in self._quarantined:
                 continue
             link_slices = {sl.layer: tuple(sl.experts) for sl in s.slices}
             expected = self._expected_digest(link_slices)
@@ -233,7 +271,7 @@ class Dispatcher:
                             wallet=s.wallet)
                 self._rejected.add(sid)
                 continue
-            self._links[sid] = WorkerLink(s)
+            self._links[sid] = WorkerLink(s, token=self.token)
         routes: dict[int, dict[int, WorkerLink]] = {}
         for link in self._links.values():
             if link.dead is not None:
@@ -249,6 +287,7 @@ class Dispatcher:
         self, module: torch.nn.Module, layer: int, hidden: torch.Tensor, top_k_index: torch.Tensor,
         top_k_weights: torch.Tensor,
     ) -> torch.Tensor:
+        self.check_attempt()
         routes = plan_routes(top_k_index, _expert_weights(module)[0].shape[0])
         placed: dict[WorkerLink, list[Route]] = {}
         local: list[Route] = []
@@ -266,7 +305,7 @@ class Dispatcher:
             local = routes
 
         # Remote calls leave first: one batched call per worker for this layer.
-        inflight: list[tuple[CallRecord, list[Route], WorkerLink]] = []
+        inflight: list[_Sent] = []
         for link, rs in placed.items():
             tokens = torch.cat([r.token_idx for r in rs])  # one per assignment, in segment order
             # A token routed to several of this worker's experts travels once.
@@ -283,7 +322,8 @@ class Dispatcher:
                 segments=[expert_pb2.ExpertSegment(expert=r.expert, rows=len(r.token_idx)) for r in rs],
                 row_index=index.tolist() if dedupe else (),
             )
-            inflight.append((link.submit(layer, req), rs, link))
+            size = req.ByteSize()
+            inflight.append(_Sent(link.submit(layer, req), rs, link, rows, weights, index if dedupe else None, size))
 
         self._run_shared(layer)  # while the calls fly
         partials: dict[int, torch.Tensor] = {}
@@ -292,42 +332,204 @@ class Dispatcher:
         with self._stats_lock:
             self.local_rows += sum(len(r.token_idx) for r in local)
 
-        for rec, rs, link in inflight:
+        replay = False
+        for sent in inflight:
+            rec, rs, link = sent.record, sent.routes, sent.link
             try:
                 msg = rec.future.result(timeout=self.call_timeout_s)
-                out = decode_tensor(msg.partials)
-                sent_dtype = self.wire_dtype or hidden.dtype
-                if out.shape != (rec.rows, hidden.shape[1]) or out.dtype != sent_dtype:
-                    raise TensorCodecError(f"partials of shape {list(out.shape)} {out.dtype}, expected "
-                                           f"[{rec.rows}, {hidden.shape[1]}] {sent_dtype}")
-                if out.dtype != hidden.dtype:
-                    out = out.to(hidden.dtype)
-                start = 0
+            except Exception as exc:  # timeout or stream failure: recompute here
+                self._fallback(link, layer, rec, exc)
                 for r in rs:
-                    n = len(r.token_idx)
-                    partials[r.expert] = out[start : start + n]
-                    start += n
-                with self._stats_lock:
-                    self.remote_calls += 1
-                    self.remote_rows += rec.rows
-                    self._used.add(link.session_id)
-            except Exception as exc:  # timeout, stream failure, bad answer: recompute here
-                log.warning("remote call lost; computing locally", session_id=link.session_id, layer=layer,
-                            rows=rec.rows, error=repr(exc)[:200])
-                link._fail(exc if isinstance(exc, BaseException) else RuntimeError(str(exc)))
-                with self._lock:
-                    self._seen_version = -1  # rebuild routes without this link
+                    partials[r.expert] = self._local(module, layer, hidden, top_k_weights, r)
+                continue
+            out, violation = self._check(module, layer, hidden, sent, msg)
+            if violation is not None:
+                replay |= self._quarantine(link, violation)
                 with self._stats_lock:
                     self.fallback_calls += 1
                     self.fallback_rows += rec.rows
                 for r in rs:
                     partials[r.expert] = self._local(module, layer, hidden, top_k_weights, r)
+                continue
+            assert out is not None
+            # Paid: the request as sent and the partials at exactly their expected size.
+            work = sent.request_bytes + out.numel() * out.element_size()
+            if out.dtype != hidden.dtype:
+                out = out.to(hidden.dtype)
+            start = 0
+            for r in rs:
+                n = len(r.token_idx)
+                partials[r.expert] = out[start : start + n]
+                start += n
+            with self._stats_lock:
+                self.remote_calls += 1
+                self.remote_rows += rec.rows
+                self._used.add(link.session_id)
+            self._attempt_sessions().add(link.session_id)
+            if self.reporter is not None:
+                self.reporter.accepted(link.session_id, work, rec.rows)
+        if replay:
+            raise ReplayNeeded("a worker this decode used was caught delivering wrong work")
 
         # One fixed order, whatever ran where: ascending expert, as transformers' eager.
         final = torch.zeros_like(hidden)
         for r in routes:
             final.index_add_(0, r.token_idx, partials[r.expert].to(final.dtype))
         return final
+
+    # -- checking answers --------------------------------------------------------------
+
+    def _fallback(self, link: WorkerLink, layer: int, rec: CallRecord, exc: BaseException) -> None:
+        log.warning("remote call lost; computing locally", session_id=link.session_id, layer=layer,
+                    rows=rec.rows, error=repr(exc)[:200])
+        link._fail(exc)
+        with self._lock:
+            self._seen_version = -1  # rebuild routes without this link
+        with self._stats_lock:
+            self.fallback_calls += 1
+            self.fallback_rows += rec.rows
+
+    def _check(self, module: torch.nn.Module, layer: int, hidden: torch.Tensor, sent: _Sent,
+               msg: expert_pb2.ExpertPartials) -> tuple[torch.Tensor | None, session_pb2.QuarantineRequest | None]:
+        """The answer's partials if they are accepted, else the evidence against the worker.
+
+        Whole-answer checks first (shape, dtype, finiteness), then the sampled audit."""
+        rec = sent.record
+        evidence = session_pb2.QuarantineRequest(session_id=sent.link.session_id, layer=layer, call_id=rec.call_id)
+        sent_dtype = sent.rows.dtype
+        try:
+            out = decode_tensor(msg.partials)
+            if out.shape != (rec.rows, hidden.shape[1]) or out.dtype != sent_dtype:
+                raise TensorCodecError(f"partials of shape {list(out.shape)} {out.dtype}, expected "
+                                       f"[{rec.rows}, {hidden.shape[1]}] {sent_dtype}")
+        except TensorCodecError as exc:
+            evidence.violation = session_pb2.VIOLATION_MALFORMED
+            evidence.detail = str(exc)[:300]
+            return None, evidence
+        if not all_finite(out):
+            # Wrong unless this backbone's own result is just as non-finite (an honest overflow).
+            mine = self._recompute(module, layer, sent, torch.arange(rec.rows))
+            if all_finite(mine) or not torch.equal(mine.isfinite(), out.isfinite()):
+                bad = int((~out.isfinite()).any(dim=-1).nonzero()[0, 0])
+                evidence.violation = session_pb2.VIOLATION_NON_FINITE
+                evidence.row = bad
+                evidence.expert = self._expert_of(sent, bad)
+                evidence.max_abs_diff = float("inf")
+                evidence.detail = f"row {bad} of {rec.rows} holds NaN or Inf; this backbone's result is finite"
+                return None, evidence
+        picked = self._sampler.choose(sent.link.session_id, rec.rows)
+        if picked.numel():
+            t0 = time.perf_counter()
+            verdict = self._audit(module, layer, sent, out, picked)
+            with self._stats_lock:
+                self.audit_seconds += time.perf_counter() - t0
+                self.audited_rows += verdict.rows
+                self.audit_exact_rows += verdict.exact
+            if not verdict.passed:
+                evidence.violation = session_pb2.VIOLATION_AUDIT_MISMATCH
+                evidence.row = verdict.row
+                evidence.expert = self._expert_of(sent, verdict.row)
+                evidence.max_abs_diff = verdict.max_abs_diff
+                evidence.tolerance = verdict.tolerance
+                evidence.detail = (f"audited row {verdict.row} of {rec.rows}: |partial - recomputed| "
+                                   f"{verdict.max_abs_diff:.3g} > tolerance {verdict.tolerance:.3g}")
+                return None, evidence
+        return out, None
+
+    def _expert_of(self, sent: _Sent, row: int) -> int:
+        start = 0
+        for r in sent.routes:
+            start += len(r.token_idx)
+            if row < start:
+                return r.expert
+        return sent.routes[-1].expert
+
+    def _inputs(self, sent: _Sent, picked: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The sent rows and routing weights of assignments ``picked`` (as the worker got them)."""
+        x = sent.rows[picked] if sent.index is None else sent.rows[sent.index[picked]]
+        return x, sent.weights[picked]
+
+    def _recompute(self, module: torch.nn.Module, layer: int, sent: _Sent, picked: torch.Tensor) -> torch.Tensor:
+        """This backbone's kernel on assignments ``picked`` of a call, in the wire dtype."""
+        x, w = self._inputs(sent, picked)
+        out: list[tuple[torch.Tensor, torch.Tensor]] = []
+        expert_of = torch.cat([torch.full((len(r.token_idx),), r.expert) for r in sent.routes])[picked]
+        act = module.act_fn
+        assert callable(act)
+        for e in expert_of.unique().tolist():
+            sel = expert_of == e
+            gate_up, down = self._weights(module, layer, e)
+            out.append((sel, expert_forward(x[sel].to(gate_up.dtype), gate_up, down, act, w[sel].to(gate_up.dtype))))
+        result = torch.empty(len(picked), x.shape[1], dtype=sent.rows.dtype)
+        for sel, part in out:
+            result[sel] = part.to(result.dtype)
+        return result
+
+    def _audit(self, module: torch.nn.Module, layer: int, sent: _Sent, out: torch.Tensor, picked: torch.Tensor):  # type: ignore[no-untyped-def]
+        """Audit rows ``picked`` of an answer, expert by expert; the first failure, or a pass."""
+        from backbone._audit import AuditResult
+
+        x, w = self._inputs(sent, picked)
+        expert_of = torch.cat([torch.full((len(r.token_idx),), r.expert) for r in sent.routes])[picked]
+        act = module.act_fn
+        assert callable(act)
+        rows = exact = 0
+        worst = AuditResult(True, 0, 0, int(picked[0]), 0.0, 0.0)
+        for e in expert_of.unique().tolist():
+            sel = expert_of == e
+            gate_up, down = self._weights(module, layer, e)
+            v = audit_rows(out[picked[sel]], x[sel], gate_up, down, act, w[sel], picked[sel].tolist())
+            rows += v.rows
+            exact += v.exact
+            if not v.passed:
+                return dataclasses.replace(v, rows=rows, exact=exact)
+            if v.max_abs_diff > worst.max_abs_diff:
+                worst = v
+        return dataclasses.replace(worst, rows=rows, exact=exact)
+
+    def _quarantine(self, link: WorkerLink, evidence: session_pb2.QuarantineRequest) -> bool:
+        """Stop using a session that delivered wrong work and report it with the evidence.
+        True when the current decode attempt used it (its results must be replayed)."""
+        sid = link.session_id
+        with self._lock:
+            first = sid not in self._quarantined
+            self._quarantined.add(sid)
+            self._seen_version = -1
+            dropped = self._links.pop(sid, None)
+        link._fail(RuntimeError(f"session {sid} quarantined"))
+        if first:
+            evidence.audited_rows = self.audited_rows
+            log.error("worker delivered wrong work: quarantined", session_id=sid, wallet=link.wallet,
+                      violation=session_pb2.Violation.Name(evidence.violation), layer=evidence.layer,
+                      expert=evidence.expert, call_id=evidence.call_id, row=evidence.row,
+                      max_abs_diff=evidence.max_abs_diff, tolerance=evidence.tolerance, detail=evidence.detail)
+            if self.reporter is not None:
+                self.reporter.quarantine(evidence)
+            if dropped is not None:
+                threading.Thread(target=dropped.close, name=f"close-{sid}", daemon=True).start()
+        return sid in self._attempt_sessions()
+
+    # -- decode attempts (replays) -----------------------------------------------------
+
+    def _attempt_sessions(self) -> set[str]:
+        used: set[str] | None = getattr(self._attempt, "used", None)
+        if used is None:
+            used = self._attempt.used = set()
+        return used
+
+    def begin_attempt(self) -> None:
+        """A decode (attempt) starts in this thread: nothing it uses is tainted yet."""
+        self._attempt.used = set()
+
+    def check_attempt(self) -> None:
+        """Raise ReplayNeeded if this thread's decode attempt used a session since quarantined
+        (by any thread): its results are not to be trusted."""
+        if self._quarantined and (self._attempt_sessions() & self._quarantined):
+            raise ReplayNeeded("a session this decode used was quarantined")
+
+    def note_replay(self) -> None:
+        with self._stats_lock:
+            self.replays += 1
 
     def _local(self, module: torch.nn.Module, layer: int, hidden: torch.Tensor, top_k_weights: torch.Tensor,
                r: Route) -> torch.Tensor:
@@ -340,6 +542,8 @@ class Dispatcher:
         self.remote_calls = self.remote_rows = self.local_rows = 0
         self.fallback_calls = self.fallback_rows = 0
         self.shared_overlapped = 0
+        self.audited_rows = self.audit_exact_rows = self.replays = 0
+        self.audit_seconds = 0.0
         self._used = set()
 
     def statistics(self) -> DispatchStats:
@@ -353,6 +557,11 @@ class Dispatcher:
             sessions_used=tuple(sorted(self._used)),
             sessions_rejected=tuple(sorted(self._rejected)),
             shared_overlapped=self.shared_overlapped,
+            audited_rows=self.audited_rows,
+            audit_exact_rows=self.audit_exact_rows,
+            audit_seconds=round(self.audit_seconds, 4),
+            sessions_quarantined=tuple(sorted(self._quarantined)),
+            replays=self.replays,
         )
 
     def links(self) -> Iterable[WorkerLink]:

@@ -9,8 +9,15 @@ import time
 
 import torch
 
-from backbone._experts import IMPLEMENTATION, Dispatcher, install
+from backbone._experts import IMPLEMENTATION, Dispatcher, ReplayNeeded, install
+from kvasir_rpc import get_logger
 from kvasir_rpc._kernel import threads_initializer
+
+log = get_logger("backbone.generate")
+
+# Each replay follows a new quarantine of a session the decode used; a swarm that keeps
+# sending fresh liars gets this many before the decode gives up.
+MAX_REPLAYS = 16
 
 __all__ = ["Decode", "compare", "decode", "load_model"]
 
@@ -57,6 +64,14 @@ class _StepClock:
         return [rows * (len(self.times) - 1) / (self.times[-1] - self.times[0])]
 
 
+def _dispatcher_of(model) -> Dispatcher | None:  # type: ignore[no-untyped-def]
+    for module in model.modules():
+        ctx = getattr(module, "_kvasir", None)
+        if ctx is not None:
+            return ctx[0]  # type: ignore[no-any-return]
+    return None
+
+
 def prompts_for_batch(prompt: str, batch: int) -> list[str]:
     """``batch`` distinct prompts derived from one, so rows of a batch differ."""
     return [prompt] + [f"{prompt} ({i})" for i in range(1, batch)]
@@ -71,18 +86,35 @@ def decode(model, tokenizer, prompts: list[str], max_new_tokens: int, implementa
     enc = tokenizer(prompts, return_tensors="pt", padding=True)
     from transformers import LogitsProcessorList
 
-    clock = _StepClock()
-    with torch.inference_mode():
-        out = model.generate(
-            **enc,
-            logits_processor=LogitsProcessorList([clock]),
-            do_sample=False,
-            max_new_tokens=max_new_tokens,
-            min_new_tokens=max_new_tokens,
-            output_logits=True,
-            return_dict_in_generate=True,
-            pad_token_id=tokenizer.pad_token_id,
-        )
+    dispatcher = _dispatcher_of(model) if implementation == IMPLEMENTATION else None
+    for attempt in range(MAX_REPLAYS + 1):
+        clock = _StepClock()
+        if dispatcher is not None:
+            dispatcher.begin_attempt()
+        try:
+            with torch.inference_mode():
+                out = model.generate(
+                    **enc,
+                    logits_processor=LogitsProcessorList([clock]),
+                    do_sample=False,
+                    max_new_tokens=max_new_tokens,
+                    min_new_tokens=max_new_tokens,
+                    output_logits=True,
+                    return_dict_in_generate=True,
+                    pad_token_id=tokenizer.pad_token_id,
+                )
+            if dispatcher is not None:
+                dispatcher.check_attempt()  # another group may have caught a worker this one used
+            break
+        except ReplayNeeded as exc:
+            # Everything the liar touched is recomputed without it: the decode restarts from
+            # the prompt, so tokens and logits are what they would have been without it.
+            assert dispatcher is not None
+            dispatcher.note_replay()
+            log.warning("replaying the decode without a quarantined worker", attempt=attempt + 1, reason=str(exc))
+    else:
+        raise RuntimeError(f"the decode was replayed {MAX_REPLAYS} times, each after catching a worker "
+                           "delivering wrong work; stopping")
     new = out.sequences[:, enc["input_ids"].shape[1] :]
     logits = torch.stack([step.float() for step in out.logits])
     texts = tokenizer.batch_decode(new, skip_special_tokens=True)

@@ -14,6 +14,7 @@ from concurrent.futures import Future
 import grpc
 
 from kvasir_rpc import expert_pb2, expert_pb2_grpc, get_logger, session_pb2, session_pb2_grpc, slices_from_proto
+from kvasir_rpc._access import TARGET_KEY_METADATA, target_key
 
 __all__ = ["CallRecord", "SessionWatcher", "WorkerLink"]
 
@@ -50,7 +51,8 @@ class WorkerLink:
 
     _SENTINEL = object()
 
-    def __init__(self, session: session_pb2.Session, on_dead: Callable[[WorkerLink], None] | None = None) -> None:
+    def __init__(self, session: session_pb2.Session, on_dead: Callable[[WorkerLink], None] | None = None, *,
+                 token: str | None = None) -> None:
         self.session_id = session.session_id
         self.wallet = session.wallet
         self.target = session.target
@@ -65,7 +67,10 @@ class WorkerLink:
         self.dead: BaseException | None = None
         self.calls = 0
         self.rows = 0
-        self._responses = self._stub.Dispatch(self._iter_requests())
+        # The hub splices this connection to the worker only if its first call carries the
+        # session's target key (kvasir_rpc._access).
+        metadata = ((TARGET_KEY_METADATA, target_key(token, self.session_id)),) if token else None
+        self._responses = self._stub.Dispatch(self._iter_requests(), metadata=metadata)
         self._reader = threading.Thread(target=self._read, name=f"link-{self.session_id}", daemon=True)
         self._reader.start()
 

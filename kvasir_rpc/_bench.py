@@ -233,6 +233,7 @@ def run_bench(*, quick: bool = False, say: Callable[[str], None] = print) -> dic
     decode = run_decode_bench(quick=quick, say=say)
     for rtt in RTTS_MS:
         ratios[f"decode_remote_over_local_rtt{rtt}"] = decode[f"rtt{rtt}"]["remote_over_local"]  # type: ignore[index]
+    ratios["decode_audits_on_over_off_rtt0"] = decode["audit"]["on_over_off"]  # type: ignore[index]
     figures["session_changes"] = session_changes  # workers that reconnected mid-run (should be empty)
     return {"dispatch": paths, "wire": wire, "decode": decode, "ratios": ratios, "figures": figures,
             "machine": {"cpus": os.cpu_count(), "torch_threads": 1}, "quick": quick}
@@ -309,7 +310,42 @@ def run_decode_bench(*, quick: bool = False, say: Callable[[str], None] = print)
                                 "remote_calls": remote["remote_calls"], "fallback_calls": remote["fallback_calls"]}
             say(f"  rtt {rtt} ms: {remote['decode_tokens_per_s']} tokens/s decoding with {remote['groups']} groups "
                 f"({ratio} of local; {with_prefill} with the prefill)")
+        out["audit"] = _audit_cost(sw, model, args_common, groups=int(out["rtt0"]["groups"]), rtt_file=rtt_file,  # type: ignore[index]
+                                   say=say)
     return out
+
+
+def _audit_cost(sw, model: pathlib.Path, args_common: list[str], *, groups: int, rtt_file: pathlib.Path,  # type: ignore[no-untyped-def]
+                say: Callable[[str], None]) -> dict[str, object]:
+    """The audits' price at RTT 0: the same remote decode with audits off and at the default
+    rate, alternated twice (this machine is noisy), same groups; medians, and the share of the
+    decode's wall time the backbone spent auditing."""
+    rtt_file.write_text("0")
+    time.sleep(0.3)  # the proxy re-reads the file every 0.1 s
+    runs: dict[str, list[dict[str, object]]] = {"off": [], "on": []}
+    for _ in range(2):
+        for mode in ("off", "on"):
+            extra = ["--audit-rate", "0"] if mode == "off" else []
+            runs[mode].append(sw.run_backbone(["--model", str(model), *args_common, "--groups", str(groups),
+                                               "--wait-sessions", "2", *extra]))
+    rate = {m: statistics.median(float(r["decode_tokens_per_s"]) for r in rs) for m, rs in runs.items()}  # type: ignore[arg-type]
+    on = runs["on"]
+    audited = sum(int(r["audited_rows"]) for r in on)  # type: ignore[call-overload]
+    remote_rows = sum(int(r["remote_rows"]) for r in on)  # type: ignore[call-overload]
+    seconds = sum(float(str(r["audit_seconds"])) for r in on)
+    wall = sum(float(str(r["seconds"])) for r in on)
+    result = {
+        "audit_rate": on[0]["audit_rate"], "groups": groups,
+        "tokens_per_s_audits_off": round(rate["off"], 3), "tokens_per_s_audits_on": round(rate["on"], 3),
+        "on_over_off": round(rate["on"] / rate["off"], 3) if rate["off"] else None,
+        "audited_rows": audited, "remote_rows": remote_rows, "audit_seconds": round(seconds, 3),
+        "audit_share_of_wall": round(seconds / wall, 4) if wall else None,
+        "quarantined": sorted({s for r in on for s in r["sessions_quarantined"]}),  # type: ignore[attr-defined]
+    }
+    say(f"  audits at {result['audit_rate']}: {result['tokens_per_s_audits_on']} tokens/s against "
+        f"{result['tokens_per_s_audits_off']} off ({result['on_over_off']}); {audited} of {remote_rows} rows "
+        f"audited in {result['audit_seconds']} s of backbone time")
+    return result
 
 
 def _summary(times: list[float], batch: int, payload: int, *, in_flight_rows_s: float | None) -> dict[str, float]:

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 __all__ = [
     "WIRE_DTYPES",
     "DispatchInputError",
+    "all_finite",
     "Route",
     "expert_forward",
     "get_activation",
@@ -139,11 +140,11 @@ def validate_dispatch(
         raise DispatchInputError(f"weights must be floating point, got {weights.dtype}")
     if any(n == 0 for _, n in segments):
         raise DispatchInputError("a segment has zero rows")
-    if not _all_finite(hidden) or not _all_finite(weights):
+    if not all_finite(hidden) or not all_finite(weights):
         raise DispatchInputError("hidden or weights hold NaN or Inf")
 
 
-def _all_finite(t: torch.Tensor) -> bool:
+def all_finite(t: torch.Tensor) -> bool:
     """Whether no element is NaN or infinite, in one reduction when that is so.
 
     A NaN or an infinity anywhere makes the sum NaN or infinite, so a finite sum proves

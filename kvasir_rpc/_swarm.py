@@ -187,12 +187,14 @@ class LocalSwarm:
         self.hub_key = str(info["hub_key"])
 
     def start_worker(self, name: str, model: str | os.PathLike[str], experts: str, *, via: str = "hub",
-                     gateway_url: str | None = None, extra: Sequence[str] = ()) -> subprocess.Popen[bytes]:
+                     gateway_url: str | None = None, extra: Sequence[str] = (),
+                     launcher: Sequence[str] = ("-m", "worker")) -> subprocess.Popen[bytes]:
         """Start a worker that dials the hub directly (``via="hub"``) or the gateway (at
-        ``gateway_url`` when given, e.g. through a latency proxy)."""
+        ``gateway_url`` when given, e.g. through a latency proxy). ``launcher`` is what
+        python runs, followed by the worker's arguments (tests run dishonest workers so)."""
         where = (["--hub", self.hub_ws_url] if via == "hub"
                  else ["--gateway", gateway_url or self.gateway_url, "--ca-file", str(self.ca_file)])
-        return self._spawn(name, ["-m", "worker", *where, "--model", str(model),
+        return self._spawn(name, [*launcher, *where, "--model", str(model),
                                   "--experts", experts, "--wallet", str(self.workdir / f"{name}.wallet"), *extra])
 
     def list_sessions(self, timeout: float = 5.0) -> list[session_pb2.Session]:
@@ -237,8 +239,8 @@ class LocalSwarm:
                                                                      timeout=timeout)
 
     def wait_credited(self, sessions: Sequence[session_pb2.Session], *, timeout: float = 60.0) -> dict[str, int]:
-        """Wait until the ledger credited every byte the hub counted for ``sessions``;
-        returns credited bytes per session id."""
+        """Wait until the ledger credited every byte of work the hub counted for the live
+        ``sessions``; returns credited bytes per session id."""
         deadline = time.monotonic() + timeout
         while True:
             live = {s.session_id: s for s in self.list_sessions()}
@@ -246,7 +248,7 @@ class LocalSwarm:
             for s in sessions:
                 credited[s.session_id] = sum(int(c.bytes) for c in self.ledger_credits(s.wallet)
                                              if c.session_id == s.session_id)
-            counted = {sid: int(s.bytes_to_worker + s.bytes_from_worker) for sid, s in live.items()}
+            counted = {sid: int(s.work_bytes) for sid, s in live.items()}
             if all(credited[s.session_id] == counted.get(s.session_id, -1) for s in sessions):
                 return credited
             if time.monotonic() > deadline:

@@ -73,7 +73,7 @@ def run_demo(arch: str, *, seed: int = 0, max_new_tokens: int = 12, batch: int =
         rows = []
         for s in after:
             nano = sum(int(c.nano_kvr) for c in swarm.ledger_credits(s.wallet) if c.session_id == s.session_id)
-            total = int(s.bytes_to_worker + s.bytes_from_worker)
+            total = int(s.work_bytes)  # paid: the work the backbone accepted, not raw tunnel bytes
             rows.append({"session_id": s.session_id, "wallet": s.wallet, "bytes_in": s.bytes_to_worker,
                          "bytes_out": s.bytes_from_worker, "device": s.device, "bytes": total,
                          "units": format_units(total), "credited_bytes": credited[s.session_id],
@@ -134,11 +134,12 @@ def _cmd_demo(args: argparse.Namespace) -> int:
         for text in result.get("texts", []):  # type: ignore[attr-defined]
             print(f"  > {text!r}")
         print(f"remote calls {result['remote_calls']}, rows {result['remote_rows']}, "
-              f"fallbacks {result['fallback_calls']}")
+              f"fallbacks {result['fallback_calls']}; audited rows {result['audited_rows']} "
+              f"({result['audit_exact_rows']} bit-exact), quarantined {len(result['sessions_quarantined'])}")  # type: ignore[arg-type]
         for s in result["sessions"]:  # type: ignore[attr-defined]
-            print(f"  session {s['session_id']} wallet {s['wallet'][:16]}… bytes {s['bytes']:,} "
-                  f"(in {s['bytes_in']:,}, out {s['bytes_out']:,}) = {s['units']} units "
-                  f"-> credited {s['credited_kvr']} KVR")
+            print(f"  session {s['session_id']} wallet {s['wallet'][:16]}… work {s['bytes']:,} bytes "
+                  f"= {s['units']} units -> credited {s['credited_kvr']} KVR "
+                  f"(tunnel: in {s['bytes_in']:,}, out {s['bytes_out']:,})")
         print(f"ledger total {result['ledger_total_nano_kvr']:,} nano-KVR "
               f"({result['rate_nano_per_byte']} nano-KVR per byte)")
         print(f"max |logit remote - logit local| = {result['max_abs_logit_diff']}, "

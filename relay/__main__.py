@@ -61,7 +61,17 @@ def run_hub(args: argparse.Namespace) -> int:
         log.info("sessions of a previous run closed; their receipts will be sent", sessions=ended)
     sender = ReceiptSender(store, registry, key, args.ledger, interval_s=args.receipt_interval)
     registry.on_removed.append(sender.session_ended)
-    server, bound_grpc = create_session_server(registry, f"{grpc_host}:{grpc_port}")
+    from kvasir_rpc._access import TokenError, load_or_create_token
+    from relay._work import WorkDesk
+
+    try:
+        backbone_token = load_or_create_token(args.backbone_token_file)
+    except (TokenError, OSError) as exc:
+        raise SystemExit(f"--backbone-token-file: {exc}") from None
+    for wallet, until in store.active_bans().items():
+        registry.ban(wallet, until)
+    desk = WorkDesk(registry, store, key, quarantine_s=args.quarantine_seconds)
+    server, bound_grpc = create_session_server(registry, f"{grpc_host}:{grpc_port}", token=backbone_token, desk=desk)
     config = HubConfig(listen_host=args.listen[0], listen_port=args.listen[1], grpc_host=grpc_host,
                        gateway_url=args.gateway, gateway_token=token, gateway_ssl=gateway_ssl,
                        keepalive_s=args.keepalive, keepalive_timeout_s=args.keepalive_timeout)
@@ -134,6 +144,10 @@ def main(argv: list[str] | None = None) -> int:
     hub.add_argument("--keepalive", type=float, default=15.0, help="ping each worker this often (seconds)")
     hub.add_argument("--keepalive-timeout", type=float, default=10.0,
                      help="drop a session whose worker does not answer a ping within this many seconds")
+    hub.add_argument("--backbone-token-file", type=pathlib.Path, default=pathlib.Path("hub-backbone.token"),
+                     help="the secret the backbone presents (its --hub-token-file); created, mode 0600, if missing")
+    hub.add_argument("--quarantine-seconds", type=float, default=24 * 3600.0,
+                     help="how long a wallet caught delivering wrong work is refused")
     hub.add_argument("--ready-file", type=pathlib.Path, help="write {ws_port, grpc_port, hub_key} here once listening")
     hub.add_argument("--log-level", default="info")
     hub.set_defaults(func=run_hub)

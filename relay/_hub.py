@@ -9,6 +9,7 @@ import dataclasses
 import itertools
 import secrets
 import ssl
+import time
 from concurrent import futures
 
 import grpc
@@ -36,7 +37,9 @@ from kvasir_rpc._tunnel import (
     keepalive,
     send_whole,
 )
+from kvasir_rpc._access import check_bearer
 from relay._registry import SessionRegistry
+from relay._work import DeskError, WorkDesk
 
 __all__ = ["HubConfig", "SessionServicer", "create_session_server", "serve_hub"]
 
@@ -62,8 +65,38 @@ class HubConfig:
 
 
 class SessionServicer(session_pb2_grpc.SessionServiceServicer):
-    def __init__(self, registry: SessionRegistry) -> None:
+    """SessionService. ReportWork and Quarantine are the backbone's: they need its token
+    (``authorization: Bearer``) and go to the ``WorkDesk``; without a desk they answer
+    UNIMPLEMENTED."""
+
+    def __init__(self, registry: SessionRegistry, *, token: str = "", desk: WorkDesk | None = None) -> None:
         self._registry = registry
+        self._token = token
+        self._desk = desk
+
+    def _backbone_only(self, context: grpc.ServicerContext, what: str) -> WorkDesk:
+        if self._desk is None:
+            context.abort(grpc.StatusCode.UNIMPLEMENTED, f"this hub keeps no work records; {what} is off")
+        if not self._token or not check_bearer(context.invocation_metadata(), self._token):
+            context.abort(grpc.StatusCode.UNAUTHENTICATED,
+                          f"{what} is the backbone's: send 'authorization: Bearer <token>' with the token in the "
+                          "hub's --backbone-token-file")
+        assert self._desk is not None
+        return self._desk
+
+    def ReportWork(self, request, context):  # type: ignore[no-untyped-def]
+        desk = self._backbone_only(context, "ReportWork")
+        try:
+            return desk.report(request)
+        except DeskError as exc:
+            context.abort(exc.code, exc.message)
+
+    def Quarantine(self, request, context):  # type: ignore[no-untyped-def]
+        desk = self._backbone_only(context, "Quarantine")
+        try:
+            return desk.quarantine(request)
+        except DeskError as exc:
+            context.abort(exc.code, exc.message)
 
     def ListSessions(self, request, context):  # type: ignore[no-untyped-def]
         return session_pb2.ListSessionsResponse(sessions=[s.to_proto() for s in self._registry.statistics()])
@@ -83,13 +116,14 @@ class SessionServicer(session_pb2_grpc.SessionServiceServicer):
             self._registry.unwatch(q)
 
 
-def create_session_server(registry: SessionRegistry, address: str) -> tuple[grpc.Server, int]:
+def create_session_server(registry: SessionRegistry, address: str, *, token: str = "",
+                          desk: WorkDesk | None = None) -> tuple[grpc.Server, int]:
     """A gRPC server with SessionService, reflection and health, bound to ``address``."""
     from grpc_health.v1 import health, health_pb2, health_pb2_grpc
     from grpc_reflection.v1alpha import reflection
 
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=16, thread_name_prefix="session-svc"))
-    session_pb2_grpc.add_SessionServiceServicer_to_server(SessionServicer(registry), server)
+    session_pb2_grpc.add_SessionServiceServicer_to_server(SessionServicer(registry, token=token, desk=desk), server)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     health_servicer.set("kvasir.v1.SessionService", health_pb2.HealthCheckResponse.SERVING)
@@ -228,6 +262,11 @@ class _Hub:
                 if isinstance(data, str):
                     raise RemoteProtocolError("handshake messages are binary", close_code=CloseCode.PROTOCOL_ERROR)
                 info = hs.receive_hello(data)
+                until = self.registry.banned_until(info.wallet)
+                if until is not None:
+                    when = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(until / 1000))
+                    raise RemoteProtocolError(f"wallet quarantined by this hub until {when}",
+                                              close_code=CloseCode.POLICY_VIOLATION)
                 session_id = self.new_session_id()
                 await ws.send_message(hs.accept(session_id))
         except trio.TooSlowError:
@@ -242,10 +281,20 @@ class _Hub:
             return
         session = _Session(self, ws, session_id)
         slog = log.bind(session_id=session_id, wallet=info.wallet)
+        kicked: list[str] = []
+        trio_token = trio.lowlevel.current_trio_token()
         try:
             async with trio.open_nursery() as nursery:
+
+                def kick(reason: str) -> None:  # any thread: end the session, telling the worker why
+                    def on_loop() -> None:
+                        kicked.append(reason)
+                        nursery.cancel_scope.cancel()
+
+                    trio_token.run_sync_soon(on_loop)
+
                 target = await nursery.start(session.run)
-                self.registry.add(session_id, info, target=target, remote=remote)
+                self.registry.add(session_id, info, target=target, remote=remote, kick=kick)
                 slog.info("session open", target=target, device=info.device, layers=len(info.slices))
         except* ConnectionClosed as eg:
             reason = leaf_exception(eg).reason  # type: ignore[attr-defined]
@@ -263,6 +312,10 @@ class _Hub:
         finally:
             self.registry.remove(session_id)
             slog.info("session removed")
+        if kicked:
+            slog.warning("session ended by the hub", reason=kicked[0])
+            with trio.move_on_after(2):
+                await ws.aclose(CloseCode.POLICY_VIOLATION, kicked[0][:120])
 
 
 async def serve_hub(

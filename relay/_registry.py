@@ -31,6 +31,7 @@ class SessionStats:
     bytes_from_worker: int
     target: str
     remote_address: str
+    work_bytes: int = 0
 
     def to_proto(self) -> session_pb2.Session:
         return session_pb2.Session(
@@ -45,6 +46,7 @@ class SessionStats:
             bytes_from_worker=self.bytes_from_worker,
             target=self.target,
             remote_address=self.remote_address,
+            work_bytes=self.work_bytes,
         )
 
 
@@ -56,6 +58,9 @@ class _Entry:
     remote: str
     to_worker: int = 0
     from_worker: int = 0
+    work_bytes: int = 0
+    # Ends the session from any thread, with a reason for the worker (see _Session).
+    kick: Callable[[str], None] | None = None
 
 
 class SessionRegistry:
@@ -65,6 +70,8 @@ class SessionRegistry:
         self._lock = threading.Lock()
         self._sessions: dict[str, _Entry] = {}
         self._watchers: set[queue.SimpleQueue[session_pb2.SessionEvent | None]] = set()
+        # wallet -> refused until (unix ms): quarantined wallets may not open sessions.
+        self._bans: dict[str, int] = {}
         # Called with the final SessionStats of each session that ends (outside the lock).
         self.on_removed: list[Callable[[SessionStats], None]] = []
 
@@ -82,6 +89,7 @@ class SessionRegistry:
             bytes_from_worker=e.from_worker,
             target=e.target,
             remote_address=e.remote,
+            work_bytes=e.work_bytes,
         )
 
     def _notify(self, kind: session_pb2.SessionEvent.Kind, stats: SessionStats) -> None:
@@ -89,9 +97,11 @@ class SessionRegistry:
         for w in self._watchers:
             w.put(event)
 
-    def add(self, session_id: str, hello: HelloInfo, *, target: str, remote: str) -> None:
+    def add(self, session_id: str, hello: HelloInfo, *, target: str, remote: str,
+            kick: Callable[[str], None] | None = None) -> None:
         with self._lock:
-            entry = _Entry(hello=hello, since_ms=time.time_ns() // 1_000_000, target=target, remote=remote)
+            entry = _Entry(hello=hello, since_ms=time.time_ns() // 1_000_000, target=target, remote=remote,
+                           kick=kick)
             self._sessions[session_id] = entry
             self._notify(session_pb2.SessionEvent.KIND_ADDED, self._stats(session_id, entry))
 
@@ -111,6 +121,43 @@ class SessionRegistry:
             if entry is not None:
                 entry.to_worker += to_worker
                 entry.from_worker += from_worker
+
+    def get(self, session_id: str) -> SessionStats | None:
+        """The live session's snapshot, or None."""
+        with self._lock:
+            e = self._sessions.get(session_id)
+            return None if e is None else self._stats(session_id, e)
+
+    def set_work(self, session_id: str, work_bytes: int) -> None:
+        """The session's accepted work so far (what its receipts pay)."""
+        with self._lock:
+            e = self._sessions.get(session_id)
+            if e is not None:
+                e.work_bytes = max(e.work_bytes, work_bytes)
+
+    def kick(self, session_id: str, reason: str) -> bool:
+        """End a live session (its worker is told ``reason``). False if it is not live."""
+        with self._lock:
+            e = self._sessions.get(session_id)
+            kick = None if e is None else e.kick
+        if kick is None:
+            return False
+        kick(reason)
+        return True
+
+    def ban(self, wallet: str, until_unix_ms: int) -> None:
+        with self._lock:
+            self._bans[wallet] = max(until_unix_ms, self._bans.get(wallet, 0))
+
+    def banned_until(self, wallet: str) -> int | None:
+        """Until when (unix ms) ``wallet`` is refused, or None."""
+        now = time.time_ns() // 1_000_000
+        with self._lock:
+            until = self._bans.get(wallet)
+            if until is not None and until <= now:
+                del self._bans[wallet]
+                until = None
+            return until
 
     def statistics(self) -> list[SessionStats]:
         """A frozen snapshot of every live session, oldest first."""

@@ -545,10 +545,10 @@ def test_validate_dispatch_accepts_exactly_the_consistent_requests(width, weight
 def test_all_finite_agrees_with_the_elementwise_check(values, dtype):
     """The one-reduction finiteness check says exactly what isfinite().all() says, also
     when huge finite values overflow the sum (3e38 + 3e38) or the narrow dtype."""
-    from kvasir_rpc._kernel import _all_finite
+    from kvasir_rpc._kernel import all_finite
 
     t = torch.tensor(values, dtype=torch.float32).to(dtype)
-    assert _all_finite(t) == bool(torch.isfinite(t).all())
+    assert all_finite(t) == bool(torch.isfinite(t).all())
 
 
 def test_validate_dispatch_with_row_index():

@@ -1,0 +1,147 @@
+"""Checking a stranger's partials: which rows to audit, and whether an audited row is right.
+
+A worker's answer to a call is first checked whole (shape, dtype, every value finite); then
+each of its assignment rows is audited with probability ``rate``, drawn from a generator
+seeded from the operating system after the answer arrived, so the worker cannot tell which
+rows are checked. An audited row is recomputed here from the checkpoint's weights and the
+rows this backbone sent.
+
+The comparison: a row equal bit for bit to this backbone's own kernel passes at once (the
+same exact path, as on one machine). Otherwise it must lie within a bound derived from the
+dtype and the reduction sizes, element by element, against a float64 recomputation::
+
+    |partial - reference| <= C * (u_c * E + u_w * |reference|)
+
+``u_c`` is the unit roundoff of the dtype the expert computes in (2^-24 for float32),
+``u_w`` that of the dtype the partials travel in, ``C`` = ``TOLERANCE_FACTOR`` and ``E`` the
+error scale of a float computation of the expert in any summation order: a dot product of
+``n`` terms ``t`` errs by about ``sqrt(n) * ||t||_2`` roundoffs, and the gate/up errors are
+carried through the activation and the down projection::
+
+    E_g = sqrt(H) * sqrt(x^2 @ Wg^2.T)            (likewise E_u)         [rows, I]
+    E_h = |act'(g)| |u| E_g + |act(g)| E_u + |h|                          [rows, I]
+    E   = |w| * (sqrt(I) * sqrt(h^2 @ Wd^2.T) + sqrt(E_h^2 @ Wd^2.T)) + |out|
+
+An honest float32 worker that sums in another order differs by a few ``u_c * E``; a worker
+that adds 1e-3 to the activation is off by thousands of them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import secrets
+
+import torch
+
+from kvasir_rpc._kernel import Activation, expert_forward
+
+__all__ = ["DEFAULT_AUDIT_RATE", "TOLERANCE_FACTOR", "AuditResult", "RowSampler", "audit_rows", "error_scale"]
+
+# One row in fifty; each session's first call in a run is audited too (see RowSampler).
+DEFAULT_AUDIT_RATE = 0.02
+TOLERANCE_FACTOR = 8.0
+
+
+def _unit_roundoff(dtype: torch.dtype) -> float:
+    return float(torch.finfo(dtype).eps) / 2
+
+
+class RowSampler:
+    """Chooses audited rows: each with probability ``rate``, from a generator seeded from the
+    OS (never from anything a worker sees), plus one row of each session's first call."""
+
+    def __init__(self, rate: float) -> None:
+        if not 0.0 <= rate <= 1.0:
+            raise ValueError(f"the audit rate is a fraction from 0 to 1, got {rate}")
+        self.rate = rate
+        self._gen = torch.Generator().manual_seed(secrets.randbits(63))
+        self._seen: set[str] = set()
+
+    def choose(self, session_id: str, rows: int) -> torch.Tensor:
+        """Indices (ascending, int64) of the rows of one answered call to audit."""
+        if rows == 0 or self.rate == 0.0:
+            return torch.empty(0, dtype=torch.long)
+        picked = torch.rand(rows, generator=self._gen) < self.rate
+        if session_id not in self._seen:
+            self._seen.add(session_id)
+            picked[int(torch.randint(rows, (1,), generator=self._gen))] = True
+        return picked.nonzero()[:, 0]
+
+
+def error_scale(
+    x: torch.Tensor,  # [n, H] float64
+    gate_up: torch.Tensor,  # [2I, H] float64
+    down: torch.Tensor,  # [H, I] float64
+    act: Activation,
+    w: torch.Tensor,  # [n] float64
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(reference, E)``: the expert's output in float64 and its error scale, both [n, H]."""
+    wg, wu = gate_up.chunk(2, dim=0)  # [I, H] each
+    hidden, inter = x.shape[1], wg.shape[0]
+    g, u = x @ wg.T, x @ wu.T  # [n, I]
+    x2 = x * x
+    e_g = (hidden**0.5) * torch.sqrt(x2 @ (wg * wg).T)
+    e_u = (hidden**0.5) * torch.sqrt(x2 @ (wu * wu).T)
+    a = act(g)
+    step = 1e-6 * (1.0 + g.abs())
+    slope = (act(g + step) - act(g - step)).abs() / (2 * step)
+    h = a * u
+    e_h = slope * u.abs() * e_g + a.abs() * e_u + h.abs()
+    d2 = (down * down).T  # [I, H]
+    out = (h @ down.T) * w[:, None]
+    e = w.abs()[:, None] * ((inter**0.5) * torch.sqrt((h * h) @ d2) + torch.sqrt((e_h * e_h) @ d2)) + out.abs()
+    return out, e
+
+
+@dataclasses.dataclass(frozen=True)
+class AuditResult:
+    """The verdict on the audited rows of one call. ``row`` is the worst row (the first that
+    failed, if any); ``max_abs_diff`` and ``tolerance`` are its worst element and that
+    element's bound; ``exact`` rows matched this backbone's kernel bit for bit."""
+
+    passed: bool
+    rows: int
+    exact: int
+    row: int
+    max_abs_diff: float
+    tolerance: float
+
+
+def audit_rows(
+    got: torch.Tensor,  # [n, H] the worker's partials for the audited rows, in the wire dtype
+    x: torch.Tensor,  # [n, H] the rows as sent (wire dtype)
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    act: Activation,
+    w: torch.Tensor,  # [n] routing weights as sent
+    row_ids: list[int],  # the rows' positions in the call, for the evidence
+) -> AuditResult:
+    """Check audited rows of one expert. Pure: no I/O, no state."""
+    compute = gate_up.dtype
+    mine = expert_forward(x.to(compute), gate_up, down, act, w.to(compute))
+    if mine.dtype != got.dtype:
+        mine = mine.to(got.dtype)
+    same = (mine == got).all(dim=-1) | (mine.isnan() & got.isnan()).all(dim=-1)
+    if bool(same.all()):
+        return AuditResult(True, len(row_ids), len(row_ids), row_ids[0] if row_ids else 0, 0.0, 0.0)
+    ref, scale = error_scale(x.double(), gate_up.double(), down.double(), act, w.double())
+    bound = TOLERANCE_FACTOR * (_unit_roundoff(compute) * scale + _unit_roundoff(got.dtype) * ref.abs())
+    diff = (got.double() - ref).abs()
+    # A NaN anywhere fails: NaN <= bound is False.
+    ok = diff <= bound  # [n, H]
+    row_ok = ok.all(dim=-1)
+    excess = torch.where(ok, torch.zeros_like(diff), diff / bound.clamp_min(1e-300))
+    excess = torch.where(diff.isnan(), torch.full_like(diff, float("inf")), excess)
+    if bool(row_ok.all()):
+        worst = int((diff / bound.clamp_min(1e-300)).amax(dim=-1).argmax())
+    else:
+        worst = int((~row_ok).nonzero()[0, 0])
+    col = int(excess[worst].argmax()) if not bool(row_ok[worst]) else int((diff[worst] / bound[worst].clamp_min(1e-300)).argmax())
+    return AuditResult(
+        passed=bool(row_ok.all()),
+        rows=len(row_ids),
+        exact=int(same.sum()),
+        row=row_ids[worst],
+        max_abs_diff=float(diff[worst, col]),
+        tolerance=float(bound[worst, col]),
+    )

@@ -1,0 +1,145 @@
+"""What the backbone tells its hub: the work it accepted from each session (what the hub
+signs receipts for) and the sessions it caught delivering wrong work.
+
+The backbone is the payer and the authority on what it accepted. ``WorkReporter`` keeps,
+for this run, each session's cumulative accepted bytes, calls and rows, and sends them with
+``SessionService.ReportWork`` from its own thread every ``interval_s`` and when it closes;
+counts are cumulative per (run, session), so a report that is sent twice adds nothing.
+Quarantines go first, at once, so that no report after one counts the liar's work.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import secrets
+import threading
+import time
+
+import grpc
+
+from kvasir_rpc import get_logger, session_pb2, session_pb2_grpc
+from kvasir_rpc._access import bearer
+
+__all__ = ["WorkReporter", "WorkTally"]
+
+log = get_logger("backbone.work")
+
+
+@dataclasses.dataclass
+class WorkTally:
+    bytes: int = 0
+    calls: int = 0
+    rows: int = 0
+
+
+class WorkReporter:
+    """Accepted work per session for one backbone run, reported to the hub's SessionService."""
+
+    def __init__(self, hub_address: str, token: str, *, interval_s: float = 1.0, call_timeout_s: float = 5.0) -> None:
+        self.run_id = secrets.token_hex(16)
+        self._metadata = bearer(token)
+        self._channel = grpc.insecure_channel(hub_address)
+        self._stub = session_pb2_grpc.SessionServiceStub(self._channel)
+        self.interval_s = interval_s
+        self.call_timeout_s = call_timeout_s
+        self._lock = threading.Lock()
+        self._work: dict[str, WorkTally] = {}
+        self._sent: dict[str, int] = {}  # bytes the hub has acknowledged, per session
+        self._quarantines: list[session_pb2.QuarantineRequest] = []
+        self._dropped: set[str] = set()
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self.reports = 0
+        self.failures = 0
+        self.refused: set[str] = set()
+        self._thread = threading.Thread(target=self._run, name="work-reporter", daemon=True)
+        self._thread.start()
+
+    def accepted(self, session_id: str, nbytes: int, rows: int) -> None:
+        """One call of ``session_id`` was accepted: ``nbytes`` of work, ``rows`` assignments."""
+        with self._lock:
+            if session_id in self._dropped:
+                return
+            t = self._work.setdefault(session_id, WorkTally())
+            t.bytes += nbytes
+            t.calls += 1
+            t.rows += rows
+
+    def quarantine(self, request: session_pb2.QuarantineRequest) -> None:
+        """Report a liar at once; its work is never reported again in this run."""
+        with self._lock:
+            self._dropped.add(request.session_id)
+            self._work.pop(request.session_id, None)
+            self._quarantines.append(request)
+        self._wake.set()
+
+    def statistics(self) -> dict[str, WorkTally]:
+        with self._lock:
+            return {sid: dataclasses.replace(t) for sid, t in self._work.items()}
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self._wake.wait(self.interval_s)
+            self._wake.clear()
+            self.flush()
+
+    def flush(self) -> bool:
+        """Send pending quarantines, then the work that grew. False if the hub did not answer."""
+        with self._lock:
+            quarantines, self._quarantines = self._quarantines, []
+        for i, q in enumerate(quarantines):
+            try:
+                resp = self._stub.Quarantine(q, timeout=self.call_timeout_s, metadata=self._metadata)
+                log.warning("session quarantined at the hub", session_id=q.session_id,
+                            refused_until_unix_ms=resp.refused_until_unix_ms)
+            except grpc.RpcError as exc:
+                if exc.code() == grpc.StatusCode.NOT_FOUND:
+                    continue  # the hub no longer knows it: nothing more to stop
+                log.warning("hub did not take a quarantine; retrying", session_id=q.session_id,
+                            code=str(exc.code()), details=exc.details())
+                with self._lock:
+                    self._quarantines[:0] = quarantines[i:]
+                self.failures += 1
+                return False
+        with self._lock:
+            reports = [
+                session_pb2.WorkReport(session_id=sid, cumulative_bytes=t.bytes, calls=t.calls, rows=t.rows)
+                for sid, t in self._work.items()
+                if t.bytes > self._sent.get(sid, 0)
+            ]
+        if not reports:
+            return True
+        try:
+            resp = self._stub.ReportWork(session_pb2.ReportWorkRequest(run_id=self.run_id, reports=reports),
+                                         timeout=self.call_timeout_s, metadata=self._metadata)
+        except grpc.RpcError as exc:
+            self.failures += 1
+            log.warning("hub did not take the work report; it is sent again", code=str(exc.code()),
+                        details=exc.details())
+            return False
+        self.reports += 1
+        refused = set(resp.refused_session_ids)
+        self.refused |= refused
+        with self._lock:
+            for r in reports:
+                self._sent[r.session_id] = r.cumulative_bytes
+                if r.session_id in refused:
+                    self._dropped.add(r.session_id)
+                    self._work.pop(r.session_id, None)
+        return True
+
+    def close(self, timeout_s: float = 10.0) -> bool:
+        """Stop the thread and deliver what is left, trying until ``timeout_s``. True when the
+        hub has every report."""
+        self._stop.set()
+        self._wake.set()
+        self._thread.join(timeout=self.call_timeout_s + 1)
+        deadline = time.monotonic() + timeout_s
+        ok = self.flush()
+        while not ok and time.monotonic() < deadline:
+            time.sleep(0.2)
+            ok = self.flush()
+        if not ok:
+            log.error("the hub never took this run's last work report; that work is not paid", run_id=self.run_id)
+        self._channel.close()
+        return ok

@@ -1,0 +1,92 @@
+"""The hub's side of paid work: the backbone's ReportWork and Quarantine calls.
+
+Runs on the SessionService's gRPC threads. The backbone is the authority on the work it
+accepted; the hub counts it per session (cumulative per backbone run, so a report sent
+twice adds nothing) in its contribution store, which signs receipts for it. A quarantine
+ends the session at once, issues its closing receipt (``quarantined``: the ledger credits
+nothing more for it) and refuses the wallet for ``quarantine_s``.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+
+import grpc
+
+from kvasir_rpc import Wallet, get_logger, session_pb2
+from kvasir_rpc._receipts import MAX_CUMULATIVE_BYTES
+from relay._contrib import ContributionStore
+from relay._registry import SessionRegistry
+
+__all__ = ["DeskError", "WorkDesk"]
+
+log = get_logger("relay.work")
+
+_RUN_ID = re.compile(r"[A-Za-z0-9_-]{16,64}")
+MAX_REPORTS = 10_000
+
+
+class DeskError(Exception):
+    """A call to refuse: the gRPC status and a message a person can act on."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+class WorkDesk:
+    def __init__(self, registry: SessionRegistry, store: ContributionStore, key: Wallet, *,
+                 quarantine_s: float) -> None:
+        self.registry = registry
+        self.store = store
+        self.key = key
+        self.quarantine_s = quarantine_s
+
+    def report(self, request: session_pb2.ReportWorkRequest) -> session_pb2.ReportWorkResponse:
+        if not _RUN_ID.fullmatch(request.run_id):
+            raise DeskError(grpc.StatusCode.INVALID_ARGUMENT,
+                            "run_id must be 16 to 64 characters of [A-Za-z0-9_-], fresh per backbone run")
+        if len(request.reports) > MAX_REPORTS:
+            raise DeskError(grpc.StatusCode.INVALID_ARGUMENT, f"at most {MAX_REPORTS} reports per call")
+        refused = []
+        for r in request.reports:
+            if r.cumulative_bytes > MAX_CUMULATIVE_BYTES:
+                raise DeskError(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"session {r.session_id[:64]!r}: cumulative_bytes above {MAX_CUMULATIVE_BYTES}")
+            live = self.registry.get(r.session_id)
+            counted = self.store.add_work(
+                request.run_id, r.session_id, r.cumulative_bytes, r.calls, r.rows,
+                wallet=live.wallet if live else None,
+                started_unix_ms=live.connected_since_unix_ms if live else None,
+            )
+            if not counted:
+                refused.append(r.session_id)
+                continue
+            if live is not None:
+                self.registry.set_work(r.session_id, self.store.work_bytes(r.session_id))
+        if refused:
+            log.warning("work refused for unknown or quarantined sessions", sessions=refused[:8], count=len(refused))
+        return session_pb2.ReportWorkResponse(refused_session_ids=refused)
+
+    def quarantine(self, request: session_pb2.QuarantineRequest) -> session_pb2.QuarantineResponse:
+        sid = request.session_id
+        live = self.registry.get(sid)
+        wallet = live.wallet if live is not None else self.store.session_wallet(sid)
+        if wallet is None:
+            raise DeskError(grpc.StatusCode.NOT_FOUND, f"this hub has no session {sid[:64]!r}")
+        until = time.time_ns() // 1_000_000 + int(self.quarantine_s * 1000)
+        violation = session_pb2.Violation.Name(request.violation) if request.violation in \
+            session_pb2.Violation.values() else str(request.violation)
+        seq = self.store.quarantine(sid, self.key)
+        self.store.ban(wallet, until, f"{violation}: {request.detail[:200]}")
+        self.registry.ban(wallet, until)
+        # The evidence, for whoever reads the hub's log.
+        log.error("session quarantined: wrong work", session_id=sid, wallet=wallet, violation=violation,
+                  layer=request.layer, expert=request.expert, call_id=request.call_id, row=request.row,
+                  max_abs_diff=request.max_abs_diff, tolerance=request.tolerance,
+                  audited_rows=request.audited_rows, detail=request.detail[:300], receipt_seq=seq,
+                  refused_until_unix_ms=until)
+        self.registry.kick(sid, f"quarantined: {violation}")
+        return session_pb2.QuarantineResponse(refused_until_unix_ms=until)
