@@ -24,6 +24,7 @@ from collections.abc import Iterator
 
 import grpc
 import pytest
+from helpers import LedgerProcess
 
 from kvasir_rpc import Wallet, ledger_pb2, ledger_pb2_grpc, sign_receipt
 from ledger import LedgerStore, StoreError, StoreUnavailable, create_server, open_store
@@ -548,53 +549,6 @@ def test_create_server_refuses_bad_configuration(tmp_path: pathlib.Path) -> None
 
 
 # -- real ledger processes -------------------------------------------------------------------
-
-
-class LedgerProcess:
-    """``python -m ledger serve`` on 127.0.0.1, port 0; its log in ``workdir``."""
-
-    def __init__(self, workdir: pathlib.Path, db: str, keys: list[str]) -> None:
-        self.workdir, self.db, self.keys = workdir, db, keys
-        self.proc: subprocess.Popen[bytes] | None = None
-        self.port = 0
-        self.starts = 0
-
-    def start(self, timeout: float = 30.0) -> int:
-        self.starts += 1
-        ready = self.workdir / f"ready{self.starts}.json"
-        log = open(self.workdir / f"ledger{self.starts}.log", "wb")
-        args = [sys.executable, "-m", "ledger", "serve", "--listen", "127.0.0.1:0", "--db", self.db,
-                "--ready-file", str(ready), "--workers", "4"]
-        for k in self.keys:
-            args += ["--trust-key", k]
-        self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=ROOT,
-                                     env=dict(os.environ, PYTHONUNBUFFERED="1"))
-        log.close()
-        deadline = time.monotonic() + timeout
-        while not ready.exists():
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                raise AssertionError(f"ledger did not start:\n{self.log()}")
-            time.sleep(0.02)
-        self.port = int(json.loads(ready.read_text())["port"])
-        return self.port
-
-    def log(self) -> str:
-        return (self.workdir / f"ledger{self.starts}.log").read_text(errors="replace")[-3000:]
-
-    @property
-    def address(self) -> str:
-        return f"127.0.0.1:{self.port}"
-
-    def stop(self, sig: int = signal.SIGTERM, timeout: float = 15.0) -> int:
-        assert self.proc is not None
-        if self.proc.poll() is None:
-            self.proc.send_signal(sig)
-        try:
-            return self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(5)
-            raise AssertionError(f"ledger ignored {signal.Signals(sig).name} for {timeout}s:\n{self.log()}") from None
 
 
 @pytest.fixture
