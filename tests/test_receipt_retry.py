@@ -144,3 +144,55 @@ def test_a_quarantined_session_closes_at_the_ledger_and_later_work_is_never_cred
     assert len(errors) == 1 and "quarantined" in errors[0]["why"] and sender.rejected == 1
     b = balance(ledger.address, w)
     assert (b.pending_nano_kvr, b.bytes_credited, b.credit_count) == (1000 * RATE, 1000, 2)
+
+
+class _Refusing(ledger_pb2_grpc.LedgerServiceServicer):
+    """A ledger that answers every receipt REJECTED with one reason."""
+
+    def __init__(self, reason: int) -> None:
+        self.reason = reason
+
+    def SubmitReceipts(self, request, context):  # type: ignore[no-untyped-def]
+        result = ledger_pb2.ReceiptResult(status=ledger_pb2.RECEIPT_STATUS_REJECTED, reason=self.reason,
+                                          detail="as told")
+        return ledger_pb2.SubmitReceiptsResponse(results=[result] * len(request.receipts))
+
+
+@pytest.mark.parametrize(
+    ("reason", "state", "words"),
+    [
+        (ledger_pb2.REJECT_REASON_UNTRUSTED_KEY, "pending", "--trust-key"),
+        (ledger_pb2.REJECT_REASON_MALFORMED, "pending", "older than this hub"),
+        (99, "pending", "upgrade the hub"),  # a newer ledger's reason: kept, not guessed at
+        (ledger_pb2.REJECT_REASON_INVALID_FIELD, "rejected", "hub bug"),
+        (ledger_pb2.REJECT_REASON_BAD_SIGNATURE, "rejected", "does not verify"),
+        (ledger_pb2.REJECT_REASON_WALLET_MISMATCH, "rejected", "another wallet"),
+        (ledger_pb2.REJECT_REASON_CONFLICT, "rejected", "another count"),
+        (ledger_pb2.REJECT_REASON_SESSION_QUARANTINED, "rejected", "quarantined"),
+    ],
+)
+def test_only_refusals_that_can_never_change_drop_a_receipt(hub_store: ContributionStore, reason: int, state: str,
+                                                            words: str) -> None:
+    from concurrent import futures
+
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    ledger_pb2_grpc.add_LedgerServiceServicer_to_server(_Refusing(reason), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        for sid in ("a", "b"):
+            hub_store.add_work("run1", sid, 10, 1, 1, wallet=Wallet.generate().address)
+        sender = ReceiptSender(hub_store, SessionRegistry(), Wallet.generate(), f"127.0.0.1:{port}", call_timeout_s=10)
+        with capture_logs() as logs:
+            assert trio.run(sender.flush) is (state == "rejected")
+    finally:
+        server.stop(None)
+    assert {(r.state, r.reason) for sid in "ab" for r in hub_store.receipts(sid)} == {
+        (state, ledger_pb2.RejectReason.Name(reason) if reason != 99 else "99")}
+    lines = [e for e in logs if e["log_level"] in ("warning", "error")]
+    if state == "pending":  # one line for the whole flush
+        assert len(lines) == 1 and lines[0]["log_level"] == "warning" and words in lines[0]["todo"]
+        assert lines[0]["receipts"] == 2 and len(hub_store.pending()) == 2
+    else:  # one line per dropped receipt
+        assert len(lines) == 2 and all(e["log_level"] == "error" and words in e["why"] for e in lines)
+        assert hub_store.pending() == []
