@@ -1,4 +1,4 @@
-"""The ``kvasir`` command: ``kvasir model tiny DIR``, ``kvasir demo``."""
+"""The ``kvasir`` command: ``kvasir model tiny DIR``, ``kvasir demo``, ``kvasir key show FILE``."""
 
 from __future__ import annotations
 
@@ -110,6 +110,25 @@ def _cmd_certs(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_key_show(args: argparse.Namespace) -> int:
+    from kvasir_rpc._wallet import Wallet, WalletError
+
+    try:
+        wallet = Wallet.load(args.file)
+    except FileNotFoundError:
+        print(f"kvasir key show: {args.file}: no such key file (a hub's is its --key, hub.key by default)",
+              file=sys.stderr)
+        return 2
+    except WalletError as exc:  # its message names the file
+        print(f"kvasir key show: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:
+        print(f"kvasir key show: cannot read {args.file}: {exc.strerror or exc}", file=sys.stderr)
+        return 2
+    print(wallet.address)
+    return 0
+
+
 def _cmd_demo(args: argparse.Namespace) -> int:
     from kvasir_rpc._swarm import SwarmError
 
@@ -170,6 +189,11 @@ def main(argv: list[str] | None = None) -> int:
     certs.add_argument("dir", type=pathlib.Path)
     certs.add_argument("--host", action="append", help="name or IP the certificate covers (repeatable)")
     certs.set_defaults(func=_cmd_certs)
+    key = sub.add_parser("key", help="key files of hubs and wallets")
+    ksub = key.add_subparsers(dest="key_command", required=True)
+    show = ksub.add_parser("show", help="print a key file's public address (what a ledger's --trust-key takes)")
+    show.add_argument("file", type=pathlib.Path, help="the key file; it stays private, only the address is printed")
+    show.set_defaults(func=_cmd_key_show)
     demo = sub.add_parser("demo", help="the whole swarm on this machine: hub, two workers, a live decode, the verdict")
     demo.add_argument("--arch", choices=ARCHES, default="qwen3_moe")
     demo.add_argument("--seed", type=int, default=0)

@@ -67,6 +67,14 @@ class PostgresDialect:
         for statement in statements:
             cur.execute(statement)
 
+    def columns(self, cur: Any, table: str) -> set[str]:
+        cur.execute(
+            "SELECT column_name FROM information_schema.columns"
+            " WHERE table_schema = current_schema() AND table_name = %s",
+            (table,),
+        )
+        return {str(name) for (name,) in cur.fetchall()}
+
     def classify(self, exc: BaseException) -> str | None:
         import psycopg
         from psycopg import errors

@@ -86,6 +86,11 @@ class LedgerServicer(ledger_pb2_grpc.LedgerServiceServicer):
             _abort(context, grpc.StatusCode.INVALID_ARGUMENT, f"{n} receipts in one batch; send at most {MAX_BATCH}")
         outcomes = self._store_call(context, "SubmitReceipts", self._store.submit, request.receipts, self._trusted,
                                     self._rate)
+        for o in outcomes:
+            if o.status == ledger_pb2.RECEIPT_STATUS_CREDITED and o.credit is not None and o.credit.quarantined:
+                log.warning("session quarantined by its hub; it earns nothing more", hub_key=o.credit.hub_key,
+                            session_id=o.credit.session_id, wallet=o.credit.wallet, seq=o.credit.seq,
+                            cumulative_bytes=o.credit.cumulative_bytes)
         rejected = sum(o.status == ledger_pb2.RECEIPT_STATUS_REJECTED for o in outcomes)
         if rejected:
             reasons = sorted({ledger_pb2.RejectReason.Name(o.reason) for o in outcomes if o.reason})

@@ -74,6 +74,10 @@ class SqliteDialect:
         for statement in statements:
             cur.execute(statement)
 
+    def columns(self, cur: sqlite3.Cursor, table: str) -> set[str]:
+        cur.execute(f"PRAGMA table_info({table})")
+        return {str(row[1]) for row in cur.fetchall()}
+
     def classify(self, exc: BaseException) -> str | None:
         # The write lock still held by another writer after busy_timeout, I/O trouble, a full
         # disk: nothing was committed and the caller may try again later. Any other error

@@ -13,6 +13,9 @@ Money rules, enforced in one transaction per batch of receipts, receipt by recei
 * a seq already credited is DUPLICATE with the same count, REJECTED (CONFLICT) with
   another; a seq at or below the last credited one, or a count below the credited count,
   is STALE;
+* a receipt marked ``quarantined`` is checked and credited like any other, and its credit
+  closes the session: every later receipt of that (hub_key, session_id) is REJECTED
+  (SESSION_QUARANTINED), while a replay of the closing receipt stays DUPLICATE;
 * every credit is two journal ``entries``: +amount to the wallet's ``pending:<wallet>``
   account, -amount to ``rewards_pool``; account balances are kept with the entries, so
   the entries and the balances each sum to zero (``LedgerStore.books`` checks it).
@@ -51,7 +54,11 @@ __all__ = [
 ]
 
 POOL_ACCOUNT = "rewards_pool"
-SCHEMA_VERSION = "1"
+# 2 added the quarantine columns. A version-1 database is migrated when opened (MIGRATIONS);
+# a ledger that reads version 1 refuses a version-2 one, since it would ignore the marker
+# and credit a quarantined session.
+SCHEMA_VERSION = "2"
+_MIGRATES_FROM = ("1",)
 MAX_RATE_NANO_PER_BYTE = 1000  # with MAX_CUMULATIVE_BYTES (2^50) a credit stays below 2^60
 
 T = TypeVar("T")
@@ -68,6 +75,7 @@ SCHEMA = (
         wallet TEXT NOT NULL,
         last_seq BIGINT NOT NULL,
         last_cumulative_bytes BIGINT NOT NULL,
+        quarantined BOOLEAN NOT NULL DEFAULT FALSE,
         PRIMARY KEY (hub_key, session_id)
     )""",
     """CREATE TABLE IF NOT EXISTS credits (
@@ -84,6 +92,7 @@ SCHEMA = (
         credited_at_unix_ms BIGINT NOT NULL,
         receipt {blob} NOT NULL,
         signature {blob} NOT NULL,
+        quarantined BOOLEAN NOT NULL DEFAULT FALSE,
         UNIQUE (hub_key, session_id, seq),
         FOREIGN KEY (hub_key, session_id) REFERENCES sessions (hub_key, session_id)
     )""",
@@ -102,9 +111,17 @@ SCHEMA = (
     )""",
 )
 
+# Columns added after a table was first released: (table, column, its DDL). A database made
+# by an older ledger lacks them; _init_schema adds them, and CREATE TABLE above already
+# holds them for a new database.
+MIGRATIONS = (
+    ("sessions", "quarantined", "BOOLEAN NOT NULL DEFAULT FALSE"),
+    ("credits", "quarantined", "BOOLEAN NOT NULL DEFAULT FALSE"),
+)
+
 _CREDIT_COLUMNS = (
     "credit_id, wallet, hub_key, session_id, seq, cumulative_bytes, bytes, nano_kvr, "
-    "rate_nano_per_byte, issued_at_unix_ms, credited_at_unix_ms"
+    "rate_nano_per_byte, issued_at_unix_ms, credited_at_unix_ms, quarantined"
 )
 
 
@@ -135,6 +152,9 @@ class Dialect(Protocol):
         """``n`` new, ascending credit ids, inside the current write transaction."""
         ...
     def init_schema(self, cur: Any, statements: Sequence[str]) -> None: ...
+    def columns(self, cur: Any, table: str) -> set[str]:
+        """The names of ``table``'s columns, inside the current transaction."""
+        ...
     def classify(self, exc: BaseException) -> str | None:
         """'retry' (deadlock, serialization failure), 'reconnect' (the connection broke),
         'unavailable' (a timeout: give up now), or None (a bug: let it propagate)."""
@@ -156,6 +176,7 @@ class CreditRecord:
     rate_nano_per_byte: int
     issued_at_unix_ms: int
     credited_at_unix_ms: int
+    quarantined: bool = False  # this credit closed its session
 
     def to_proto(self) -> ledger_pb2.Credit:
         return ledger_pb2.Credit(**dataclasses.asdict(self))
@@ -234,6 +255,7 @@ class _SessionState:
     wallet: str
     last_seq: int
     last_cumulative: int
+    quarantined: bool
     dirty: bool = False
 
 
@@ -358,6 +380,9 @@ class LedgerStore:
         raise AssertionError("unreachable")
 
     def _init_schema(self, cur: Any) -> None:
+        # The one place the schema is made and migrated, inside one write transaction (and,
+        # on PostgreSQL, under the dialect's schema lock): two ledgers starting at once on an
+        # old database migrate it once.
         ddl = [s.format(id=self.dialect.id_column, blob=self.dialect.blob_type) for s in SCHEMA]
         self.dialect.init_schema(cur, ddl)
         cur.execute(
@@ -366,8 +391,13 @@ class LedgerStore:
         )
         cur.execute(self._q("SELECT value FROM ledger_meta WHERE name = ?"), ("schema_version",))
         (version,) = cur.fetchone()
-        if version != SCHEMA_VERSION:
+        if version != SCHEMA_VERSION and version not in _MIGRATES_FROM:
             raise StoreError(f"the database holds ledger schema {version}; this ledger reads {SCHEMA_VERSION}")
+        for table, column, definition in MIGRATIONS:
+            if column not in self.dialect.columns(cur, table):
+                cur.execute(f"ALTER TABLE {table} ADD COLUMN {column} {definition}")
+        if version != SCHEMA_VERSION:
+            cur.execute(self._q("UPDATE ledger_meta SET value = ? WHERE name = ?"), (SCHEMA_VERSION, "schema_version"))
 
     # -- writing ----------------------------------------------------------------------
 
@@ -414,7 +444,8 @@ class LedgerStore:
             first_wallet.setdefault((r.hub_key, r.session_id), r.wallet)
         sessions: dict[tuple[str, str], _SessionState] = {}
         select = q(
-            "SELECT wallet, last_seq, last_cumulative_bytes FROM sessions WHERE hub_key = ? AND session_id = ?"
+            "SELECT wallet, last_seq, last_cumulative_bytes, quarantined FROM sessions"
+            " WHERE hub_key = ? AND session_id = ?"
             + self.dialect.lock_suffix
         )
         for key in sorted(first_wallet):
@@ -432,7 +463,7 @@ class LedgerStore:
                 )
                 cur.execute(select, key)
                 row = cur.fetchone()
-            sessions[key] = _SessionState(row[0], int(row[1]), int(row[2]))
+            sessions[key] = _SessionState(row[0], int(row[1]), int(row[2]), bool(row[3]))
 
         # Decide every receipt in order, against the locked rows and this batch's own credits;
         # write afterwards in a few executemany calls (pipelined on PostgreSQL), since one
@@ -454,11 +485,21 @@ class LedgerStore:
                 pos = fresh_by_seq.get((*key, r.seq))
                 if pos is not None:
                     earlier_bytes = fresh[pos][1].cumulative_bytes
+                    earlier_quarantined = fresh[pos][1].quarantined
                     earlier = None
                 else:
                     earlier = self._credit_by_seq(cur, r.hub_key, r.session_id, r.seq)
                     earlier_bytes = earlier.cumulative_bytes if earlier is not None else -1
-                if earlier_bytes == r.cumulative_bytes:
+                    earlier_quarantined = earlier is not None and earlier.quarantined
+                if earlier_bytes >= 0 and earlier_quarantined != r.quarantined:
+                    # One seq signed both as closing the session and not: as with two counts,
+                    # neither statement is trusted more.
+                    outcomes[index] = Outcome(
+                        ledger_pb2.RECEIPT_STATUS_REJECTED, ledger_pb2.REJECT_REASON_CONFLICT,
+                        f"seq {r.seq} was credited with quarantined={earlier_quarantined}, "
+                        f"not quarantined={r.quarantined}",
+                    )
+                elif earlier_bytes == r.cumulative_bytes:
                     outcomes[index] = Outcome(
                         ledger_pb2.RECEIPT_STATUS_DUPLICATE, detail=f"seq {r.seq} was credited before",
                         credit=earlier,
@@ -477,6 +518,13 @@ class LedgerStore:
                         ledger_pb2.RECEIPT_STATUS_STALE,
                         detail=f"seq {r.seq} is older than the last credited seq {st.last_seq}",
                     )
+            elif st.quarantined:
+                outcomes[index] = Outcome(
+                    ledger_pb2.RECEIPT_STATUS_REJECTED, ledger_pb2.REJECT_REASON_SESSION_QUARANTINED,
+                    f"session {r.session_id} of hub {r.hub_key[:16]}... was quarantined by its hub with seq "
+                    f"{st.last_seq}: it earns nothing after that receipt, so seq {r.seq} is refused for good; "
+                    f"the hub should stop issuing receipts for this session",
+                )
             elif r.cumulative_bytes < st.last_cumulative:
                 outcomes[index] = Outcome(
                     ledger_pb2.RECEIPT_STATUS_STALE,
@@ -487,6 +535,7 @@ class LedgerStore:
                 fresh_by_seq[(*key, r.seq)] = len(fresh)
                 fresh.append((index, r, r.cumulative_bytes - st.last_cumulative))
                 st.last_seq, st.last_cumulative, st.dirty = r.seq, r.cumulative_bytes, True
+                st.quarantined = r.quarantined
 
         if fresh:
             self._write_credits(cur, fresh, raw, rate, now, outcomes)
@@ -495,8 +544,12 @@ class LedgerStore:
                 assert credited is not None and duplicate is not None
                 outcomes[index] = dataclasses.replace(duplicate, credit=credited.credit)
             cur.executemany(
-                q("UPDATE sessions SET last_seq = ?, last_cumulative_bytes = ? WHERE hub_key = ? AND session_id = ?"),
-                [(st.last_seq, st.last_cumulative, *key) for key, st in sorted(sessions.items()) if st.dirty],
+                q(
+                    "UPDATE sessions SET last_seq = ?, last_cumulative_bytes = ?, quarantined = ?"
+                    " WHERE hub_key = ? AND session_id = ?"
+                ),
+                [(st.last_seq, st.last_cumulative, st.quarantined, *key)
+                 for key, st in sorted(sessions.items()) if st.dirty],
             )
         assert all(o is not None for o in outcomes)
         return outcomes  # type: ignore[return-value]
@@ -518,7 +571,8 @@ class LedgerStore:
             nano = delta * rate
             # The signed bytes are kept as they came: evidence anyone can verify again later.
             credit_rows.append((credit_id, r.hub_key, r.session_id, r.seq, r.wallet, r.cumulative_bytes, delta, nano,
-                                rate, r.issued_at_unix_ms, now, raw[index].receipt, raw[index].signature))
+                                rate, r.issued_at_unix_ms, now, raw[index].receipt, raw[index].signature,
+                                r.quarantined))
             account = pending_account(r.wallet)
             entry_rows += [(credit_id, account, nano), (credit_id, POOL_ACCOUNT, -nano)]
             for name, sign in ((account, 1), (POOL_ACCOUNT, -1)):
@@ -528,13 +582,13 @@ class LedgerStore:
                 d[2] += 1
             outcomes[index] = Outcome(ledger_pb2.RECEIPT_STATUS_CREDITED, credit=CreditRecord(
                 credit_id, r.wallet, r.hub_key, r.session_id, r.seq, r.cumulative_bytes, delta, nano, rate,
-                r.issued_at_unix_ms, now,
+                r.issued_at_unix_ms, now, r.quarantined,
             ))
         cur.executemany(
             q(
                 "INSERT INTO credits (credit_id, hub_key, session_id, seq, wallet, cumulative_bytes, bytes, nano_kvr,"
-                " rate_nano_per_byte, issued_at_unix_ms, credited_at_unix_ms, receipt, signature)"
-                " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
+                " rate_nano_per_byte, issued_at_unix_ms, credited_at_unix_ms, receipt, signature, quarantined)"
+                " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
             ),
             credit_rows,
         )
@@ -658,6 +712,21 @@ class LedgerStore:
                 f"session {h[:16]}.../{sid}: cumulative {cum} but credits sum to {b}; last seq {ls}, max credited {m}"
                 for h, sid, cum, b, m, ls in cur.fetchall()
             ]
+            # A quarantined session was closed by exactly one credit, its last; any other
+            # session has no closing credit.
+            cur.execute(
+                "SELECT s.hub_key, s.session_id, s.quarantined, COUNT(c.credit_id), COALESCE(MAX(c.seq), 0), s.last_seq"
+                " FROM sessions s LEFT JOIN credits c"
+                " ON c.hub_key = s.hub_key AND c.session_id = s.session_id AND c.quarantined"
+                " GROUP BY s.hub_key, s.session_id, s.quarantined, s.last_seq"
+                " HAVING (s.quarantined AND (COUNT(c.credit_id) <> 1 OR COALESCE(MAX(c.seq), 0) <> s.last_seq))"
+                " OR (NOT s.quarantined AND COUNT(c.credit_id) <> 0)"
+            )
+            problems += [
+                f"session {h[:16]}.../{sid}: quarantined={bool(qu)} but {n} closing credits (last at seq {m}, "
+                f"session at seq {ls})"
+                for h, sid, qu, n, m, ls in cur.fetchall()
+            ]
             return Books(
                 entries_total_nano=entries_total, balances_total_nano=balances_total, pool_balance_nano=pool,
                 credits=credits, entries=entries, credited_nano=credited_nano, credited_bytes=credited_bytes,
@@ -670,7 +739,7 @@ class LedgerStore:
 def _credit(row: Sequence[Any]) -> CreditRecord:
     return CreditRecord(
         int(row[0]), row[1], row[2], row[3], int(row[4]), int(row[5]), int(row[6]), int(row[7]), int(row[8]),
-        int(row[9]), int(row[10]),
+        int(row[9]), int(row[10]), bool(row[11]),
     )
 
 

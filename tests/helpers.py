@@ -2,9 +2,16 @@
 
 from __future__ import annotations
 
+import json
+import os
 import pathlib
+import signal
+import subprocess
+import sys
 import time
 from collections.abc import Callable
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
 def trustme_certs(workdir: pathlib.Path) -> pathlib.Path:
@@ -31,3 +38,51 @@ def wait_until(predicate: Callable[[], bool], timeout: float, what: str) -> None
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout}s waiting for {what}")
         time.sleep(0.05)
+
+
+class LedgerProcess:
+    """``python -m ledger serve`` on 127.0.0.1, port 0; its log in ``workdir``."""
+
+    def __init__(self, workdir: pathlib.Path, db: str, keys: list[str]) -> None:
+        self.workdir, self.db, self.keys = workdir, db, keys
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.port = 0
+        self.starts = 0
+
+    def start(self, timeout: float = 30.0, *, port: int = 0) -> int:
+        """Start it (on ``port``, or a free one); its port. A restart may name the last port."""
+        self.starts += 1
+        ready = self.workdir / f"ready{self.starts}.json"
+        log = open(self.workdir / f"ledger{self.starts}.log", "wb")
+        args = [sys.executable, "-m", "ledger", "serve", "--listen", f"127.0.0.1:{port}", "--db", self.db,
+                "--ready-file", str(ready), "--workers", "4"]
+        for k in self.keys:
+            args += ["--trust-key", k]
+        self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=ROOT,
+                                     env=dict(os.environ, PYTHONUNBUFFERED="1"))
+        log.close()
+        deadline = time.monotonic() + timeout
+        while not ready.exists():
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise AssertionError(f"ledger did not start:\n{self.log()}")
+            time.sleep(0.02)
+        self.port = int(json.loads(ready.read_text())["port"])
+        return self.port
+
+    def log(self) -> str:
+        return (self.workdir / f"ledger{self.starts}.log").read_text(errors="replace")[-3000:]
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 15.0) -> int:
+        assert self.proc is not None
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(5)
+            raise AssertionError(f"ledger ignored {signal.Signals(sig).name} for {timeout}s:\n{self.log()}") from None

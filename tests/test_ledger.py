@@ -24,6 +24,7 @@ from collections.abc import Iterator
 
 import grpc
 import pytest
+from helpers import LedgerProcess
 
 from kvasir_rpc import Wallet, ledger_pb2, ledger_pb2_grpc, sign_receipt
 from ledger import LedgerStore, StoreError, StoreUnavailable, create_server, open_store
@@ -158,10 +159,11 @@ HUB2 = Wallet.generate()
 TRUSTED = frozenset({HUB.address, HUB2.address})
 
 
-def receipt(hub: Wallet, session: str, wallet: str, seq: int, cumulative: int) -> ledger_pb2.SignedReceipt:
+def receipt(hub: Wallet, session: str, wallet: str, seq: int, cumulative: int, *,
+            quarantined: bool = False) -> ledger_pb2.SignedReceipt:
     return sign_receipt(hub, ledger_pb2.ByteReceipt(
         hub_key=hub.address, session_id=session, wallet=wallet, seq=seq, cumulative_bytes=cumulative,
-        issued_at_unix_ms=1_700_000_000_000 + seq,
+        issued_at_unix_ms=1_700_000_000_000 + seq, quarantined=quarantined,
     ))
 
 
@@ -212,6 +214,75 @@ def test_replays_reorders_conflicts_and_wallet_changes_credit_nothing(store: Led
     # The same session id at another hub is another session.
     assert statuses(store.submit([receipt(HUB2, "s", other, 1, 10)], TRUSTED, RATE)) == [CREDITED]
     assert store.books().balanced
+
+
+def test_a_quarantined_receipt_credits_its_delta_then_closes_the_session(db_url: str) -> None:
+    w = Wallet.generate().address
+    closing = receipt(HUB, "q", w, 2, 1500, quarantined=True)
+    with open_store(db_url) as store:
+        assert statuses(store.submit([receipt(HUB, "q", w, 1, 1000)], TRUSTED, RATE)) == [CREDITED]
+        out = store.submit([closing], TRUSTED, RATE)
+        assert statuses(out) == [CREDITED]
+        assert out[0].credit is not None and out[0].credit.quarantined and out[0].credit.bytes == 500
+        assert out[0].to_proto().credit.quarantined
+        out = store.submit([
+            receipt(HUB, "q", w, 3, 2000),  # later work: never paid
+            closing,  # a replay of the closing receipt
+            receipt(HUB, "q", w, 2, 1500),  # seq 2 again, not closing: another statement
+            receipt(HUB, "q", w, 4, 9000, quarantined=True),  # closing twice earns nothing either
+        ], TRUSTED, RATE)
+        assert statuses(out) == [REJECTED, DUPLICATE, REJECTED, REJECTED]
+        assert [o.reason for o in out] == [
+            ledger_pb2.REJECT_REASON_SESSION_QUARANTINED, 0, ledger_pb2.REJECT_REASON_CONFLICT,
+            ledger_pb2.REJECT_REASON_SESSION_QUARANTINED,
+        ]
+        assert "quarantined" in out[0].detail and "seq 2" in out[0].detail and "stop issuing" in out[0].detail
+        assert out[1].credit is not None and out[1].credit.quarantined and out[1].credit.seq == 2
+        # In one batch: the closing receipt is credited, what follows it is not.
+        out = store.submit([receipt(HUB, "q2", w, 1, 100), receipt(HUB, "q2", w, 2, 300, quarantined=True),
+                            receipt(HUB, "q2", w, 3, 700), receipt(HUB2, "q", w, 1, 50)], TRUSTED, RATE)
+        assert statuses(out) == [CREDITED, CREDITED, REJECTED, CREDITED]  # HUB2's "q" is another session
+        assert store.balance(w).pending_nano_kvr == (1500 + 300 + 50) * RATE
+        assert [c.quarantined for c in store.list_credits(w)] == [False, True, False, True, False]
+        books = store.books()
+        assert books.balanced, books.problems
+    with open_store(db_url) as store:  # the marker is in the database, not in the process
+        assert store.submit([receipt(HUB, "q", w, 5, 9999)], TRUSTED, RATE)[0].reason == (
+            ledger_pb2.REJECT_REASON_SESSION_QUARANTINED)
+        # The audit sees a marker that no credit explains.
+        store._transaction(lambda cur: cur.execute(
+            "UPDATE sessions SET quarantined = TRUE WHERE session_id = 'q' AND hub_key = '%s'" % HUB2.address),
+            write=True)
+        books = store.books()
+        assert not books.balanced and any("quarantined=True but 0 closing credits" in p for p in books.problems)
+
+
+def test_a_version_1_database_is_migrated_and_keeps_its_credits(db_url: str) -> None:
+    w = Wallet.generate().address
+    with open_store(db_url) as store:
+        assert statuses(store.submit([receipt(HUB, "old", w, 1, 1000)], TRUSTED, RATE)) == [CREDITED]
+
+        def make_version_1(cur) -> None:  # type: ignore[no-untyped-def]
+            # Exactly what a version-1 ledger made: no quarantine columns.
+            cur.execute("ALTER TABLE credits DROP COLUMN quarantined")
+            cur.execute("ALTER TABLE sessions DROP COLUMN quarantined")
+            cur.execute("UPDATE ledger_meta SET value = '1' WHERE name = 'schema_version'")
+
+        store._transaction(make_version_1, write=True)
+        assert "quarantined" not in store._transaction(lambda cur: store.dialect.columns(cur, "sessions"), write=False)
+    with open_store(db_url) as store:
+        assert store._transaction(lambda cur: store.dialect.columns(cur, "credits"), write=False) >= {"quarantined"}
+        out = store.submit([receipt(HUB, "old", w, 1, 1000), receipt(HUB, "old", w, 2, 1200, quarantined=True),
+                            receipt(HUB, "old", w, 3, 5000)], TRUSTED, RATE)
+        assert statuses(out) == [DUPLICATE, CREDITED, REJECTED]
+        assert out[0].credit is not None and not out[0].credit.quarantined
+        assert store.balance(w).pending_nano_kvr == 1200 * RATE
+        assert store.books().balanced
+    with open_store(db_url) as store:  # opening a migrated database again changes nothing
+        assert store.books().balanced and store.books().credits == 2
+        version = store._transaction(lambda cur: (cur.execute(
+            "SELECT value FROM ledger_meta WHERE name = 'schema_version'"), cur.fetchone()[0])[1], write=False)
+        assert version == "2"
 
 
 def test_one_bad_receipt_never_fails_the_batch(store: LedgerStore) -> None:
@@ -421,6 +492,18 @@ def test_service_answers_bad_requests_precisely(service, call, request_, code) -
     assert len(info.value.details()) < 300  # a stranger's 5000 characters are not echoed back
 
 
+def test_service_answers_a_closed_session_with_its_reason(service) -> None:  # type: ignore[no-untyped-def]
+    stub, _ = service
+    w = Wallet.generate().address
+    batch = [receipt(HUB, "s", w, 1, 10), receipt(HUB, "s", w, 2, 20, quarantined=True), receipt(HUB, "s", w, 3, 30)]
+    resp = stub.SubmitReceipts(ledger_pb2.SubmitReceiptsRequest(receipts=batch), timeout=10)
+    assert [r.status for r in resp.results] == [CREDITED, CREDITED, REJECTED]
+    assert resp.results[1].credit.quarantined and not resp.results[0].credit.quarantined
+    assert resp.results[2].reason == ledger_pb2.REJECT_REASON_SESSION_QUARANTINED and resp.results[2].detail
+    listed = stub.ListCredits(ledger_pb2.ListCreditsRequest(wallet=w), timeout=10)
+    assert [c.quarantined for c in listed.credits] == [False, True]
+
+
 def test_service_page_token_is_bound_to_its_wallet(service) -> None:  # type: ignore[no-untyped-def]
     stub, _ = service
     w = Wallet.generate().address
@@ -466,53 +549,6 @@ def test_create_server_refuses_bad_configuration(tmp_path: pathlib.Path) -> None
 
 
 # -- real ledger processes -------------------------------------------------------------------
-
-
-class LedgerProcess:
-    """``python -m ledger serve`` on 127.0.0.1, port 0; its log in ``workdir``."""
-
-    def __init__(self, workdir: pathlib.Path, db: str, keys: list[str]) -> None:
-        self.workdir, self.db, self.keys = workdir, db, keys
-        self.proc: subprocess.Popen[bytes] | None = None
-        self.port = 0
-        self.starts = 0
-
-    def start(self, timeout: float = 30.0) -> int:
-        self.starts += 1
-        ready = self.workdir / f"ready{self.starts}.json"
-        log = open(self.workdir / f"ledger{self.starts}.log", "wb")
-        args = [sys.executable, "-m", "ledger", "serve", "--listen", "127.0.0.1:0", "--db", self.db,
-                "--ready-file", str(ready), "--workers", "4"]
-        for k in self.keys:
-            args += ["--trust-key", k]
-        self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=ROOT,
-                                     env=dict(os.environ, PYTHONUNBUFFERED="1"))
-        log.close()
-        deadline = time.monotonic() + timeout
-        while not ready.exists():
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                raise AssertionError(f"ledger did not start:\n{self.log()}")
-            time.sleep(0.02)
-        self.port = int(json.loads(ready.read_text())["port"])
-        return self.port
-
-    def log(self) -> str:
-        return (self.workdir / f"ledger{self.starts}.log").read_text(errors="replace")[-3000:]
-
-    @property
-    def address(self) -> str:
-        return f"127.0.0.1:{self.port}"
-
-    def stop(self, sig: int = signal.SIGTERM, timeout: float = 15.0) -> int:
-        assert self.proc is not None
-        if self.proc.poll() is None:
-            self.proc.send_signal(sig)
-        try:
-            return self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(5)
-            raise AssertionError(f"ledger ignored {signal.Signals(sig).name} for {timeout}s:\n{self.log()}") from None
 
 
 @pytest.fixture
