@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import secrets
+import threading
 
 import torch
 
@@ -56,15 +57,17 @@ class RowSampler:
         self.rate = rate
         self._gen = torch.Generator().manual_seed(secrets.randbits(63))
         self._seen: set[str] = set()
+        self._lock = threading.Lock()  # decode groups answer calls from several threads
 
     def choose(self, session_id: str, rows: int) -> torch.Tensor:
         """Indices (ascending, int64) of the rows of one answered call to audit."""
         if rows == 0 or self.rate == 0.0:
             return torch.empty(0, dtype=torch.long)
-        picked = torch.rand(rows, generator=self._gen) < self.rate
-        if session_id not in self._seen:
-            self._seen.add(session_id)
-            picked[int(torch.randint(rows, (1,), generator=self._gen))] = True
+        with self._lock:
+            picked = torch.rand(rows, generator=self._gen) < self.rate
+            if session_id not in self._seen:
+                self._seen.add(session_id)
+                picked[int(torch.randint(rows, (1,), generator=self._gen))] = True
         return picked.nonzero()[:, 0]
 
 

@@ -102,7 +102,8 @@ class Dispatcher:
         # The hub's backbone token: a session's target opens only with the key derived from it.
         self.token = token
         self._sampler = RowSampler(audit_rate)
-        self._quarantined: set[str] = set()
+        # Replaced, never mutated: decode threads read it without the lock.
+        self._quarantined: frozenset[str] = frozenset()
         # Sessions whose answers the current decode attempt of this thread used.
         self._attempt = threading.local()
         self.audited_rows = self.audit_exact_rows = self.replays = 0
@@ -493,7 +494,7 @@ class Dispatcher:
         sid = link.session_id
         with self._lock:
             first = sid not in self._quarantined
-            self._quarantined.add(sid)
+            self._quarantined = self._quarantined | {sid}
             self._seen_version = -1
             dropped = self._links.pop(sid, None)
         link._fail(RuntimeError(f"session {sid} quarantined"))
@@ -524,7 +525,8 @@ class Dispatcher:
     def check_attempt(self) -> None:
         """Raise ReplayNeeded if this thread's decode attempt used a session since quarantined
         (by any thread): its results are not to be trusted."""
-        if self._quarantined and (self._attempt_sessions() & self._quarantined):
+        quarantined = self._quarantined
+        if quarantined and not quarantined.isdisjoint(self._attempt_sessions()):
             raise ReplayNeeded("a session this decode used was quarantined")
 
     def note_replay(self) -> None:
