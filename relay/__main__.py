@@ -68,7 +68,9 @@ def run_hub(args: argparse.Namespace) -> int:
         backbone_token = load_or_create_token(args.backbone_token_file)
     except (TokenError, OSError) as exc:
         raise SystemExit(f"--backbone-token-file: {exc}") from None
-    for wallet, until in store.active_bans().items():
+    import time
+
+    for wallet, until in store.active_bans(time.time_ns() // 1_000_000).items():
         registry.ban(wallet, until)
     desk = WorkDesk(registry, store, key, quarantine_s=args.quarantine_seconds)
     server, bound_grpc = create_session_server(registry, f"{grpc_host}:{grpc_port}", token=backbone_token, desk=desk)

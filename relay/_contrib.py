@@ -351,6 +351,20 @@ class ContributionStore:
                 (wallet, until_unix_ms, reason, _now_ms()),
             )
 
+    def active_bans(self, now_unix_ms: int) -> dict[str, int]:
+        """Every ban in force at ``now_unix_ms``: wallet -> until (unix ms). The hub loads
+        them at start-up so a restart frees no quarantined wallet."""
+        with self._lock:
+            rows = self._db.execute("SELECT wallet, until_unix_ms FROM bans WHERE until_unix_ms > ?",
+                                    (now_unix_ms,)).fetchall()
+        return {str(w): int(u) for w, u in rows}
+
+    def session_wallet(self, session_id: str) -> str | None:
+        """The wallet of a session this store knows (live or ended), or None."""
+        with self._lock:
+            row = self._db.execute("SELECT wallet FROM sessions WHERE session_id = ?", (session_id,)).fetchone()
+        return None if row is None else str(row[0])
+
     def banned_until(self, wallet: str, now_unix_ms: int) -> int | None:
         """When ``wallet``'s ban ends (unix ms), or None when it is not banned at
         ``now_unix_ms`` (never banned, or the ban has expired)."""

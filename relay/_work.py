@@ -79,7 +79,8 @@ class WorkDesk:
         until = time.time_ns() // 1_000_000 + int(self.quarantine_s * 1000)
         violation = session_pb2.Violation.Name(request.violation) if request.violation in \
             session_pb2.Violation.values() else str(request.violation)
-        seq = self.store.quarantine(sid, self.key)
+        seq = self.store.quarantine(sid, self.key, wallet=wallet,
+                                    started_unix_ms=live.connected_since_unix_ms if live else None)
         self.store.ban(wallet, until, f"{violation}: {request.detail[:200]}")
         self.registry.ban(wallet, until)
         # The evidence, for whoever reads the hub's log.
