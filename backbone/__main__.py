@@ -1,4 +1,4 @@
-"""python -m backbone generate --model DIR --hub HOST:PORT --prompt TEXT --max-new-tokens N
+"""python -m backbone generate --model DIR --hub HOST:PORT --hub-token-file PATH --prompt TEXT --max-new-tokens N
 [--batch B] [--compare-local] [--json]"""
 
 from __future__ import annotations
@@ -22,6 +22,8 @@ def main(argv: list[str] | None = None) -> int:
     g = sub.add_parser("generate", help="greedy decode with experts on the swarm")
     g.add_argument("--model", required=True, type=pathlib.Path)
     g.add_argument("--hub", help="HOST:PORT of the hub's SessionService; without it every expert is local")
+    g.add_argument("--hub-token-file", type=pathlib.Path,
+                   help="the hub's backbone token file (its --backbone-token-file); needed with --hub")
     g.add_argument("--prompt", required=True)
     g.add_argument("--max-new-tokens", type=int, default=16)
     g.add_argument("--batch", type=int, default=1, help="sequences decoded together")
@@ -45,8 +47,20 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--log-level", default="warning")
     args = parser.parse_args(argv)
     configure_logging("backbone", level=args.log_level)
+    if args.hub and args.hub_token_file is None:
+        parser.error("--hub needs --hub-token-file: the file the hub reads with --backbone-token-file "
+                     "(without it the hub splices no worker to this backbone)")
     if args.max_new_tokens < 1 or args.batch < 1:
         parser.error("--max-new-tokens and --batch must be at least 1")
+    hub_token = ""
+    if args.hub:
+        from kvasir_rpc._access import TokenError, load_token
+
+        try:
+            hub_token = load_token(args.hub_token_file)
+        except TokenError as exc:
+            print(f"backbone: --hub-token-file: {exc}", file=sys.stderr)
+            return 2
 
     import torch
 
@@ -67,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"backbone: cannot load {args.model}: {exc}", file=sys.stderr)
         return 2
 
-    watcher = SessionWatcher(args.hub) if args.hub else None
+    watcher = SessionWatcher(args.hub, token=hub_token) if args.hub else None
     if watcher is not None and not watcher.wait(lambda s: len(s) >= args.wait_sessions, args.wait_timeout):
         print(f"backbone: the hub at {args.hub} did not list {args.wait_sessions} sessions within "
               f"{args.wait_timeout}s", file=sys.stderr)

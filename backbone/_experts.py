@@ -233,7 +233,7 @@ class Dispatcher:
                             wallet=s.wallet)
                 self._rejected.add(sid)
                 continue
-            self._links[sid] = WorkerLink(s)
+            self._links[sid] = WorkerLink(s, token=self.watcher.token)
         routes: dict[int, dict[int, WorkerLink]] = {}
         for link in self._links.values():
             if link.dead is not None:

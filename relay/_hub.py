@@ -25,6 +25,7 @@ from kvasir_rpc import (
     session_pb2,
     session_pb2_grpc,
 )
+from kvasir_rpc._access import MIN_TOKEN_CHARS, TokenError
 from kvasir_rpc._tunnel import (
     CTRL_CLOSE,
     CTRL_CLOSED,
@@ -37,8 +38,10 @@ from kvasir_rpc._tunnel import (
     send_whole,
 )
 from relay._registry import SessionRegistry
+from relay._stream_limits import StreamLimits, StreamLimitsInterceptor
+from relay._target_gate import Admitted, Refused, TargetGate, Verdict
 
-__all__ = ["HubConfig", "SessionServicer", "create_session_server", "serve_hub"]
+__all__ = ["HubConfig", "SessionServicer", "StreamLimits", "create_session_server", "serve_hub"]
 
 log = get_logger("relay.hub")
 
@@ -59,6 +62,13 @@ class HubConfig:
     gateway_url: str | None = None
     gateway_token: str = ""
     gateway_ssl: ssl.SSLContext | None = None
+    # The secret shared with the backbone (kvasir_rpc._access): a session's target is spliced
+    # only for a connection whose first request carries target_key(token, session id).
+    backbone_token: str = ""
+    # A connection to a session's target has this long to present its key; at most this many
+    # may be presenting at once per session (more are closed at once). Neither reaches the worker.
+    target_auth_timeout_s: float = 10.0
+    max_unauthenticated_targets: int = 8
 
 
 class SessionServicer(session_pb2_grpc.SessionServiceServicer):
@@ -83,12 +93,17 @@ class SessionServicer(session_pb2_grpc.SessionServiceServicer):
             self._registry.unwatch(q)
 
 
-def create_session_server(registry: SessionRegistry, address: str) -> tuple[grpc.Server, int]:
-    """A gRPC server with SessionService, reflection and health, bound to ``address``."""
+def create_session_server(registry: SessionRegistry, address: str, *, backbone_token: str,
+                          limits: StreamLimits = StreamLimits()) -> tuple[grpc.Server, int]:
+    """A gRPC server with SessionService, reflection and health, bound to ``address``.
+
+    Long-lived streams are admitted within ``limits`` (WatchSessions presenting
+    ``backbone_token`` in its own allowance), so ListSessions always finds a thread."""
     from grpc_health.v1 import health, health_pb2, health_pb2_grpc
     from grpc_reflection.v1alpha import reflection
 
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=16, thread_name_prefix="session-svc"))
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=limits.threads, thread_name_prefix="session-svc"),
+                         interceptors=[StreamLimitsInterceptor(limits, backbone_token)])
     session_pb2_grpc.add_SessionServiceServicer_to_server(SessionServicer(registry), server)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -118,6 +133,7 @@ class _Session:
         self.log = log.bind(session_id=session_id)
         self._inbox_send, self._inbox = trio.open_memory_channel[bytes | str](4)
         self._busy = False
+        self._unauthenticated = 0
 
     async def run(self, task_status=trio.TASK_STATUS_IGNORED) -> None:  # type: ignore[no-untyped-def]
         listeners = await trio.open_tcp_listeners(0, host=self.hub.config.grpc_host)
@@ -129,12 +145,56 @@ class _Session:
             task_status.started(f"{self.hub.config.grpc_host}:{port}")
             while True:
                 stream = await listener.accept()
-                if self._busy:
-                    # One HTTP/2 connection per tunnel at a time; gRPC clients reconnect.
+                if self._unauthenticated >= self.hub.config.max_unauthenticated_targets:
+                    self.log.debug("target connection closed: too many presenting a key",
+                                  limit=self.hub.config.max_unauthenticated_targets)
                     await stream.aclose()
                     continue
-                self._busy = True
-                nursery.start_soon(self._splice, stream)
+                self._unauthenticated += 1
+                nursery.start_soon(self._admit, stream)
+
+    async def _admit(self, stream: trio.SocketStream) -> None:
+        """Gate one connection to the target; splice it only if its first request has the key.
+
+        A refused, malformed, silent or surplus connection is closed here: the worker never
+        hears of it ("open" is sent only for an admitted one) and nothing is counted."""
+        config = self.hub.config
+        gate = TargetGate(config.backbone_token, self.session_id)
+        verdict: Verdict | None = None
+        why = f"no first request within {config.target_auth_timeout_s:g} s"
+        try:
+            with trio.move_on_after(config.target_auth_timeout_s):
+                await stream.send_all(gate.server_preface())
+                while verdict is None:
+                    data = await stream.receive_some(gate.max_bytes)
+                    if not data:
+                        why = "closed before its first request"
+                        break
+                    verdict = gate.receive_data(data)
+                if isinstance(verdict, Refused):
+                    why = verdict.reason
+                    await stream.send_all(verdict.reply)
+                    # Half-close and drain, so the caller reads the reply rather than a reset.
+                    await stream.send_eof()
+                    while await stream.receive_some(gate.max_bytes):
+                        pass
+        except RemoteProtocolError as exc:
+            verdict, why = None, exc.reason
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            verdict, why = None, "the connection broke before its first request"
+        finally:
+            self._unauthenticated -= 1
+        if not isinstance(verdict, Admitted):
+            self.log.info("target connection refused", reason=why, state=gate.state)
+            await stream.aclose()
+            return
+        if self._busy:
+            # One HTTP/2 connection per tunnel at a time; gRPC clients reconnect.
+            self.log.info("target connection refused: the worker already serves a connection")
+            await stream.aclose()
+            return
+        self._busy = True
+        await self._splice(stream, verdict.forward)
 
     async def _read_ws(self) -> None:
         async with self._inbox_send:
@@ -144,11 +204,14 @@ class _Session:
                     raise RemoteProtocolError(f"worker sent {type(msg).__name__} while no connection is open")
                 await self._inbox_send.send(msg)
 
-    async def _splice(self, stream: trio.SocketStream) -> None:
-        """Bridge one backbone connection with the worker until either side ends."""
+    async def _splice(self, stream: trio.SocketStream, first: bytes) -> None:
+        """Bridge one backbone connection with the worker until either side ends; ``first``:
+        the bytes the gate read from the backbone, sent before any others."""
         reg = self.hub.registry
         sid = self.session_id
         await self.ws.send_message(CTRL_OPEN)
+        await send_whole(self.ws, first)
+        reg.count_bytes(sid, to_worker=len(first))
         worker_eof = False
         async with stream:
             async with trio.open_nursery() as nursery:
@@ -272,7 +335,11 @@ async def serve_hub(
     *,
     task_status=trio.TASK_STATUS_IGNORED,  # type: ignore[no-untyped-def]
 ) -> None:
-    """Serve worker WebSockets until cancelled; ``task_status.started(port)``."""
+    """Serve worker WebSockets until cancelled; ``task_status.started(port)``.
+
+    Raises TokenError when ``config.backbone_token`` is unusable (targets would admit anyone)."""
+    if len(config.backbone_token) < MIN_TOKEN_CHARS:
+        raise TokenError(f"the hub needs a backbone token of at least {MIN_TOKEN_CHARS} characters")
     hub = _Hub(config, key, registry)
     async with trio.open_nursery() as nursery:
         server = await nursery.start(
