@@ -71,7 +71,7 @@ def run_hub(args: argparse.Namespace) -> int:
     config = HubConfig(listen_host=args.listen[0], listen_port=args.listen[1], grpc_host=grpc_host,
                        gateway_url=args.gateway, gateway_token=token, gateway_ssl=gateway_ssl,
                        keepalive_s=args.keepalive, keepalive_timeout_s=args.keepalive_timeout,
-                       backbone_token=backbone_token)
+                       backbone_token=backbone_token, target_auth_timeout_s=args.target_auth_timeout)
 
     async def run() -> None:
         async with trio.open_nursery() as nursery:
@@ -134,6 +134,8 @@ def main(argv: list[str] | None = None) -> int:
     hub.add_argument("--backbone-token-file", type=pathlib.Path, default=pathlib.Path("hub-backbone.token"),
                      help="the secret the backbone presents (created, mode 0600, if missing); give the backbone "
                           "the same file (python -m backbone generate --hub-token-file)")
+    hub.add_argument("--target-auth-timeout", type=float, default=10.0,
+                     help="seconds a connection to a session's target has to present its key")
     hub.add_argument("--gateway", help="wss://HOST:PORT of a public gateway to take sessions from")
     hub.add_argument("--gateway-token-file", type=pathlib.Path, help="file holding the gateway's hub token")
     hub.add_argument("--ca-file", type=pathlib.Path, help="CA bundle to verify the gateway (default: system trust)")

@@ -5,6 +5,7 @@ gRPC host) whose bytes it splices into that worker's tunnel. Serves SessionServi
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import itertools
 import secrets
@@ -133,7 +134,8 @@ class _Session:
         self.log = log.bind(session_id=session_id)
         self._inbox_send, self._inbox = trio.open_memory_channel[bytes | str](4)
         self._busy = False
-        self._unauthenticated = 0
+        # Connections still presenting their key, oldest first (the scope ends the gate).
+        self._unauthenticated: collections.deque[trio.CancelScope] = collections.deque()
 
     async def run(self, task_status=trio.TASK_STATUS_IGNORED) -> None:  # type: ignore[no-untyped-def]
         listeners = await trio.open_tcp_listeners(0, host=self.hub.config.grpc_host)
@@ -145,25 +147,26 @@ class _Session:
             task_status.started(f"{self.hub.config.grpc_host}:{port}")
             while True:
                 stream = await listener.accept()
-                if self._unauthenticated >= self.hub.config.max_unauthenticated_targets:
-                    self.log.debug("target connection closed: too many presenting a key",
-                                  limit=self.hub.config.max_unauthenticated_targets)
-                    await stream.aclose()
-                    continue
-                self._unauthenticated += 1
-                nursery.start_soon(self._admit, stream)
+                if len(self._unauthenticated) >= self.hub.config.max_unauthenticated_targets:
+                    # Drop the oldest, not the newcomer: strangers holding every slot would
+                    # otherwise keep out the backbone, whose key takes one round trip to read.
+                    self._unauthenticated.popleft().cancel()
+                scope = trio.CancelScope(deadline=trio.current_time() + self.hub.config.target_auth_timeout_s)
+                self._unauthenticated.append(scope)
+                nursery.start_soon(self._admit, stream, scope)
 
-    async def _admit(self, stream: trio.SocketStream) -> None:
+    async def _admit(self, stream: trio.SocketStream, scope: trio.CancelScope) -> None:
         """Gate one connection to the target; splice it only if its first request has the key.
 
-        A refused, malformed, silent or surplus connection is closed here: the worker never
-        hears of it ("open" is sent only for an admitted one) and nothing is counted."""
+        ``scope`` bounds the gate (its deadline; run() cancels it to make room). A refused,
+        malformed, silent or evicted connection is closed here: the worker never hears of it
+        ("open" is sent only for an admitted one) and nothing is counted."""
         config = self.hub.config
         gate = TargetGate(config.backbone_token, self.session_id)
         verdict: Verdict | None = None
-        why = f"no first request within {config.target_auth_timeout_s:g} s"
+        why = ""
         try:
-            with trio.move_on_after(config.target_auth_timeout_s):
+            with scope:
                 await stream.send_all(gate.server_preface())
                 while verdict is None:
                     data = await stream.receive_some(gate.max_bytes)
@@ -183,7 +186,12 @@ class _Session:
         except (trio.BrokenResourceError, trio.ClosedResourceError):
             verdict, why = None, "the connection broke before its first request"
         finally:
-            self._unauthenticated -= 1
+            if scope in self._unauthenticated:
+                self._unauthenticated.remove(scope)
+        if scope.cancelled_caught and not why:
+            why = (f"no first request within {config.target_auth_timeout_s:g} s"
+                   if trio.current_time() >= scope.deadline else
+                   f"dropped for a newer connection ({config.max_unauthenticated_targets} were presenting a key)")
         if not isinstance(verdict, Admitted):
             self.log.info("target connection refused", reason=why, state=gate.state)
             await stream.aclose()
