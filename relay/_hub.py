@@ -147,6 +147,11 @@ class _Session:
             task_status.started(f"{self.hub.config.grpc_host}:{port}")
             while True:
                 stream = await listener.accept()
+                if self._busy:
+                    # One HTTP/2 connection per tunnel at a time; gRPC clients reconnect (and
+                    # one refused before any answer reconnects without failing a call).
+                    await stream.aclose()
+                    continue
                 if len(self._unauthenticated) >= self.hub.config.max_unauthenticated_targets:
                     # Drop the oldest, not the newcomer: strangers holding every slot would
                     # otherwise keep out the backbone, whose key takes one round trip to read.
