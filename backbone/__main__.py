@@ -1,4 +1,4 @@
-"""python -m backbone generate --model DIR --hub HOST:PORT --prompt TEXT --max-new-tokens N
+"""python -m backbone generate --model DIR --hub HOST:PORT --hub-token-file PATH --prompt TEXT --max-new-tokens N
 [--batch B] [--compare-local] [--json]"""
 
 from __future__ import annotations
@@ -22,6 +22,8 @@ def main(argv: list[str] | None = None) -> int:
     g = sub.add_parser("generate", help="greedy decode with experts on the swarm")
     g.add_argument("--model", required=True, type=pathlib.Path)
     g.add_argument("--hub", help="HOST:PORT of the hub's SessionService; without it every expert is local")
+    g.add_argument("--hub-token-file", type=pathlib.Path,
+                   help="the hub's backbone token file (its --backbone-token-file); needed with --hub")
     g.add_argument("--prompt", required=True)
     g.add_argument("--max-new-tokens", type=int, default=16)
     g.add_argument("--batch", type=int, default=1, help="sequences decoded together")
@@ -41,9 +43,6 @@ def main(argv: list[str] | None = None) -> int:
                    help="'all': hold every expert, as loaded; 'on-demand': drop them and read an expert from "
                         "the checkpoint the first time it must be computed here; 'auto': on-demand when experts "
                         "live on a hub's workers and no local comparison is asked")
-    g.add_argument("--hub-token-file", type=pathlib.Path,
-                   help="the hub's backbone token (its --backbone-token-file): opens worker targets and "
-                        "reports accepted work; needed with --hub")
     g.add_argument("--audit-rate", type=float, default=None,
                    help="fraction of remote rows recomputed here to check the worker (default 0.02; "
                         "each session's first call is audited too; 0 turns sampling off)")
@@ -51,21 +50,22 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--log-level", default="warning")
     args = parser.parse_args(argv)
     configure_logging("backbone", level=args.log_level)
+    if args.hub and args.hub_token_file is None:
+        parser.error("--hub needs --hub-token-file: the file the hub reads with --backbone-token-file "
+                     "(without it the hub splices no worker to this backbone)")
     if args.max_new_tokens < 1 or args.batch < 1:
         parser.error("--max-new-tokens and --batch must be at least 1")
     if args.audit_rate is not None and not 0.0 <= args.audit_rate <= 1.0:
         parser.error("--audit-rate is a fraction from 0 to 1")
-    token = None
+    hub_token = ""
     if args.hub:
         from kvasir_rpc._access import TokenError, load_token
 
-        if args.hub_token_file is None:
-            parser.error("--hub needs --hub-token-file: the file the hub was given as --backbone-token-file "
-                         "(it creates hub-backbone.token beside itself by default)")
         try:
-            token = load_token(args.hub_token_file)
+            hub_token = load_token(args.hub_token_file)
         except TokenError as exc:
-            parser.error(str(exc))
+            print(f"backbone: --hub-token-file: {exc}", file=sys.stderr)
+            return 2
 
     import torch
 
@@ -88,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"backbone: cannot load {args.model}: {exc}", file=sys.stderr)
         return 2
 
-    watcher = SessionWatcher(args.hub) if args.hub else None
+    watcher = SessionWatcher(args.hub, token=hub_token) if args.hub else None
     if watcher is not None and not watcher.wait(lambda s: len(s) >= args.wait_sessions, args.wait_timeout):
         print(f"backbone: the hub at {args.hub} did not list {args.wait_sessions} sessions within "
               f"{args.wait_timeout}s", file=sys.stderr)
@@ -104,10 +104,10 @@ def main(argv: list[str] | None = None) -> int:
     if on_demand and args.compare_local:
         parser.error("--compare-local runs transformers' eager experts, which need every expert: use --expert-weights all")
     source = ExpertIndex(args.model) if on_demand else None
-    reporter = WorkReporter(args.hub, token) if args.hub and token else None
+    reporter = WorkReporter(args.hub, hub_token) if args.hub else None
     audit_rate = DEFAULT_AUDIT_RATE if args.audit_rate is None else args.audit_rate
     dispatcher = Dispatcher(model, watcher, call_timeout_s=args.call_timeout, wire_dtype=wire_dtype,
-                            expert_source=source, audit_rate=audit_rate, reporter=reporter, token=token)
+                            expert_source=source, audit_rate=audit_rate, reporter=reporter)
     prompts = prompts_for_batch(args.prompt, args.batch)
     result: dict[str, object] = {}
     try:

@@ -95,12 +95,9 @@ class Dispatcher:
         expert_source: ExpertIndex | None = None,
         audit_rate: float = DEFAULT_AUDIT_RATE,
         reporter: WorkReporter | None = None,
-        token: str | None = None,
     ) -> None:
         self.watcher = watcher
         self.reporter = reporter
-        # The hub's backbone token: a session's target opens only with the key derived from it.
-        self.token = token
         self._sampler = RowSampler(audit_rate)
         # Replaced, never mutated: decode threads read it without the lock.
         self._quarantined: frozenset[str] = frozenset()
@@ -272,7 +269,7 @@ class Dispatcher:
                             wallet=s.wallet)
                 self._rejected.add(sid)
                 continue
-            self._links[sid] = WorkerLink(s, token=self.token)
+            self._links[sid] = WorkerLink(s, token=self.watcher.token)
         routes: dict[int, dict[int, WorkerLink]] = {}
         for link in self._links.values():
             if link.dead is not None:

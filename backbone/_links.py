@@ -14,7 +14,7 @@ from concurrent.futures import Future
 import grpc
 
 from kvasir_rpc import expert_pb2, expert_pb2_grpc, get_logger, session_pb2, session_pb2_grpc, slices_from_proto
-from kvasir_rpc._access import TARGET_KEY_METADATA, target_key
+from kvasir_rpc._access import TARGET_KEY_METADATA, bearer, target_key
 
 __all__ = ["CallRecord", "SessionWatcher", "WorkerLink"]
 
@@ -47,12 +47,15 @@ class WorkerLink:
     future when the answer arrives. When the stream fails every pending call fails with the
     stream's RpcError and the link is dead for good (the caller recomputes and stops routing
     here).
+
+    ``token`` is the backbone token shared with the hub: the stream presents the session's
+    target key (``kvasir_rpc._access.target_key``), without which the hub does not splice it.
     """
 
     _SENTINEL = object()
 
     def __init__(self, session: session_pb2.Session, on_dead: Callable[[WorkerLink], None] | None = None, *,
-                 token: str | None = None) -> None:
+                 token: str) -> None:
         self.session_id = session.session_id
         self.wallet = session.wallet
         self.target = session.target
@@ -67,10 +70,8 @@ class WorkerLink:
         self.dead: BaseException | None = None
         self.calls = 0
         self.rows = 0
-        # The hub splices this connection to the worker only if its first call carries the
-        # session's target key (kvasir_rpc._access).
-        metadata = ((TARGET_KEY_METADATA, target_key(token, self.session_id)),) if token else None
-        self._responses = self._stub.Dispatch(self._iter_requests(), metadata=metadata)
+        self._responses = self._stub.Dispatch(
+            self._iter_requests(), metadata=((TARGET_KEY_METADATA, target_key(token, self.session_id)),))
         self._reader = threading.Thread(target=self._read, name=f"link-{self.session_id}", daemon=True)
         self._reader.start()
 
@@ -131,16 +132,20 @@ class WorkerLink:
 
 
 class SessionWatcher:
-    """Follows the hub's WatchSessions stream in a thread and keeps the live set."""
+    """Follows the hub's WatchSessions stream in a thread and keeps the live set.
 
-    def __init__(self, hub_address: str) -> None:
+    ``token``: the backbone token shared with the hub. The watch presents it (the hub keeps
+    an allowance of streams for it that strangers cannot take) and links are made with it."""
+
+    def __init__(self, hub_address: str, *, token: str) -> None:
+        self.token = token
         self._channel = grpc.insecure_channel(hub_address)
         self._stub = session_pb2_grpc.SessionServiceStub(self._channel)
         self._cond = threading.Condition()
         self._sessions: dict[str, session_pb2.Session] = {}
         self._synced = False
         self.version = 0
-        self._call = self._stub.WatchSessions(session_pb2.WatchSessionsRequest())
+        self._call = self._stub.WatchSessions(session_pb2.WatchSessionsRequest(), metadata=bearer(token))
         self._thread = threading.Thread(target=self._run, name="session-watch", daemon=True)
         self._thread.start()
 

@@ -59,14 +59,14 @@ def _pct(xs: list[float], q: float) -> float:
 class _Stream:
     """One Dispatch stream; ``call`` is a blocking round trip, ``burst`` keeps k in flight."""
 
-    def __init__(self, target: str) -> None:
+    def __init__(self, target: str, metadata: tuple[tuple[str, str], ...] = ()) -> None:
         from kvasir_rpc._gen.kvasir.v1 import expert_pb2_grpc
 
         self.channel = grpc.insecure_channel(target, options=[("grpc.max_receive_message_length", 256 << 20),
                                                              ("grpc.max_send_message_length", 256 << 20)])
         grpc.channel_ready_future(self.channel).result(timeout=30)
         self.q: queue.SimpleQueue[object] = queue.SimpleQueue()
-        self.responses = expert_pb2_grpc.ExpertServiceStub(self.channel).Dispatch(self._iter())
+        self.responses = expert_pb2_grpc.ExpertServiceStub(self.channel).Dispatch(self._iter(), metadata=metadata)
 
     def _iter(self) -> Iterator[object]:
         while True:
@@ -102,6 +102,7 @@ class _Stream:
 def run_bench(*, quick: bool = False, say: Callable[[str], None] = print) -> dict[str, object]:
     import torch
 
+    from kvasir_rpc._access import TARGET_KEY_METADATA, target_key
     from kvasir_rpc._checkpoint import ExpertIndex
     from kvasir_rpc._codec import encode_tensor
     from kvasir_rpc._gen.kvasir.v1 import expert_pb2
@@ -158,6 +159,12 @@ def run_bench(*, quick: bool = False, say: Callable[[str], None] = print) -> dic
                 time.sleep(0.2)
             raise SwarmError(f"{path}: the worker did not come back within 60 s")
 
+        def key(path: str) -> tuple[tuple[str, str], ...]:
+            """The hub splices a target only for a call that presents the session's key."""
+            if path == "direct":
+                return ()
+            return ((TARGET_KEY_METADATA, target_key(swarm_of[path].backbone_token, by_path[path].session_id)),)
+
         def metered(path: str) -> int:
             for s in swarm_of[path].list_sessions():
                 if s.session_id == by_path[path].session_id:
@@ -182,11 +189,11 @@ def run_bench(*, quick: bool = False, say: Callable[[str], None] = print) -> dic
             paths.setdefault("inprocess", {})[str(batch)] = _summary(times, batch, payload, in_flight_rows_s=None)
             for path, target in targets.items():
                 try:
-                    stream = _Stream(target)
+                    stream = _Stream(target, key(path))
                 except grpc.FutureTimeoutError:
                     # The worker's session was replaced (it reconnected): find its new one.
                     target = targets[path] = renew(path)
-                    stream = _Stream(target)
+                    stream = _Stream(target, key(path))
                 try:
                     for _ in range(3):
                         stream.call(req)  # warm up the connection and the worker

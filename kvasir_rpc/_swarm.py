@@ -151,6 +151,18 @@ class LocalSwarm:
         return self.workdir / "hub.key"
 
     @property
+    def backbone_token_file(self) -> pathlib.Path:
+        """The secret the hub and the backbone share (the hub creates it on first start)."""
+        return self.workdir / "backbone.token"
+
+    @property
+    def backbone_token(self) -> str:
+        """The backbone token, for a test or a benchmark that calls a target or watches itself."""
+        from kvasir_rpc._access import load_or_create_token
+
+        return load_or_create_token(self.backbone_token_file)
+
+    @property
     def ledger_address(self) -> str:
         return f"127.0.0.1:{self.ledger_port}"
 
@@ -172,9 +184,13 @@ class LocalSwarm:
         when a ledger runs it delivers receipts there."""
         ready = self.workdir / "hub.ready.json"
         ready.unlink(missing_ok=True)
+        from kvasir_rpc._access import load_or_create_token
+
+        load_or_create_token(self.backbone_token_file)  # made once, before the hub or a backbone reads it
         args = ["-m", "relay", "hub", "--listen", f"127.0.0.1:{listen_port}", "--grpc", "127.0.0.1:0",
-                "--key", str(self.hub_key_file), "--ready-file", str(ready),
-                "--contrib-db", str(self.workdir / "hub-contrib.sqlite"), "--receipt-interval", str(receipt_interval)]
+                "--key", str(self.hub_key_file), "--backbone-token-file", str(self.backbone_token_file),
+                "--ready-file", str(ready), "--contrib-db", str(self.workdir / "hub-contrib.sqlite"),
+                "--receipt-interval", str(receipt_interval)]
         if self.ledger_port:
             args += ["--ledger", self.ledger_address]
         args += list(extra)
@@ -321,7 +337,7 @@ http {{
     def start_backbone(self, args: Sequence[str], *, hub: bool = True) -> subprocess.Popen[bytes]:
         """Start ``python -m backbone generate --hub <ours> ARGS --json`` (without ``--hub``:
         every expert local); see backbone_result."""
-        where = ["--hub", self.hub_grpc_address] if hub else []
+        where = ["--hub", self.hub_grpc_address, "--hub-token-file", str(self.backbone_token_file)] if hub else []
         return subprocess.Popen(
             self._pinned("backbone", [self.python, "-m", "backbone", "generate", *where, *args, "--json"]),
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=self.env, cwd=self.workdir, stdin=subprocess.DEVNULL,

@@ -1,4 +1,5 @@
-"""python -m relay hub --listen HOST:PORT --grpc HOST:PORT [--key PATH] [--gateway wss://HOST:PORT ...]
+"""python -m relay hub --listen HOST:PORT --grpc HOST:PORT [--key PATH] [--backbone-token-file PATH]
+    [--gateway wss://HOST:PORT ...]
 python -m relay gateway --listen HOST:PORT --cert PEM --key PEM --hub-token-file FILE"""
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ async def _until_signal(nursery: trio.Nursery, log, what: str) -> None:  # type:
 
 def run_hub(args: argparse.Namespace) -> int:
     from kvasir_rpc import Wallet
+    from kvasir_rpc._access import TokenError, load_or_create_token
     from relay._hub import HubConfig, create_session_server, serve_hub
     from relay._registry import SessionRegistry
 
@@ -40,6 +42,10 @@ def run_hub(args: argparse.Namespace) -> int:
     install_fast_masking()
     log = get_logger("relay")
     key = Wallet.load_or_create(args.key)
+    try:
+        backbone_token = load_or_create_token(args.backbone_token_file)
+    except TokenError as exc:
+        raise SystemExit(f"--backbone-token-file: {exc}") from None
     registry = SessionRegistry()
     grpc_host, grpc_port = args.grpc
     gateway_ssl = None
@@ -61,22 +67,19 @@ def run_hub(args: argparse.Namespace) -> int:
         log.info("sessions of a previous run closed; their receipts will be sent", sessions=ended)
     sender = ReceiptSender(store, registry, key, args.ledger, interval_s=args.receipt_interval)
     registry.on_removed.append(sender.session_ended)
-    from kvasir_rpc._access import TokenError, load_or_create_token
-    from relay._work import WorkDesk
-
-    try:
-        backbone_token = load_or_create_token(args.backbone_token_file)
-    except (TokenError, OSError) as exc:
-        raise SystemExit(f"--backbone-token-file: {exc}") from None
     import time
+
+    from relay._work import WorkDesk
 
     for wallet, until in store.active_bans(time.time_ns() // 1_000_000).items():
         registry.ban(wallet, until)
     desk = WorkDesk(registry, store, key, quarantine_s=args.quarantine_seconds)
-    server, bound_grpc = create_session_server(registry, f"{grpc_host}:{grpc_port}", token=backbone_token, desk=desk)
+    server, bound_grpc = create_session_server(registry, f"{grpc_host}:{grpc_port}", backbone_token=backbone_token,
+                                               desk=desk)
     config = HubConfig(listen_host=args.listen[0], listen_port=args.listen[1], grpc_host=grpc_host,
                        gateway_url=args.gateway, gateway_token=token, gateway_ssl=gateway_ssl,
-                       keepalive_s=args.keepalive, keepalive_timeout_s=args.keepalive_timeout)
+                       keepalive_s=args.keepalive, keepalive_timeout_s=args.keepalive_timeout,
+                       backbone_token=backbone_token, target_auth_timeout_s=args.target_auth_timeout)
 
     async def run() -> None:
         async with trio.open_nursery() as nursery:
@@ -136,6 +139,11 @@ def main(argv: list[str] | None = None) -> int:
     hub.add_argument("--grpc", type=hostport(8766), default=("127.0.0.1", 8766),
                      help="SessionService address; per-session targets bind on its host")
     hub.add_argument("--key", type=pathlib.Path, default=pathlib.Path("hub.key"), help="hub Ed25519 key (created if missing)")
+    hub.add_argument("--backbone-token-file", type=pathlib.Path, default=pathlib.Path("hub-backbone.token"),
+                     help="the secret the backbone presents (created, mode 0600, if missing); give the backbone "
+                          "the same file (python -m backbone generate --hub-token-file)")
+    hub.add_argument("--target-auth-timeout", type=float, default=10.0,
+                     help="seconds a connection to a session's target has to present its key")
     hub.add_argument("--gateway", help="wss://HOST:PORT of a public gateway to take sessions from")
     hub.add_argument("--gateway-token-file", type=pathlib.Path, help="file holding the gateway's hub token")
     hub.add_argument("--ca-file", type=pathlib.Path, help="CA bundle to verify the gateway (default: system trust)")
@@ -146,8 +154,6 @@ def main(argv: list[str] | None = None) -> int:
     hub.add_argument("--keepalive", type=float, default=15.0, help="ping each worker this often (seconds)")
     hub.add_argument("--keepalive-timeout", type=float, default=10.0,
                      help="drop a session whose worker does not answer a ping within this many seconds")
-    hub.add_argument("--backbone-token-file", type=pathlib.Path, default=pathlib.Path("hub-backbone.token"),
-                     help="the secret the backbone presents (its --hub-token-file); created, mode 0600, if missing")
     hub.add_argument("--quarantine-seconds", type=float, default=24 * 3600.0,
                      help="how long a wallet caught delivering wrong work is refused")
     hub.add_argument("--ready-file", type=pathlib.Path, help="write {ws_port, grpc_port, hub_key} here once listening")

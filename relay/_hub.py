@@ -5,6 +5,7 @@ gRPC host) whose bytes it splices into that worker's tunnel. Serves SessionServi
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import itertools
 import secrets
@@ -26,6 +27,7 @@ from kvasir_rpc import (
     session_pb2,
     session_pb2_grpc,
 )
+from kvasir_rpc._access import MIN_TOKEN_CHARS, TokenError
 from kvasir_rpc._tunnel import (
     CTRL_CLOSE,
     CTRL_CLOSED,
@@ -39,9 +41,11 @@ from kvasir_rpc._tunnel import (
 )
 from kvasir_rpc._access import check_bearer
 from relay._registry import SessionRegistry
+from relay._stream_limits import StreamLimits, StreamLimitsInterceptor
+from relay._target_gate import Admitted, Refused, TargetGate, Verdict
 from relay._work import DeskError, WorkDesk
 
-__all__ = ["HubConfig", "SessionServicer", "create_session_server", "serve_hub"]
+__all__ = ["HubConfig", "SessionServicer", "StreamLimits", "create_session_server", "serve_hub"]
 
 log = get_logger("relay.hub")
 
@@ -62,6 +66,13 @@ class HubConfig:
     gateway_url: str | None = None
     gateway_token: str = ""
     gateway_ssl: ssl.SSLContext | None = None
+    # The secret shared with the backbone (kvasir_rpc._access): a session's target is spliced
+    # only for a connection whose first request carries target_key(token, session id).
+    backbone_token: str = ""
+    # A connection to a session's target has this long to present its key; at most this many
+    # may be presenting at once per session (more are closed at once). Neither reaches the worker.
+    target_auth_timeout_s: float = 10.0
+    max_unauthenticated_targets: int = 8
 
 
 class SessionServicer(session_pb2_grpc.SessionServiceServicer):
@@ -116,14 +127,20 @@ class SessionServicer(session_pb2_grpc.SessionServiceServicer):
             self._registry.unwatch(q)
 
 
-def create_session_server(registry: SessionRegistry, address: str, *, token: str = "",
-                          desk: WorkDesk | None = None) -> tuple[grpc.Server, int]:
-    """A gRPC server with SessionService, reflection and health, bound to ``address``."""
+def create_session_server(registry: SessionRegistry, address: str, *, backbone_token: str,
+                          limits: StreamLimits = StreamLimits(), desk: WorkDesk | None = None) -> tuple[grpc.Server, int]:
+    """A gRPC server with SessionService, reflection and health, bound to ``address``.
+
+    Long-lived streams are admitted within ``limits`` (WatchSessions presenting
+    ``backbone_token`` in its own allowance), so ListSessions always finds a thread.
+    ReportWork and Quarantine go to ``desk`` for callers presenting the token."""
     from grpc_health.v1 import health, health_pb2, health_pb2_grpc
     from grpc_reflection.v1alpha import reflection
 
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=16, thread_name_prefix="session-svc"))
-    session_pb2_grpc.add_SessionServiceServicer_to_server(SessionServicer(registry, token=token, desk=desk), server)
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=limits.threads, thread_name_prefix="session-svc"),
+                         interceptors=[StreamLimitsInterceptor(limits, backbone_token)])
+    session_pb2_grpc.add_SessionServiceServicer_to_server(
+        SessionServicer(registry, token=backbone_token, desk=desk), server)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     health_servicer.set("kvasir.v1.SessionService", health_pb2.HealthCheckResponse.SERVING)
@@ -152,6 +169,8 @@ class _Session:
         self.log = log.bind(session_id=session_id)
         self._inbox_send, self._inbox = trio.open_memory_channel[bytes | str](4)
         self._busy = False
+        # Connections still presenting their key, oldest first (the scope ends the gate).
+        self._unauthenticated: collections.deque[trio.CancelScope] = collections.deque()
 
     async def run(self, task_status=trio.TASK_STATUS_IGNORED) -> None:  # type: ignore[no-untyped-def]
         listeners = await trio.open_tcp_listeners(0, host=self.hub.config.grpc_host)
@@ -164,11 +183,66 @@ class _Session:
             while True:
                 stream = await listener.accept()
                 if self._busy:
-                    # One HTTP/2 connection per tunnel at a time; gRPC clients reconnect.
+                    # One HTTP/2 connection per tunnel at a time; gRPC clients reconnect (and
+                    # one refused before any answer reconnects without failing a call).
                     await stream.aclose()
                     continue
-                self._busy = True
-                nursery.start_soon(self._splice, stream)
+                if len(self._unauthenticated) >= self.hub.config.max_unauthenticated_targets:
+                    # Drop the oldest, not the newcomer: strangers holding every slot would
+                    # otherwise keep out the backbone, whose key takes one round trip to read.
+                    self._unauthenticated.popleft().cancel()
+                scope = trio.CancelScope(deadline=trio.current_time() + self.hub.config.target_auth_timeout_s)
+                self._unauthenticated.append(scope)
+                nursery.start_soon(self._admit, stream, scope)
+
+    async def _admit(self, stream: trio.SocketStream, scope: trio.CancelScope) -> None:
+        """Gate one connection to the target; splice it only if its first request has the key.
+
+        ``scope`` bounds the gate (its deadline; run() cancels it to make room). A refused,
+        malformed, silent or evicted connection is closed here: the worker never hears of it
+        ("open" is sent only for an admitted one) and nothing is counted."""
+        config = self.hub.config
+        gate = TargetGate(config.backbone_token, self.session_id)
+        verdict: Verdict | None = None
+        why = ""
+        try:
+            with scope:
+                await stream.send_all(gate.server_preface())
+                while verdict is None:
+                    data = await stream.receive_some(gate.max_bytes)
+                    if not data:
+                        why = "closed before its first request"
+                        break
+                    verdict = gate.receive_data(data)
+                if isinstance(verdict, Refused):
+                    why = verdict.reason
+                    await stream.send_all(verdict.reply)
+                    # Half-close and drain, so the caller reads the reply rather than a reset.
+                    await stream.send_eof()
+                    while await stream.receive_some(gate.max_bytes):
+                        pass
+        except RemoteProtocolError as exc:
+            verdict, why = None, exc.reason
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            verdict, why = None, "the connection broke before its first request"
+        finally:
+            if scope in self._unauthenticated:
+                self._unauthenticated.remove(scope)
+        if scope.cancelled_caught and not why:
+            why = (f"no first request within {config.target_auth_timeout_s:g} s"
+                   if trio.current_time() >= scope.deadline else
+                   f"dropped for a newer connection ({config.max_unauthenticated_targets} were presenting a key)")
+        if not isinstance(verdict, Admitted):
+            self.log.info("target connection refused", reason=why, state=gate.state)
+            await stream.aclose()
+            return
+        if self._busy:
+            # One HTTP/2 connection per tunnel at a time; gRPC clients reconnect.
+            self.log.info("target connection refused: the worker already serves a connection")
+            await stream.aclose()
+            return
+        self._busy = True
+        await self._splice(stream, verdict.forward)
 
     async def _read_ws(self) -> None:
         async with self._inbox_send:
@@ -178,11 +252,14 @@ class _Session:
                     raise RemoteProtocolError(f"worker sent {type(msg).__name__} while no connection is open")
                 await self._inbox_send.send(msg)
 
-    async def _splice(self, stream: trio.SocketStream) -> None:
-        """Bridge one backbone connection with the worker until either side ends."""
+    async def _splice(self, stream: trio.SocketStream, first: bytes) -> None:
+        """Bridge one backbone connection with the worker until either side ends; ``first``:
+        the bytes the gate read from the backbone, sent before any others."""
         reg = self.hub.registry
         sid = self.session_id
         await self.ws.send_message(CTRL_OPEN)
+        await send_whole(self.ws, first)
+        reg.count_bytes(sid, to_worker=len(first))
         worker_eof = False
         async with stream:
             async with trio.open_nursery() as nursery:
@@ -325,7 +402,11 @@ async def serve_hub(
     *,
     task_status=trio.TASK_STATUS_IGNORED,  # type: ignore[no-untyped-def]
 ) -> None:
-    """Serve worker WebSockets until cancelled; ``task_status.started(port)``."""
+    """Serve worker WebSockets until cancelled; ``task_status.started(port)``.
+
+    Raises TokenError when ``config.backbone_token`` is unusable (targets would admit anyone)."""
+    if len(config.backbone_token) < MIN_TOKEN_CHARS:
+        raise TokenError(f"the hub needs a backbone token of at least {MIN_TOKEN_CHARS} characters")
     hub = _Hub(config, key, registry)
     async with trio.open_nursery() as nursery:
         server = await nursery.start(

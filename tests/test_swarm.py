@@ -11,7 +11,8 @@ import pytest
 import torch
 from helpers import wait_until
 
-from kvasir_rpc import expert_pb2, expert_pb2_grpc
+from kvasir_rpc import expert_pb2, expert_pb2_grpc, session_pb2
+from kvasir_rpc._access import TARGET_KEY_METADATA, target_key
 from kvasir_rpc._codec import decode_tensor, encode_tensor
 from kvasir_rpc._swarm import LocalSwarm
 from kvasir_rpc.cli import run_demo
@@ -81,11 +82,14 @@ def test_session_service_lists_what_workers_hold(swarm):
     assert sessions[0].weights_digest != sessions[1].weights_digest
 
 
-def _dispatch(target: str, req: expert_pb2.DispatchRequest) -> expert_pb2.DispatchResponse:
-    with grpc.insecure_channel(target) as ch:
+def _dispatch(swarm: LocalSwarm, session: session_pb2.Session,
+              req: expert_pb2.DispatchRequest) -> expert_pb2.DispatchResponse:
+    """One call to ``session``'s target, presenting its key as the backbone does."""
+    key = ((TARGET_KEY_METADATA, target_key(swarm.backbone_token, session.session_id)),)
+    with grpc.insecure_channel(session.target) as ch:
         grpc.channel_ready_future(ch).result(timeout=15)
         stub = expert_pb2_grpc.ExpertServiceStub(ch)
-        return next(iter(stub.Dispatch(iter([req]), timeout=15)))
+        return next(iter(stub.Dispatch(iter([req]), timeout=15, metadata=key)))
 
 
 def _request(hidden: torch.Tensor, experts: list[tuple[int, int]], layer: int = 0) -> expert_pb2.DispatchRequest:
@@ -97,7 +101,7 @@ def _request(hidden: torch.Tensor, experts: list[tuple[int, int]], layer: int = 
 
 
 def test_expert_service_answers_bad_input_precisely_and_keeps_serving(swarm):
-    target = min(swarm.list_sessions(), key=lambda s: s.slices[0].experts[0]).target  # holds experts 0-3
+    session = min(swarm.list_sessions(), key=lambda s: s.slices[0].experts[0])  # holds experts 0-3
     good = _request(torch.randn(3, 64), [(0, 2), (1, 1)])
     cases = {
         "wrong width": (_request(torch.randn(3, 65), [(0, 3)]), grpc.StatusCode.INVALID_ARGUMENT),
@@ -120,10 +124,10 @@ def test_expert_service_answers_bad_input_precisely_and_keeps_serving(swarm):
     cases["row_index too short"] = (few, grpc.StatusCode.INVALID_ARGUMENT)
     for name, (req, code) in cases.items():
         with pytest.raises(grpc.RpcError) as info:
-            _dispatch(target, req)
+            _dispatch(swarm, session, req)
         assert info.value.code() == code, (name, info.value.details())
         assert info.value.details(), name
-    resp = _dispatch(target, good)
+    resp = _dispatch(swarm, session, good)
     assert resp.partials.call_id == 7 and list(resp.partials.partials.shape) == [3, 64]
     assert len(swarm.list_sessions()) == 2
 
@@ -131,7 +135,7 @@ def test_expert_service_answers_bad_input_precisely_and_keeps_serving(swarm):
 def test_deduplicated_rows_give_the_same_partials(swarm):
     """A token routed to two experts of one worker can travel once (row_index): the
     partials equal those of the same assignments sent row by row, bitwise."""
-    target = min(swarm.list_sessions(), key=lambda s: s.slices[0].experts[0]).target  # holds experts 0-3
+    session = min(swarm.list_sessions(), key=lambda s: s.slices[0].experts[0])  # holds experts 0-3
     distinct = torch.randn(3, 64)
     index = [2, 0, 0, 1, 2]  # expert 0 gets rows 2 and 0, expert 3 gets rows 0, 1 and 2
     weights = torch.rand(5)
@@ -140,8 +144,8 @@ def test_deduplicated_rows_give_the_same_partials(swarm):
                                         weights=encode_tensor(weights), segments=segments, row_index=index)
     spread = expert_pb2.DispatchRequest(call_id=2, layer=1, hidden=encode_tensor(distinct[index]),
                                         weights=encode_tensor(weights), segments=segments)
-    a = decode_tensor(_dispatch(target, packed).partials.partials)
-    b = decode_tensor(_dispatch(target, spread).partials.partials)
+    a = decode_tensor(_dispatch(swarm, session, packed).partials.partials)
+    b = decode_tensor(_dispatch(swarm, session, spread).partials.partials)
     assert a.shape == (5, 64) and torch.equal(a, b)
     assert packed.ByteSize() < spread.ByteSize()
 
@@ -237,7 +241,8 @@ def test_worker_reconnects_after_hub_restart(tiny_models, tmp_path):
         ready = sw.workdir / "hub.ready.json"
         ready.unlink()
         sw._spawn("hub", ["-m", "relay", "hub", "--listen", f"127.0.0.1:{ws_port}", "--grpc", "127.0.0.1:0",
-                          "--key", str(sw.workdir / "hub.key"), "--ready-file", str(ready)])
+                          "--key", str(sw.workdir / "hub.key"), "--backbone-token-file", str(sw.backbone_token_file),
+                          "--ready-file", str(ready)])
         wait_until(ready.exists, 30, "the hub to restart")
         sw.hub_grpc_port = __import__("json").loads(ready.read_text())["grpc_port"]
         again = sw.wait_sessions(1, timeout=60, watch=["worker1"])[0]

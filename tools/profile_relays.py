@@ -82,6 +82,7 @@ def main() -> int:
     import psutil
     import torch
 
+    from kvasir_rpc._access import TARGET_KEY_METADATA, target_key
     from kvasir_rpc._bench import HIDDEN, _Stream, make_bench_checkpoint
     from kvasir_rpc._codec import encode_tensor
     from kvasir_rpc._gen.kvasir.v1 import expert_pb2
@@ -99,7 +100,7 @@ def main() -> int:
             req = expert_pb2.DispatchRequest(
                 call_id=1, layer=0, hidden=encode_tensor(torch.randn(batch, HIDDEN)),
                 weights=encode_tensor(torch.rand(batch)), segments=[expert_pb2.ExpertSegment(expert=0, rows=batch)])
-            stream = _Stream(session.target)
+            stream = _Stream(session.target, ((TARGET_KEY_METADATA, target_key(sw.backbone_token, session.session_id)),))
             for _ in range(3):
                 stream.call(req)
             spies = {name: subprocess.Popen(
