@@ -180,6 +180,8 @@ def compare(a: Decode, b: Decode) -> dict[str, float | bool]:
                 "argmax_agreement": 0.0}
     diff = (a.logits - b.logits).abs().max().item() if a.logits.numel() else 0.0
     cos = torch.nn.functional.cosine_similarity(a.logits.double(), b.logits.double(), dim=-1)  # [new, B]
+    # Equal vectors have cosine 1 exactly; the formula's square root can round it to 1 - 1e-16.
+    cos = torch.where((a.logits == b.logits).all(dim=-1), torch.ones_like(cos), cos)
     agree = (a.logits.argmax(-1) == b.logits.argmax(-1)).float().mean().item()
     return {
         "tokens_identical": tokens_identical,

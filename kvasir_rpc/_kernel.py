@@ -58,10 +58,27 @@ def expert_forward(
     weights: torch.Tensor,  # [n]
 ) -> torch.Tensor:
     """One SwiGLU-style expert over ``n`` rows, each scaled by its routing weight. [n, H]."""
+    hidden, gate_up, down = _aligned(hidden), _aligned(gate_up), _aligned(down)
     gate, up = F.linear(hidden, gate_up).chunk(2, dim=-1)  # [n, I] each
     h = act(gate) * up  # [n, I]
     h = F.linear(h, down)  # [n, H]
     return h * weights[:, None]
+
+
+# torch's CPU allocator aligns every tensor it makes to 64 bytes.
+_ALIGNMENT = 64
+
+
+def _aligned(t: torch.Tensor) -> torch.Tensor:
+    """``t``, copied to fresh memory when it does not start on a 64-byte boundary.
+
+    Some CPU matrix kernels (seen with AVX2 on AMD EPYC) take a different path, and round
+    differently, when an operand is not aligned: the same rows at a 4-byte offset gave other
+    bits. A worker's rows are a view into the received message, at whatever address that has,
+    and the backbone's are fresh tensors; aligning both makes them one function of the values."""
+    if t.device.type == "cpu" and t.data_ptr() % _ALIGNMENT:
+        return t.contiguous().clone()
+    return t
 
 
 @dataclasses.dataclass(frozen=True)

@@ -563,3 +563,23 @@ def test_validate_dispatch_with_row_index():
         _check(hidden=hidden, weights=torch.zeros(3), segments=segs, row_index=torch.tensor([2, 0, 0, 1, 2]))
     with pytest.raises(DispatchInputError, match="65 rows in one call, at most 64"):
         _check(hidden=hidden, weights=torch.zeros(65), segments=[(0, 65)], row_index=torch.zeros(65, dtype=torch.long))
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 8])
+@pytest.mark.parametrize("offset", [1, 2, 3, 5, 7])
+def test_expert_forward_is_the_same_function_at_any_alignment(rows, offset):
+    """A worker computes on a view into the received message, at any address; the backbone on
+    fresh tensors. Some CPU kernels round differently for unaligned operands (AVX2, AMD EPYC):
+    the kernel aligns them, so the bits depend on the values alone."""
+    import torch.nn.functional as F
+
+    from kvasir_rpc._kernel import expert_forward
+
+    g = torch.Generator().manual_seed(rows * 10 + offset)
+    x = torch.randn(rows, 64, generator=g)
+    gate_up, down, w = torch.randn(64, 64, generator=g) * 0.02, torch.randn(64, 32, generator=g) * 0.02, torch.rand(rows)
+    buf = torch.empty(rows * 64 + offset)
+    buf[offset:] = x.reshape(-1)
+    shifted = buf[offset:].view(rows, 64)
+    assert shifted.data_ptr() % 64 != 0
+    assert torch.equal(expert_forward(x, gate_up, down, F.silu, w), expert_forward(shifted, gate_up, down, F.silu, w))
