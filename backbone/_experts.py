@@ -205,14 +205,19 @@ class Dispatcher:
             with self._stats_lock:
                 self.shared_overlapped += 1
 
-    def _weights(self, module: torch.nn.Module, layer: int, expert: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """One expert's ``(gate_up [2I, H], down [H, I])``: the model's, or read on demand."""
+    def _weights(self, module: torch.nn.Module, layer: int, expert: int, *,
+                 keep: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+        """One expert's ``(gate_up [2I, H], down [H, I])``: the model's, or read on demand.
+        ``keep=False`` (audits, which touch a sampled few) reads an expert not already held
+        without keeping it, so auditing does not grow the backbone's memory."""
         if self._source is None:
             gate_up, down = _expert_weights(module)
             return gate_up[expert], down[expert]
         key = (layer, expert)
         with self._load_lock:
             if key not in self._loaded:
+                if not keep:
+                    return self._source.load(layer, expert)
                 self._loaded[key] = self._source.load(layer, expert)
             return self._loaded[key]
 
@@ -456,7 +461,7 @@ class Dispatcher:
         assert callable(act)
         for e in expert_of.unique().tolist():
             sel = expert_of == e
-            gate_up, down = self._weights(module, layer, e)
+            gate_up, down = self._weights(module, layer, e, keep=False)
             out.append((sel, expert_forward(x[sel].to(gate_up.dtype), gate_up, down, act, w[sel].to(gate_up.dtype))))
         result = torch.empty(len(picked), x.shape[1], dtype=sent.rows.dtype)
         for sel, part in out:
@@ -475,7 +480,7 @@ class Dispatcher:
         worst = AuditResult(True, 0, 0, int(picked[0]), 0.0, 0.0)
         for e in expert_of.unique().tolist():
             sel = expert_of == e
-            gate_up, down = self._weights(module, layer, e)
+            gate_up, down = self._weights(module, layer, e, keep=False)
             v = audit_rows(out[picked[sel]], x[sel], gate_up, down, act, w[sel], picked[sel].tolist())
             rows += v.rows
             exact += v.exact

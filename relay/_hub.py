@@ -49,6 +49,9 @@ __all__ = ["HubConfig", "SessionServicer", "StreamLimits", "create_session_serve
 
 log = get_logger("relay.hub")
 
+# How long a refused target connection may stay open for its caller to read the answer.
+REFUSED_LINGER_S = 5.0
+
 
 @dataclasses.dataclass(frozen=True)
 class HubConfig:
@@ -217,10 +220,11 @@ class _Session:
                 if isinstance(verdict, Refused):
                     why = verdict.reason
                     await stream.send_all(verdict.reply)
-                    # Half-close and drain, so the caller reads the reply rather than a reset.
-                    await stream.send_eof()
-                    while await stream.receive_some(gate.max_bytes):
-                        pass
+                    # Let the caller read its answer and hang up (closing at once can reset the
+                    # connection before it does); one that stays is cut off soon after.
+                    with trio.move_on_after(REFUSED_LINGER_S):
+                        while await stream.receive_some(gate.max_bytes):
+                            pass
         except RemoteProtocolError as exc:
             verdict, why = None, exc.reason
         except (trio.BrokenResourceError, trio.ClosedResourceError):

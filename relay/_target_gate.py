@@ -12,8 +12,9 @@ including that first header block (and the client's acknowledgement of our SETTI
   every byte received, in order, except the client's first SETTINGS ACK, which answered the
   hub's SETTINGS, not the worker's (the worker sends its own SETTINGS, which the client
   acknowledges through the splice).
-* ``Refused(reason, reply)``: close the connection after sending ``reply`` (a trailers-only
-  PERMISSION_DENIED answer to the request and a GOAWAY), so the caller reads why.
+* ``Refused(reason, reply)``: send ``reply`` (a trailers-only PERMISSION_DENIED answer to the
+  request), let the caller hang up, then close, so the caller reads why. No GOAWAY: a client
+  that reads one together with the answer may fail its call as UNAVAILABLE instead.
 
 Malformed input, or more than ``max_bytes`` before a verdict, raises RemoteProtocolError.
 The gate never looks past the verdict: the worker's gRPC server validates the rest.
@@ -57,7 +58,7 @@ class Admitted:
 @dataclasses.dataclass(frozen=True)
 class Refused:
     """The first request does not carry the session's key. ``reply``: bytes to send the client
-    before closing (a PERMISSION_DENIED answer naming ``reason``, then GOAWAY)."""
+    before closing (a PERMISSION_DENIED answer naming ``reason``)."""
 
     reason: str
     reply: bytes
@@ -273,17 +274,14 @@ class TargetGate:
 
     def _refusal(self, reason: str) -> bytes:
         """A trailers-only gRPC answer (PERMISSION_DENIED, ``reason``) on the request's
-        stream, then GOAWAY: the caller's error says why, not just that the line dropped."""
+        stream: the caller's error says why, not just that the line dropped."""
         block = hpack.Encoder().encode([
             (":status", "200"),
             ("content-type", "application/grpc"),
             ("grpc-status", str(_GRPC_PERMISSION_DENIED)),
             ("grpc-message", _percent_encode(reason)),
         ])
-        answer = _frame(_HEADERS, _FLAG_END_HEADERS | _FLAG_END_STREAM, self._block_stream, block)
-        goaway = _frame(_GOAWAY, 0, 0, self._block_stream.to_bytes(4, "big") + (0).to_bytes(4, "big")
-                        + reason.encode()[:200])
-        return answer + goaway
+        return _frame(_HEADERS, _FLAG_END_HEADERS | _FLAG_END_STREAM, self._block_stream, block)
 
 
 def _percent_encode(text: str) -> str:

@@ -1,4 +1,4 @@
-"""Every byte accounted: the hub's counters survive a restart and reach the ledger once."""
+"""Every byte accounted: the hub's work counts survive a restart and reach the ledger once."""
 
 from __future__ import annotations
 
@@ -19,13 +19,13 @@ def test_hub_restart_loses_no_counted_byte(tiny_models, tmp_path):
         sw.wait_sessions(1, watch=["worker1"])
         sw.run_backbone(["--model", str(model), "--prompt", "count me", "--max-new-tokens", "6"])
         before = sw.list_sessions()[0]
-        counted = before.bytes_to_worker + before.bytes_from_worker
-        assert counted > 0
+        counted = before.work_bytes  # what the backbone accepted and reported, not tunnel bytes
+        assert 0 < counted < before.bytes_to_worker + before.bytes_from_worker
         # A graceful stop saves the counters; the restart sends what the ledger lacks.
         assert sw.stop_process("hub", sig=signal.SIGTERM) == 0
         sw.procs.pop("hub")
         db = sqlite3.connect(tmp_path / "hub-contrib.sqlite")
-        saved = db.execute("SELECT bytes_to_worker + bytes_from_worker FROM sessions WHERE session_id = ?",
+        saved = db.execute("SELECT SUM(cumulative_bytes) FROM work WHERE session_id = ?",
                            (before.session_id,)).fetchone()[0]
         db.close()
         assert saved == counted
