@@ -21,7 +21,7 @@ from transformers.integrations.moe import ExpertsInterface
 from kvasir_rpc import ExpertIndex, expert_digest, expert_pb2, get_logger, session_pb2, slices_digest
 from kvasir_rpc._codec import TensorCodecError, decode_tensor, encode_tensor
 from kvasir_rpc._kernel import Route, all_finite, expert_forward, plan_routes
-from backbone._audit import DEFAULT_AUDIT_RATE, RowSampler, audit_rows
+from backbone._audit import DEFAULT_AUDIT_RATE, AuditResult, RowSampler, audit_rows
 from backbone._links import CallRecord, SessionWatcher, WorkerLink
 from backbone._work import WorkReporter
 
@@ -452,35 +452,33 @@ class Dispatcher:
         x = sent.rows[picked] if sent.index is None else sent.rows[sent.index[picked]]
         return x, sent.weights[picked]
 
+    def _by_expert(self, module: torch.nn.Module, layer: int, sent: _Sent, picked: torch.Tensor):  # type: ignore[no-untyped-def]
+        """For each expert among assignments ``picked``: which of them (a mask over
+        ``picked``) and its weights, read without keeping them (audits touch a sampled few)."""
+        expert_of = torch.cat([torch.full((len(r.token_idx),), r.expert) for r in sent.routes])[picked]
+        for e in expert_of.unique().tolist():
+            yield expert_of == e, self._weights(module, layer, e, keep=False)
+
     def _recompute(self, module: torch.nn.Module, layer: int, sent: _Sent, picked: torch.Tensor) -> torch.Tensor:
         """This backbone's kernel on assignments ``picked`` of a call, in the wire dtype."""
         x, w = self._inputs(sent, picked)
-        out: list[tuple[torch.Tensor, torch.Tensor]] = []
-        expert_of = torch.cat([torch.full((len(r.token_idx),), r.expert) for r in sent.routes])[picked]
         act = module.act_fn
         assert callable(act)
-        for e in expert_of.unique().tolist():
-            sel = expert_of == e
-            gate_up, down = self._weights(module, layer, e, keep=False)
-            out.append((sel, expert_forward(x[sel].to(gate_up.dtype), gate_up, down, act, w[sel].to(gate_up.dtype))))
         result = torch.empty(len(picked), x.shape[1], dtype=sent.rows.dtype)
-        for sel, part in out:
+        for sel, (gate_up, down) in self._by_expert(module, layer, sent, picked):
+            part = expert_forward(x[sel].to(gate_up.dtype), gate_up, down, act, w[sel].to(gate_up.dtype))
             result[sel] = part.to(result.dtype)
         return result
 
-    def _audit(self, module: torch.nn.Module, layer: int, sent: _Sent, out: torch.Tensor, picked: torch.Tensor):  # type: ignore[no-untyped-def]
+    def _audit(self, module: torch.nn.Module, layer: int, sent: _Sent, out: torch.Tensor,
+               picked: torch.Tensor) -> AuditResult:
         """Audit rows ``picked`` of an answer, expert by expert; the first failure, or a pass."""
-        from backbone._audit import AuditResult
-
         x, w = self._inputs(sent, picked)
-        expert_of = torch.cat([torch.full((len(r.token_idx),), r.expert) for r in sent.routes])[picked]
         act = module.act_fn
         assert callable(act)
         rows = exact = 0
         worst = AuditResult(True, 0, 0, int(picked[0]), 0.0, 0.0)
-        for e in expert_of.unique().tolist():
-            sel = expert_of == e
-            gate_up, down = self._weights(module, layer, e, keep=False)
+        for sel, (gate_up, down) in self._by_expert(module, layer, sent, picked):
             v = audit_rows(out[picked[sel]], x[sel], gate_up, down, act, w[sel], picked[sel].tolist())
             rows += v.rows
             exact += v.exact

@@ -98,19 +98,18 @@ class SessionServicer(session_pb2_grpc.SessionServiceServicer):
         assert self._desk is not None
         return self._desk
 
-    def ReportWork(self, request, context):  # type: ignore[no-untyped-def]
-        desk = self._backbone_only(context, "ReportWork")
+    def _at_desk(self, context: grpc.ServicerContext, what: str, call):  # type: ignore[no-untyped-def]
+        desk = self._backbone_only(context, what)
         try:
-            return desk.report(request)
+            return call(desk)
         except DeskError as exc:
             context.abort(exc.code, exc.message)
 
+    def ReportWork(self, request, context):  # type: ignore[no-untyped-def]
+        return self._at_desk(context, "ReportWork", lambda desk: desk.report(request))
+
     def Quarantine(self, request, context):  # type: ignore[no-untyped-def]
-        desk = self._backbone_only(context, "Quarantine")
-        try:
-            return desk.quarantine(request)
-        except DeskError as exc:
-            context.abort(exc.code, exc.message)
+        return self._at_desk(context, "Quarantine", lambda desk: desk.quarantine(request))
 
     def ListSessions(self, request, context):  # type: ignore[no-untyped-def]
         return session_pb2.ListSessionsResponse(sessions=[s.to_proto() for s in self._registry.statistics()])
