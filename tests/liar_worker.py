@@ -7,6 +7,8 @@ LIE is one of:
   zeros   all-zero partials (needs no weights)
   nan     all-NaN partials
   pad     honest partials, each DispatchResponse padded with 1 MiB of an unknown field
+  reorder HONEST: the same function summed in another order, as a float32 worker written in
+          another language would (differences around 1e-7 relative); it must never be caught
 With ``--after N`` the first N calls are answered honestly, then the lie starts.
 """
 
@@ -19,11 +21,22 @@ import threading
 import torch
 
 
+def _reordered(hidden, gate_up, down, act, weights):  # type: ignore[no-untyped-def]
+    """The expert with both reductions summed in chunks, last chunk first."""
+    k = hidden.shape[1]
+    g = sum(hidden[:, i : i + 7] @ gate_up[:, i : i + 7].T for i in reversed(range(0, k, 7)))
+    gate, up = g.chunk(2, dim=-1)
+    h = act(gate) * up
+    n = h.shape[1]
+    out = sum(h[:, i : i + 5] @ down[:, i : i + 5].T for i in reversed(range(0, n, 5)))
+    return out * weights[:, None]
+
+
 def main() -> int:
     argv = sys.argv[1:]
     split = argv.index("--")
     p = argparse.ArgumentParser()
-    p.add_argument("lie", choices=["offset", "zeros", "nan", "pad"])
+    p.add_argument("lie", choices=["offset", "zeros", "nan", "pad", "reorder"])
     p.add_argument("--after", type=int, default=0)
     args = p.parse_args(argv[:split])
 
@@ -49,6 +62,8 @@ def main() -> int:
             return honest_forward(hidden, gate_up, down, act, weights)
         if args.lie == "offset":
             return honest_forward(hidden, gate_up, down, lambda g: act(g) + 1e-3, weights)
+        if args.lie == "reorder":
+            return _reordered(hidden, gate_up, down, act, weights)
         if args.lie == "zeros":
             return torch.zeros(hidden.shape[0], down.shape[0], dtype=hidden.dtype)
         return torch.full((hidden.shape[0], down.shape[0]), float("nan"), dtype=hidden.dtype)

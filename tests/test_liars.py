@@ -118,3 +118,20 @@ def test_a_fake_worker_with_a_copied_digest_earns_nothing(tiny_models, tmp_path)
         assert credited[fake.session_id] == 0
         honest = next(s for s in live.values() if s.session_id != fake.session_id)
         assert credited[honest.session_id] == honest.work_bytes > 0
+
+
+def test_an_honest_worker_that_sums_in_another_order_is_never_caught(tiny_models, tmp_path):
+    """A float32 worker in another language computes the same function in another order: its
+    partials differ from ours around 1e-7 relative. Audited on every row, it passes all; and
+    --compare-local, on a bit-exact wire, reports the logit difference and exits 1."""
+    model = tiny_models("qwen3_moe")
+    with LocalSwarm(tmp_path) as sw:
+        other, honest = _swarm_with_liar(sw, model, ["reorder"])
+        result = sw.run_backbone(["--model", str(model), "--prompt", "another order", "--batch", "4",
+                                  "--max-new-tokens", "12", "--compare-local", "--wait-sessions", "2",
+                                  "--audit-rate", "1"])
+        assert result["sessions_quarantined"] == [] and result["replays"] == 0
+        assert other.session_id in result["sessions_used"] and result["fallback_calls"] == 0
+        assert result["audited_rows"] == result["remote_rows"] > result["audit_exact_rows"]
+        assert 0.0 < result["max_abs_logit_diff"] < 1e-4
+        assert result["bit_exact_wire"] is True and result["backbone_exit_code"] == 1
