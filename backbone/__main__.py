@@ -59,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--audit-rate is a fraction from 0 to 1")
     hub_token = ""
     if args.hub:
-        from kvasir_rpc._access import TokenError, load_token
+        from kvasir_rpc import TokenError, load_token
 
         try:
             hub_token = load_token(args.hub_token_file)

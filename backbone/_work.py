@@ -18,7 +18,7 @@ import time
 import grpc
 
 from kvasir_rpc import get_logger, session_pb2, session_pb2_grpc
-from kvasir_rpc._access import bearer
+from kvasir_rpc import bearer
 
 __all__ = ["WorkReporter", "WorkTally"]
 

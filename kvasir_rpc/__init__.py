@@ -11,6 +11,18 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # the real names, for type checkers; at run time __getattr__ loads them
+    from kvasir_rpc._access import (
+        AUTHORIZATION_METADATA,
+        MIN_TOKEN_CHARS,
+        TARGET_KEY_METADATA,
+        TokenError,
+        bearer,
+        check_bearer,
+        load_or_create_token,
+        load_token,
+        target_key,
+        target_key_matches,
+    )
     from kvasir_rpc._errors import (
         CloseCode,
         LocalProtocolError,
@@ -86,6 +98,16 @@ __version__ = "0.1.0"
 
 _GEN = "kvasir_rpc._gen.kvasir.v1"
 _LAZY = {
+    "AUTHORIZATION_METADATA": "kvasir_rpc._access",
+    "MIN_TOKEN_CHARS": "kvasir_rpc._access",
+    "TARGET_KEY_METADATA": "kvasir_rpc._access",
+    "TokenError": "kvasir_rpc._access",
+    "bearer": "kvasir_rpc._access",
+    "check_bearer": "kvasir_rpc._access",
+    "load_or_create_token": "kvasir_rpc._access",
+    "load_token": "kvasir_rpc._access",
+    "target_key": "kvasir_rpc._access",
+    "target_key_matches": "kvasir_rpc._access",
     "CloseCode": "kvasir_rpc._errors",
     "LocalProtocolError": "kvasir_rpc._errors",
     "RemoteProtocolError": "kvasir_rpc._errors",

@@ -19,6 +19,7 @@ import secrets
 
 __all__ = [
     "AUTHORIZATION_METADATA",
+    "MIN_TOKEN_CHARS",
     "TARGET_KEY_METADATA",
     "TokenError",
     "bearer",

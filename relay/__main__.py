@@ -34,7 +34,7 @@ async def _until_signal(nursery: trio.Nursery, log, what: str) -> None:  # type:
 
 def run_hub(args: argparse.Namespace) -> int:
     from kvasir_rpc import Wallet
-    from kvasir_rpc._access import TokenError, load_or_create_token
+    from kvasir_rpc import TokenError, load_or_create_token
     from relay._hub import HubConfig, create_session_server, serve_hub
     from relay._registry import SessionRegistry
 

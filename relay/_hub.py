@@ -27,7 +27,7 @@ from kvasir_rpc import (
     session_pb2,
     session_pb2_grpc,
 )
-from kvasir_rpc._access import MIN_TOKEN_CHARS, TokenError
+from kvasir_rpc import MIN_TOKEN_CHARS, TokenError
 from kvasir_rpc._tunnel import (
     CTRL_CLOSE,
     CTRL_CLOSED,
@@ -39,7 +39,7 @@ from kvasir_rpc._tunnel import (
     keepalive,
     send_whole,
 )
-from kvasir_rpc._access import check_bearer
+from kvasir_rpc import check_bearer
 from relay._registry import SessionRegistry
 from relay._stream_limits import StreamLimits, StreamLimitsInterceptor
 from relay._target_gate import Admitted, Refused, TargetGate, Verdict

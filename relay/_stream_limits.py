@@ -22,7 +22,7 @@ from typing import Any
 
 import grpc
 
-from kvasir_rpc._access import AUTHORIZATION_METADATA, check_bearer
+from kvasir_rpc import AUTHORIZATION_METADATA, check_bearer
 
 __all__ = ["StreamLimits", "StreamLimitsInterceptor"]
 

@@ -27,7 +27,7 @@ import enum
 
 import hpack
 
-from kvasir_rpc._access import TARGET_KEY_METADATA, target_key_matches
+from kvasir_rpc import TARGET_KEY_METADATA, target_key_matches
 from kvasir_rpc._errors import LocalProtocolError, RemoteProtocolError
 
 __all__ = ["Admitted", "PREFACE", "Refused", "TargetGate", "Verdict"]
