@@ -80,7 +80,8 @@ def _request() -> expert_pb2.DispatchRequest:
 
 
 def _dispatch_code(target: str, metadata: tuple[tuple[str, str], ...]) -> tuple[grpc.StatusCode, str]:
-    with grpc.insecure_channel(target) as ch:
+    # Its own connection: grpcio would otherwise share one between channels to one address.
+    with grpc.insecure_channel(target, options=[("grpc.use_local_subchannel_pool", 1)]) as ch:
         stub = expert_pb2_grpc.ExpertServiceStub(ch)
         try:
             next(iter(stub.Dispatch(iter([_request()]), timeout=15, metadata=metadata)))

@@ -294,7 +294,9 @@ def test_a_real_grpc_client_through_the_gate():
     def client(port: int) -> None:
         for name, metadata in [("right", ((TARGET_KEY_METADATA, KEY),)), ("none", ()),
                                ("wrong", ((TARGET_KEY_METADATA, "0" * 64),))]:
-            with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
+            # Its own connection each: by default grpcio shares one between channels to the
+            # same address, and the gate admits connections, not calls.
+            with grpc.insecure_channel(f"127.0.0.1:{port}", options=[("grpc.use_local_subchannel_pool", 1)]) as ch:
                 echo = ch.unary_unary(_METHOD)
                 try:
                     # Two calls on one connection: the splice carries on after the first.
