@@ -341,13 +341,13 @@ class Dispatcher:
             try:
                 msg = rec.future.result(timeout=self.call_timeout_s)
             except Exception as exc:  # timeout or stream failure: recompute here
-                self._fallback(link, layer, rec, exc)
-                for r in rs:
-                    partials[r.expert] = self._local(module, layer, hidden, top_k_weights, r)
-                continue
-            out, violation = self._check(module, layer, hidden, sent, msg)
+                self._lost(link, layer, rec, exc)
+                out, violation = None, None
+            else:
+                out, violation = self._check(module, layer, hidden, sent, msg)
             if violation is not None:
                 replay |= self._quarantine(link, violation)
+            if out is None:  # lost or refused: recomputed here, not paid
                 with self._stats_lock:
                     self.fallback_calls += 1
                     self.fallback_rows += rec.rows
@@ -382,15 +382,12 @@ class Dispatcher:
 
     # -- checking answers --------------------------------------------------------------
 
-    def _fallback(self, link: WorkerLink, layer: int, rec: CallRecord, exc: BaseException) -> None:
+    def _lost(self, link: WorkerLink, layer: int, rec: CallRecord, exc: BaseException) -> None:
         log.warning("remote call lost; computing locally", session_id=link.session_id, layer=layer,
                     rows=rec.rows, error=repr(exc)[:200])
         link._fail(exc)
         with self._lock:
             self._seen_version = -1  # rebuild routes without this link
-        with self._stats_lock:
-            self.fallback_calls += 1
-            self.fallback_rows += rec.rows
 
     def _check(self, module: torch.nn.Module, layer: int, hidden: torch.Tensor, sent: _Sent,
                msg: expert_pb2.ExpertPartials) -> tuple[torch.Tensor | None, session_pb2.QuarantineRequest | None]:
@@ -477,16 +474,13 @@ class Dispatcher:
         act = module.act_fn
         assert callable(act)
         rows = exact = 0
-        worst = AuditResult(True, 0, 0, int(picked[0]), 0.0, 0.0)
         for sel, (gate_up, down) in self._by_expert(module, layer, sent, picked):
             v = audit_rows(out[picked[sel]], x[sel], gate_up, down, act, w[sel], picked[sel].tolist())
             rows += v.rows
             exact += v.exact
             if not v.passed:
                 return dataclasses.replace(v, rows=rows, exact=exact)
-            if v.max_abs_diff > worst.max_abs_diff:
-                worst = v
-        return dataclasses.replace(worst, rows=rows, exact=exact)
+        return AuditResult(True, rows, exact, int(picked[0]), 0.0, 0.0)
 
     def _quarantine(self, link: WorkerLink, evidence: session_pb2.QuarantineRequest) -> bool:
         """Stop using a session that delivered wrong work and report it with the evidence.

@@ -13,8 +13,17 @@ from concurrent.futures import Future
 
 import grpc
 
-from kvasir_rpc import expert_pb2, expert_pb2_grpc, get_logger, session_pb2, session_pb2_grpc, slices_from_proto
-from kvasir_rpc import TARGET_KEY_METADATA, bearer, target_key
+from kvasir_rpc import (
+    TARGET_KEY_METADATA,
+    bearer,
+    expert_pb2,
+    expert_pb2_grpc,
+    get_logger,
+    session_pb2,
+    session_pb2_grpc,
+    slices_from_proto,
+    target_key,
+)
 
 __all__ = ["CallRecord", "SessionWatcher", "WorkerLink"]
 

@@ -18,10 +18,12 @@ from kvasir_rpc._log import configure_logging, get_logger
 
 
 def _read_token(path: pathlib.Path) -> str:
-    token = path.read_text().strip()
-    if len(token) < 16:
-        raise SystemExit(f"{path}: the hub token must be at least 16 characters")
-    return token
+    from kvasir_rpc import TokenError, load_token
+
+    try:
+        return load_token(path)
+    except TokenError as exc:
+        raise SystemExit(str(exc)) from None
 
 
 async def _until_signal(nursery: trio.Nursery, log, what: str) -> None:  # type: ignore[no-untyped-def]
@@ -33,8 +35,7 @@ async def _until_signal(nursery: trio.Nursery, log, what: str) -> None:  # type:
 
 
 def run_hub(args: argparse.Namespace) -> int:
-    from kvasir_rpc import Wallet
-    from kvasir_rpc import TokenError, load_or_create_token
+    from kvasir_rpc import TokenError, Wallet, load_or_create_token
     from relay._hub import HubConfig, create_session_server, serve_hub
     from relay._registry import SessionRegistry
 
@@ -67,12 +68,8 @@ def run_hub(args: argparse.Namespace) -> int:
         log.info("sessions of a previous run closed; their receipts will be sent", sessions=ended)
     sender = ReceiptSender(store, registry, key, args.ledger, interval_s=args.receipt_interval)
     registry.on_removed.append(sender.session_ended)
-    import time
-
     from relay._work import WorkDesk
 
-    for wallet, until in store.active_bans(time.time_ns() // 1_000_000).items():
-        registry.ban(wallet, until)
     desk = WorkDesk(registry, store, key, quarantine_s=args.quarantine_seconds)
     server, bound_grpc = create_session_server(registry, f"{grpc_host}:{grpc_port}", backbone_token=backbone_token,
                                                desk=desk)

@@ -23,11 +23,13 @@ from kvasir_rpc import (
     RemoteProtocolError,
     Wallet,
     get_logger,
+    MIN_TOKEN_CHARS,
+    TokenError,
+    check_bearer,
     leaf_exception,
     session_pb2,
     session_pb2_grpc,
 )
-from kvasir_rpc import MIN_TOKEN_CHARS, TokenError
 from kvasir_rpc._tunnel import (
     CTRL_CLOSE,
     CTRL_CLOSED,
@@ -39,7 +41,6 @@ from kvasir_rpc._tunnel import (
     keepalive,
     send_whole,
 )
-from kvasir_rpc import check_bearer
 from relay._registry import SessionRegistry
 from relay._stream_limits import StreamLimits, StreamLimitsInterceptor
 from relay._target_gate import Admitted, Refused, TargetGate, Verdict

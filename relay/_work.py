@@ -43,6 +43,9 @@ class WorkDesk:
         self.store = store
         self.key = key
         self.quarantine_s = quarantine_s
+        # Bans outlive the hub: a restart frees no quarantined wallet.
+        for wallet, until in store.active_bans(time.time_ns() // 1_000_000).items():
+            registry.ban(wallet, until)
 
     def report(self, request: session_pb2.ReportWorkRequest) -> session_pb2.ReportWorkResponse:
         if not _RUN_ID.fullmatch(request.run_id):
