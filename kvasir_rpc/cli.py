@@ -204,6 +204,9 @@ def main(argv: list[str] | None = None) -> int:
                       help="workers reach the hub through the TLS gateway (default) or directly")
     demo.add_argument("--json", action="store_true", help="last line of stdout: one JSON object")
     demo.set_defaults(func=_cmd_demo)
+    from kvasir_rpc.dev import conformance
+
+    conformance.add_parser(sub)
     args = parser.parse_args(argv)
     return int(args.func(args))
 

@@ -1,0 +1,1 @@
+"""Developer tooling behind the ``kvasir`` command: checks, benchmarks, local swarms."""

@@ -1,0 +1,84 @@
+"""A worker that breaks the tunnel protocol, for the conformance tests: the real
+``python -m worker`` with one fault patched in at its WebSocket.
+
+    python tests/bad_tunnel_worker.py FAULT -- <python -m worker arguments>
+
+FAULT is one of:
+  no-subprotocol  offers kvasir.tunnel.v0 instead of kvasir.tunnel.v1
+  digest          announces (and describes) a weights digest with one bit flipped
+  idle-eof        sends "eof" as soon as the hub accepts it, with no connection open
+  no-closed       never answers "close" with "closed"
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from collections.abc import AsyncIterator
+from typing import Any
+
+FAULTS = ("no-subprotocol", "digest", "idle-eof", "no-closed")
+
+
+class _FaultyWebSocket:
+    """The worker's WebSocket, with the fault applied to what passes through it."""
+
+    def __init__(self, ws: Any, fault: str) -> None:
+        self._ws = ws
+        self._fault = fault
+        self._binary_received = 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._ws, name)
+
+    async def get_message(self) -> bytes | str:
+        msg = await self._ws.get_message()
+        if isinstance(msg, bytes):
+            self._binary_received += 1
+            # The second binary message is SessionAccept: the session is up and idle.
+            if self._fault == "idle-eof" and self._binary_received == 2:
+                await self._ws.send_message("eof")
+        return msg  # type: ignore[no-any-return]
+
+    async def send_message(self, message: bytes | str) -> None:
+        if self._fault == "no-closed" and message == "closed":
+            return
+        await self._ws.send_message(message)
+
+
+def main() -> int:
+    argv = sys.argv[1:]
+    split = argv.index("--")
+    fault = argv[0] if split == 1 else ""
+    if fault not in FAULTS:
+        print(f"usage: bad_tunnel_worker.py {{{','.join(FAULTS)}}} -- WORKER ARGS", file=sys.stderr)
+        return 2
+
+    import worker.__main__ as worker_main
+    import worker._tunnel as tunnel
+
+    if fault == "digest":
+        honest_load = worker_main.load_experts
+
+        def load_experts(*args: Any, **kwargs: Any) -> Any:
+            experts = honest_load(*args, **kwargs)
+            experts.weights_digest = bytes([experts.weights_digest[0] ^ 1]) + experts.weights_digest[1:]
+            return experts
+
+        worker_main.load_experts = load_experts  # type: ignore[assignment]
+    else:
+        honest_open = tunnel.open_websocket_url
+
+        @contextlib.asynccontextmanager
+        async def open_websocket_url(url: str, **kwargs: Any) -> AsyncIterator[Any]:
+            if fault == "no-subprotocol":
+                kwargs["subprotocols"] = ["kvasir.tunnel.v0"]
+            async with honest_open(url, **kwargs) as ws:
+                yield _FaultyWebSocket(ws, fault)
+
+        tunnel.open_websocket_url = open_websocket_url  # type: ignore[assignment]
+    return worker_main.main(argv[split + 1 :])
+
+
+if __name__ == "__main__":
+    sys.exit(main())
