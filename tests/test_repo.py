@@ -13,6 +13,9 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 COMPONENTS = ("backbone", "worker", "relay", "ledger")
+# The one exception, by file: the conformance check judges a worker's numbers with the
+# backbone's own audit tolerance, so that it passes exactly what the backbone accepts.
+ALLOWED = {"kvasir_rpc/dev/conformance.py": {"backbone"}}
 
 
 def test_generated_code_is_fresh(tmp_path):
@@ -31,11 +34,13 @@ def _imports(pkg: str) -> set[str]:
     for path in (ROOT / pkg).rglob("*.py"):
         if "_gen" in path.parts:
             continue
+        names: set[str] = set()
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
             if isinstance(node, ast.Import):
-                found.update(a.name.split(".")[0] for a in node.names)
+                names.update(a.name.split(".")[0] for a in node.names)
             elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-                found.add(node.module.split(".")[0])
+                names.add(node.module.split(".")[0])
+        found |= names - ALLOWED.get(path.relative_to(ROOT).as_posix(), set())
     return found
 
 

@@ -300,6 +300,8 @@ class _Check:
         """Run one step under ``limit_s``; a step raising _StepFailed, timing out or (a
         ``session`` step) cut short by the end of the session fails. A session step is skipped
         once the session is over; the first after an end no step saw fails with its reason."""
+        from trio_websocket import ConnectionClosed
+
         if session and self.fatal is not None:
             if self._fatal_reported:
                 self.record(StepResult(name, SKIP, f"not run: {self.fatal}"))
@@ -320,6 +322,11 @@ class _Check:
                 detail = str(exc)
             except trio.TooSlowError:
                 detail = f"not done within {limit_s:g} s"
+            except ConnectionClosed as exc:
+                why = exc.reason
+                await self.end("the worker closed the WebSocket" + ("" if why is None else
+                               f": {why.code} {why.reason or ''}".rstrip()))
+                detail = self.fatal or ""
         self._scope = None
         if scope.cancelled_caught:
             detail = self.fatal or "stopped"
@@ -468,8 +475,10 @@ class _Check:
             with trio.fail_after(OPEN_TIMEOUT_S):
                 await self.first_data.wait()
         except trio.TooSlowError:
-            raise _StepFailed(f"no HTTP/2 bytes within {OPEN_TIMEOUT_S:g} s of 'open': on 'open' a worker "
-                              "dials its gRPC server and copies its bytes into binary messages") from None
+            # Nothing after this can be judged: every other step needs the connection.
+            await self.end(f"no HTTP/2 bytes within {OPEN_TIMEOUT_S:g} s of 'open': on 'open' a worker dials "
+                           "its gRPC server and copies its bytes into binary messages")
+            raise _StepFailed(self.fatal) from None
         first_ms = (time.monotonic() - t0) * 1000
         try:
             await trio.to_thread.run_sync(ready.result, OPEN_TIMEOUT_S, abandon_on_cancel=True)
@@ -679,8 +688,8 @@ class _Check:
             except ConnectionClosed as exc:
                 if not self.finishing:
                     why = exc.reason
-                    await self.end("the worker closed the WebSocket" if why is None else
-                                   f"the worker closed the WebSocket: {why.code} {why.reason or ''}".strip())
+                    await self.end("the worker closed the WebSocket" + ("" if why is None else
+                                   f": {why.code} {why.reason or ''}".rstrip()))
                 return
             state = self.tunnel.state
             try:
