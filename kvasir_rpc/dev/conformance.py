@@ -239,6 +239,7 @@ class _Check:
         self._upgrade: StepResult | None = None
         self._scope: trio.CancelScope | None = None
         self._fatal_reported = False
+        self.ended_at: str | None = None  # the step that failed with the session's end
         self._nursery: trio.Nursery | None = None
         # The current spliced connection (one at a time, as the hub does).
         self.stream: trio.SocketStream | None = None
@@ -253,6 +254,12 @@ class _Check:
         self._close_sent_at = 0.0
 
     # reporting
+
+    def skipped(self) -> str:
+        """The detail of a step not run because the session is over."""
+        if self.ended_at is not None:
+            return f"not run: the session ended in step {self.ended_at}"
+        return f"not run: {self.fatal or 'stopped'}"
 
     def record(self, result: StepResult) -> None:
         self.results.append(result)
@@ -304,9 +311,9 @@ class _Check:
 
         if session and self.fatal is not None:
             if self._fatal_reported:
-                self.record(StepResult(name, SKIP, f"not run: {self.fatal}"))
+                self.record(StepResult(name, SKIP, self.skipped()))
             else:
-                self._fatal_reported = True
+                self._fatal_reported, self.ended_at = True, name
                 self.record(StepResult(name, FAIL, self.fatal))
             return False
         t0 = time.monotonic()
@@ -331,6 +338,8 @@ class _Check:
         if scope.cancelled_caught:
             detail = self.fatal or "stopped"
         result = StepResult(name, status, detail, notes, round(time.monotonic() - t0, 3))
+        if self.fatal is not None and self._fatal_reported and self.ended_at is None:
+            self.ended_at = name
         self.record(result)
         return status == PASS
 
@@ -374,10 +383,12 @@ class _Check:
             code = self.proc.poll() if self.proc is not None else None
             if code is not None:
                 self.fatal = f"the worker command exited with code {code} before dialling {self.url}"
+                self.ended_at = "upgrade"
                 self.record(StepResult("upgrade", FAIL, f"{self.fatal}; its output ends:\n{_tail(self.cfg.worker_log)}"))
                 return False
             if trio.current_time() > deadline:
                 self.fatal = f"no worker dialled {self.url} within {self.cfg.timeout_s:g} s"
+                self.ended_at = "upgrade"
                 self.record(StepResult("upgrade", FAIL, self.fatal))
                 return False
             with trio.move_on_after(0.1):
@@ -386,7 +397,7 @@ class _Check:
         self._upgrade.seconds = round(time.monotonic() - t0, 3)
         self.record(self._upgrade)
         if self._upgrade.status != PASS:
-            self.fatal = "the WebSocket upgrade failed"
+            self.fatal, self.ended_at = "the WebSocket upgrade failed", "upgrade"
             return False
         return True
 
@@ -838,7 +849,7 @@ def run_check(model: pathlib.Path, *, host: str = "127.0.0.1", port: int = 0, wo
         done = {r.step for r in check.results}
         for name in STEPS:
             if name not in done:
-                check.record(StepResult(name, SKIP, f"not run: {check.fatal or 'stopped'}"))
+                check.record(StepResult(name, SKIP, check.skipped()))
         order = {name: i for i, name in enumerate(STEPS)}
         results = sorted(check.results, key=lambda r: order[r.step])
     hello = check.hello
