@@ -159,7 +159,7 @@ def test_hub_refuses_bad_hello_and_keeps_serving(swarm):
     from trio_websocket import ConnectionClosed, open_websocket_url
 
     from kvasir_rpc import HELLO_SIGNATURE_DOMAIN, Wallet, session_pb2
-    from kvasir_rpc._tunnel import SUBPROTOCOL
+    from kvasir_rpc.protocol import TUNNEL_SUBPROTOCOL as SUBPROTOCOL
 
     wallet, other = Wallet.generate(), Wallet.generate()
 
