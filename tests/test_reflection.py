@@ -126,6 +126,8 @@ def test_enable_reflection_refuses_a_service_it_cannot_describe() -> None:
     srv = grpc.server(futures.ThreadPoolExecutor(max_workers=1))
     with pytest.raises(ValueError, match=r"kvasir\.v1\.Missing.*_pb2"):
         enable_reflection(srv, [EXPERT_SERVICE, "kvasir.v1.Missing"])
+    with pytest.raises(TypeError, match="list of service names"):
+        enable_reflection(srv, EXPERT_SERVICE)
     srv.stop(None)
 
 
