@@ -46,6 +46,7 @@ if TYPE_CHECKING:  # the real names, for type checkers; at run time __getattr__ 
         slices_from_proto,
         slices_to_proto,
     )
+    from kvasir_rpc._reflection import enable_reflection
     from kvasir_rpc._receipts import (
         DEFAULT_RATE_NANO_PER_BYTE,
         ReceiptError,
@@ -125,6 +126,7 @@ _LAZY = {
     "WorkerHandshake": "kvasir_rpc._handshake",
     "slices_from_proto": "kvasir_rpc._handshake",
     "slices_to_proto": "kvasir_rpc._handshake",
+    "enable_reflection": "kvasir_rpc._reflection",
     "DEFAULT_RATE_NANO_PER_BYTE": "kvasir_rpc._receipts",
     "ReceiptError": "kvasir_rpc._receipts",
     "format_kvr": "kvasir_rpc._receipts",

@@ -143,7 +143,7 @@ def create_session_server(registry: SessionRegistry, address: str, *, backbone_t
     ``backbone_token`` in its own allowance), so ListSessions always finds a thread.
     ReportWork and Quarantine go to ``desk`` for callers presenting the token."""
     from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-    from grpc_reflection.v1alpha import reflection
+    from kvasir_rpc import enable_reflection
 
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=limits.threads, thread_name_prefix="session-svc"),
                          interceptors=[StreamLimitsInterceptor(limits, backbone_token)])
@@ -152,9 +152,8 @@ def create_session_server(registry: SessionRegistry, address: str, *, backbone_t
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     health_servicer.set("kvasir.v1.SessionService", health_pb2.HealthCheckResponse.SERVING)
-    reflection.enable_server_reflection(
-        [session_pb2.DESCRIPTOR.services_by_name["SessionService"].full_name, reflection.SERVICE_NAME], server
-    )
+    enable_reflection(server, [session_pb2.DESCRIPTOR.services_by_name["SessionService"].full_name,
+                               health.SERVICE_NAME])
     port = server.add_insecure_port(address)
     if port == 0:
         raise OSError(f"could not bind the hub's gRPC address {address}")

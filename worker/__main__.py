@@ -24,6 +24,8 @@ from kvasir_rpc import (
     WorkerHandshake,
     __version__,
     configure_logging,
+    enable_reflection,
+    expert_pb2,
     expert_pb2_grpc,
     format_slices,
     get_logger,
@@ -89,6 +91,8 @@ def main(argv: list[str] | None = None) -> int:
         options=[("grpc.max_receive_message_length", 256 << 20), ("grpc.max_send_message_length", 256 << 20)],
     )
     expert_pb2_grpc.add_ExpertServiceServicer_to_server(servicer, server)
+    # Reflection reaches only those who reach the server: the key holder through the hub's target.
+    enable_reflection(server, [expert_pb2.DESCRIPTOR.services_by_name["ExpertService"].full_name])
     server.add_insecure_port(f"unix:{uds_path}")
     if args.direct_grpc:
         # Opt-in, for benchmarks and trusted LANs: the one case where the worker listens.
