@@ -1,0 +1,353 @@
+"""The wire between hub, gateway and worker, without I/O (in the manner of h11 and wsproto).
+
+Every wire constant lives here once, with the two protocols that run over WebSockets after
+the session handshake (``_handshake``):
+
+* the tunnel control: which backbone connection the HTTP/2 bytes of a tunnel belong to
+  (``HubTunnel`` and ``WorkerTunnel``);
+* the gateway pairing: how the public gateway tells a hub that a worker is waiting
+  (``encode_pair`` / ``decode_pair``).
+
+Each side is a plain object: its methods return what to send, and ``receive`` turns a
+message from the peer into an event. A message the peer may not send in the current state
+raises ``RemoteProtocolError`` carrying the WebSocket close code to answer with; calling a
+method in the wrong state raises ``LocalProtocolError``. The trio code in the hub, the
+worker and the gateway only moves bytes around these objects.
+
+docs/PROTOCOL.md is the normative description; tests/vectors/tunnel_control.json pins the
+sequences. This module imports no protobuf, gRPC or torch module.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import json
+import re
+from collections.abc import Sequence
+
+from kvasir_rpc._errors import CloseCode, LocalProtocolError, RemoteProtocolError
+
+__all__ = [
+    "CLOSE_TIMEOUT_S",
+    "CONTROL_WORDS",
+    "GATEWAY_SUBPROTOCOL",
+    "HEALTH_PATH",
+    "HUB_CONTROL_PATH",
+    "HUB_DATA_PREFIX",
+    "HUB_HANDSHAKE_TIMEOUT_S",
+    "KEEPALIVE_S",
+    "KEEPALIVE_TIMEOUT_S",
+    "MAX_MESSAGE_BYTES",
+    "PAIRING_VERSION",
+    "PING",
+    "READ_BYTES",
+    "TUNNEL_SUBPROTOCOL",
+    "TUNNEL_SUBPROTOCOLS",
+    "WORKER_HANDSHAKE_TIMEOUT_S",
+    "WORKER_PATH",
+    "Close",
+    "CloseCode",
+    "Closed",
+    "Control",
+    "Data",
+    "Discarded",
+    "Eof",
+    "Event",
+    "HubTunnel",
+    "LocalProtocolError",
+    "Open",
+    "PairRequest",
+    "RemoteProtocolError",
+    "TunnelState",
+    "WorkerTunnel",
+    "choose_subprotocol",
+    "decode_pair",
+    "encode_pair",
+]
+
+# --- Subprotocols and paths -------------------------------------------------------------
+
+TUNNEL_SUBPROTOCOL = "kvasir.tunnel.v1"
+# Every tunnel version this implementation speaks, newest first. A later version is a new
+# subprotocol name: a worker offers all it speaks, the hub picks its newest one offered.
+TUNNEL_SUBPROTOCOLS: tuple[str, ...] = (TUNNEL_SUBPROTOCOL,)
+GATEWAY_SUBPROTOCOL = "kvasir.gateway.v1"
+
+WORKER_PATH = "/v1/worker"  # gateway: workers dial here
+HUB_CONTROL_PATH = "/v1/hub/control"  # gateway: the hub's control WebSocket (bearer token)
+HUB_DATA_PREFIX = "/v1/hub/data/"  # gateway: the hub dials this + pair id for each worker
+HEALTH_PATH = "/healthz"
+
+# --- Limits and timers --------------------------------------------------------------------
+
+# The largest WebSocket message either side accepts (larger: close 1009).
+MAX_MESSAGE_BYTES = 4 << 20
+# A tunnel data message carries at most this many bytes (reads of about 1 MiB beat small
+# reads for bulk, see PERF_NOTES).
+READ_BYTES = 1 << 20
+# Both ends ping this often; no pong within the timeout: the peer is gone (close 1001).
+KEEPALIVE_S = 15.0
+KEEPALIVE_TIMEOUT_S = 10.0
+# The hub gives a worker this long from the upgrade to a verified hello (then close 1008).
+HUB_HANDSHAKE_TIMEOUT_S = 10.0
+# The worker gives the hub this long to connect, challenge and accept.
+WORKER_HANDSHAKE_TIMEOUT_S = 15.0
+# A worker must answer "close" with "closed" within this (else the hub closes 1008).
+CLOSE_TIMEOUT_S = 10.0
+
+
+def choose_subprotocol(offered: Sequence[str], supported: Sequence[str] = TUNNEL_SUBPROTOCOLS) -> str | None:
+    """The newest tunnel version both sides speak, or None (the hub then answers HTTP 400)."""
+    for name in supported:
+        if name in offered:
+            return name
+    return None
+
+
+# --- Tunnel control -----------------------------------------------------------------------
+
+
+class Control(str, enum.Enum):
+    """The text messages of the tunnel. Any other text message is a protocol error."""
+
+    OPEN = "open"  # hub -> worker: a backbone connection was admitted; dial your gRPC server
+    EOF = "eof"  # worker -> hub: your gRPC server ended the connection
+    CLOSE = "close"  # hub -> worker: the connection ended; drop your side
+    CLOSED = "closed"  # worker -> hub: dropped; bytes after this belong to the next "open"
+
+
+CONTROL_WORDS = frozenset(c.value for c in Control)
+
+
+class TunnelState(enum.Enum):
+    IDLE = "IDLE"  # no backbone connection
+    OPEN = "OPEN"  # bytes flow both ways
+    EOF = "EOF"  # the worker's gRPC server ended the connection ("eof" sent / received)
+    CLOSING = "CLOSING"  # "close" sent / received, "closed" not yet
+
+
+@dataclasses.dataclass(frozen=True)
+class Open:
+    """The hub opened a connection: dial the local gRPC server."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Data:
+    """HTTP/2 bytes of the current connection."""
+
+    data: bytes
+
+
+@dataclasses.dataclass(frozen=True)
+class Eof:
+    """The worker's gRPC server ended the connection: the hub closes it."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Close:
+    """The hub ended the connection: drop it, then send "closed"."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Closed:
+    """The worker dropped the connection: the tunnel is idle."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Discarded:
+    """Late bytes (or "eof") of a connection the hub already closed: dropped, not counted."""
+
+    nbytes: int
+
+
+Event = Open | Data | Eof | Close | Closed | Discarded
+
+_S = TunnelState
+_C = Control
+
+# The one place the transitions live: (state, what happens) -> next state. "send X" is this
+# side sending X; "recv X" is X arriving from the peer ("recv data" is a binary message).
+HUB_TRANSITIONS: dict[tuple[TunnelState, str], TunnelState] = {
+    (_S.IDLE, "send open"): _S.OPEN,
+    (_S.OPEN, "send data"): _S.OPEN,
+    (_S.OPEN, "recv data"): _S.OPEN,
+    (_S.OPEN, "recv eof"): _S.EOF,
+    (_S.OPEN, "send close"): _S.CLOSING,
+    (_S.EOF, "send close"): _S.CLOSING,
+    (_S.CLOSING, "recv data"): _S.CLOSING,  # discarded
+    (_S.CLOSING, "recv eof"): _S.CLOSING,  # discarded
+    (_S.CLOSING, "recv closed"): _S.IDLE,
+}
+WORKER_TRANSITIONS: dict[tuple[TunnelState, str], TunnelState] = {
+    (_S.IDLE, "recv open"): _S.OPEN,
+    (_S.OPEN, "recv data"): _S.OPEN,
+    (_S.OPEN, "send data"): _S.OPEN,
+    (_S.OPEN, "send eof"): _S.EOF,
+    (_S.OPEN, "recv close"): _S.CLOSING,
+    (_S.EOF, "recv data"): _S.EOF,  # sent before the hub saw "eof": dropped by the worker
+    (_S.EOF, "recv close"): _S.CLOSING,
+    (_S.CLOSING, "send data"): _S.CLOSING,  # in flight when "close" came: the hub discards it
+    (_S.CLOSING, "send eof"): _S.CLOSING,
+    (_S.CLOSING, "send closed"): _S.IDLE,
+}
+
+
+def _what(msg: bytes | str) -> str:
+    if isinstance(msg, (bytes, bytearray, memoryview)):
+        return "data"
+    if msg not in CONTROL_WORDS:
+        raise RemoteProtocolError(f"unknown control message {msg[:32]!r}: the tunnel's text messages are "
+                                  f"{', '.join(repr(c.value) for c in Control)}", close_code=CloseCode.PROTOCOL_ERROR)
+    return msg
+
+
+class _Side:
+    _name = ""
+    _table: dict[tuple[TunnelState, str], TunnelState] = {}
+
+    def __init__(self) -> None:
+        self.state = TunnelState.IDLE
+        # Connections opened so far (the first is 1): what a log line can name.
+        self.connections = 0
+
+    def _send(self, what: str) -> None:
+        nxt = self._table.get((self.state, f"send {what}"))
+        if nxt is None:
+            raise LocalProtocolError(f"{self._name} tunnel: can't send {what} in state {self.state.value}")
+        self.state = nxt
+
+    def _receive(self, msg: bytes | str) -> str:
+        what = _what(msg)
+        nxt = self._table.get((self.state, f"recv {what}"))
+        if nxt is None:
+            peer = "worker" if self._name == "hub" else "hub"
+            shown = f"{len(msg)} bytes of data" if what == "data" else repr(what)
+            raise RemoteProtocolError(f"the {peer} sent {shown} while the tunnel is {self.state.value}",
+                                      close_code=CloseCode.PROTOCOL_ERROR)
+        before, self.state = self.state, nxt
+        return f"{before.value} {what}"
+
+
+class HubTunnel(_Side):
+    """The hub's side of one worker's tunnel."""
+
+    _name = "hub"
+    _table = HUB_TRANSITIONS
+
+    def open(self) -> str:
+        """A backbone connection was admitted: the message that opens it on the worker."""
+        self._send("open")
+        self.connections += 1
+        return _C.OPEN.value
+
+    def send_data(self, data: bytes) -> bytes:
+        if len(data) > READ_BYTES:
+            raise LocalProtocolError(f"a tunnel message carries at most {READ_BYTES} bytes, not {len(data)}")
+        self._send("data")
+        return data
+
+    def close(self) -> str:
+        """The backbone's connection ended (or the worker said "eof")."""
+        self._send("close")
+        return _C.CLOSE.value
+
+    def receive(self, msg: bytes | str) -> Event:
+        step = self._receive(msg)
+        if step == "OPEN data":
+            return Data(bytes(msg) if not isinstance(msg, bytes) else msg)  # type: ignore[arg-type]
+        if step == "OPEN eof":
+            return Eof()
+        if step == "CLOSING data":
+            return Discarded(len(msg))
+        if step == "CLOSING eof":
+            return Discarded(0)
+        return Closed()  # "CLOSING closed", the only other transition that receives
+
+
+class WorkerTunnel(_Side):
+    """The worker's side of its tunnel."""
+
+    _name = "worker"
+    _table = WORKER_TRANSITIONS
+
+    def receive(self, msg: bytes | str) -> Event:
+        step = self._receive(msg)
+        if step == "IDLE open":
+            self.connections += 1
+            return Open()
+        if step.endswith(" close"):
+            return Close()
+        return Data(bytes(msg) if not isinstance(msg, bytes) else msg)  # type: ignore[arg-type]
+
+    def send_data(self, data: bytes) -> bytes:
+        if len(data) > READ_BYTES:
+            raise LocalProtocolError(f"a tunnel message carries at most {READ_BYTES} bytes, not {len(data)}")
+        self._send("data")
+        return data
+
+    def eof(self) -> str:
+        """The local gRPC server ended the connection."""
+        self._send("eof")
+        return _C.EOF.value
+
+    def closed(self) -> str:
+        """The local connection is dropped: the hub may open the next one."""
+        self._send("closed")
+        return _C.CLOSED.value
+
+
+# --- Gateway pairing ------------------------------------------------------------------------
+
+PAIRING_VERSION = 1
+# The only message a hub sends on its control WebSocket.
+PING = "ping"
+_PAIR_ID = re.compile(r"[A-Za-z0-9_-]{8,64}")
+MAX_REMOTE_CHARS = 64
+MAX_PAIR_MESSAGE_CHARS = 1024
+
+
+@dataclasses.dataclass(frozen=True)
+class PairRequest:
+    """The gateway to the hub: a worker waits under ``pair_id``; dial HUB_DATA_PREFIX + pair_id."""
+
+    pair_id: str
+    remote: str = ""
+
+    def __post_init__(self) -> None:
+        if not _PAIR_ID.fullmatch(self.pair_id):
+            raise ValueError("a pair id is 8 to 64 characters of A-Z a-z 0-9 _ -")
+
+
+def encode_pair(request: PairRequest) -> str:
+    """The control message announcing a waiting worker: a JSON object."""
+    return json.dumps({"v": PAIRING_VERSION, "pair": request.pair_id, "remote": request.remote[:MAX_REMOTE_CHARS]},
+                      separators=(",", ":"))
+
+
+def decode_pair(message: bytes | str) -> PairRequest:
+    """Parse a pairing announcement. Unknown keys are ignored (later versions add keys); a
+    malformed one raises RemoteProtocolError (1002)."""
+
+    def bad(why: str) -> RemoteProtocolError:
+        return RemoteProtocolError(f"malformed pairing message: {why}", close_code=CloseCode.PROTOCOL_ERROR)
+
+    if not isinstance(message, str):
+        raise bad("pairing messages are text")
+    if len(message) > MAX_PAIR_MESSAGE_CHARS:
+        raise bad(f"{len(message)} characters, at most {MAX_PAIR_MESSAGE_CHARS}")
+    try:
+        obj = json.loads(message)
+    except ValueError as exc:
+        raise bad(f"not JSON ({exc})") from exc
+    if not isinstance(obj, dict):
+        raise bad("not a JSON object")
+    version = obj.get("v", PAIRING_VERSION)  # the first gateways sent no version
+    if not isinstance(version, int) or version < PAIRING_VERSION:
+        raise bad(f"version {version!r}")
+    pid, remote = obj.get("pair"), obj.get("remote", "")
+    if not isinstance(pid, str) or not _PAIR_ID.fullmatch(pid):
+        raise bad("'pair' must be 8 to 64 characters of A-Z a-z 0-9 _ -")
+    if not isinstance(remote, str):
+        raise bad("'remote' must be a string")
+    return PairRequest(pid, remote[:MAX_REMOTE_CHARS])
