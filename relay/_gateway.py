@@ -23,8 +23,8 @@ from collections.abc import Callable
 import trio
 
 from kvasir_rpc._errors import CloseCode
-from kvasir_rpc._log import get_logger
-from kvasir_rpc._tls import TLSStream
+from kvasir_rpc import get_logger
+from kvasir_rpc import TLSStream
 from relay._ws import HttpError, HttpRequest, WebSocket, WsClosed, read_request, send_response, upgrade
 
 __all__ = ["GatewayConfig", "GatewayStats", "serve_gateway", "CONTROL_SUBPROTOCOL"]

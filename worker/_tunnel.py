@@ -10,7 +10,7 @@ from collections.abc import Callable
 import trio
 from trio_websocket import ConnectionClosed, HandshakeError, WebSocketConnection
 
-from kvasir_rpc._tls import open_websocket_url
+from kvasir_rpc import open_websocket_url
 from kvasir_rpc import CloseCode, RemoteProtocolError, WorkerHandshake, get_logger, leaf_exception
 from kvasir_rpc._tunnel import (
     CTRL_CLOSE,
