@@ -1,6 +1,8 @@
 """Kvasir RPC shared library: protocol stubs, tensor codec, expert kernel, tunnel,
-wallets, checkpoint reading and logging. Imports no component package; components use only
-the names in ``__all__``.
+wallets, checkpoint reading and logging. Imports no component package, and components use
+only the names in ``__all__`` (tests/test_repo.py checks both). Development tooling (the
+``kvasir`` command, the local-swarm launcher, benchmarks, tiny checkpoints) lives in
+``kvasir_rpc.dev``, which nothing here imports.
 
 Every name loads on first use: the gateway imports no protobuf or gRPC module and the
 relay and the ledger start without torch, while ``from kvasir_rpc import X`` works for all.
@@ -104,10 +106,6 @@ if TYPE_CHECKING:  # the real names, for type checkers; at run time __getattr__ 
         TLSStream,
         open_websocket_url,
     )
-    from kvasir_rpc._tiny import (
-        ARCHES,
-        make_tiny_checkpoint,
-    )
 
 __version__ = "0.1.0"
 
@@ -181,8 +179,6 @@ _LAZY = {
     "threads_initializer": "kvasir_rpc._kernel",
     "TLSStream": "kvasir_rpc._tls",
     "open_websocket_url": "kvasir_rpc._tls",
-    "ARCHES": "kvasir_rpc._tiny",
-    "make_tiny_checkpoint": "kvasir_rpc._tiny",
 }
 
 __all__ = ["__version__", *_LAZY]
