@@ -12,9 +12,7 @@ import sys
 
 import trio
 
-from kvasir_rpc._cliargs import hostport, write_ready_file
-from kvasir_rpc._fastmask import install as install_fast_masking
-from kvasir_rpc._log import configure_logging, get_logger
+from kvasir_rpc import configure_logging, get_logger, hostport, install_fast_masking, write_ready_file
 
 
 def _read_token(path: pathlib.Path) -> str:

@@ -22,9 +22,7 @@ from collections.abc import Callable
 
 import trio
 
-from kvasir_rpc._errors import CloseCode
-from kvasir_rpc._log import get_logger
-from kvasir_rpc._tls import TLSStream
+from kvasir_rpc import CloseCode, TLSStream, get_logger
 from kvasir_rpc.protocol import (
     GATEWAY_SUBPROTOCOL,
     HEALTH_PATH,

@@ -26,11 +26,12 @@ from kvasir_rpc import (
     MIN_TOKEN_CHARS,
     TokenError,
     check_bearer,
+    keepalive,
     leaf_exception,
+    send_whole,
     session_pb2,
     session_pb2_grpc,
 )
-from kvasir_rpc._tunnel import keepalive, send_whole
 from kvasir_rpc.protocol import (
     CLOSE_TIMEOUT_S,
     HUB_HANDSHAKE_TIMEOUT_S,

@@ -10,8 +10,7 @@ from collections.abc import Awaitable, Callable
 import trio
 from trio_websocket import ConnectionClosed, HandshakeError, WebSocketConnection
 
-from kvasir_rpc._tls import open_websocket_url
-from kvasir_rpc import get_logger, leaf_exception
+from kvasir_rpc import get_logger, leaf_exception, open_websocket_url
 from kvasir_rpc.protocol import (
     GATEWAY_SUBPROTOCOL,
     HUB_CONTROL_PATH,

@@ -16,7 +16,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory: pytest.TempPathFactory):
     """A function arch -> checkpoint folder, each made at most once per test session."""
-    from kvasir_rpc import make_tiny_checkpoint
+    from kvasir_rpc.dev.tiny import make_tiny_checkpoint
 
     base = tmp_path_factory.mktemp("models")
     made: dict[str, pathlib.Path] = {}

@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from kvasir_rpc import Wallet
-from kvasir_rpc.cli import main
+from kvasir_rpc.dev.cli import main
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 

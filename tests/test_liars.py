@@ -9,7 +9,7 @@ import pathlib
 import pytest
 from helpers import wait_until
 
-from kvasir_rpc._swarm import LocalSwarm
+from kvasir_rpc.dev.swarm import LocalSwarm
 
 LIAR = str(pathlib.Path(__file__).with_name("liar_worker.py"))
 DECODE = ["--prompt", "who checks the workers", "--batch", "8", "--max-new-tokens", "40", "--compare-local",

@@ -7,7 +7,7 @@ import sqlite3
 
 from helpers import wait_until
 
-from kvasir_rpc._swarm import LocalSwarm
+from kvasir_rpc.dev.swarm import LocalSwarm
 
 
 def test_hub_restart_loses_no_counted_byte(tiny_models, tmp_path):

@@ -14,8 +14,8 @@ from helpers import wait_until
 from kvasir_rpc import expert_pb2, expert_pb2_grpc, session_pb2
 from kvasir_rpc._access import TARGET_KEY_METADATA, target_key
 from kvasir_rpc._codec import decode_tensor, encode_tensor
-from kvasir_rpc._swarm import LocalSwarm
-from kvasir_rpc.cli import run_demo
+from kvasir_rpc.dev.cli import run_demo
+from kvasir_rpc.dev.swarm import LocalSwarm
 
 
 @pytest.mark.parametrize(

@@ -56,13 +56,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--log-level", default="info")
     args = p.parse_args(argv)
     configure_logging("worker", level=args.log_level)
-    from kvasir_rpc._fastmask import install as install_fast_masking
+    from kvasir_rpc import install_fast_masking
 
     install_fast_masking()
 
     import torch
 
-    from kvasir_rpc._kernel import threads_initializer
+    from kvasir_rpc import threads_initializer
 
     if args.threads:
         torch.set_num_threads(args.threads)

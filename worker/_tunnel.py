@@ -10,9 +10,16 @@ from collections.abc import Callable
 import trio
 from trio_websocket import ConnectionClosed, HandshakeError, WebSocketConnection
 
-from kvasir_rpc import CloseCode, RemoteProtocolError, WorkerHandshake, get_logger, leaf_exception
-from kvasir_rpc._tls import open_websocket_url
-from kvasir_rpc._tunnel import keepalive, send_whole
+from kvasir_rpc import (
+    CloseCode,
+    RemoteProtocolError,
+    WorkerHandshake,
+    get_logger,
+    keepalive,
+    leaf_exception,
+    open_websocket_url,
+    send_whole,
+)
 from kvasir_rpc.protocol import (
     KEEPALIVE_S,
     KEEPALIVE_TIMEOUT_S,
