@@ -15,6 +15,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 COMPONENTS = ("backbone", "worker", "relay", "ledger")
 
 
+@pytest.mark.integration
 def test_generated_code_is_fresh(tmp_path):
     out = tmp_path / "_gen"
     subprocess.run([sys.executable, str(ROOT / "tools" / "gen_proto.py"), str(out)], check=True, timeout=120)
@@ -45,6 +46,7 @@ def test_layering_is_one_way(pkg):
     assert not (_imports(pkg) & forbidden), f"{pkg} imports {_imports(pkg) & forbidden}"
 
 
+@pytest.mark.integration
 def test_relay_does_not_import_torch():
     # The relay runs on small machines; it must start without torch.
     code = "import sys, relay, relay.__main__; print('torch' in sys.modules)"
@@ -52,6 +54,7 @@ def test_relay_does_not_import_torch():
     assert out.stdout.strip() == "False", out.stderr
 
 
+@pytest.mark.integration
 def test_buf_lint_clean():
     buf = shutil.which("buf", path=str(pathlib.Path(sys.executable).parent)) or shutil.which("buf")
     if buf is None:

@@ -17,6 +17,9 @@ from kvasir_rpc._codec import decode_tensor, encode_tensor
 from kvasir_rpc._swarm import LocalSwarm
 from kvasir_rpc.cli import run_demo
 
+# Integration: real swarms of processes.
+pytestmark = pytest.mark.integration
+
 
 @pytest.mark.parametrize(
     ("arch", "path"),
