@@ -560,12 +560,10 @@ def test_create_server_refuses_bad_configuration(tmp_path: pathlib.Path) -> None
 
 
 @pytest.fixture
-def ledger_proc(tmp_path: pathlib.Path) -> Iterator[LedgerProcess]:
-    proc = LedgerProcess(tmp_path, f"sqlite:///{tmp_path / 'ledger.db'}", [HUB.address])
-    proc.start()
-    yield proc
-    if proc.proc is not None and proc.proc.poll() is None:
-        proc.stop()
+def ledger_proc(ledger: LedgerProcess) -> LedgerProcess:
+    ledger.keys = [HUB.address]
+    ledger.start()
+    return ledger
 
 
 def _grpcurl() -> str:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pathlib
 import sqlite3
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import grpc
 import pytest
@@ -48,21 +48,6 @@ def credits(address: str, wallet: str) -> list[ledger_pb2.Credit]:
     with grpc.insecure_channel(address) as ch:
         stub = ledger_pb2_grpc.LedgerServiceStub(ch)
         return list(stub.ListCredits(ledger_pb2.ListCreditsRequest(wallet=wallet), timeout=10).credits)
-
-
-@pytest.fixture
-def hub_store(tmp_path: pathlib.Path) -> Iterator[ContributionStore]:
-    store = ContributionStore(tmp_path / "hub-contrib.sqlite")
-    yield store
-    store.close()
-
-
-@pytest.fixture
-def ledger(tmp_path: pathlib.Path) -> Iterator[LedgerProcess]:
-    proc = LedgerProcess(tmp_path, f"sqlite:///{tmp_path / 'ledger.sqlite'}", [])
-    yield proc
-    if proc.proc is not None and proc.proc.poll() is None:
-        proc.stop()
 
 
 def test_untrusted_receipts_stay_pending_until_the_ledger_trusts_the_hub(
