@@ -90,7 +90,11 @@ def run_hub(args: argparse.Namespace) -> int:
     finally:
         registry.close_watchers()
         server.stop(grace=1.0).wait(2.0)
-        store.close()
+        try:
+            # Sessions that ended after the receipt loop's last flush: their final counters.
+            sender.close()
+        finally:
+            store.close()
     return 0
 
 

@@ -21,6 +21,9 @@ from wsproto.events import CloseConnection
 
 from kvasir_rpc.dev.swarm import LocalSwarm
 
+# Integration: real gateway, hub, worker and backbone processes.
+pytestmark = pytest.mark.integration
+
 GATEWAY_LIMITS = ["--handshake-timeout", "2", "--keepalive", "0.5", "--idle-timeout", "2",
                   "--max-message-bytes", str(1 << 20)]
 

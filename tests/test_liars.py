@@ -11,6 +11,9 @@ from helpers import wait_until
 
 from kvasir_rpc.dev.swarm import LocalSwarm
 
+# Integration: real swarms with lying workers.
+pytestmark = pytest.mark.integration
+
 LIAR = str(pathlib.Path(__file__).with_name("liar_worker.py"))
 DECODE = ["--prompt", "who checks the workers", "--batch", "8", "--max-new-tokens", "40", "--compare-local",
           "--wait-sessions", "2"]

@@ -16,6 +16,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 COMPONENTS = ("backbone", "worker", "relay", "ledger")
 
 
+@pytest.mark.integration
 def test_generated_code_is_fresh(tmp_path):
     out = tmp_path / "_gen"
     subprocess.run([sys.executable, str(ROOT / "tools" / "gen_proto.py"), str(out)], check=True, timeout=120)
@@ -103,6 +104,7 @@ def test_library_core_does_not_import_dev_tooling():
     assert not bad, f"the library imports its development tooling: {bad}"
 
 
+@pytest.mark.integration
 def test_every_public_name_resolves_without_dev_tooling():
     code = (
         "import sys, kvasir_rpc\n"
@@ -120,6 +122,7 @@ def test_every_public_name_resolves_without_dev_tooling():
     assert out.returncode == 0, out.stderr
 
 
+@pytest.mark.integration
 def test_gateway_imports_no_protobuf_or_grpc():
     # The public gateway only splices WebSockets: it starts without protobuf and gRPC.
     code = (
@@ -130,6 +133,7 @@ def test_gateway_imports_no_protobuf_or_grpc():
     assert out.stdout.strip() == "[]", out.stdout + out.stderr
 
 
+@pytest.mark.integration
 def test_relay_does_not_import_torch():
     # The relay runs on small machines; it must start without torch.
     code = "import sys, relay, relay.__main__; print('torch' in sys.modules)"
@@ -137,6 +141,7 @@ def test_relay_does_not_import_torch():
     assert out.stdout.strip() == "False", out.stderr
 
 
+@pytest.mark.integration
 def test_buf_lint_clean():
     buf = shutil.which("buf", path=str(pathlib.Path(sys.executable).parent)) or shutil.which("buf")
     if buf is None:

@@ -17,6 +17,9 @@ from kvasir_rpc._codec import decode_tensor, encode_tensor
 from kvasir_rpc.dev.cli import run_demo
 from kvasir_rpc.dev.swarm import LocalSwarm
 
+# Integration: real swarms of processes.
+pytestmark = pytest.mark.integration
+
 
 @pytest.mark.parametrize(
     ("arch", "path"),

@@ -37,6 +37,7 @@ def test_unknown_arch_raises(tmp_path: pathlib.Path) -> None:
     assert not (tmp_path / "x").exists()
 
 
+@pytest.mark.integration
 def test_import_is_cheap() -> None:
     code = (
         "import importlib.util, sys\n"
@@ -48,6 +49,7 @@ def test_import_is_cheap() -> None:
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("arch", ARCHES)
 def test_tiny_checkpoint(arch: str, tmp_path: pathlib.Path) -> None:
     import torch
