@@ -189,6 +189,7 @@ def swarm(tiny_models: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterato
 PROTOCOLS = ["grpc-v1", "grpc-v1alpha"]
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("protocol", PROTOCOLS)
 def test_buf_curl_calls_the_hub_through_reflection(swarm: LocalSwarm, protocol: str) -> None:
     (session,) = swarm.list_sessions()
@@ -197,6 +198,7 @@ def test_buf_curl_calls_the_hub_through_reflection(swarm: LocalSwarm, protocol: 
     assert [s["sessionId"] for s in json.loads(out.stdout)["sessions"]] == [session.session_id]
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("protocol", PROTOCOLS)
 def test_buf_curl_calls_the_ledger_through_reflection(swarm: LocalSwarm, protocol: str) -> None:
     wallet = "ab" * 32
@@ -206,6 +208,7 @@ def test_buf_curl_calls_the_ledger_through_reflection(swarm: LocalSwarm, protoco
     assert json.loads(out.stdout)["wallet"] == wallet
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("protocol", PROTOCOLS)
 def test_buf_curl_describes_a_worker_through_its_target_with_the_key(swarm: LocalSwarm, protocol: str) -> None:
     (session,) = swarm.list_sessions()
@@ -223,6 +226,7 @@ def test_buf_curl_describes_a_worker_through_its_target_with_the_key(swarm: Loca
     assert f"no {TARGET_KEY_METADATA} in the first request" in refused.stderr
 
 
+@pytest.mark.integration
 def test_grpcurl_lists_every_server(swarm: LocalSwarm) -> None:
     grpcurl = _grpcurl()
     (session,) = swarm.list_sessions()
