@@ -1,11 +1,12 @@
 # make demo  - set up .venv on first use, then run the whole swarm on this machine
 # make test  - set up .venv on first use, then lint the protos and run the tests
+# make test-fast - the tests without real processes, servers or models (seconds)
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test bench profile proto lint venv clean system-deps bench-deps
+.PHONY: demo test test-fast bench profile proto lint venv clean system-deps bench-deps
 
 venv: $(STAMP)
 
@@ -21,6 +22,10 @@ demo: $(STAMP)
 
 test: $(STAMP) system-deps lint
 	$(PY) -m pytest -q
+
+# Protocol cores, stores and in-memory streams only: no process, port, database server or model.
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -m "not integration"
 
 # Benchmarks (not part of the tests): the edge path needs Debian's nginx.
 bench: $(STAMP) bench-deps

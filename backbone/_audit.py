@@ -34,7 +34,7 @@ import threading
 
 import torch
 
-from kvasir_rpc._kernel import Activation, expert_forward
+from kvasir_rpc import Activation, expert_forward
 
 __all__ = ["DEFAULT_AUDIT_RATE", "TOLERANCE_FACTOR", "AuditResult", "RowSampler", "audit_rows", "error_scale"]
 

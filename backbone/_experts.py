@@ -18,9 +18,21 @@ from collections.abc import Iterable
 import torch
 from transformers.integrations.moe import ExpertsInterface
 
-from kvasir_rpc import ExpertIndex, expert_digest, expert_pb2, get_logger, session_pb2, slices_digest
-from kvasir_rpc._codec import TensorCodecError, decode_tensor, encode_tensor
-from kvasir_rpc._kernel import Route, all_finite, expert_forward, plan_routes
+from kvasir_rpc import (
+    ExpertIndex,
+    Route,
+    TensorCodecError,
+    all_finite,
+    decode_tensor,
+    encode_tensor,
+    expert_digest,
+    expert_forward,
+    expert_pb2,
+    get_logger,
+    plan_routes,
+    session_pb2,
+    slices_digest,
+)
 from backbone._audit import DEFAULT_AUDIT_RATE, AuditResult, RowSampler, audit_rows
 from backbone._links import CallRecord, SessionWatcher, WorkerLink
 from backbone._work import WorkReporter

@@ -10,8 +10,7 @@ import time
 import torch
 
 from backbone._experts import IMPLEMENTATION, Dispatcher, ReplayNeeded, install
-from kvasir_rpc import get_logger
-from kvasir_rpc._kernel import threads_initializer
+from kvasir_rpc import get_logger, threads_initializer
 
 log = get_logger("backbone.generate")
 

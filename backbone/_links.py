@@ -58,7 +58,7 @@ class WorkerLink:
     here).
 
     ``token`` is the backbone token shared with the hub: the stream presents the session's
-    target key (``kvasir_rpc._access.target_key``), without which the hub does not splice it.
+    target key (``kvasir_rpc.target_key``), without which the hub does not splice it.
     """
 
     _SENTINEL = object()

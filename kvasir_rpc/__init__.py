@@ -1,5 +1,8 @@
 """Kvasir RPC shared library: protocol stubs, tensor codec, expert kernel, tunnel,
-wallets, checkpoint reading and logging. Imports no component package.
+wallets, checkpoint reading and logging. Imports no component package, and components use
+only the names in ``__all__`` (tests/test_repo.py checks both). Development tooling (the
+``kvasir`` command, the local-swarm launcher, benchmarks, tiny checkpoints) lives in
+``kvasir_rpc.dev``, which nothing here imports.
 
 Every name loads on first use: the gateway imports no protobuf or gRPC module and the
 relay and the ledger start without torch, while ``from kvasir_rpc import X`` works for all.
@@ -46,8 +49,10 @@ if TYPE_CHECKING:  # the real names, for type checkers; at run time __getattr__ 
         slices_from_proto,
         slices_to_proto,
     )
+    from kvasir_rpc._reflection import enable_reflection
     from kvasir_rpc._receipts import (
         DEFAULT_RATE_NANO_PER_BYTE,
+        MAX_CUMULATIVE_BYTES,
         ReceiptError,
         format_kvr,
         format_units,
@@ -65,11 +70,17 @@ if TYPE_CHECKING:  # the real names, for type checkers; at run time __getattr__ 
         is_address,
         verify_signature,
     )
+    from kvasir_rpc._cliargs import (
+        hostport,
+        write_ready_file,
+    )
     from kvasir_rpc._codec import (
+        DTYPE_TO_WIRE,
         TensorCodecError,
         decode_tensor,
         encode_tensor,
     )
+    from kvasir_rpc._fastmask import install_fast_masking
     from kvasir_rpc._checkpoint import (
         CheckpointError,
         ExpertIndex,
@@ -82,16 +93,23 @@ if TYPE_CHECKING:  # the real names, for type checkers; at run time __getattr__ 
         slices_digest,
     )
     from kvasir_rpc._kernel import (
+        Activation,
         DispatchInputError,
         Route,
+        all_finite,
         expert_forward,
         get_activation,
         plan_routes,
+        threads_initializer,
         validate_dispatch,
     )
-    from kvasir_rpc._tiny import (
-        ARCHES,
-        make_tiny_checkpoint,
+    from kvasir_rpc._tls import (
+        TLSStream,
+        open_websocket_url,
+    )
+    from kvasir_rpc._tunnel import (
+        keepalive,
+        send_whole,
     )
 
 __version__ = "0.1.0"
@@ -125,7 +143,9 @@ _LAZY = {
     "WorkerHandshake": "kvasir_rpc._handshake",
     "slices_from_proto": "kvasir_rpc._handshake",
     "slices_to_proto": "kvasir_rpc._handshake",
+    "enable_reflection": "kvasir_rpc._reflection",
     "DEFAULT_RATE_NANO_PER_BYTE": "kvasir_rpc._receipts",
+    "MAX_CUMULATIVE_BYTES": "kvasir_rpc._receipts",
     "ReceiptError": "kvasir_rpc._receipts",
     "format_kvr": "kvasir_rpc._receipts",
     "format_units": "kvasir_rpc._receipts",
@@ -138,6 +158,10 @@ _LAZY = {
     "WalletError": "kvasir_rpc._wallet",
     "is_address": "kvasir_rpc._wallet",
     "verify_signature": "kvasir_rpc._wallet",
+    "hostport": "kvasir_rpc._cliargs",
+    "write_ready_file": "kvasir_rpc._cliargs",
+    "install_fast_masking": "kvasir_rpc._fastmask",
+    "DTYPE_TO_WIRE": "kvasir_rpc._codec",
     "TensorCodecError": "kvasir_rpc._codec",
     "encode_tensor": "kvasir_rpc._codec",
     "decode_tensor": "kvasir_rpc._codec",
@@ -156,8 +180,13 @@ _LAZY = {
     "get_activation": "kvasir_rpc._kernel",
     "DispatchInputError": "kvasir_rpc._kernel",
     "validate_dispatch": "kvasir_rpc._kernel",
-    "ARCHES": "kvasir_rpc._tiny",
-    "make_tiny_checkpoint": "kvasir_rpc._tiny",
+    "Activation": "kvasir_rpc._kernel",
+    "all_finite": "kvasir_rpc._kernel",
+    "threads_initializer": "kvasir_rpc._kernel",
+    "TLSStream": "kvasir_rpc._tls",
+    "keepalive": "kvasir_rpc._tunnel",
+    "send_whole": "kvasir_rpc._tunnel",
+    "open_websocket_url": "kvasir_rpc._tls",
 }
 
 __all__ = ["__version__", *_LAZY]

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 
 __all__ = [
     "WIRE_DTYPES",
+    "Activation",
     "DispatchInputError",
     "all_finite",
     "Route",

@@ -23,7 +23,7 @@ from collections.abc import AsyncIterator, Sequence
 import trio
 from trio_websocket import ConnectionTimeout, HandshakeError, WebSocketConnection, wrap_client_stream
 
-from kvasir_rpc._tunnel import READ_BYTES
+from kvasir_rpc.protocol import READ_BYTES
 
 __all__ = ["TLSStream", "open_tls_over_tcp", "open_websocket_url"]
 

@@ -1,19 +1,9 @@
-"""The tunnel: one WebSocket (subprotocol ``kvasir.tunnel.v1``) that carries, after the
-session handshake, the raw bytes of HTTP/2 connections between the backbone (client, via
-the hub) and a worker's gRPC server.
+"""The tunnel's byte movers for trio: one WebSocket (subprotocol ``kvasir.tunnel.v1``) that
+carries, after the session handshake, the raw bytes of HTTP/2 connections between the
+backbone (client, via the hub) and a worker's gRPC server.
 
-Binary messages are HTTP/2 bytes of the current connection. Text messages are control,
-so one session outlives any number of backbone connections:
-
-    hub -> worker   "open"     a backbone connected: the worker opens a fresh connection
-                               to its local gRPC server; binary messages follow both ways
-    worker -> hub   "eof"      the worker's gRPC server ended the connection
-    hub -> worker   "close"    the backbone's connection ended: the worker drops its side
-    worker -> hub   "closed"   the worker dropped it; bytes after this belong to the next "open"
-
-The hub opens the next connection only after "closed", so bytes of two connections never
-mix. This module holds the constants and the byte pump; the sans-IO handshake is in
-``_handshake``.
+What may be sent when, and every wire constant, is in ``kvasir_rpc.protocol`` (sans-IO);
+this module only sends whole messages, pings and pumps bytes.
 """
 
 from __future__ import annotations
@@ -23,28 +13,8 @@ from trio_websocket import WebSocketConnection
 
 from kvasir_rpc._errors import CloseCode, RemoteProtocolError
 
-__all__ = [
-    "CTRL_CLOSE",
-    "CTRL_CLOSED",
-    "CTRL_EOF",
-    "CTRL_OPEN",
-    "MAX_MESSAGE_BYTES",
-    "READ_BYTES",
-    "SUBPROTOCOL",
-    "keepalive",
-    "pump_stream_to_ws",
-    "send_whole",
-]
+__all__ = ["keepalive", "send_whole"]
 
-SUBPROTOCOL = "kvasir.tunnel.v1"
-CTRL_OPEN = "open"
-CTRL_EOF = "eof"
-CTRL_CLOSE = "close"
-CTRL_CLOSED = "closed"
-# Reads of about 1 MiB beat small reads for bulk (see PERF_NOTES); a message never holds
-# more than one read, so the largest legal message is bounded.
-READ_BYTES = 1 << 20
-MAX_MESSAGE_BYTES = 4 << 20
 # How long one message may take to leave once started (a peer that reads nothing for this
 # long is gone; the keepalive says the same sooner).
 SEND_TIMEOUT_S = 60.0
@@ -78,19 +48,3 @@ async def keepalive(ws: WebSocketConnection, interval_s: float, timeout_s: float
             await ws.ping()
         if scope.cancelled_caught:
             raise RemoteProtocolError(f"keepalive: no pong within {timeout_s:g} s", close_code=CloseCode.GOING_AWAY)
-
-
-async def pump_stream_to_ws(stream: trio.abc.ReceiveStream, ws: WebSocketConnection) -> None:
-    """Copy bytes from ``stream`` into binary messages on ``ws`` until EOF.
-
-    Returns on EOF or when the stream is broken or closed under us; lets the WebSocket's
-    ConnectionClosed propagate.
-    """
-    while True:
-        try:
-            data = await stream.receive_some(READ_BYTES)
-        except (trio.BrokenResourceError, trio.ClosedResourceError):
-            return
-        if not data:
-            return
-        await send_whole(ws, bytes(data))

@@ -174,6 +174,7 @@ HUB_TRANSITIONS: dict[tuple[TunnelState, str], TunnelState] = {
     (_S.OPEN, "recv data"): _S.OPEN,
     (_S.OPEN, "recv eof"): _S.EOF,
     (_S.OPEN, "send close"): _S.CLOSING,
+    (_S.EOF, "send data"): _S.EOF,  # the backbone's, sent before the hub saw "eof"
     (_S.EOF, "send close"): _S.CLOSING,
     (_S.CLOSING, "recv data"): _S.CLOSING,  # discarded
     (_S.CLOSING, "recv eof"): _S.CLOSING,  # discarded

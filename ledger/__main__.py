@@ -13,8 +13,7 @@ import sys
 import threading
 from types import FrameType
 
-from kvasir_rpc._cliargs import hostport, write_ready_file
-from kvasir_rpc._log import configure_logging, get_logger
+from kvasir_rpc import configure_logging, get_logger, hostport, write_ready_file
 
 
 def _listen(text: str) -> str:

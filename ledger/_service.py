@@ -11,7 +11,15 @@ from typing import Any, NoReturn
 
 import grpc
 
-from kvasir_rpc import format_kvr, format_units, get_logger, is_address, ledger_pb2, ledger_pb2_grpc
+from kvasir_rpc import (
+    enable_reflection,
+    format_kvr,
+    format_units,
+    get_logger,
+    is_address,
+    ledger_pb2,
+    ledger_pb2_grpc,
+)
 from ledger._store import MAX_RATE_NANO_PER_BYTE, LedgerStore, StoreError, StoreUnavailable
 
 __all__ = ["DEFAULT_PAGE_SIZE", "MAX_BATCH", "MAX_PAGE_SIZE", "LedgerServicer", "create_server", "serve_ledger"]
@@ -158,7 +166,6 @@ def serve_ledger(
     """create_server, also returning the health servicer, so that main() can report
     NOT_SERVING (``enter_graceful_shutdown()``) before it stops the server."""
     from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-    from grpc_reflection.v1alpha import reflection
 
     bad = [k for k in trusted_keys if not is_address(k)]
     if bad:
@@ -171,7 +178,7 @@ def serve_ledger(
     ledger_pb2_grpc.add_LedgerServiceServicer_to_server(LedgerServicer(store, trusted_keys, rate), server)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    reflection.enable_server_reflection([SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
+    enable_reflection(server, [SERVICE_NAME, health.SERVICE_NAME])
     try:
         port = server.add_insecure_port(address)
     except RuntimeError as exc:  # newer grpcio raises where older ones returned 0

@@ -36,8 +36,7 @@ from collections.abc import Callable, Collection, Iterator, Sequence
 from contextlib import contextmanager, suppress
 from typing import Any, Protocol, TypeVar
 
-from kvasir_rpc import ledger_pb2
-from kvasir_rpc._receipts import ReceiptError, open_receipt
+from kvasir_rpc import ReceiptError, ledger_pb2, open_receipt
 
 __all__ = [
     "POOL_ACCOUNT",

@@ -12,9 +12,7 @@ import sys
 
 import trio
 
-from kvasir_rpc._cliargs import hostport, write_ready_file
-from kvasir_rpc._fastmask import install as install_fast_masking
-from kvasir_rpc._log import configure_logging, get_logger
+from kvasir_rpc import configure_logging, get_logger, hostport, install_fast_masking, write_ready_file
 
 
 def _read_token(path: pathlib.Path) -> str:
@@ -92,7 +90,11 @@ def run_hub(args: argparse.Namespace) -> int:
     finally:
         registry.close_watchers()
         server.stop(grace=1.0).wait(2.0)
-        store.close()
+        try:
+            # Sessions that ended after the receipt loop's last flush: their final counters.
+            sender.close()
+        finally:
+            store.close()
     return 0
 
 

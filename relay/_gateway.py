@@ -1,9 +1,10 @@
 """The public gateway: both ends dial out and meet here.
 
 Workers connect to ``/v1/worker``; a hub keeps a control WebSocket on ``/v1/hub/control``
-(bearer token). When a worker arrives the gateway tells the hub ``{"pair": ID, ...}``; the
-hub dials ``/v1/hub/data/ID`` and the gateway splices the two WebSockets, relaying their
-messages both ways without looking inside them. Everything the public can send is bounded:
+(bearer token). When a worker arrives the gateway announces it to the hub (``encode_pair``
+in ``kvasir_rpc.protocol``, where every path and subprotocol is defined); the hub dials
+``/v1/hub/data/ID`` and the gateway splices the two WebSockets, relaying their messages
+both ways without looking inside them. Everything the public can send is bounded:
 handshake time, header and message sizes, unpaired workers, live sessions, idle time and new
 connections per source address per second.
 
@@ -14,7 +15,6 @@ from __future__ import annotations
 
 import dataclasses
 import hmac
-import json
 import secrets
 import ssl
 import time
@@ -22,20 +22,25 @@ from collections.abc import Callable
 
 import trio
 
-from kvasir_rpc._errors import CloseCode
-from kvasir_rpc._log import get_logger
-from kvasir_rpc._tls import TLSStream
+from kvasir_rpc import CloseCode, TLSStream, get_logger
+from kvasir_rpc.protocol import (
+    GATEWAY_SUBPROTOCOL,
+    HEALTH_PATH,
+    HUB_CONTROL_PATH,
+    HUB_DATA_PREFIX,
+    MAX_MESSAGE_BYTES,
+    PING,
+    TUNNEL_SUBPROTOCOLS,
+    WORKER_PATH,
+    PairRequest,
+    choose_subprotocol,
+    encode_pair,
+)
 from relay._ws import HttpError, HttpRequest, WebSocket, WsClosed, read_request, send_response, upgrade
 
-__all__ = ["GatewayConfig", "GatewayStats", "serve_gateway", "CONTROL_SUBPROTOCOL"]
+__all__ = ["GatewayConfig", "GatewayStats", "serve_gateway"]
 
 log = get_logger("relay.gateway")
-
-TUNNEL_SUBPROTOCOL = "kvasir.tunnel.v1"
-CONTROL_SUBPROTOCOL = "kvasir.gateway.v1"
-WORKER_PATH = "/v1/worker"
-CONTROL_PATH = "/v1/hub/control"
-DATA_PREFIX = "/v1/hub/data/"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,7 +50,7 @@ class GatewayConfig:
     hub_token: str = ""
     ssl_context: ssl.SSLContext | None = None
     handshake_timeout_s: float = 10.0
-    max_message_bytes: int = 4 << 20
+    max_message_bytes: int = MAX_MESSAGE_BYTES
     max_unpaired: int = 64
     max_sessions: int = 1024
     keepalive_s: float = 20.0
@@ -188,7 +193,7 @@ class Gateway:
                                  keepalive_s=cfg.keepalive_s, idle_timeout_s=cfg.idle_timeout_s)
 
         path = req.path
-        if path == "/healthz":
+        if path == HEALTH_PATH:
             if req.method not in ("GET", "HEAD"):
                 await send_response(stream, 405, "use GET\n")
                 return None
@@ -199,9 +204,11 @@ class Gateway:
                 self._refuse("not_websocket")
                 await send_response(stream, 426, f"{path} takes a WebSocket upgrade\n", headers=[("upgrade", "websocket")])
                 return None
-            if TUNNEL_SUBPROTOCOL not in req.subprotocols:
+            subprotocol = choose_subprotocol(req.subprotocols)
+            if subprotocol is None:
                 self._refuse("subprotocol")
-                await send_response(stream, 400, f"the tunnel needs the WebSocket subprotocol {TUNNEL_SUBPROTOCOL}\n")
+                await send_response(stream, 400, "the tunnel needs the WebSocket subprotocol "
+                                                 f"{' or '.join(TUNNEL_SUBPROTOCOLS)}\n")
                 return None
             if self._control is None:
                 self._refuse("no_hub")
@@ -213,8 +220,8 @@ class Gateway:
                 self._refuse("capacity")
                 await send_response(stream, 503, "gateway at capacity; retry later\n", headers=[("retry-after", "5")])
                 return None
-            return "worker", await ws(TUNNEL_SUBPROTOCOL), None
-        if path == CONTROL_PATH or path.startswith(DATA_PREFIX):
+            return "worker", await ws(subprotocol), None
+        if path == HUB_CONTROL_PATH or path.startswith(HUB_DATA_PREFIX):
             if not self._authorized(req):
                 self._refuse("hub_token")
                 await send_response(stream, 401, "hub paths need the hub token (Authorization: Bearer ...)\n",
@@ -224,15 +231,21 @@ class Gateway:
                 self._refuse("not_websocket")
                 await send_response(stream, 426, f"{path} takes a WebSocket upgrade\n", headers=[("upgrade", "websocket")])
                 return None
-            if path == CONTROL_PATH:
-                return "control", await ws(CONTROL_SUBPROTOCOL), None
-            pid = path[len(DATA_PREFIX):]
+            if path == HUB_CONTROL_PATH:
+                return "control", await ws(GATEWAY_SUBPROTOCOL), None
+            pid = path[len(HUB_DATA_PREFIX):]
             pending = self._pending.get(pid)
             if pending is None or pending.hub_ws is not None:
                 self._refuse("unknown_pairing")
                 await send_response(stream, 404, "no worker waits under this pairing id\n")
                 return None
-            return "data", await ws(TUNNEL_SUBPROTOCOL), pid
+            data_sub = choose_subprotocol(req.subprotocols)
+            if data_sub is None:
+                self._refuse("subprotocol")
+                await send_response(stream, 400, "the data path needs the WebSocket subprotocol "
+                                                 f"{' or '.join(TUNNEL_SUBPROTOCOLS)}\n")
+                return None
+            return "data", await ws(data_sub), pid
         self._refuse("not_found")
         await send_response(stream, 404, "not found\n")
         return None
@@ -245,7 +258,7 @@ class Gateway:
         try:
             while True:
                 msg = await ws.receive_message()
-                if msg != "ping":
+                if msg != PING:
                     await ws.close(CloseCode.PROTOCOL_ERROR, "the control channel takes no messages from the hub")
                     return
         finally:
@@ -263,7 +276,7 @@ class Gateway:
                 await worker.close(CloseCode.TRY_AGAIN_LATER, "no hub connected")
                 return
             try:
-                await control.send_message(json.dumps({"pair": pid, "remote": remote}))
+                await control.send_message(encode_pair(PairRequest(pid, remote)))
             except WsClosed:
                 await worker.close(CloseCode.TRY_AGAIN_LATER, "hub went away")
                 return

@@ -26,20 +26,26 @@ from kvasir_rpc import (
     MIN_TOKEN_CHARS,
     TokenError,
     check_bearer,
+    keepalive,
     leaf_exception,
+    send_whole,
     session_pb2,
     session_pb2_grpc,
 )
-from kvasir_rpc._tunnel import (
-    CTRL_CLOSE,
-    CTRL_CLOSED,
-    CTRL_EOF,
-    CTRL_OPEN,
+from kvasir_rpc.protocol import (
+    CLOSE_TIMEOUT_S,
+    HUB_HANDSHAKE_TIMEOUT_S,
+    KEEPALIVE_S,
+    KEEPALIVE_TIMEOUT_S,
     MAX_MESSAGE_BYTES,
     READ_BYTES,
-    SUBPROTOCOL,
-    keepalive,
-    send_whole,
+    TUNNEL_SUBPROTOCOLS,
+    Closed,
+    Data,
+    Eof,
+    Event,
+    HubTunnel,
+    choose_subprotocol,
 )
 from relay._registry import SessionRegistry
 from relay._stream_limits import StreamLimits, StreamLimitsInterceptor
@@ -59,13 +65,13 @@ class HubConfig:
     listen_host: str = "127.0.0.1"
     listen_port: int = 0
     grpc_host: str = "127.0.0.1"
-    handshake_timeout_s: float = 10.0
+    handshake_timeout_s: float = HUB_HANDSHAKE_TIMEOUT_S
     # How long a worker may take to acknowledge "close" before the session is dropped.
-    close_timeout_s: float = 10.0
+    close_timeout_s: float = CLOSE_TIMEOUT_S
     # Ping each worker this often; a worker that does not answer within the timeout is gone
     # (frozen, or its network path silently broke) and its session is dropped.
-    keepalive_s: float = 15.0
-    keepalive_timeout_s: float = 10.0
+    keepalive_s: float = KEEPALIVE_S
+    keepalive_timeout_s: float = KEEPALIVE_TIMEOUT_S
     # Public gateway to keep a control connection to (wss://HOST:PORT), with its hub token.
     gateway_url: str | None = None
     gateway_token: str = ""
@@ -138,7 +144,7 @@ def create_session_server(registry: SessionRegistry, address: str, *, backbone_t
     ``backbone_token`` in its own allowance), so ListSessions always finds a thread.
     ReportWork and Quarantine go to ``desk`` for callers presenting the token."""
     from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-    from grpc_reflection.v1alpha import reflection
+    from kvasir_rpc import enable_reflection
 
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=limits.threads, thread_name_prefix="session-svc"),
                          interceptors=[StreamLimitsInterceptor(limits, backbone_token)])
@@ -147,9 +153,8 @@ def create_session_server(registry: SessionRegistry, address: str, *, backbone_t
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     health_servicer.set("kvasir.v1.SessionService", health_pb2.HealthCheckResponse.SERVING)
-    reflection.enable_server_reflection(
-        [session_pb2.DESCRIPTOR.services_by_name["SessionService"].full_name, reflection.SERVICE_NAME], server
-    )
+    enable_reflection(server, [session_pb2.DESCRIPTOR.services_by_name["SessionService"].full_name,
+                               health.SERVICE_NAME])
     port = server.add_insecure_port(address)
     if port == 0:
         raise OSError(f"could not bind the hub's gRPC address {address}")
@@ -161,8 +166,10 @@ class _Session:
     """One verified worker: its tunnel, its backbone-facing listener, its splice.
 
     One task reads the WebSocket for the whole session (so a worker that leaves while no
-    backbone is connected is noticed at once) and hands messages to the splice through a
-    small channel: a slow backbone slows the reader, and so the worker.
+    backbone is connected is noticed at once), turns each message into an event of the
+    session's ``HubTunnel`` (which raises on anything the worker may not send now) and hands
+    the events to the splice through a small channel: a slow backbone slows the reader, and
+    so the worker.
     """
 
     def __init__(self, hub: _Hub, ws: WebSocketConnection, session_id: str) -> None:
@@ -170,7 +177,8 @@ class _Session:
         self.ws = ws
         self.session_id = session_id
         self.log = log.bind(session_id=session_id)
-        self._inbox_send, self._inbox = trio.open_memory_channel[bytes | str](4)
+        self.tunnel = HubTunnel()
+        self._inbox_send, self._inbox = trio.open_memory_channel[Event](4)
         self._busy = False
         # Connections still presenting their key, oldest first (the scope ends the gate).
         self._unauthenticated: collections.deque[trio.CancelScope] = collections.deque()
@@ -251,63 +259,61 @@ class _Session:
     async def _read_ws(self) -> None:
         async with self._inbox_send:
             while True:
-                msg = await self.ws.get_message()
-                if not self._busy and msg != CTRL_CLOSED:
-                    raise RemoteProtocolError(f"worker sent {type(msg).__name__} while no connection is open")
-                await self._inbox_send.send(msg)
+                event = self.tunnel.receive(await self.ws.get_message())
+                await self._inbox_send.send(event)
 
     async def _splice(self, stream: trio.SocketStream, first: bytes) -> None:
         """Bridge one backbone connection with the worker until either side ends; ``first``:
         the bytes the gate read from the backbone, sent before any others."""
         reg = self.hub.registry
         sid = self.session_id
-        await self.ws.send_message(CTRL_OPEN)
-        await send_whole(self.ws, first)
+        tunnel = self.tunnel
+        await send_whole(self.ws, tunnel.open())
+        await send_whole(self.ws, tunnel.send_data(first))
         reg.count_bytes(sid, to_worker=len(first))
-        worker_eof = False
+        ended_by = "backbone"
         async with stream:
             async with trio.open_nursery() as nursery:
 
                 async def backbone_to_worker() -> None:
+                    nonlocal ended_by
                     while True:
                         try:
                             data = await stream.receive_some(READ_BYTES)
-                        except (trio.BrokenResourceError, trio.ClosedResourceError):
-                            data = b""
+                        except trio.BrokenResourceError as exc:
+                            ended_by, data = f"backbone connection broke ({exc!r})", b""
                         if not data:
                             nursery.cancel_scope.cancel()
                             return
-                        await send_whole(self.ws, bytes(data))
+                        await send_whole(self.ws, tunnel.send_data(bytes(data)))
                         reg.count_bytes(sid, to_worker=len(data))
 
                 async def worker_to_backbone() -> None:
-                    nonlocal worker_eof
-                    async for msg in self._inbox:
-                        if isinstance(msg, str):
-                            if msg == CTRL_EOF:
-                                worker_eof = True
-                                nursery.cancel_scope.cancel()
-                                return
-                            raise RemoteProtocolError(f"unexpected control message {msg!r} while open")
-                        reg.count_bytes(sid, from_worker=len(msg))
+                    nonlocal ended_by
+                    async for event in self._inbox:
+                        if isinstance(event, Eof):
+                            ended_by = "worker"
+                            nursery.cancel_scope.cancel()
+                            return
+                        assert isinstance(event, Data)  # the tunnel is OPEN: nothing else arrives
+                        reg.count_bytes(sid, from_worker=len(event.data))
                         try:
-                            await stream.send_all(msg)
-                        except (trio.BrokenResourceError, trio.ClosedResourceError):
+                            await stream.send_all(event.data)
+                        except trio.BrokenResourceError as exc:
+                            ended_by = f"backbone connection broke ({exc!r})"
                             nursery.cancel_scope.cancel()
                             return
 
                 nursery.start_soon(backbone_to_worker)
                 nursery.start_soon(worker_to_backbone)
-        # Either side ended: tell the worker, then discard its late bytes until "closed".
-        await self.ws.send_message(CTRL_CLOSE)
+        # Either side ended: tell the worker, then drop its late bytes until "closed".
+        await send_whole(self.ws, tunnel.close())
         with trio.fail_after(self.hub.config.close_timeout_s):
-            async for msg in self._inbox:
-                if msg == CTRL_CLOSED:
+            async for event in self._inbox:
+                if isinstance(event, Closed):
                     break
-                if isinstance(msg, str) and msg != CTRL_EOF:
-                    raise RemoteProtocolError(f"unexpected control message {msg!r} while closing")
         self._busy = False
-        self.log.debug("backbone connection ended", worker_eof=worker_eof)
+        self.log.debug("backbone connection ended", ended_by=ended_by, connection=tunnel.connections)
 
 
 class _Hub:
@@ -321,10 +327,12 @@ class _Hub:
         return f"s{next(self._ids)}-{secrets.token_hex(6)}"
 
     async def handle(self, request: WebSocketRequest) -> None:
-        if SUBPROTOCOL not in request.proposed_subprotocols:
-            await request.reject(400, body=f"the tunnel needs the WebSocket subprotocol {SUBPROTOCOL}\n".encode())
+        subprotocol = choose_subprotocol(request.proposed_subprotocols)
+        if subprotocol is None:
+            await request.reject(400, body=f"the tunnel needs the WebSocket subprotocol "
+                                           f"{' or '.join(TUNNEL_SUBPROTOCOLS)}\n".encode())
             return
-        ws = await request.accept(subprotocol=SUBPROTOCOL)
+        ws = await request.accept(subprotocol=subprotocol)
         peer = ws.remote
         remote = peer if isinstance(peer, str) else f"{peer.address}:{peer.port}"
         try:

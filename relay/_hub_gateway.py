@@ -3,25 +3,28 @@ for each worker the gateway announces, a data WebSocket served exactly like a LA
 
 from __future__ import annotations
 
-import json
 import random
-import re
 import ssl
 from collections.abc import Awaitable, Callable
 
 import trio
 from trio_websocket import ConnectionClosed, HandshakeError, WebSocketConnection
 
-from kvasir_rpc._tls import open_websocket_url
-from kvasir_rpc import get_logger, leaf_exception
-from kvasir_rpc._tunnel import MAX_MESSAGE_BYTES, READ_BYTES, SUBPROTOCOL
+from kvasir_rpc import get_logger, leaf_exception, open_websocket_url
+from kvasir_rpc.protocol import (
+    GATEWAY_SUBPROTOCOL,
+    HUB_CONTROL_PATH,
+    HUB_DATA_PREFIX,
+    MAX_MESSAGE_BYTES,
+    READ_BYTES,
+    TUNNEL_SUBPROTOCOLS,
+    RemoteProtocolError,
+    decode_pair,
+)
 
-__all__ = ["CONTROL_SUBPROTOCOL", "GatewayLink"]
+__all__ = ["GatewayLink"]
 
 log = get_logger("relay.hub.gateway")
-
-CONTROL_SUBPROTOCOL = "kvasir.gateway.v1"
-_PAIR_ID = re.compile(r"[A-Za-z0-9_-]{8,64}")
 _NETWORK_ERRORS = (ConnectionClosed, HandshakeError, OSError, trio.TooSlowError)
 
 ServeConnection = Callable[[WebSocketConnection, str], Awaitable[None]]
@@ -57,22 +60,18 @@ class GatewayLink:
         connected = False
         try:
             async with open_websocket_url(
-                f"{self.base}/v1/hub/control", ssl_context=self._ssl, subprotocols=[CONTROL_SUBPROTOCOL],
+                f"{self.base}{HUB_CONTROL_PATH}", ssl_context=self._ssl, subprotocols=[GATEWAY_SUBPROTOCOL],
                 extra_headers=self._headers, connect_timeout=10, disconnect_timeout=5,
             ) as ctrl:
                 connected = True
                 log.info("gateway control connected", gateway=self.base)
                 while True:
-                    msg = await ctrl.get_message()
                     try:
-                        obj = json.loads(msg)
-                        pid, remote = obj["pair"], str(obj.get("remote", ""))[:64]
-                        if not isinstance(pid, str) or not _PAIR_ID.fullmatch(pid):
-                            raise ValueError(pid)
-                    except (ValueError, KeyError, TypeError):
-                        log.warning("gateway sent a malformed control message; ignoring it")
+                        pair = decode_pair(await ctrl.get_message())
+                    except RemoteProtocolError as exc:
+                        log.warning("gateway sent a malformed control message; ignoring it", reason=exc.reason)
                         continue
-                    sessions.start_soon(self._serve_pair, pid, remote)
+                    sessions.start_soon(self._serve_pair, pair.pair_id, pair.remote)
         except* _NETWORK_ERRORS as eg:
             log.info("gateway control connection lost", gateway=self.base, error=repr(leaf_exception(eg))[:200])
         return connected
@@ -80,7 +79,7 @@ class GatewayLink:
     async def _serve_pair(self, pid: str, remote: str) -> None:
         try:
             async with open_websocket_url(
-                f"{self.base}/v1/hub/data/{pid}", ssl_context=self._ssl, subprotocols=[SUBPROTOCOL],
+                f"{self.base}{HUB_DATA_PREFIX}{pid}", ssl_context=self._ssl, subprotocols=list(TUNNEL_SUBPROTOCOLS),
                 extra_headers=self._headers, max_message_size=MAX_MESSAGE_BYTES, receive_buffer_size=READ_BYTES,
                 message_queue_size=4,
                 connect_timeout=10, disconnect_timeout=5,

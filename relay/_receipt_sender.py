@@ -2,12 +2,20 @@
 counters, sign receipts for the work that grew, and deliver pending receipts to the ledger,
 retrying until it answers. At least once here; the ledger credits each byte exactly once.
 
+Every database write runs in a worker thread (``trio.to_thread``), never on the hub's event
+loop: a SQLite commit with full sync takes milliseconds to seconds on a busy disk, and every
+tunnel of the hub would wait for it. A session that ends only queues its final counters; the
+loop saves them, and ``close`` saves what is still queued once the loop has stopped.
+
 A receipt the ledger refuses for a reason that can change stays pending and is sent again
 with the loop's backoff: an untrusted key (the ledger's ``--trust-key`` can be fixed) or a
 receipt the ledger cannot read (a ledger older than this hub). Only a receipt that can never
 become valid is dropped."""
 
 from __future__ import annotations
+
+import dataclasses
+import threading
 
 import grpc
 import trio
@@ -16,7 +24,7 @@ from kvasir_rpc import Wallet, get_logger, ledger_pb2, ledger_pb2_grpc
 from relay._contrib import ContributionStore, PendingReceipt, Settlement
 from relay._registry import SessionRegistry, SessionStats
 
-__all__ = ["ReceiptSender"]
+__all__ = ["ReceiptSender", "ReceiptSenderStats"]
 
 log = get_logger("relay.receipts")
 
@@ -38,6 +46,27 @@ _FINAL: dict[int, str] = {
 _ANSWERED = (_R.RECEIPT_STATUS_CREDITED, _R.RECEIPT_STATUS_DUPLICATE, _R.RECEIPT_STATUS_STALE)
 
 
+@dataclasses.dataclass(frozen=True)
+class ReceiptSenderStats:
+    """The receipt loop's counters since the hub started (see ``ReceiptSender.statistics``).
+
+    ``submitted``: receipts answered for good (``acked`` + ``rejected``); ``acked``: credited,
+    duplicate or stale at the ledger (nothing more to send); ``rejected``: dropped as never
+    valid; ``refused``: refusals that left a receipt pending (each resend counts again);
+    ``flushes``: passes of the loop; ``ledger_errors``: passes where the ledger could not be
+    reached; ``ended_recorded``: final counters of ended sessions saved; ``ended_queued``:
+    those waiting for the next pass."""
+
+    submitted: int
+    acked: int
+    rejected: int
+    refused: int
+    flushes: int
+    ledger_errors: int
+    ended_recorded: int
+    ended_queued: int
+
+
 class ReceiptSender:
     """Delivers ``store``'s receipts signed with ``key`` to the LedgerService at
     ``ledger_target`` (none: receipts are signed and kept). ``run`` is the loop: a flush every
@@ -56,14 +85,57 @@ class ReceiptSender:
         self.max_backoff_s = max_backoff_s
         self._wake = trio.Event()
         self._channel: grpc.Channel | None = None
-        self.submitted = 0  # receipts answered for good (acked or dropped)
-        self.rejected = 0  # receipts dropped as never valid
-        self.refused = 0  # refusals that left a receipt pending
+        # Final counters of ended sessions, saved by the next flush (or ``close``), once each.
+        self._ended: list[SessionStats] = []
+        self._ended_lock = threading.Lock()
+        self._acked = 0
+        self._rejected = 0
+        self._refused = 0
+        self._flushes = 0
+        self._ledger_errors = 0
+        self._ended_recorded = 0
+
+    def statistics(self) -> ReceiptSenderStats:
+        """A frozen snapshot of the loop's counters."""
+        with self._ended_lock:
+            queued = len(self._ended)
+        return ReceiptSenderStats(submitted=self._acked + self._rejected, acked=self._acked, rejected=self._rejected,
+                                  refused=self._refused, flushes=self._flushes, ledger_errors=self._ledger_errors,
+                                  ended_recorded=self._ended_recorded, ended_queued=queued)
 
     def session_ended(self, stats: SessionStats) -> None:
-        """Registry hook (trio thread): save the final counters now and send a receipt soon."""
-        self.store.record([stats], ended=True)
+        """Registry hook (trio thread): queue the session's final counters and wake the loop,
+        which saves them in a worker thread and sends a receipt soon. Never touches the
+        database here: this runs on the hub's event loop."""
+        with self._ended_lock:
+            self._ended.append(stats)
         self._wake.set()
+
+    def close(self) -> None:
+        """After ``run`` has returned (no event loop needed): save the final counters of
+        sessions that ended after the loop's last flush, and close the ledger channel."""
+        self._record_ended(self._take_ended())
+        if self._channel is not None:
+            self._channel.close()
+            self._channel = None
+
+    def _take_ended(self) -> list[SessionStats]:
+        with self._ended_lock:
+            ended, self._ended = self._ended, []
+        return ended
+
+    def _record_ended(self, ended: list[SessionStats]) -> None:
+        """Save ``ended`` (any thread but the event loop's). On failure they go back in the
+        queue, ahead of later ones, so the next flush tries again."""
+        if not ended:
+            return
+        try:
+            self.store.record(ended, ended=True)
+        except BaseException:
+            with self._ended_lock:
+                self._ended[:0] = ended
+            raise
+        self._ended_recorded += len(ended)
 
     async def run(self) -> None:
         backoff = self.interval_s
@@ -79,12 +151,16 @@ class ReceiptSender:
                 await self.flush()
             if self._channel is not None:
                 self._channel.close()
+                self._channel = None
 
     async def flush(self) -> bool:
         """Save counters, issue receipts, deliver what is pending. False when the ledger
         failed or refused a receipt for a reason that can change (back off, then retry)."""
+        self._flushes += 1
         live = self.registry.statistics()
         await trio.to_thread.run_sync(self.store.record, live)
+        # Not cancellable once started (to_thread's default): a batch is saved whole, once.
+        await trio.to_thread.run_sync(self._record_ended, self._take_ended())
         await trio.to_thread.run_sync(self.store.issue_receipts, self.key)
         if not self.ledger_target:
             return True
@@ -94,9 +170,15 @@ class ReceiptSender:
         try:
             results = await trio.to_thread.run_sync(self._submit, pending)
         except grpc.RpcError as exc:
+            self._ledger_errors += 1
             log.warning("ledger unreachable; receipts stay pending", ledger=self.ledger_target,
                         code=str(exc.code()), pending=len(pending))
             return False
+        # Counted on the event loop's thread (never in ``_submit``'s worker thread), before the
+        # store shows the answers, so whoever sees a settled receipt sees it counted.
+        self._acked += sum(s.state == "acked" for s in results)
+        self._rejected += sum(s.state == "rejected" for s in results)
+        self._refused += sum(s.state == "pending" for s in results)
         await trio.to_thread.run_sync(self.store.settle, results)
         return all(s.state != "pending" for s in results)
 
@@ -114,7 +196,6 @@ class ReceiptSender:
                 continue
             reason = _R.RejectReason.Name(r.reason) if r.reason in _R.RejectReason.values() else str(r.reason)
             if r.status == _R.RECEIPT_STATUS_REJECTED and r.reason in _FINAL:
-                self.rejected += 1
                 log.error("ledger rejected a receipt for good; it is dropped", session_id=p.session_id, seq=p.seq,
                           reason=reason, why=_FINAL[r.reason], detail=r.detail)
                 out.append(Settlement(p, "rejected", reason, r.detail))
@@ -123,10 +204,8 @@ class ReceiptSender:
                 refused.setdefault(r.reason, []).append(r)
                 out.append(Settlement(p, "pending", reason, r.detail))
         for code, results in sorted(refused.items()):
-            self.refused += len(results)
             todo = _RETRYABLE.get(code, "upgrade the hub: it does not know this answer of the ledger")
             log.warning("ledger refused receipts; they stay pending and are sent again", ledger=self.ledger_target,
                         reason=_R.RejectReason.Name(code) if code in _R.RejectReason.values() else str(code),
                         receipts=len(results), todo=todo.format(hub=self.key.address), detail=results[0].detail)
-        self.submitted += sum(s.state != "pending" for s in out)
         return out

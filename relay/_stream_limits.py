@@ -24,7 +24,7 @@ import grpc
 
 from kvasir_rpc import AUTHORIZATION_METADATA, check_bearer
 
-__all__ = ["StreamLimits", "StreamLimitsInterceptor"]
+__all__ = ["StreamLimits", "StreamLimitsInterceptor", "StreamStats"]
 
 WATCH_METHOD = "/kvasir.v1.SessionService/WatchSessions"
 
@@ -43,6 +43,19 @@ class StreamLimits:
         return self.watch + self.backbone + self.other + self.unary
 
 
+@dataclasses.dataclass(frozen=True)
+class StreamStats:
+    """Streams open now in each allowance, and streams refused (RESOURCE_EXHAUSTED) since
+    the server started."""
+
+    watch: int
+    backbone: int
+    other: int
+    refused_watch: int
+    refused_backbone: int
+    refused_other: int
+
+
 class StreamLimitsInterceptor(grpc.ServerInterceptor):
     """Admits streams into their allowance (see the module docstring)."""
 
@@ -51,10 +64,14 @@ class StreamLimitsInterceptor(grpc.ServerInterceptor):
         self._token = backbone_token
         self._lock = threading.Lock()
         self._open = {"watch": 0, "backbone": 0, "other": 0}
+        self._refused = {"watch": 0, "backbone": 0, "other": 0}
 
-    def statistics(self) -> dict[str, int]:
+    def statistics(self) -> StreamStats:
+        """A frozen snapshot of the allowances' counters."""
         with self._lock:
-            return dict(self._open)
+            return StreamStats(watch=self._open["watch"], backbone=self._open["backbone"], other=self._open["other"],
+                               refused_watch=self._refused["watch"], refused_backbone=self._refused["backbone"],
+                               refused_other=self._refused["other"])
 
     def intercept_service(self, continuation: Callable[[Any], Any], handler_call_details: Any) -> Any:
         handler = continuation(handler_call_details)
@@ -89,6 +106,8 @@ class StreamLimitsInterceptor(grpc.ServerInterceptor):
             admitted = self._open[pool] < limit
             if admitted:
                 self._open[pool] += 1
+            else:
+                self._refused[pool] += 1
         if not admitted:
             if pool == "watch":
                 context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,

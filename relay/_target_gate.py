@@ -27,8 +27,7 @@ import enum
 
 import hpack
 
-from kvasir_rpc import TARGET_KEY_METADATA, target_key_matches
-from kvasir_rpc._errors import LocalProtocolError, RemoteProtocolError
+from kvasir_rpc import TARGET_KEY_METADATA, LocalProtocolError, RemoteProtocolError, target_key_matches
 
 __all__ = ["Admitted", "PREFACE", "Refused", "TargetGate", "Verdict"]
 
@@ -116,7 +115,7 @@ def _frame(ftype: int, flags: int, stream_id: int, payload: bytes) -> bytes:
 class TargetGate:
     """Decides whether one client connection to a session's target may reach the worker.
 
-    ``token`` and ``session_id`` define the key (``kvasir_rpc._access.target_key``).
+    ``token`` and ``session_id`` define the key (``kvasir_rpc.target_key``).
     Send ``server_preface()`` at once; feed ``receive_data`` until it returns a verdict.
     """
 

@@ -14,8 +14,7 @@ import time
 
 import grpc
 
-from kvasir_rpc import Wallet, get_logger, session_pb2
-from kvasir_rpc._receipts import MAX_CUMULATIVE_BYTES
+from kvasir_rpc import MAX_CUMULATIVE_BYTES, Wallet, get_logger, session_pb2
 from relay._contrib import ContributionStore
 from relay._registry import SessionRegistry
 

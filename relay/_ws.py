@@ -2,6 +2,11 @@
 can answer /healthz, 401, 404 and 426 itself), wsproto does the framing, trio moves bytes.
 
 No protobuf, no gRPC: the gateway relays messages without looking inside them.
+
+Two ways a connection ends without a close frame are told apart: the peer (or the network)
+broke it (``trio.BrokenResourceError``: WsClosed 1006, ``local`` False, counted as
+``broken``), or this side closed the stream (``trio.ClosedResourceError``: shutdown, or a
+task that closed it under another; WsClosed ``local`` True, counted as ``closed_locally``).
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ from wsproto.events import (
 )
 from wsproto.utilities import RemoteProtocolError as WsRemoteProtocolError
 
-__all__ = ["HttpRequest", "WebSocket", "WsClosed", "read_request", "send_response", "upgrade"]
+__all__ = ["HttpRequest", "WebSocket", "WsClosed", "WsStats", "read_request", "send_response", "upgrade"]
 
 MAX_HEADER_BYTES = 16 << 10
 READ_BYTES = 1 << 20
@@ -39,6 +44,30 @@ class WsClosed(Exception):
         self.code = code
         self.reason = reason
         self.local = local
+
+
+@dataclasses.dataclass(frozen=True)
+class WsStats:
+    """A WebSocket's counters (see ``WebSocket.statistics``).
+
+    ``messages_*`` and ``payload_bytes_*`` count whole data messages and their payload;
+    ``wire_bytes_*`` every byte read from or written to the stream (frame headers, control
+    frames, the close handshake). ``pings_sent``: keepalive pings to a silent peer;
+    ``pings_answered``: the peer's pings we answered; ``pongs_received``: the peer's pongs.
+    ``broken``: 1 when the peer or the network broke the connection (no close frame);
+    ``closed_locally``: 1 when a read or write found the stream already closed by us."""
+
+    messages_in: int
+    messages_out: int
+    payload_bytes_in: int
+    payload_bytes_out: int
+    wire_bytes_in: int
+    wire_bytes_out: int
+    pings_sent: int
+    pings_answered: int
+    pongs_received: int
+    broken: int
+    closed_locally: int
 
 
 @dataclasses.dataclass
@@ -76,8 +105,10 @@ class HttpError(Exception):
 
 
 async def read_request(stream: trio.abc.Stream) -> HttpRequest:
-    """Read one HTTP request head. Raises HttpError on garbage, oversized heads or EOF."""
+    """Read one HTTP request head. Raises HttpError on garbage, a head over MAX_HEADER_BYTES
+    or EOF."""
     conn = h11.Connection(h11.SERVER, max_incomplete_event_size=MAX_HEADER_BYTES)
+    fed = 0
     while True:
         try:
             event = conn.next_event()
@@ -87,8 +118,13 @@ async def read_request(stream: trio.abc.Stream) -> HttpRequest:
             data = await stream.receive_some(MAX_HEADER_BYTES)
             if not data:
                 raise HttpError("connection closed before a complete request")
+            fed += len(data)
             conn.receive_data(bytes(data))
             continue
+        # h11 bounds only what is buffered while a head is incomplete: a head that ends in a
+        # later read could be up to twice the bound. Count what it really took.
+        if fed - len(conn.trailing_data[0]) > MAX_HEADER_BYTES:
+            raise HttpError(f"request head larger than {MAX_HEADER_BYTES} bytes")
         if isinstance(event, h11.Request):
             trailing = b""
             if (event.method == b"GET") and any(k.lower() == b"upgrade" for k, _ in event.headers):
@@ -116,8 +152,9 @@ async def send_response(stream: trio.abc.Stream, status: int, body: str, *, head
             f"content-length: {len(payload)}", "connection: close", *(f"{k}: {v}" for k, v in headers)]
     try:
         await stream.send_all(("\r\n".join(head) + "\r\n\r\n").encode() + payload)
-    except (trio.BrokenResourceError, trio.ClosedResourceError):
-        pass
+    except trio.BrokenResourceError:
+        pass  # the client went away: nobody is left to read the answer
+    # ClosedResourceError propagates: answering on a stream we closed is our bug.
 
 
 async def upgrade(
@@ -164,8 +201,39 @@ class WebSocket:
         self._parts: list[bytes | str] = []
         self._size = 0
         self._closed: WsClosed | None = None
-        self.bytes_in = 0
-        self.bytes_out = 0
+        self._messages_in = 0
+        self._messages_out = 0
+        self._payload_in = 0
+        self._payload_out = 0
+        self._wire_in = 0
+        self._wire_out = 0
+        self._pings_sent = 0
+        self._pings_answered = 0
+        self._pongs = 0
+        self._broken = 0
+        self._closed_locally = 0
+
+    def statistics(self) -> WsStats:
+        """A frozen snapshot of this WebSocket's counters."""
+        return WsStats(messages_in=self._messages_in, messages_out=self._messages_out,
+                       payload_bytes_in=self._payload_in, payload_bytes_out=self._payload_out,
+                       wire_bytes_in=self._wire_in, wire_bytes_out=self._wire_out, pings_sent=self._pings_sent,
+                       pings_answered=self._pings_answered, pongs_received=self._pongs, broken=self._broken,
+                       closed_locally=self._closed_locally)
+
+    def _lost(self, exc: trio.BrokenResourceError | trio.ClosedResourceError) -> WsClosed:
+        """The WsClosed for a stream that failed under a read or write, chained to ``exc``.
+
+        Broken: the peer or the network ended it (1006, not local). Closed: we closed the
+        stream, either through ``close`` (its WsClosed stands) or under this WebSocket (a
+        local 1006: shutdown, or a bug in whoever closed it)."""
+        if isinstance(exc, trio.BrokenResourceError):
+            self._broken = 1
+            self._closed = self._closed or WsClosed(1006, "connection lost")
+        else:
+            self._closed_locally = 1
+            self._closed = self._closed or WsClosed(1006, "the stream was closed on this side", local=True)
+        return self._closed
 
     async def _write(self, data: bytes) -> None:
         if not data:
@@ -174,19 +242,21 @@ class WebSocket:
             try:
                 await self._stream.send_all(data)
             except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
-                self._closed = self._closed or WsClosed(1006, "connection lost")
-                raise self._closed from exc
+                raise self._lost(exc) from exc
+            self._wire_out += len(data)
 
     async def send_message(self, message: bytes | str) -> None:
         if self._closed is not None:
             raise self._closed
         event = TextMessage(data=message) if isinstance(message, str) else BytesMessage(data=message)
         data = self._conn.send(event)
-        self.bytes_out += len(message)
+        self._messages_out += 1
+        self._payload_out += len(message)
         await self._write(data)
 
     async def ping(self, payload: bytes = b"kv") -> None:
         if self._closed is None and self._conn.state is ConnectionState.OPEN:
+            self._pings_sent += 1
             await self._write(self._conn.send(Ping(payload=payload)))
 
     async def close(self, code: int = 1000, reason: str = "") -> None:
@@ -201,7 +271,8 @@ class WebSocket:
         await self._close_stream()
 
     async def _close_stream(self) -> None:
-        # The peer may already be gone: closing is best effort and never raises.
+        # The peer may already be gone (broken) or the stream closed already (aclose is
+        # idempotent, but a wrapper may say so): closing is best effort and never raises.
         try:
             await self._stream.aclose()
         except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
@@ -229,14 +300,15 @@ class WebSocket:
                 try:
                     data = await self._stream.receive_some(READ_BYTES)
                 except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
-                    self._closed = self._closed or WsClosed(1006, "connection lost")
-                    raise self._closed from exc
+                    raise self._lost(exc) from exc
             if not scope.cancelled_caught:
                 if not data:
+                    # A clean EOF without a close frame: the peer's side ended it.
+                    self._broken = 1
                     self._closed = self._closed or WsClosed(1006, "connection closed without a close frame")
                     await self._close_stream()
                     raise self._closed
-                self.bytes_in += len(data)
+                self._wire_in += len(data)
                 return bytes(data)
             idle += self._keepalive
             if idle >= self._idle_timeout:
@@ -252,15 +324,19 @@ class WebSocket:
                 raise WsClosed(1009, "message too big", local=True)
             self._parts.append(event.data)
             if event.message_finished:
+                self._messages_in += 1
+                self._payload_in += self._size
                 parts, self._parts, self._size = self._parts, [], 0
                 if isinstance(event, TextMessage):
                     return "".join(parts)  # type: ignore[arg-type]
                 return b"".join(parts)  # type: ignore[arg-type]
             return None
         if isinstance(event, Ping):
+            self._pings_answered += 1
             await self._write(self._conn.send(event.response()))
             return None
         if isinstance(event, Pong):
+            self._pongs += 1
             return None
         if isinstance(event, CloseConnection):
             if self._conn.state is not ConnectionState.CLOSED:

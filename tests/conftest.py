@@ -1,14 +1,26 @@
-"""Shared fixtures: tiny checkpoints made once per session, local swarms of real processes."""
+"""Shared fixtures: tiny checkpoints made once per session, the hub's contribution store, a
+ledger process.
+
+Tests that start real processes, servers on ports, PostgreSQL or a transformers model are
+marked ``integration``; ``pytest -m "not integration"`` (``make test-fast``) runs the rest.
+"""
 
 from __future__ import annotations
 
 import os
 import pathlib
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+if TYPE_CHECKING:
+    from helpers import LedgerProcess
+
+    from relay._contrib import ContributionStore
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
@@ -16,7 +28,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory: pytest.TempPathFactory):
     """A function arch -> checkpoint folder, each made at most once per test session."""
-    from kvasir_rpc import make_tiny_checkpoint
+    from kvasir_rpc.dev.tiny import make_tiny_checkpoint
 
     base = tmp_path_factory.mktemp("models")
     made: dict[str, pathlib.Path] = {}
@@ -27,3 +39,25 @@ def tiny_models(tmp_path_factory: pytest.TempPathFactory):
         return made[arch]
 
     return get
+
+
+@pytest.fixture
+def hub_store(tmp_path: pathlib.Path) -> Iterator[ContributionStore]:
+    """The hub's contribution store in a fresh SQLite file, closed after the test."""
+    from relay._contrib import ContributionStore
+
+    store = ContributionStore(tmp_path / "hub-contrib.sqlite")
+    yield store
+    store.close()
+
+
+@pytest.fixture
+def ledger(tmp_path: pathlib.Path) -> Iterator[LedgerProcess]:
+    """A ledger process on a fresh SQLite file, not started (set ``keys``, then ``start()``);
+    stopped after the test if it still runs."""
+    from helpers import LedgerProcess
+
+    proc = LedgerProcess(tmp_path, f"sqlite:///{tmp_path / 'ledger.sqlite'}", [])
+    yield proc
+    if proc.proc is not None and proc.proc.poll() is None:
+        proc.stop()

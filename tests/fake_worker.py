@@ -18,7 +18,7 @@ import trio
 from trio_websocket import ConnectionClosed, open_websocket_url
 
 from kvasir_rpc import Wallet, WorkerHandshake, session_pb2, session_pb2_grpc, slices_from_proto
-from kvasir_rpc._tunnel import CTRL_CLOSE, CTRL_CLOSED, CTRL_OPEN, SUBPROTOCOL
+from kvasir_rpc.protocol import TUNNEL_SUBPROTOCOL as SUBPROTOCOL, Control
 
 SETTINGS = bytes([0, 0, 0, 4, 0, 0, 0, 0, 0])
 SETTINGS_ACK = bytes([0, 0, 0, 4, 1, 0, 0, 0, 0])
@@ -41,13 +41,13 @@ async def serve(url: str, hello: WorkerHandshake) -> None:
 
             while True:
                 msg = await ws.get_message()
-                if msg == CTRL_OPEN:
+                if msg == Control.OPEN.value:
                     scope = trio.CancelScope()
                     nursery.start_soon(junk, scope)
-                elif msg == CTRL_CLOSE:
+                elif msg == Control.CLOSE.value:
                     if scope is not None:
                         scope.cancel()
-                    await ws.send_message(CTRL_CLOSED)
+                    await ws.send_message(Control.CLOSED.value)
 
 
 def main() -> int:

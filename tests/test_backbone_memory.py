@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
-from kvasir_rpc import make_tiny_checkpoint
-from kvasir_rpc._swarm import LocalSwarm
+import pytest
+
+from kvasir_rpc.dev.swarm import LocalSwarm
+from kvasir_rpc.dev.tiny import make_tiny_checkpoint
+
+# Integration: starts a local swarm of real processes.
+pytestmark = pytest.mark.integration
 
 # Experts are most of this model: 64 experts x 4 layers x 1.5 MiB = 384 MiB; the dense part
 # (attention, embeddings, router) is under 2 MiB.

@@ -9,11 +9,12 @@ import sys
 import pytest
 
 from kvasir_rpc import Wallet
-from kvasir_rpc.cli import main
+from kvasir_rpc.dev.cli import main
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
+@pytest.mark.integration
 def test_key_show_prints_the_address_of_a_hub_key(tmp_path: pathlib.Path) -> None:
     path = tmp_path / "hub.key"
     address = Wallet.load_or_create(path).address

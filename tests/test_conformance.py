@@ -15,6 +15,8 @@ import pytest
 
 from kvasir_rpc.dev.conformance import FAIL, PASS, SKIP, STEPS, StepResult, run_check
 
+pytestmark = pytest.mark.integration
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 TESTS = pathlib.Path(__file__).resolve().parent
 SPEC = "*:0-3"

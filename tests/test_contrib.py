@@ -31,10 +31,8 @@ def stats(session_id: str, to_worker: int, from_worker: int) -> SessionStats:
 
 
 @pytest.fixture
-def store(tmp_path: pathlib.Path):  # type: ignore[no-untyped-def]
-    s = ContributionStore(tmp_path / "hub.sqlite")
-    yield s
-    s.close()
+def store(hub_store: ContributionStore) -> ContributionStore:
+    return hub_store
 
 
 def test_work_keeps_the_maximum_per_run_and_sums_runs(store: ContributionStore) -> None:

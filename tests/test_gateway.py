@@ -19,7 +19,10 @@ from helpers import trustme_certs, wait_until
 from wsclient import connect, open_stream, open_tcp, read_until_eof
 from wsproto.events import CloseConnection
 
-from kvasir_rpc._swarm import LocalSwarm
+from kvasir_rpc.dev.swarm import LocalSwarm
+
+# Integration: real gateway, hub, worker and backbone processes.
+pytestmark = pytest.mark.integration
 
 GATEWAY_LIMITS = ["--handshake-timeout", "2", "--keepalive", "0.5", "--idle-timeout", "2",
                   "--max-message-bytes", str(1 << 20)]

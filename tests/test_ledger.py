@@ -137,7 +137,8 @@ def pg_cluster() -> Iterator[PgCluster]:
             shutil.rmtree(base, ignore_errors=True)
 
 
-@pytest.fixture(params=["sqlite", "postgresql"])
+# PostgreSQL runs a real server (initdb, pg_ctl): integration.
+@pytest.fixture(params=["sqlite", pytest.param("postgresql", marks=pytest.mark.integration)])
 def db_url(request: pytest.FixtureRequest, tmp_path: pathlib.Path) -> str:
     """A fresh ledger database of each kind."""
     if request.param == "sqlite":
@@ -401,6 +402,7 @@ def test_sqlite_write_lock_held_elsewhere_answers_unavailable(tmp_path: pathlib.
     store.close()
 
 
+@pytest.mark.integration
 def test_postgres_dropped_connections_are_replaced(pg_cluster: PgCluster) -> None:
     url = pg_cluster.new_database()
     w = Wallet.generate().address
@@ -412,6 +414,7 @@ def test_postgres_dropped_connections_are_replaced(pg_cluster: PgCluster) -> Non
         assert store.balance(w).pending_nano_kvr == 140
 
 
+@pytest.mark.integration
 def test_ledger_starts_without_torch_or_psycopg_until_asked() -> None:
     # The ledger runs on small machines: it must not pull torch, nor psycopg for SQLite.
     code = "import sys, ledger, ledger.__main__, ledger._bench; print('torch' in sys.modules, 'psycopg' in sys.modules)"
@@ -448,6 +451,7 @@ def service(tmp_path: pathlib.Path) -> Iterator[tuple[ledger_pb2_grpc.LedgerServ
             server.stop(None)
 
 
+@pytest.mark.integration
 def test_service_balance_units_and_paging(service) -> None:  # type: ignore[no-untyped-def]
     stub, _ = service
     w = Wallet.generate().address
@@ -470,6 +474,7 @@ def test_service_balance_units_and_paging(service) -> None:  # type: ignore[no-u
     assert (unknown.pending_nano_kvr, unknown.pending_kvr, unknown.units) == (0, "0.000000000", "0.000000")
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize(
     ("call", "request_", "code"),
     [
@@ -492,6 +497,7 @@ def test_service_answers_bad_requests_precisely(service, call, request_, code) -
     assert len(info.value.details()) < 300  # a stranger's 5000 characters are not echoed back
 
 
+@pytest.mark.integration
 def test_service_answers_a_closed_session_with_its_reason(service) -> None:  # type: ignore[no-untyped-def]
     stub, _ = service
     w = Wallet.generate().address
@@ -504,6 +510,7 @@ def test_service_answers_a_closed_session_with_its_reason(service) -> None:  # t
     assert [c.quarantined for c in listed.credits] == [False, True]
 
 
+@pytest.mark.integration
 def test_service_page_token_is_bound_to_its_wallet(service) -> None:  # type: ignore[no-untyped-def]
     stub, _ = service
     w = Wallet.generate().address
@@ -516,6 +523,7 @@ def test_service_page_token_is_bound_to_its_wallet(service) -> None:  # type: ig
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
 
 
+@pytest.mark.integration
 def test_service_database_trouble_is_unavailable_not_unknown(tmp_path: pathlib.Path) -> None:
     import sqlite3
 
@@ -552,12 +560,10 @@ def test_create_server_refuses_bad_configuration(tmp_path: pathlib.Path) -> None
 
 
 @pytest.fixture
-def ledger_proc(tmp_path: pathlib.Path) -> Iterator[LedgerProcess]:
-    proc = LedgerProcess(tmp_path, f"sqlite:///{tmp_path / 'ledger.db'}", [HUB.address])
-    proc.start()
-    yield proc
-    if proc.proc is not None and proc.proc.poll() is None:
-        proc.stop()
+def ledger_proc(ledger: LedgerProcess) -> LedgerProcess:
+    ledger.keys = [HUB.address]
+    ledger.start()
+    return ledger
 
 
 def _grpcurl() -> str:
@@ -568,6 +574,7 @@ def _grpcurl() -> str:
     return str(path)
 
 
+@pytest.mark.integration
 def test_grpcurl_lists_and_calls_the_ledger_through_reflection(ledger_proc: LedgerProcess) -> None:
     grpcurl = _grpcurl()
 
@@ -598,6 +605,7 @@ def test_grpcurl_lists_and_calls_the_ledger_through_reflection(ledger_proc: Ledg
     assert json.loads(health.stdout)["status"] == "SERVING"
 
 
+@pytest.mark.integration
 def test_ledger_cli_refuses_bad_arguments_and_stops_on_sigterm(ledger_proc: LedgerProcess, tmp_path: pathlib.Path) -> None:
     for args, message in (
         (["--trust-key", "A" * 64], "64 lowercase hex"),
@@ -640,6 +648,7 @@ def _storm_plan(hubs: list[Wallet], sessions: int, receipts: int, rng: random.Ra
     return plans, owed
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("kind", ["sqlite", "postgresql"])
 def test_sigkill_mid_storm_loses_and_doubles_nothing(kind: str, tmp_path: pathlib.Path,
                                                      request: pytest.FixtureRequest) -> None:

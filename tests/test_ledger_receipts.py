@@ -290,6 +290,7 @@ def stub(scratch: pathlib.Path) -> Iterator[ledger_pb2_grpc.LedgerServiceStub]:
 _garbage = st.builds(R.SignedReceipt, receipt=st.binary(max_size=200), signature=st.binary(max_size=80))
 
 
+@pytest.mark.integration
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(st.lists(st.one_of(_garbage, _ops().map(lambda ops: ops[0][1])), max_size=20))
 def test_service_answers_every_batch_with_per_receipt_results(stub, batch) -> None:  # type: ignore[no-untyped-def]

@@ -9,7 +9,10 @@ import pathlib
 import pytest
 from helpers import wait_until
 
-from kvasir_rpc._swarm import LocalSwarm
+from kvasir_rpc.dev.swarm import LocalSwarm
+
+# Integration: real swarms with lying workers.
+pytestmark = pytest.mark.integration
 
 LIAR = str(pathlib.Path(__file__).with_name("liar_worker.py"))
 DECODE = ["--prompt", "who checks the workers", "--batch", "8", "--max-new-tokens", "40", "--compare-local",

@@ -5,9 +5,13 @@ from __future__ import annotations
 import signal
 import sqlite3
 
+import pytest
 from helpers import wait_until
 
-from kvasir_rpc._swarm import LocalSwarm
+from kvasir_rpc.dev.swarm import LocalSwarm
+
+# Integration: a real swarm and a hub restart.
+pytestmark = pytest.mark.integration
 
 
 def test_hub_restart_loses_no_counted_byte(tiny_models, tmp_path):

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pathlib
 import sqlite3
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import grpc
 import pytest
@@ -21,6 +21,9 @@ from ledger import open_store
 from relay._contrib import ContributionStore
 from relay._receipt_sender import ReceiptSender
 from relay._registry import SessionRegistry
+
+# Integration: a real ledger process and real gRPC servers.
+pytestmark = pytest.mark.integration
 
 RATE = 7
 UNTRUSTED = "REJECT_REASON_UNTRUSTED_KEY"
@@ -45,21 +48,6 @@ def credits(address: str, wallet: str) -> list[ledger_pb2.Credit]:
     with grpc.insecure_channel(address) as ch:
         stub = ledger_pb2_grpc.LedgerServiceStub(ch)
         return list(stub.ListCredits(ledger_pb2.ListCreditsRequest(wallet=wallet), timeout=10).credits)
-
-
-@pytest.fixture
-def hub_store(tmp_path: pathlib.Path) -> Iterator[ContributionStore]:
-    store = ContributionStore(tmp_path / "hub-contrib.sqlite")
-    yield store
-    store.close()
-
-
-@pytest.fixture
-def ledger(tmp_path: pathlib.Path) -> Iterator[LedgerProcess]:
-    proc = LedgerProcess(tmp_path, f"sqlite:///{tmp_path / 'ledger.sqlite'}", [])
-    yield proc
-    if proc.proc is not None and proc.proc.poll() is None:
-        proc.stop()
 
 
 def test_untrusted_receipts_stay_pending_until_the_ledger_trusts_the_hub(
@@ -89,7 +77,8 @@ def test_untrusted_receipts_stay_pending_until_the_ledger_trusts_the_hub(
             nursery.start_soon(sender.run)
             hub_store.add_work("run1", "s1", 1600, 3, 10)  # more work while refused: a second receipt
             await until(lambda: states("s1") == [("pending", UNTRUSTED)] * 2, "the second receipt to be refused")
-            assert sender.rejected == 0 and sender.refused >= 3
+            stats = sender.statistics()
+            assert stats.rejected == 0 and stats.refused >= 3
             # The operator fixes --trust-key and restarts the ledger on its address.
             assert await trio.to_thread.run_sync(ledger.stop) == 0
             ledger.keys = [hub.address]
@@ -141,7 +130,7 @@ def test_a_quarantined_session_closes_at_the_ledger_and_later_work_is_never_cred
     assert [(r.seq, r.state, r.reason) for r in hub_store.receipts("liar")][-1] == (
         3, "rejected", "REJECT_REASON_SESSION_QUARANTINED")
     errors = [e for e in logs if e["log_level"] == "error"]
-    assert len(errors) == 1 and "quarantined" in errors[0]["why"] and sender.rejected == 1
+    assert len(errors) == 1 and "quarantined" in errors[0]["why"] and sender.statistics().rejected == 1
     b = balance(ledger.address, w)
     assert (b.pending_nano_kvr, b.bytes_credited, b.credit_count) == (1000 * RATE, 1000, 2)
 

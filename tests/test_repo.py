@@ -1,4 +1,5 @@
-"""Repository contracts: generated code is fresh, layering is one-way, protos lint clean."""
+"""Repository contracts: generated code is fresh, layering is one-way, components use only the
+library's public names, the library does not import its dev tooling, protos lint clean."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ COMPONENTS = ("backbone", "worker", "relay", "ledger")
 ALLOWED = {"kvasir_rpc/dev/conformance.py": {"backbone"}}
 
 
+@pytest.mark.integration
 def test_generated_code_is_fresh(tmp_path):
     out = tmp_path / "_gen"
     subprocess.run([sys.executable, str(ROOT / "tools" / "gen_proto.py"), str(out)], check=True, timeout=120)
@@ -50,6 +52,93 @@ def test_layering_is_one_way(pkg):
     assert not (_imports(pkg) & forbidden), f"{pkg} imports {_imports(pkg) & forbidden}"
 
 
+def _library_imports(path: pathlib.Path) -> list[tuple[int, str, list[str]]]:
+    """Every import of kvasir_rpc in ``path``, function-level ones included, as
+    (line, absolute module, imported names); ``import kvasir_rpc.x`` has no names."""
+    found: list[tuple[int, str, list[str]]] = []
+    package = ".".join(path.relative_to(ROOT).with_suffix("").parts[:-1])
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, a.name, []) for a in node.names if a.name.split(".")[0] == "kvasir_rpc"]
+        elif isinstance(node, ast.ImportFrom):
+            module = node.module or ""
+            if node.level:  # relative: resolve against the file's package
+                base = package.split(".")[: len(package.split(".")) - node.level + 1]
+                module = ".".join([*base, module] if module else base)
+            if module.split(".")[0] == "kvasir_rpc":
+                found.append((node.lineno, module, [a.name for a in node.names]))
+    return found
+
+
+def _py_files(pkg: str) -> list[pathlib.Path]:
+    return sorted(p for p in (ROOT / pkg).rglob("*.py") if "_gen" not in p.parts)
+
+
+@pytest.mark.parametrize("pkg", [c for c in COMPONENTS if (ROOT / c).exists()])
+def test_components_use_only_public_library_names(pkg):
+    import kvasir_rpc
+
+    public = set(kvasir_rpc.__all__)
+    bad = []
+    for path in _py_files(pkg):
+        rel = path.relative_to(ROOT).as_posix()
+        for line, module, names in _library_imports(path):
+            parts = module.split(".")
+            where = f"{rel}:{line}"
+            if len(parts) > 1 and parts[1] == "dev":
+                bad.append(f"{where}: {module} is development tooling")
+            elif any(p.startswith("_") for p in parts):
+                bad.append(f"{where}: private module {module}")
+            elif module == "kvasir_rpc":
+                bad += [f"{where}: kvasir_rpc.{n} is not in kvasir_rpc.__all__" for n in names if n not in public]
+            else:
+                bad += [f"{where}: private name {module}.{n}" for n in names if n.startswith("_")]
+    assert not bad, "components import only public kvasir_rpc names (add to kvasir_rpc._LAZY):\n" + "\n".join(bad)
+
+
+def test_library_core_does_not_import_dev_tooling():
+    # kvasir_rpc/__main__.py is `python -m kvasir_rpc`, the kvasir command: run, never imported.
+    bad = []
+    for path in _py_files("kvasir_rpc"):
+        rel = path.relative_to(ROOT / "kvasir_rpc")
+        if rel.parts[0] == "dev" or rel.as_posix() == "__main__.py":
+            continue
+        for line, module, names in _library_imports(path):
+            if module.startswith("kvasir_rpc.dev") or (module == "kvasir_rpc" and "dev" in names):
+                bad.append(f"kvasir_rpc/{rel}:{line}: {module}")
+    assert not bad, f"the library imports its development tooling: {bad}"
+
+
+@pytest.mark.integration
+def test_every_public_name_resolves_without_dev_tooling():
+    code = (
+        "import sys, kvasir_rpc\n"
+        "bad = []\n"
+        "for name in kvasir_rpc.__all__:\n"
+        "    try:\n"
+        "        getattr(kvasir_rpc, name)\n"
+        "    except Exception as exc:\n"
+        "        bad.append(f'{name}: {exc!r}')\n"
+        "assert not bad, bad\n"
+        "dev = sorted(m for m in sys.modules if m.startswith('kvasir_rpc.dev'))\n"
+        "assert not dev, dev\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert out.returncode == 0, out.stderr
+
+
+@pytest.mark.integration
+def test_gateway_imports_no_protobuf_or_grpc():
+    # The public gateway only splices WebSockets: it starts without protobuf and gRPC.
+    code = (
+        "import sys, relay.__main__, relay._gateway\n"
+        "print(sorted({m.split('.')[0] for m in sys.modules} & {'grpc', 'google', 'torch'}))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
+@pytest.mark.integration
 def test_relay_does_not_import_torch():
     # The relay runs on small machines; it must start without torch.
     code = "import sys, relay, relay.__main__; print('torch' in sys.modules)"
@@ -57,6 +146,7 @@ def test_relay_does_not_import_torch():
     assert out.stdout.strip() == "False", out.stderr
 
 
+@pytest.mark.integration
 def test_buf_lint_clean():
     buf = shutil.which("buf", path=str(pathlib.Path(sys.executable).parent)) or shutil.which("buf")
     if buf is None:

@@ -16,6 +16,9 @@ import torch
 from backbone._experts import Dispatcher
 from backbone._generate import decode, decode_grouped, load_model, prompts_for_batch
 
+# Integration: loads a real transformers model.
+pytestmark = pytest.mark.integration
+
 
 class _NoSessions:
     """What the Dispatcher reads from a SessionWatcher: a version and no live sessions."""

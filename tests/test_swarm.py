@@ -14,8 +14,11 @@ from helpers import wait_until
 from kvasir_rpc import expert_pb2, expert_pb2_grpc, session_pb2
 from kvasir_rpc._access import TARGET_KEY_METADATA, target_key
 from kvasir_rpc._codec import decode_tensor, encode_tensor
-from kvasir_rpc._swarm import LocalSwarm
-from kvasir_rpc.cli import run_demo
+from kvasir_rpc.dev.cli import run_demo
+from kvasir_rpc.dev.swarm import LocalSwarm
+
+# Integration: real swarms of processes.
+pytestmark = pytest.mark.integration
 
 
 @pytest.mark.parametrize(
@@ -159,7 +162,7 @@ def test_hub_refuses_bad_hello_and_keeps_serving(swarm):
     from trio_websocket import ConnectionClosed, open_websocket_url
 
     from kvasir_rpc import HELLO_SIGNATURE_DOMAIN, Wallet, session_pb2
-    from kvasir_rpc._tunnel import SUBPROTOCOL
+    from kvasir_rpc.protocol import TUNNEL_SUBPROTOCOL as SUBPROTOCOL
 
     wallet, other = Wallet.generate(), Wallet.generate()
 

@@ -20,7 +20,10 @@ from helpers import wait_until
 
 from kvasir_rpc import expert_pb2, expert_pb2_grpc, session_pb2, session_pb2_grpc
 from kvasir_rpc._access import TARGET_KEY_METADATA, bearer, target_key
-from kvasir_rpc._swarm import LocalSwarm
+from kvasir_rpc.dev.swarm import LocalSwarm
+
+# Integration: a real swarm.
+pytestmark = pytest.mark.integration
 
 PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
 EMPTY_SETTINGS = bytes.fromhex("000000040000000000")

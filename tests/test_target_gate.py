@@ -286,6 +286,7 @@ async def _gated_proxy(backend_port: int, verdicts: list[object], *, task_status
     await trio.serve_listeners(handle, listeners)
 
 
+@pytest.mark.integration
 def test_a_real_grpc_client_through_the_gate():
     server, backend_port = _echo_server()
     verdicts: list[object] = []

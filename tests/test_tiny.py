@@ -1,4 +1,4 @@
-"""Tests for kvasir_rpc._tiny.make_tiny_checkpoint (tiny random MoE checkpoints)."""
+"""Tests for kvasir_rpc.dev.tiny.make_tiny_checkpoint (tiny random MoE checkpoints)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
-from kvasir_rpc._tiny import ARCHES, make_tiny_checkpoint  # noqa: E402
+from kvasir_rpc.dev.tiny import ARCHES, make_tiny_checkpoint  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
@@ -37,10 +37,11 @@ def test_unknown_arch_raises(tmp_path: pathlib.Path) -> None:
     assert not (tmp_path / "x").exists()
 
 
+@pytest.mark.integration
 def test_import_is_cheap() -> None:
     code = (
         "import importlib.util, sys\n"
-        f"spec = importlib.util.spec_from_file_location('t', {str(ROOT / 'kvasir_rpc' / '_tiny.py')!r})\n"
+        f"spec = importlib.util.spec_from_file_location('t', {str(ROOT / 'kvasir_rpc' / 'dev' / 'tiny.py')!r})\n"
         "mod = importlib.util.module_from_spec(spec); spec.loader.exec_module(mod)\n"
         "heavy = [m for m in ('torch', 'transformers', 'safetensors', 'tokenizers') if m in sys.modules]\n"
         "assert not heavy, heavy\n"
@@ -48,6 +49,7 @@ def test_import_is_cheap() -> None:
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("arch", ARCHES)
 def test_tiny_checkpoint(arch: str, tmp_path: pathlib.Path) -> None:
     import torch

@@ -18,6 +18,9 @@ from trio_websocket import ConnectionRejected, ConnectionTimeout, HandshakeError
 
 from kvasir_rpc._tls import TLSStream, open_tls_over_tcp, open_websocket_url
 
+# Integration: real TLS servers on 127.0.0.1.
+pytestmark = pytest.mark.integration
+
 
 @pytest.fixture(scope="module")
 def contexts() -> tuple[ssl.SSLContext, ssl.SSLContext]:

@@ -6,8 +6,12 @@ import json
 import subprocess
 import sys
 
+import pytest
 import torch
 from safetensors.torch import save_file
+
+# Integration: loads a checkpoint in a subprocess.
+pytestmark = pytest.mark.integration
 
 HIDDEN, INTER, EXPERTS, LAYERS = 256, 512, 64, 4
 EXPERT_BYTES = 3 * HIDDEN * INTER * 4  # gate, up, down in float32

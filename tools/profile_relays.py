@@ -82,11 +82,9 @@ def main() -> int:
     import psutil
     import torch
 
-    from kvasir_rpc._access import TARGET_KEY_METADATA, target_key
-    from kvasir_rpc._bench import HIDDEN, _Stream, make_bench_checkpoint
-    from kvasir_rpc._codec import encode_tensor
-    from kvasir_rpc._gen.kvasir.v1 import expert_pb2
-    from kvasir_rpc._swarm import LocalSwarm
+    from kvasir_rpc import TARGET_KEY_METADATA, encode_tensor, expert_pb2, target_key
+    from kvasir_rpc.dev.bench import HIDDEN, _Stream, make_bench_checkpoint
+    from kvasir_rpc.dev.swarm import LocalSwarm
 
     args.out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="kvasir-profile-") as tmp, LocalSwarm(tmp) as sw:

@@ -24,6 +24,8 @@ from kvasir_rpc import (
     WorkerHandshake,
     __version__,
     configure_logging,
+    enable_reflection,
+    expert_pb2,
     expert_pb2_grpc,
     format_slices,
     get_logger,
@@ -54,13 +56,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--log-level", default="info")
     args = p.parse_args(argv)
     configure_logging("worker", level=args.log_level)
-    from kvasir_rpc._fastmask import install as install_fast_masking
+    from kvasir_rpc import install_fast_masking
 
     install_fast_masking()
 
     import torch
 
-    from kvasir_rpc._kernel import threads_initializer
+    from kvasir_rpc import threads_initializer
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -89,6 +91,8 @@ def main(argv: list[str] | None = None) -> int:
         options=[("grpc.max_receive_message_length", 256 << 20), ("grpc.max_send_message_length", 256 << 20)],
     )
     expert_pb2_grpc.add_ExpertServiceServicer_to_server(servicer, server)
+    # Reflection reaches only those who reach the server: the key holder through the hub's target.
+    enable_reflection(server, [expert_pb2.DESCRIPTOR.services_by_name["ExpertService"].full_name])
     server.add_insecure_port(f"unix:{uds_path}")
     if args.direct_grpc:
         # Opt-in, for benchmarks and trusted LANs: the one case where the worker listens.

@@ -9,9 +9,19 @@ from collections.abc import Mapping
 import grpc
 import torch
 
-from kvasir_rpc import expert_pb2, expert_pb2_grpc, get_logger, slices_to_proto
-from kvasir_rpc._codec import TensorCodecError, decode_tensor, encode_tensor
-from kvasir_rpc._kernel import Activation, DispatchInputError, expert_forward, validate_dispatch
+from kvasir_rpc import (
+    Activation,
+    DispatchInputError,
+    TensorCodecError,
+    decode_tensor,
+    encode_tensor,
+    expert_forward,
+    expert_pb2,
+    expert_pb2_grpc,
+    get_logger,
+    slices_to_proto,
+    validate_dispatch,
+)
 
 __all__ = ["ExpertServicer", "LoadedExperts"]
 
@@ -75,7 +85,7 @@ class ExpertServicer(expert_pb2_grpc.ExpertServiceServicer):
             return self._idle.wait_for(lambda: self._computing == 0, timeout=timeout)
 
     def Describe(self, request, context):  # type: ignore[no-untyped-def]
-        from kvasir_rpc._codec import DTYPE_TO_WIRE
+        from kvasir_rpc import DTYPE_TO_WIRE
 
         e = self.experts
         return expert_pb2.DescribeResponse(

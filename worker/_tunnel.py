@@ -10,26 +10,34 @@ from collections.abc import Callable
 import trio
 from trio_websocket import ConnectionClosed, HandshakeError, WebSocketConnection
 
-from kvasir_rpc._tls import open_websocket_url
-from kvasir_rpc import CloseCode, RemoteProtocolError, WorkerHandshake, get_logger, leaf_exception
-from kvasir_rpc._tunnel import (
-    CTRL_CLOSE,
-    CTRL_CLOSED,
-    CTRL_EOF,
-    CTRL_OPEN,
+from kvasir_rpc import (
+    CloseCode,
+    RemoteProtocolError,
+    WorkerHandshake,
+    get_logger,
+    keepalive,
+    leaf_exception,
+    open_websocket_url,
+    send_whole,
+)
+from kvasir_rpc.protocol import (
+    KEEPALIVE_S,
+    KEEPALIVE_TIMEOUT_S,
     MAX_MESSAGE_BYTES,
     READ_BYTES,
-    SUBPROTOCOL,
-    keepalive,
-    pump_stream_to_ws,
-    send_whole,
+    TUNNEL_SUBPROTOCOLS,
+    WORKER_HANDSHAKE_TIMEOUT_S,
+    Close,
+    Data,
+    Open,
+    WorkerTunnel,
 )
 
 __all__ = ["TunnelHolder", "run_tunnel", "serve_session"]
 
 log = get_logger("worker.tunnel")
 
-HANDSHAKE_TIMEOUT_S = 15.0
+HANDSHAKE_TIMEOUT_S = WORKER_HANDSHAKE_TIMEOUT_S
 
 
 class _Conn:
@@ -41,18 +49,29 @@ class _Conn:
         self.done = trio.Event()
 
 
-async def serve_session(ws: WebSocketConnection, uds_path: str, *, keepalive_s: float = 15.0,
-                        keepalive_timeout_s: float = 10.0) -> None:
+async def serve_session(ws: WebSocketConnection, uds_path: str, *, keepalive_s: float = KEEPALIVE_S,
+                        keepalive_timeout_s: float = KEEPALIVE_TIMEOUT_S) -> None:
     """Follow the hub's control messages until the WebSocket closes (ConnectionClosed) or
-    the hub stops answering pings (RemoteProtocolError)."""
+    the hub breaks the protocol or stops answering pings (RemoteProtocolError).
+
+    What may be sent when is ``WorkerTunnel``'s; this moves the bytes."""
+    tunnel = WorkerTunnel()
     conn: _Conn | None = None
 
     async def pump(c: _Conn) -> None:
+        """The local gRPC server's bytes into the tunnel, then "eof" when it ends the connection."""
         try:
             with c.scope:
-                await pump_stream_to_ws(c.stream, ws)
-                # Our gRPC server ended the connection: tell the hub.
-                await send_whole(ws, CTRL_EOF)
+                while True:
+                    try:
+                        data = await c.stream.receive_some(READ_BYTES)
+                    except trio.BrokenResourceError as exc:
+                        log.info("local gRPC connection broke", error=repr(exc))
+                        data = b""
+                    if not data:
+                        break
+                    await send_whole(ws, tunnel.send_data(bytes(data)))
+                await send_whole(ws, tunnel.eof())
         finally:
             c.done.set()
 
@@ -60,30 +79,23 @@ async def serve_session(ws: WebSocketConnection, uds_path: str, *, keepalive_s: 
         nursery.start_soon(keepalive, ws, keepalive_s, keepalive_timeout_s)
         try:
             while True:
-                msg = await ws.get_message()
-                if msg == CTRL_OPEN:
-                    if conn is not None:
-                        raise RemoteProtocolError("hub sent 'open' while a connection is open")
-                    stream = await trio.open_unix_socket(uds_path)
-                    conn = _Conn(stream)
+                event = tunnel.receive(await ws.get_message())
+                if isinstance(event, Open):
+                    conn = _Conn(await trio.open_unix_socket(uds_path))
                     nursery.start_soon(pump, conn)
-                elif msg == CTRL_CLOSE:
-                    if conn is None:
-                        raise RemoteProtocolError("hub sent 'close' with no connection open")
+                elif isinstance(event, Close):
+                    assert conn is not None
                     conn.scope.cancel()
                     await conn.done.wait()
                     await conn.stream.aclose()
                     conn = None
-                    await ws.send_message(CTRL_CLOSED)
-                elif isinstance(msg, bytes):
-                    if conn is None:
-                        raise RemoteProtocolError("tunnel bytes with no connection open")
+                    await send_whole(ws, tunnel.closed())
+                elif isinstance(event, Data):
+                    assert conn is not None
                     try:
-                        await conn.stream.send_all(msg)
-                    except (trio.BrokenResourceError, trio.ClosedResourceError):
-                        pass  # the pump sees the end too and reports "eof"
-                else:
-                    raise RemoteProtocolError(f"unknown control message {msg!r}")
+                        await conn.stream.send_all(event.data)
+                    except trio.BrokenResourceError:
+                        pass  # the server ended the connection: the pump sees it too and sends "eof"
         finally:
             nursery.cancel_scope.cancel()
             if conn is not None:
@@ -124,14 +136,15 @@ async def run_tunnel(
             async with open_websocket_url(
                 url,
                 ssl_context=ssl_context,
-                subprotocols=[SUBPROTOCOL],
+                subprotocols=list(TUNNEL_SUBPROTOCOLS),
                 max_message_size=MAX_MESSAGE_BYTES, receive_buffer_size=READ_BYTES,
                 message_queue_size=4,
                 connect_timeout=HANDSHAKE_TIMEOUT_S,
                 disconnect_timeout=5,
             ) as ws:
-                if ws.subprotocol != SUBPROTOCOL:
-                    raise RemoteProtocolError(f"hub chose subprotocol {ws.subprotocol!r}, need {SUBPROTOCOL}")
+                if ws.subprotocol not in TUNNEL_SUBPROTOCOLS:
+                    raise RemoteProtocolError(f"hub chose subprotocol {ws.subprotocol!r}, "
+                                              f"need one of {', '.join(TUNNEL_SUBPROTOCOLS)}")
                 hs = make_handshake()
                 try:
                     with trio.fail_after(HANDSHAKE_TIMEOUT_S):

@@ -47,10 +47,7 @@ if TYPE_CHECKING:
     import torch
     from trio_websocket import WebSocketConnection, WebSocketRequest
 
-    from kvasir_rpc._checkpoint import ExpertIndex
-    from kvasir_rpc._gen.kvasir.v1 import expert_pb2
-    from kvasir_rpc._handshake import HelloInfo
-    from kvasir_rpc._kernel import Activation
+    from kvasir_rpc import Activation, ExpertIndex, HelloInfo, expert_pb2
 
 __all__ = ["PASS", "FAIL", "SKIP", "StepResult", "add_parser", "judge_partials", "run", "run_check"]
 
@@ -119,8 +116,7 @@ def _make_call(name: str, call_id: int, layer: int, hidden: torch.Tensor, weight
                segments: Sequence[tuple[int, int]], row_index: Sequence[int] = ()) -> _Call:
     import torch
 
-    from kvasir_rpc._codec import encode_tensor
-    from kvasir_rpc._gen.kvasir.v1 import expert_pb2
+    from kvasir_rpc import encode_tensor, expert_pb2
 
     req = expert_pb2.DispatchRequest(
         call_id=call_id, layer=layer, hidden=encode_tensor(hidden), weights=encode_tensor(weights),
@@ -172,7 +168,7 @@ def judge_partials(call: _Call, got: torch.Tensor, experts: ExpertIndex, act: Ac
     import torch
 
     from backbone._audit import audit_rows
-    from kvasir_rpc._kernel import expert_forward
+    from kvasir_rpc import expert_forward
 
     rows = sum(n for _, n in call.segments)
     want = (rows, call.hidden.shape[1])
@@ -216,9 +212,7 @@ class _Check:
     worker broke the protocol, closed, or we closed it); later steps are skipped."""
 
     def __init__(self, cfg: _Config, say: Callable[[StepResult], None]) -> None:
-        from kvasir_rpc._checkpoint import ExpertIndex
-        from kvasir_rpc._kernel import get_activation
-        from kvasir_rpc._wallet import Wallet
+        from kvasir_rpc import ExpertIndex, Wallet, get_activation
         from kvasir_rpc.protocol import HubTunnel
 
         self.cfg = cfg
@@ -402,10 +396,8 @@ class _Check:
         return True
 
     async def _handshake(self) -> tuple[str, list[str]]:
-        from kvasir_rpc._checkpoint import format_slices
-        from kvasir_rpc.protocol import RemoteProtocolError
-        from kvasir_rpc._handshake import HubHandshake
-        from kvasir_rpc.protocol import HUB_HANDSHAKE_TIMEOUT_S, CloseCode
+        from kvasir_rpc import HubHandshake, format_slices
+        from kvasir_rpc.protocol import HUB_HANDSHAKE_TIMEOUT_S, CloseCode, RemoteProtocolError
 
         assert self.ws is not None
         hs = HubHandshake(self.hub_key.address)
@@ -450,7 +442,7 @@ class _Check:
         return f"{got.hex()[:16]}… equals the checkpoint's digest of the announced slices", []
 
     def _checkpoint_digest(self, slices: dict[int, tuple[int, ...]]) -> tuple[bytes, list[tuple[int, int]]]:
-        from kvasir_rpc._checkpoint import slices_digest
+        from kvasir_rpc import slices_digest
 
         keys = [(layer, e) for layer, experts in sorted(slices.items()) for e in experts]
         missing = [k for k in keys if not self.experts.has(*k)]
@@ -504,9 +496,7 @@ class _Check:
     async def _describe(self, channel: grpc.Channel) -> tuple[str, list[str]]:
         import grpc
 
-        from kvasir_rpc._codec import WIRE_TO_DTYPE
-        from kvasir_rpc._gen.kvasir.v1 import expert_pb2, expert_pb2_grpc
-        from kvasir_rpc._handshake import slices_from_proto
+        from kvasir_rpc import DTYPE_TO_WIRE, expert_pb2, expert_pb2_grpc, slices_from_proto
 
         stub = expert_pb2_grpc.ExpertServiceStub(channel)
         try:
@@ -529,7 +519,7 @@ class _Check:
             wrong.append(f"wallet {resp.wallet[:16]!r} is not the hello's {self.hello.wallet[:16]}…")
         if resp.hidden_size != info.hidden_size:
             wrong.append(f"hidden_size {resp.hidden_size}, the checkpoint's is {info.hidden_size}")
-        if WIRE_TO_DTYPE.get(resp.dtype) != info.dtype:
+        if resp.dtype != DTYPE_TO_WIRE.get(info.dtype):
             wrong.append(f"dtype {resp.dtype}, the checkpoint's is {info.dtype}")
         if wrong:
             raise _StepFailed("Describe disagrees: " + "; ".join(wrong))
@@ -543,8 +533,7 @@ class _Check:
     async def _dispatch(self, channel: grpc.Channel) -> tuple[str, list[str]]:
         import grpc
 
-        from kvasir_rpc._codec import TensorCodecError, decode_tensor
-        from kvasir_rpc._gen.kvasir.v1 import expert_pb2_grpc
+        from kvasir_rpc import TensorCodecError, decode_tensor, expert_pb2_grpc
 
         stub = expert_pb2_grpc.ExpertServiceStub(channel)
         calls = self._calls()
@@ -600,7 +589,7 @@ class _Check:
         import grpc
         import torch
 
-        from kvasir_rpc._gen.kvasir.v1 import expert_pb2, expert_pb2_grpc
+        from kvasir_rpc import expert_pb2, expert_pb2_grpc
 
         stub = expert_pb2_grpc.ExpertServiceStub(channel)
         good = self._calls()[1]  # one row through one expert
@@ -654,7 +643,7 @@ class _Check:
     async def _reconnect(self) -> tuple[str, list[str]]:
         import grpc
 
-        from kvasir_rpc._gen.kvasir.v1 import expert_pb2, expert_pb2_grpc
+        from kvasir_rpc import expert_pb2, expert_pb2_grpc
 
         opens = self.opens
         channel = self._channel()
@@ -747,7 +736,7 @@ class _Check:
                     await self.end(exc.reason, exc.close_code)
 
     async def _splice(self, stream: trio.SocketStream) -> None:
-        from kvasir_rpc._tunnel import send_whole
+        from kvasir_rpc import send_whole
         from kvasir_rpc.protocol import CLOSE_TIMEOUT_S, READ_BYTES, CloseCode, TunnelState
 
         ws = self.ws
@@ -876,7 +865,7 @@ def _stop(proc: subprocess.Popen[bytes] | None) -> None:
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Add ``conformance`` to the ``kvasir`` command's subparsers."""
-    from kvasir_rpc._cliargs import hostport
+    from kvasir_rpc import hostport
 
     p: argparse.ArgumentParser = subparsers.add_parser(
         "conformance", help="act as a hub and check a worker implementation step by step",
@@ -906,7 +895,7 @@ def _line(r: StepResult) -> str:
 
 def run(args: argparse.Namespace) -> int:
     """``kvasir conformance``: 0 if every step passed, 1 if any failed, 2 for unusable arguments."""
-    from kvasir_rpc._checkpoint import CheckpointError
+    from kvasir_rpc import CheckpointError
 
     if args.worker_cmd is not None and "{url}" not in args.worker_cmd:
         print("kvasir conformance: --worker-cmd must contain {url}, where the worker's hub URL goes", file=sys.stderr)

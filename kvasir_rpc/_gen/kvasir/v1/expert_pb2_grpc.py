@@ -26,8 +26,11 @@ if _version_not_supported:
 
 
 class ExpertServiceStub:
-    """ExpertService is served by every worker. The caller streams many batched
-    calls on one Dispatch stream; answers may come in any order.
+    """ExpertService is served by every worker, as gRPC over the HTTP/2 bytes of its
+    tunnel. The caller streams many batched calls on one Dispatch stream;
+    answers may come in any order. Bad input ends the stream with
+    INVALID_ARGUMENT, a (layer, expert) the worker does not hold with
+    FAILED_PRECONDITION, a draining worker with UNAVAILABLE.
     """
 
     def __init__(self, channel):
@@ -49,8 +52,11 @@ class ExpertServiceStub:
 
 
 class ExpertServiceServicer:
-    """ExpertService is served by every worker. The caller streams many batched
-    calls on one Dispatch stream; answers may come in any order.
+    """ExpertService is served by every worker, as gRPC over the HTTP/2 bytes of its
+    tunnel. The caller streams many batched calls on one Dispatch stream;
+    answers may come in any order. Bad input ends the stream with
+    INVALID_ARGUMENT, a (layer, expert) the worker does not hold with
+    FAILED_PRECONDITION, a draining worker with UNAVAILABLE.
     """
 
     def Dispatch(self, request_iterator, context):
@@ -87,8 +93,11 @@ def add_ExpertServiceServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class ExpertService:
-    """ExpertService is served by every worker. The caller streams many batched
-    calls on one Dispatch stream; answers may come in any order.
+    """ExpertService is served by every worker, as gRPC over the HTTP/2 bytes of its
+    tunnel. The caller streams many batched calls on one Dispatch stream;
+    answers may come in any order. Bad input ends the stream with
+    INVALID_ARGUMENT, a (layer, expert) the worker does not hold with
+    FAILED_PRECONDITION, a draining worker with UNAVAILABLE.
     """
 
     @staticmethod

@@ -11,7 +11,7 @@ import signal
 
 import trio
 
-from kvasir_rpc._cliargs import hostport, write_ready_file
+from kvasir_rpc import hostport, write_ready_file
 
 __all__ = ["LatencyProxy", "main"]
 

@@ -17,10 +17,10 @@ from typing import TYPE_CHECKING
 
 import grpc
 
-from kvasir_rpc._gen.kvasir.v1 import session_pb2, session_pb2_grpc
+from kvasir_rpc import session_pb2, session_pb2_grpc
 
 if TYPE_CHECKING:
-    from kvasir_rpc._gen.kvasir.v1 import ledger_pb2
+    from kvasir_rpc import ledger_pb2
 
 __all__ = ["LocalSwarm", "SwarmError", "free_port"]
 
@@ -128,7 +128,7 @@ class LocalSwarm:
     def start_gateway(self, *, port: int = 0, tls: bool = True, extra: Sequence[str] = (),
                       timeout: float = 30.0) -> None:
         """Start the public gateway (dev certificates and a hub token made on first use)."""
-        from kvasir_rpc._certs import make_dev_certs
+        from kvasir_rpc.dev.certs import make_dev_certs
 
         if not self.ca_file.exists():
             make_dev_certs(self.workdir / "certs")
@@ -158,7 +158,7 @@ class LocalSwarm:
     @property
     def backbone_token(self) -> str:
         """The backbone token, for a test or a benchmark that calls a target or watches itself."""
-        from kvasir_rpc._access import load_or_create_token
+        from kvasir_rpc import load_or_create_token
 
         return load_or_create_token(self.backbone_token_file)
 
@@ -168,7 +168,7 @@ class LocalSwarm:
 
     def start_ledger(self, *, db: str | None = None, port: int = 0, timeout: float = 30.0) -> None:
         """Start the ledger, trusting this swarm's hub key (made now if missing)."""
-        from kvasir_rpc._wallet import Wallet
+        from kvasir_rpc import Wallet
 
         hub_key = Wallet.load_or_create(self.hub_key_file).address
         ready = self.workdir / "ledger.ready.json"
@@ -184,7 +184,7 @@ class LocalSwarm:
         when a ledger runs it delivers receipts there."""
         ready = self.workdir / "hub.ready.json"
         ready.unlink(missing_ok=True)
-        from kvasir_rpc._access import load_or_create_token
+        from kvasir_rpc import load_or_create_token
 
         load_or_create_token(self.backbone_token_file)  # made once, before the hub or a backbone reads it
         args = ["-m", "relay", "hub", "--listen", f"127.0.0.1:{listen_port}", "--grpc", "127.0.0.1:0",
@@ -233,7 +233,7 @@ class LocalSwarm:
 
     def ledger_credits(self, wallet: str, timeout: float = 5.0) -> list[ledger_pb2.Credit]:
         """Every Credit the ledger holds for ``wallet`` (all pages)."""
-        from kvasir_rpc._gen.kvasir.v1 import ledger_pb2, ledger_pb2_grpc
+        from kvasir_rpc import ledger_pb2, ledger_pb2_grpc
 
         out: list[ledger_pb2.Credit] = []
         with grpc.insecure_channel(self.ledger_address) as ch:
@@ -248,7 +248,7 @@ class LocalSwarm:
                     return out
 
     def ledger_balance(self, wallet: str, timeout: float = 5.0):  # type: ignore[no-untyped-def]
-        from kvasir_rpc._gen.kvasir.v1 import ledger_pb2, ledger_pb2_grpc
+        from kvasir_rpc import ledger_pb2, ledger_pb2_grpc
 
         with grpc.insecure_channel(self.ledger_address) as ch:
             return ledger_pb2_grpc.LedgerServiceStub(ch).GetBalance(ledger_pb2.GetBalanceRequest(wallet=wallet),
@@ -330,7 +330,7 @@ http {{
         ready.unlink(missing_ok=True)
         if not rtt_file.exists():
             rtt_file.write_text("0")
-        self._spawn(name, ["-m", "kvasir_rpc._latency", "--upstream", f"127.0.0.1:{upstream_port}",
+        self._spawn(name, ["-m", "kvasir_rpc.dev.latency", "--upstream", f"127.0.0.1:{upstream_port}",
                            "--rtt-file", str(rtt_file), "--ready-file", str(ready)])
         return int(self._wait_ready(name, ready, timeout)["port"])  # type: ignore[call-overload]
 

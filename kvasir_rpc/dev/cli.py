@@ -16,7 +16,7 @@ DEMO_PROMPT = "The swarm computes every expert"
 
 
 def _cmd_model_tiny(args: argparse.Namespace) -> int:
-    from kvasir_rpc._tiny import make_tiny_checkpoint
+    from kvasir_rpc.dev.tiny import make_tiny_checkpoint
 
     path = make_tiny_checkpoint(args.dir, arch=args.arch, seed=args.seed)
     print(path)
@@ -34,10 +34,9 @@ def run_demo(arch: str, *, seed: int = 0, max_new_tokens: int = 12, batch: int =
     with ``path="gateway"`` behind a TLS gateway that both the hub and the workers dial,
     decode with --compare-local, and return the verdict as a dict. The swarm's files and
     logs go to ``workdir`` (kept) or a temporary folder."""
-    from kvasir_rpc._checkpoint import read_model_info
-    from kvasir_rpc._receipts import DEFAULT_RATE_NANO_PER_BYTE, format_kvr, format_units
-    from kvasir_rpc._swarm import LocalSwarm
-    from kvasir_rpc._tiny import make_tiny_checkpoint
+    from kvasir_rpc import DEFAULT_RATE_NANO_PER_BYTE, format_kvr, format_units, read_model_info
+    from kvasir_rpc.dev.swarm import LocalSwarm
+    from kvasir_rpc.dev.tiny import make_tiny_checkpoint
 
     model_dir = model or _default_model_dir(arch, seed)
     if not (model_dir / "config.json").exists():
@@ -88,7 +87,7 @@ def run_demo(arch: str, *, seed: int = 0, max_new_tokens: int = 12, batch: int =
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
-    from kvasir_rpc._bench import run_bench
+    from kvasir_rpc.dev.bench import run_bench
 
     def say(msg: str) -> None:
         print(msg, file=sys.stderr, flush=True)
@@ -102,7 +101,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
 
 def _cmd_certs(args: argparse.Namespace) -> int:
-    from kvasir_rpc._certs import make_dev_certs
+    from kvasir_rpc.dev.certs import make_dev_certs
 
     paths = make_dev_certs(args.dir, args.host or ["localhost", "127.0.0.1", "::1"])
     for name, p in paths.items():
@@ -111,7 +110,7 @@ def _cmd_certs(args: argparse.Namespace) -> int:
 
 
 def _cmd_key_show(args: argparse.Namespace) -> int:
-    from kvasir_rpc._wallet import Wallet, WalletError
+    from kvasir_rpc import Wallet, WalletError
 
     try:
         wallet = Wallet.load(args.file)
@@ -130,7 +129,7 @@ def _cmd_key_show(args: argparse.Namespace) -> int:
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
-    from kvasir_rpc._swarm import SwarmError
+    from kvasir_rpc.dev.swarm import SwarmError
 
     quiet = args.json
 
@@ -170,7 +169,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from kvasir_rpc._tiny import ARCHES
+    from kvasir_rpc.dev.tiny import ARCHES
 
     parser = argparse.ArgumentParser(prog="kvasir", description="Kvasir RPC: MoE experts on whatever hardware shows up.")
     sub = parser.add_subparsers(dest="command", required=True)

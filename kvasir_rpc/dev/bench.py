@@ -60,7 +60,7 @@ class _Stream:
     """One Dispatch stream; ``call`` is a blocking round trip, ``burst`` keeps k in flight."""
 
     def __init__(self, target: str, metadata: tuple[tuple[str, str], ...] = ()) -> None:
-        from kvasir_rpc._gen.kvasir.v1 import expert_pb2_grpc
+        from kvasir_rpc import expert_pb2_grpc
 
         self.channel = grpc.insecure_channel(target, options=[("grpc.max_receive_message_length", 256 << 20),
                                                              ("grpc.max_send_message_length", 256 << 20)])
@@ -102,12 +102,16 @@ class _Stream:
 def run_bench(*, quick: bool = False, say: Callable[[str], None] = print) -> dict[str, object]:
     import torch
 
-    from kvasir_rpc._access import TARGET_KEY_METADATA, target_key
-    from kvasir_rpc._checkpoint import ExpertIndex
-    from kvasir_rpc._codec import encode_tensor
-    from kvasir_rpc._gen.kvasir.v1 import expert_pb2
-    from kvasir_rpc._kernel import expert_forward, get_activation
-    from kvasir_rpc._swarm import LocalSwarm, SwarmError, free_port
+    from kvasir_rpc import (
+        TARGET_KEY_METADATA,
+        ExpertIndex,
+        encode_tensor,
+        expert_forward,
+        expert_pb2,
+        get_activation,
+        target_key,
+    )
+    from kvasir_rpc.dev.swarm import LocalSwarm, SwarmError, free_port
 
     torch.set_num_threads(1)
     calls = {1: 60, 8: 40, 64: 20, 512: 6} if quick else {1: 300, 8: 200, 64: 100, 512: 30}
@@ -275,8 +279,8 @@ def run_decode_bench(*, quick: bool = False, say: Callable[[str], None] = print)
     with an emulated round trip (a latency proxy between the workers and the gateway).
     The remote runs pick their micro-batch groups from measured step times. Processes are
     pinned by :func:`_core_split` where the machine allows it."""
-    from kvasir_rpc._swarm import LocalSwarm
-    from kvasir_rpc._tiny import make_tiny_checkpoint
+    from kvasir_rpc.dev.swarm import LocalSwarm
+    from kvasir_rpc.dev.tiny import make_tiny_checkpoint
 
     batch, tokens = (32, 6) if quick else (128, 16)
     args_common = ["--prompt", "the swarm", "--max-new-tokens", str(tokens), "--batch", str(batch)]

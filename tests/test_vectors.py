@@ -1,0 +1,469 @@
+"""The Python implementation against the committed test vectors (tests/vectors/*.json).
+
+The vectors are the contract docs/PROTOCOL.md points worker authors to: the weights digest,
+the session handshake, the expert computation and the tensor codec, as exact bytes. These
+tests compare the implementation with the committed files; they never regenerate a file to
+compare it with itself. ``python tests/test_vectors.py --write`` rewrites the files from the
+implementation (for a deliberate change of the contract, reviewed as such).
+
+The tunnel control sequences and the gateway pairing messages (tunnel_control.json,
+gateway_pairing.json) are tested in tests/test_protocol.py.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import pathlib
+import struct
+import sys
+
+import pytest
+import torch
+
+from kvasir_rpc import (
+    HELLO_SIGNATURE_DOMAIN,
+    CloseCode,
+    HubHandshake,
+    RemoteProtocolError,
+    TensorCodecError,
+    Wallet,
+    WorkerHandshake,
+    decode_tensor,
+    encode_tensor,
+    expert_digest,
+    expert_forward,
+    expert_pb2,
+    get_activation,
+    session_pb2,
+    slices_digest,
+    tensor_pb2,
+)
+
+VECTORS = pathlib.Path(__file__).resolve().parent / "vectors"
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
+           "int32": torch.int32, "int64": torch.int64}
+_NAMES = {v: k for k, v in _DTYPES.items()}
+
+
+def _load(name: str) -> dict:  # type: ignore[type-arg]
+    return json.loads((VECTORS / name).read_text())
+
+
+# -- tensors as JSON: dtype, shape, the raw little-endian bytes in hex, and the values -----
+
+
+def _tensor_json(t: torch.Tensor) -> dict:  # type: ignore[type-arg]
+    t = t.contiguous()
+    raw = t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
+    values = t.to(torch.float64 if t.is_floating_point() else torch.int64).reshape(-1).tolist()
+    return {"dtype": _NAMES[t.dtype], "shape": list(t.shape), "data_hex": raw.hex(), "values": values}
+
+
+def _tensor(obj: dict) -> torch.Tensor:  # type: ignore[type-arg]
+    """The tensor of a JSON entry, from its bytes; its listed values must agree with them."""
+    dtype = _DTYPES[obj["dtype"]]
+    raw = bytes.fromhex(obj["data_hex"])
+    t = torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(dtype).reshape(obj["shape"]) if raw \
+        else torch.empty(obj["shape"], dtype=dtype)
+    assert t.reshape(-1).tolist() == obj["values"], "a vector's values disagree with its bytes"
+    return t
+
+
+# -- generation (python tests/test_vectors.py --write) ----------------------------------------
+
+
+def _dyadic(gen: torch.Generator, shape: tuple[int, ...], steps: int = 8, scale: float = 0.25) -> torch.Tensor:
+    """Small multiples of ``scale``: every product and short sum of them is exact in float32,
+    so only the activation and the final roundings can differ between implementations."""
+    return torch.randint(-steps, steps + 1, shape, generator=gen).to(torch.float32) * scale
+
+
+def _powers_of_two(gen: torch.Generator, shape: tuple[int, ...]) -> torch.Tensor:
+    choice = torch.tensor([-2.0, -1.0, -0.5, -0.25, 0.25, 0.5, 1.0, 2.0])
+    return choice[torch.randint(0, len(choice), shape, generator=gen)]
+
+
+def _digest_case(name: str, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor, *,
+                 layer: int, expert: int) -> dict:  # type: ignore[type-arg]
+    gate_up = torch.cat([gate, up], dim=0)
+    preimage = b""
+    for t in (gate_up, down):
+        preimage += str(t.dtype).encode() + b"\x00" + struct.pack(f"<{t.dim()}Q", *t.shape)
+        preimage += t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+    digest = expert_digest(gate_up, down)
+    assert hashlib.sha256(preimage).digest() == digest
+    return {"name": name, "layer": layer, "expert": expert, "gate": _tensor_json(gate), "up": _tensor_json(up),
+            "down": _tensor_json(down), "preimage_hex": preimage.hex(), "expert_digest_hex": digest.hex()}
+
+
+def build_weights_digest() -> dict:  # type: ignore[type-arg]
+    gen = torch.Generator().manual_seed(1)
+    experts = [
+        # The worked example of docs/PROTOCOL.md: hidden_size 2, intermediate size 1.
+        _digest_case("layer 0 expert 0, float32, H=2 I=1", torch.tensor([[1.0, 2.0]]), torch.tensor([[3.0, 4.0]]),
+                     torch.tensor([[0.5], [-1.0]]), layer=0, expert=0),
+        _digest_case("layer 0 expert 1, float32, H=2 I=1", torch.tensor([[-1.0, 0.25]]),
+                     torch.tensor([[0.0, -2.0]]), torch.tensor([[1.5], [0.125]]), layer=0, expert=1),
+        _digest_case("layer 3 expert 2, float32, H=4 I=2", _dyadic(gen, (2, 4)), _dyadic(gen, (2, 4)),
+                     _dyadic(gen, (4, 2)), layer=3, expert=2),
+        _digest_case("layer 0 expert 0, bfloat16, H=2 I=1", torch.tensor([[1.0, 2.0]], dtype=torch.bfloat16),
+                     torch.tensor([[3.0, 4.0]], dtype=torch.bfloat16),
+                     torch.tensor([[0.5], [-1.0]], dtype=torch.bfloat16), layer=0, expert=0),
+    ]
+
+    def combine(name: str, picks: list[int]) -> dict:  # type: ignore[type-arg]
+        chosen = {(experts[i]["layer"], experts[i]["expert"]): bytes.fromhex(experts[i]["expert_digest_hex"])
+                  for i in picks}
+        preimage = b"kvasir.v1.weights\x00" + b"".join(
+            struct.pack("<II", layer, e) + d for (layer, e), d in sorted(chosen.items()))
+        digest = slices_digest(chosen)
+        assert hashlib.sha256(preimage).digest() == digest
+        slices: dict[int, list[int]] = {}
+        for layer, e in sorted(chosen):
+            slices.setdefault(layer, []).append(e)
+        return {"name": name, "experts": picks, "slices": [{"layer": k, "experts": v} for k, v in slices.items()],
+                "preimage_hex": preimage.hex(), "weights_digest_hex": digest.hex()}
+
+    return {
+        "description": (
+            "Weights digests (docs/PROTOCOL.md, 'The weights digest'). An expert's digest is "
+            "sha256(preimage): for gate_up (gate rows then up rows, [2I, H]) and then down ([H, I]): the "
+            "dtype's name as torch spells it, a NUL byte, each dimension as a little-endian uint64, then the "
+            "raw little-endian bytes in row-major order. A worker announces one digest over all its experts: "
+            "sha256('kvasir.v1.weights' NUL, then per (layer, expert) in ascending order: layer and expert as "
+            "little-endian uint32, then that expert's 32-byte digest). 'experts' of a slices case index the "
+            "'experts' list (the bfloat16 case stands alone: a checkpoint has one dtype)."),
+        "experts": experts,
+        "slices": [combine("one expert", [0]), combine("three experts over two layers", [2, 1, 0])],
+    }
+
+
+_SEED = bytes(range(32))  # the worker's wallet seed
+_HUB_SEED = bytes(range(32, 64))
+_NONCE = bytes(range(0x40, 0x60))
+_ISSUED_AT_MS = 1_767_225_600_000  # 2026-01-01T00:00:00Z
+_SESSION_ID = "s1-0123456789ab"
+
+
+def _hello_fields(weights_digest: bytes) -> dict:  # type: ignore[type-arg]
+    return {"slices": [{"layer": 0, "experts": [0, 1]}, {"layer": 3, "experts": [2]}],
+            "weights_digest_hex": weights_digest.hex(), "device": "cpu", "model_type": "qwen3_moe",
+            "worker_version": "0.1.0"}
+
+
+def _worker_handshake(wallet: Wallet, hello: dict) -> WorkerHandshake:  # type: ignore[type-arg]
+    return WorkerHandshake(wallet, slices={s["layer"]: s["experts"] for s in hello["slices"]},
+                           weights_digest=bytes.fromhex(hello["weights_digest_hex"]), device=hello["device"],
+                           model_type=hello["model_type"], worker_version=hello["worker_version"])
+
+
+def build_handshake() -> dict:  # type: ignore[type-arg]
+    wallet, hub = Wallet(_signing_key(_SEED)), Wallet(_signing_key(_HUB_SEED))
+    digest = bytes.fromhex(build_weights_digest()["slices"][1]["weights_digest_hex"])
+    hello = _hello_fields(digest)
+    hub_hs = HubHandshake(hub.address, nonce=_NONCE, clock_ms=lambda: _ISSUED_AT_MS)
+    challenge = hub_hs.challenge()
+    hello_bytes = _worker_handshake(wallet, hello).receive_challenge(challenge)
+    msg = session_pb2.SessionHello.FromString(hello_bytes)
+    hub_hs.receive_hello(hello_bytes)
+    accept_bytes = hub_hs.accept(_SESSION_ID)
+    good = session_pb2.SessionHello.FromString(hello_bytes)
+    bad_sig = bytearray(good.signature)
+    bad_sig[0] ^= 0x01
+    other_nonce = session_pb2.HelloBody.FromString(good.body)
+    other_nonce.nonce = bytes(32)
+    other_body = other_nonce.SerializeToString()
+    short_digest = session_pb2.HelloBody.FromString(good.body)
+    short_digest.weights_digest = digest[:16]
+    short_body = short_digest.SerializeToString()
+
+    def signed(body: bytes) -> str:
+        return session_pb2.SessionHello(body=body, signature=wallet.sign(HELLO_SIGNATURE_DOMAIN + body)) \
+            .SerializeToString().hex()
+
+    refusals = [
+        {"name": "signature with one bit flipped", "hello_hex": session_pb2.SessionHello(
+            body=good.body, signature=bytes(bad_sig)).SerializeToString().hex(), "now_ms": _ISSUED_AT_MS,
+         "close_code": CloseCode.POLICY_VIOLATION},
+        {"name": "answers another nonce (validly signed)", "hello_hex": signed(other_body), "now_ms": _ISSUED_AT_MS,
+         "close_code": CloseCode.POLICY_VIOLATION},
+        {"name": "answered 30001 ms after the challenge", "hello_hex": hello_bytes.hex(),
+         "now_ms": _ISSUED_AT_MS + 30_001, "close_code": CloseCode.POLICY_VIOLATION},
+        {"name": "weights_digest of 16 bytes (validly signed)", "hello_hex": signed(short_body),
+         "now_ms": _ISSUED_AT_MS, "close_code": CloseCode.POLICY_VIOLATION},
+        {"name": "not a SessionHello (field 1 claims 127 bytes, 1 follows)", "hello_hex": "0a7f00",
+         "now_ms": _ISSUED_AT_MS, "close_code": CloseCode.PROTOCOL_ERROR},
+    ]
+    return {
+        "description": (
+            "The session handshake (docs/PROTOCOL.md, 'Session handshake'): three binary WebSocket messages. "
+            "The worker's wallet is the Ed25519 key of 'wallet_seed_hex' (RFC 8032; the address is the public "
+            "key in lowercase hex); Ed25519 signatures are deterministic, so 'session_hello_hex' is exact. The "
+            "signature covers signed_message = 'kvasir.v1.SessionHello' NUL + hello_body. A hub verifies the "
+            "body bytes as received: another encoder's HelloBody bytes may differ and still be valid. "
+            "'refusals': SessionHello messages a hub that sent 'session_challenge_hex' must refuse, with the "
+            "WebSocket close code shown, when it receives them at 'now_ms'."),
+        "wallet_seed_hex": _SEED.hex(),
+        "wallet_address": wallet.address,
+        "hub_key": hub.address,
+        "nonce_hex": _NONCE.hex(),
+        "issued_at_unix_ms": _ISSUED_AT_MS,
+        "session_challenge_hex": challenge.hex(),
+        "hello": hello,
+        "hello_body_hex": msg.body.hex(),
+        "signed_message_hex": (HELLO_SIGNATURE_DOMAIN + msg.body).hex(),
+        "signature_hex": msg.signature.hex(),
+        "session_hello_hex": hello_bytes.hex(),
+        "session_id": _SESSION_ID,
+        "session_accept_hex": accept_bytes.hex(),
+        "max_challenge_age_ms": 30_000,
+        "refusals": refusals,
+    }
+
+
+def _signing_key(seed: bytes):  # type: ignore[no-untyped-def]
+    import nacl.signing
+
+    return nacl.signing.SigningKey(seed)
+
+
+def build_expert_compute() -> dict:  # type: ignore[type-arg]
+    gen = torch.Generator().manual_seed(7)
+    hidden_size, inter = 4, 2
+    act_name = "silu"
+    act = get_activation(act_name)
+    # Two experts of layer 0; down and routing weights are powers of two, the rest small
+    # multiples of 1/4, so that the only rounding steps are the activation, its product with
+    # up, the down projection's one addition (I = 2) and the routing weight.
+    weights = {e: (_dyadic(gen, (2 * inter, hidden_size)), _powers_of_two(gen, (hidden_size, inter))) for e in (0, 1)}
+    x = _dyadic(gen, (3, hidden_size))
+    w = torch.tensor([0.5, 0.25, 1.0])
+    out = expert_forward(x, *weights[0], act, w)
+    single = {"activation": act_name, "hidden": _tensor_json(x), "gate_up": _tensor_json(weights[0][0]),
+              "down": _tensor_json(weights[0][1]), "routing_weights": _tensor_json(w), "output": _tensor_json(out)}
+    dispatches = []
+    for name, wire in (("float32 wire", torch.float32), ("bfloat16 wire for a float32 model", torch.bfloat16)):
+        rows = x.to(wire)
+        req = expert_pb2.DispatchRequest(
+            call_id=7, layer=0, hidden=encode_tensor(rows), weights=encode_tensor(torch.tensor([0.5, 0.25, 1.0, 0.5])),
+            segments=[expert_pb2.ExpertSegment(expert=0, rows=2), expert_pb2.ExpertSegment(expert=1, rows=2)],
+            row_index=[0, 2, 1, 2])
+        partials = _dispatch(req, weights, act_name, hidden_size)
+        dispatches.append({"name": name, "dispatch_request_hex": req.SerializeToString().hex(),
+                           "call_id": 7, "partials": _tensor_json(decode_tensor(partials)),
+                           "partials_tensor_hex": partials.SerializeToString().hex()})
+    return {
+        "description": (
+            "The expert computation (docs/PROTOCOL.md, 'What an expert computes'), as kvasir_rpc's "
+            "expert_forward computes it on the CPU with torch (float32 model, hidden_act 'silu'): "
+            "[g | u] = x @ gate_up^T; out = ((silu(g) * u) @ down^T) * w. 'single': one expert over three rows. "
+            "'dispatch': two experts of layer 0 ('experts', keyed by expert id) served through "
+            "ExpertService.Dispatch: the serialized DispatchRequest and the Tensor its ExpertPartials must "
+            "carry (call_id echoed; compute_micros is free). Inputs are chosen so that every product and sum "
+            "before the activation is exact; an implementation that is not bit-identical must stay within the "
+            "audit bound of docs/PROTOCOL.md."),
+        "model": {"hidden_size": hidden_size, "intermediate_size": inter, "dtype": "float32",
+                  "hidden_act": act_name},
+        "single": single,
+        "experts": {str(e): {"gate_up": _tensor_json(g), "down": _tensor_json(d)} for e, (g, d) in weights.items()},
+        "dispatch": dispatches,
+    }
+
+
+def _dispatch(req: expert_pb2.DispatchRequest, weights: dict, act_name: str,  # type: ignore[type-arg]
+              hidden_size: int) -> tensor_pb2.Tensor:
+    """The Python worker's answer to one call (its real servicer, on the CPU)."""
+    from worker._service import ExpertServicer, LoadedExperts
+
+    experts = LoadedExperts({(0, e): gd for e, gd in weights.items()}, act=get_activation(act_name),
+                            hidden_size=hidden_size, dtype=torch.float32, device=torch.device("cpu"),
+                            model_type="qwen3_moe", weights_digest=bytes(32))
+    (resp,) = list(ExpertServicer(experts, "0" * 64).Dispatch(iter([req]), None))
+    assert resp.partials.call_id == req.call_id
+    return resp.partials.partials
+
+
+def build_tensor_codec() -> dict:  # type: ignore[type-arg]
+    cases = [
+        ("float32 [2, 3]", torch.tensor([[1.0, -2.0, 0.5], [0.0, 3.25, -0.125]])),
+        ("bfloat16 [2]", torch.tensor([1.0, -0.5], dtype=torch.bfloat16)),
+        ("float16 [2, 1]", torch.tensor([[65504.0], [-0.000060975551605224609375]], dtype=torch.float16)),
+        ("int64 [3]", torch.tensor([0, 1, -1], dtype=torch.int64)),
+        ("int32 [2]", torch.tensor([7, -300], dtype=torch.int32)),
+        ("float32 [0, 4] (no elements)", torch.empty(0, 4)),
+        ("float32 [] (a scalar)", torch.tensor(1.0)),
+    ]
+    valid = [{"name": n, "tensor": _tensor_json(t), "message_hex": encode_tensor(t).SerializeToString().hex()}
+             for n, t in cases]
+    invalid = [
+        {"name": "3 bytes for a float32 [1]", "message_hex": tensor_pb2.Tensor(
+            dtype=tensor_pb2.D_TYPE_FLOAT32, shape=[1], data=b"\x00\x00\x80").SerializeToString().hex()},
+        {"name": "dtype D_TYPE_UNSPECIFIED", "message_hex": tensor_pb2.Tensor(
+            shape=[1], data=b"\x00\x00\x80\x3f").SerializeToString().hex()},
+        {"name": "dtype 9 (unknown)", "message_hex": "0809120101" + "1a04" + "0000803f"},
+        {"name": "shape [65536, 65536] (2^32 elements, over 2^31)", "message_hex": tensor_pb2.Tensor(
+            dtype=tensor_pb2.D_TYPE_FLOAT32, shape=[65536, 65536]).SerializeToString().hex()},
+    ]
+    return {
+        "description": (
+            "kvasir.v1.Tensor (docs/PROTOCOL.md, 'Tensors'): dtype, shape and the raw little-endian bytes in "
+            "row-major order; len(data) == prod(shape) * itemsize. 'valid': the exact message bytes the Python "
+            "encoder writes for each tensor (a decoder must accept them and give these values). 'invalid': "
+            "messages a decoder must refuse (ExpertService answers INVALID_ARGUMENT)."),
+        "valid": valid,
+        "invalid": invalid,
+    }
+
+
+BUILDERS = {
+    "weights_digest.json": build_weights_digest,
+    "handshake.json": build_handshake,
+    "expert_compute.json": build_expert_compute,
+    "tensor_codec.json": build_tensor_codec,
+}
+
+
+def _dumps(obj: object, indent: str = "") -> str:
+    """JSON with one key per line and every list of numbers on one line."""
+    inner = indent + "  "
+    if isinstance(obj, dict):
+        items = [f"{inner}{json.dumps(k)}: {_dumps(v, inner)}" for k, v in obj.items()]
+        return "{\n" + ",\n".join(items) + "\n" + indent + "}"
+    if isinstance(obj, list) and any(isinstance(v, (dict, list)) for v in obj):
+        return "[\n" + ",\n".join(inner + _dumps(v, inner) for v in obj) + "\n" + indent + "]"
+    return json.dumps(obj)
+
+
+def write_all() -> None:
+    VECTORS.mkdir(exist_ok=True)
+    for name, build in BUILDERS.items():
+        (VECTORS / name).write_text(_dumps(build()) + "\n")
+
+
+if __name__ == "__main__":
+    if sys.argv[1:] != ["--write"]:
+        sys.exit("usage: python tests/test_vectors.py --write   (rewrites tests/vectors/ from the implementation)")
+    write_all()
+    sys.exit(0)
+
+
+# -- the tests ----------------------------------------------------------------------------------
+
+DIGEST = _load("weights_digest.json")
+HANDSHAKE = _load("handshake.json")
+COMPUTE = _load("expert_compute.json")
+CODEC = _load("tensor_codec.json")
+
+
+@pytest.mark.parametrize("case", DIGEST["experts"], ids=[c["name"] for c in DIGEST["experts"]])
+def test_expert_digest(case):
+    gate, up, down = _tensor(case["gate"]), _tensor(case["up"]), _tensor(case["down"])
+    gate_up = torch.cat([gate, up], dim=0)
+    assert hashlib.sha256(bytes.fromhex(case["preimage_hex"])).hexdigest() == case["expert_digest_hex"]
+    assert expert_digest(gate_up, down).hex() == case["expert_digest_hex"]
+
+
+@pytest.mark.parametrize("case", DIGEST["slices"], ids=[c["name"] for c in DIGEST["slices"]])
+def test_slices_digest(case):
+    experts = [DIGEST["experts"][i] for i in case["experts"]]
+    digests = {(e["layer"], e["expert"]): bytes.fromhex(e["expert_digest_hex"]) for e in experts}
+    assert hashlib.sha256(bytes.fromhex(case["preimage_hex"])).hexdigest() == case["weights_digest_hex"]
+    assert slices_digest(digests).hex() == case["weights_digest_hex"]
+    # The order a worker computes its experts in does not matter.
+    assert slices_digest(dict(reversed(list(digests.items())))).hex() == case["weights_digest_hex"]
+
+
+def test_worked_example_digest_is_the_one_in_the_spec():
+    doc = (pathlib.Path(__file__).resolve().parent.parent / "docs" / "PROTOCOL.md").read_text()
+    assert DIGEST["experts"][0]["preimage_hex"] in doc.replace(" ", "").replace("\n", "")
+    assert DIGEST["experts"][0]["expert_digest_hex"] in doc
+    assert DIGEST["slices"][1]["weights_digest_hex"] in doc
+
+
+def test_handshake_wallet():
+    wallet = Wallet(_signing_key(bytes.fromhex(HANDSHAKE["wallet_seed_hex"])))
+    assert wallet.address == HANDSHAKE["wallet_address"]
+    body = bytes.fromhex(HANDSHAKE["hello_body_hex"])
+    assert bytes.fromhex(HANDSHAKE["signed_message_hex"]) == HELLO_SIGNATURE_DOMAIN + body
+    assert wallet.sign(HELLO_SIGNATURE_DOMAIN + body).hex() == HANDSHAKE["signature_hex"]
+
+
+def _hub() -> tuple[HubHandshake, list[int]]:
+    now = [HANDSHAKE["issued_at_unix_ms"]]
+    hub = HubHandshake(HANDSHAKE["hub_key"], nonce=bytes.fromhex(HANDSHAKE["nonce_hex"]), clock_ms=lambda: now[0])
+    assert hub.challenge().hex() == HANDSHAKE["session_challenge_hex"]
+    return hub, now
+
+
+def test_handshake_messages():
+    challenge = session_pb2.SessionChallenge.FromString(bytes.fromhex(HANDSHAKE["session_challenge_hex"]))
+    assert challenge.nonce.hex() == HANDSHAKE["nonce_hex"]
+    assert challenge.hub_key == HANDSHAKE["hub_key"]
+    assert challenge.issued_at_unix_ms == HANDSHAKE["issued_at_unix_ms"]
+    hub, _ = _hub()
+    wallet = Wallet(_signing_key(bytes.fromhex(HANDSHAKE["wallet_seed_hex"])))
+    worker = _worker_handshake(wallet, HANDSHAKE["hello"])
+    hello = worker.receive_challenge(bytes.fromhex(HANDSHAKE["session_challenge_hex"]))
+    assert hello.hex() == HANDSHAKE["session_hello_hex"]
+    msg = session_pb2.SessionHello.FromString(hello)
+    assert msg.body.hex() == HANDSHAKE["hello_body_hex"]
+    assert msg.signature.hex() == HANDSHAKE["signature_hex"]
+    info = hub.receive_hello(hello)
+    assert info.wallet == HANDSHAKE["wallet_address"]
+    assert info.weights_digest.hex() == HANDSHAKE["hello"]["weights_digest_hex"]
+    assert info.slices == {s["layer"]: tuple(s["experts"]) for s in HANDSHAKE["hello"]["slices"]}
+    accept = hub.accept(HANDSHAKE["session_id"])
+    assert accept.hex() == HANDSHAKE["session_accept_hex"]
+    assert worker.receive_accept(accept) == HANDSHAKE["session_id"]
+
+
+@pytest.mark.parametrize("case", HANDSHAKE["refusals"], ids=[c["name"] for c in HANDSHAKE["refusals"]])
+def test_handshake_refusals(case):
+    hub, now = _hub()
+    now[0] = case["now_ms"]
+    with pytest.raises(RemoteProtocolError) as err:
+        hub.receive_hello(bytes.fromhex(case["hello_hex"]))
+    assert err.value.close_code == case["close_code"]
+
+
+def test_expert_forward_single():
+    s = COMPUTE["single"]
+    act = get_activation(s["activation"])
+    out = expert_forward(_tensor(s["hidden"]), _tensor(s["gate_up"]), _tensor(s["down"]), act,
+                         _tensor(s["routing_weights"]))
+    assert _tensor_json(out) == s["output"]
+
+
+@pytest.mark.parametrize("case", COMPUTE["dispatch"], ids=[c["name"] for c in COMPUTE["dispatch"]])
+def test_dispatch(case):
+    weights = {int(e): (_tensor(v["gate_up"]), _tensor(v["down"])) for e, v in COMPUTE["experts"].items()}
+    req = expert_pb2.DispatchRequest.FromString(bytes.fromhex(case["dispatch_request_hex"]))
+    assert req.call_id == case["call_id"]
+    partials = _dispatch(req, weights, COMPUTE["model"]["hidden_act"], COMPUTE["model"]["hidden_size"])
+    assert partials.SerializeToString().hex() == case["partials_tensor_hex"]
+    assert _tensor_json(decode_tensor(partials)) == case["partials"]
+
+
+def test_dispatch_rows_are_the_single_expert_rows():
+    # The float32 dispatch's expert-0 assignments are rows 0 and 2 of 'single' (weights 0.5, 0.25):
+    # the same function, whoever calls it.
+    single = _tensor(COMPUTE["single"]["output"])
+    partials = _tensor(COMPUTE["dispatch"][0]["partials"])
+    assert torch.equal(partials[0], single[0])
+    assert torch.equal(partials[1], single[2] * 0.25)  # weight 1 there, 0.25 here: exact scaling
+
+
+@pytest.mark.parametrize("case", CODEC["valid"], ids=[c["name"] for c in CODEC["valid"]])
+def test_codec_valid(case):
+    t = _tensor(case["tensor"])
+    assert encode_tensor(t).SerializeToString().hex() == case["message_hex"]
+    back = decode_tensor(tensor_pb2.Tensor.FromString(bytes.fromhex(case["message_hex"])))
+    assert _tensor_json(back) == case["tensor"]
+
+
+@pytest.mark.parametrize("case", CODEC["invalid"], ids=[c["name"] for c in CODEC["invalid"]])
+def test_codec_invalid(case):
+    with pytest.raises(TensorCodecError):
+        decode_tensor(tensor_pb2.Tensor.FromString(bytes.fromhex(case["message_hex"])))
