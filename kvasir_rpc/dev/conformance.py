@@ -554,12 +554,10 @@ class _Check:
             try:
                 got = await self._call(lambda: list(stub.Dispatch(iter([c.request]), timeout=CALL_TIMEOUT_S)))
             except grpc.RpcError as exc:
-                if exc.code() != grpc.StatusCode.INVALID_ARGUMENT:
-                    raise _StepFailed(f"Dispatch of a packed call (row_index) failed: {_status(exc)}") from None
-                notes.append("a packed call (row_index) was refused with INVALID_ARGUMENT: allowed, but the "
-                             "backbone packs a call whenever a token hits two of this worker's experts in a "
-                             "layer, and a refused call fails its stream to this worker (it computes them itself)")
-                continue
+                # row_index is part of DispatchRequest (PROTOCOL.md 9.2): the backbone packs a call
+                # whenever a token hits two of this worker's experts in a layer, and a refused call
+                # fails the whole stream to this worker.
+                raise _StepFailed(f"Dispatch of a packed call (row_index) failed: {_status(exc)}") from None
             if len(got) != 1 or got[0].partials.call_id != c.request.call_id:
                 raise _StepFailed(f"a packed call {c.request.call_id} got {len(got)} answers "
                                   f"(call_ids {[r.partials.call_id for r in got]}), expected one")
