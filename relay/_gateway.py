@@ -312,7 +312,8 @@ class Gateway:
                 while True:
                     msg = await src.receive_message()
                     await dst.send_message(msg)
-                    self._relayed += len(msg)
+                    # bytes, as the name says: a text message's length is in characters
+                    self._relayed += len(msg) if isinstance(msg, bytes) else len(msg.encode())
             except WsClosed as closed:
                 code = closed.code if closed.code not in (1005, 1006, 1015) else CloseCode.GOING_AWAY
                 with trio.CancelScope(shield=True), trio.move_on_after(2):
