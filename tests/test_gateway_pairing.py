@@ -330,20 +330,54 @@ def test_at_most_max_unpaired_workers_wait_the_next_gets_503() -> None:
     run(main)
 
 
-def test_at_most_max_sessions_live_sessions_the_next_worker_gets_503() -> None:
+def test_simultaneous_arrivals_cannot_exceed_max_unpaired() -> None:
+    async def main() -> None:
+        async with gateway(max_unpaired=2) as h:
+            hub = await h.control()
+            workers: list[MemClient] = []
+
+            async def arrive(i: int) -> None:
+                workers.append(await h.dial(WORKER_PATH, f"198.51.100.{i}:1000", subprotocols=[TUNNEL_SUBPROTOCOL]))
+
+            async with trio.open_nursery() as nursery:  # every upgrade in flight at once
+                for i in range(6):
+                    nursery.start_soon(arrive, i)
+            assert sorted(w.status or 0 for w in workers) == [0, 0, 503, 503, 503, 503]
+            await trio.testing.wait_all_tasks_blocked()
+            assert h.gateway.statistics().unpaired == 2
+            for _ in range(2):
+                decode_pair(await hub.next_event())  # type: ignore[arg-type]
+            for w in workers:
+                if w.status is None:
+                    assert (await closed_with(w)).code == 1013  # no hub dials: the wait times out
+            await hub.close()
+        assert h.gateway.statistics().refused == {"capacity": 4, "pairing_timeout": 2}
+
+    run(main)
+
+
+def test_waiting_workers_count_toward_max_sessions() -> None:
     async def main() -> None:
         async with gateway(max_sessions=1) as h:
             hub = await h.control()
             worker = await h.worker()
-            data = await h.data(await announced(hub))
+            pid = await announced(hub)
+            # The one place is promised to the waiting worker, before and after it pairs.
+            assert (await h.dial(WORKER_PATH, WORKER_ADDR, subprotocols=[TUNNEL_SUBPROTOCOL])).status == 503
+            data = await h.data(pid)
             await trio.testing.wait_all_tasks_blocked()
-            refused = await h.dial(WORKER_PATH, WORKER_ADDR, subprotocols=[TUNNEL_SUBPROTOCOL])
-            assert refused.status == 503
+            assert (await h.dial(WORKER_PATH, WORKER_ADDR, subprotocols=[TUNNEL_SUBPROTOCOL])).status == 503
             await worker.close()
             await closed_with(data)
             await closed_with(worker)
+            await trio.testing.wait_all_tasks_blocked()
+            again = await h.worker()  # the place is free once the session ends
+            data = await h.data(await announced(hub))
+            await again.close()
+            await closed_with(data)
+            await closed_with(again)
             await hub.close()
-        assert h.gateway.statistics().refused == {"capacity": 1}
+        assert h.gateway.statistics().refused == {"capacity": 2}
 
     run(main)
 
