@@ -167,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
     gw.add_argument("--handshake-timeout", type=float, default=10.0, help="seconds for TLS + HTTP upgrade")
     gw.add_argument("--max-message-bytes", type=int, default=4 << 20, help="larger messages are closed with 1009")
     gw.add_argument("--max-unpaired", type=int, default=64, help="workers waiting for a hub at once")
-    gw.add_argument("--max-sessions", type=int, default=1024, help="live spliced sessions")
+    gw.add_argument("--max-sessions", type=int, default=1024, help="live spliced sessions, workers waiting for a hub included")
     gw.add_argument("--keepalive", type=float, default=20.0, help="ping a silent peer after this many seconds")
     gw.add_argument("--idle-timeout", type=float, default=120.0, help="close a peer silent this long (1001)")
     gw.add_argument("--max-new-per-ip", type=float, default=50.0, help="new connections per source address per second")

@@ -109,6 +109,7 @@ class Gateway:
         self._sessions = 0
         self._connections = 0
         self._relayed = 0
+        self._admitting = 0  # workers between the capacity check and their _pending entry
         self.refused: dict[str, int] = {}
 
     def statistics(self) -> GatewayStats:
@@ -215,12 +216,22 @@ class Gateway:
                 await send_response(stream, 503, "no hub is connected to this gateway; retry later\n",
                                     headers=[("retry-after", "5")])
                 return None
-            unpaired = sum(1 for p in self._pending.values() if p.hub_ws is None)
-            if unpaired >= cfg.max_unpaired or self._sessions >= cfg.max_sessions:
+            # A worker still upgrading will wait, and every waiting worker is a session to be
+            # (_pending holds both the waiting and the spliced): count them all, or
+            # simultaneous arrivals pass this check together while each upgrade awaits.
+            waiting = sum(1 for p in self._pending.values() if p.hub_ws is None) + self._admitting
+            if waiting >= cfg.max_unpaired or len(self._pending) + self._admitting >= cfg.max_sessions:
                 self._refuse("capacity")
                 await send_response(stream, 503, "gateway at capacity; retry later\n", headers=[("retry-after", "5")])
                 return None
-            return "worker", await ws(subprotocol), None
+            self._admitting += 1
+            try:
+                sock = await ws(subprotocol)
+            finally:
+                # No checkpoint from here to _serve_worker's _pending entry: the place
+                # passes from this count to that one without a gap.
+                self._admitting -= 1
+            return "worker", sock, None
         if path == HUB_CONTROL_PATH or path.startswith(HUB_DATA_PREFIX):
             if not self._authorized(req):
                 self._refuse("hub_token")
@@ -312,7 +323,8 @@ class Gateway:
                 while True:
                     msg = await src.receive_message()
                     await dst.send_message(msg)
-                    self._relayed += len(msg)
+                    # bytes, as the name says: a text message's length is in characters
+                    self._relayed += len(msg) if isinstance(msg, bytes) else len(msg.encode())
             except WsClosed as closed:
                 code = closed.code if closed.code not in (1005, 1006, 1015) else CloseCode.GOING_AWAY
                 with trio.CancelScope(shield=True), trio.move_on_after(2):
