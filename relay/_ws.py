@@ -33,6 +33,9 @@ __all__ = ["HttpRequest", "WebSocket", "WsClosed", "WsStats", "read_request", "s
 
 MAX_HEADER_BYTES = 16 << 10
 READ_BYTES = 1 << 20
+# A peer that reads nothing for this long while we send to it is gone: the WebSocket is
+# closed (a send cut off mid-frame leaves nothing usable behind it).
+SEND_TIMEOUT_S = 60.0
 
 
 class WsClosed(Exception):
@@ -165,6 +168,7 @@ async def upgrade(
     max_message_bytes: int,
     keepalive_s: float,
     idle_timeout_s: float,
+    send_timeout_s: float = SEND_TIMEOUT_S,
 ) -> WebSocket:
     """Accept the WebSocket upgrade of ``request`` with ``subprotocol``."""
     conn = WSConnection(ConnectionType.SERVER)
@@ -176,7 +180,7 @@ async def upgrade(
         raise HttpError("not a WebSocket upgrade")
     await stream.send_all(conn.send(AcceptConnection(subprotocol=subprotocol)))
     ws = WebSocket(stream, conn, max_message_bytes=max_message_bytes, keepalive_s=keepalive_s,
-                   idle_timeout_s=idle_timeout_s)
+                   idle_timeout_s=idle_timeout_s, send_timeout_s=send_timeout_s)
     if request.trailing:
         conn.receive_data(request.trailing)
     return ws
@@ -187,12 +191,15 @@ class WebSocket:
 
     ``receive_message`` answers pings, enforces the largest message (close 1009), pings
     an idle peer every ``keepalive_s`` and closes it (1001) after ``idle_timeout_s`` of
-    silence. Every failure surfaces as WsClosed with the code to report.
+    silence. A send that the peer does not take within ``send_timeout_s`` ends the
+    WebSocket (1001). Every failure surfaces as WsClosed with the code to report.
     """
 
     def __init__(self, stream: trio.abc.Stream, conn: WSConnection, *, max_message_bytes: int,
-                 keepalive_s: float, idle_timeout_s: float) -> None:
+                 keepalive_s: float, idle_timeout_s: float, send_timeout_s: float = SEND_TIMEOUT_S) -> None:
         self._stream = stream
+        self._send_timeout = send_timeout_s
+        self._cut: WsClosed | None = None
         self._conn = conn
         self._max = max_message_bytes
         self._keepalive = keepalive_s
@@ -239,10 +246,19 @@ class WebSocket:
         if not data:
             return
         async with self._send_lock:
-            try:
-                await self._stream.send_all(data)
-            except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
-                raise self._lost(exc) from exc
+            if self._cut is not None:
+                raise self._cut  # an earlier send was cut off mid-frame: nothing usable follows
+            with trio.move_on_after(self._send_timeout) as scope:
+                try:
+                    await self._stream.send_all(data)
+                except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
+                    raise self._lost(exc) from exc
+            if scope.cancelled_caught:
+                self._cut = WsClosed(1001, f"send timed out: the peer read nothing for {self._send_timeout:g} s",
+                                     local=True)
+                self._closed = self._closed or self._cut
+                await self._close_stream()
+                raise self._cut
             self._wire_out += len(data)
 
     async def send_message(self, message: bytes | str) -> None:
@@ -251,7 +267,7 @@ class WebSocket:
         event = TextMessage(data=message) if isinstance(message, str) else BytesMessage(data=message)
         data = self._conn.send(event)
         self._messages_out += 1
-        self._payload_out += len(message)
+        self._payload_out += len(message) if isinstance(message, bytes) else len(message.encode())
         await self._write(data)
 
     async def ping(self, payload: bytes = b"kv") -> None:
@@ -318,7 +334,8 @@ class WebSocket:
 
     async def _handle(self, event: object) -> bytes | str | None:
         if isinstance(event, Message):
-            self._size += len(event.data)
+            # Sizes are bytes: a text message is bounded by its UTF-8 length, not its characters.
+            self._size += len(event.data) if isinstance(event.data, bytes) else len(event.data.encode())
             if self._size > self._max:
                 await self.close(1009, f"message larger than {self._max} bytes")
                 raise WsClosed(1009, "message too big", local=True)

@@ -197,7 +197,7 @@ def test_messages_both_ways_masked_from_the_client_and_counted() -> None:
         assert [(type(e), e.data) for e in got] == [(BytesMessage, b"back"), (TextMessage, "text")]  # type: ignore[attr-defined]
         stats = ws.statistics()
         assert (stats.messages_in, stats.messages_out, stats.payload_bytes_out) == (3, 2, 8)
-        assert stats.payload_bytes_in == len("early") + len("héllo") + 300
+        assert stats.payload_bytes_in == len(b"early") + len("héllo".encode()) + 300  # bytes, not characters
         assert stats.wire_bytes_in > stats.payload_bytes_in and stats.wire_bytes_out > 8
         assert (stats.broken, stats.closed_locally) == (0, 0)
         with pytest.raises(dataclasses.FrozenInstanceError):
@@ -374,5 +374,53 @@ def test_close_from_another_task_ends_a_pending_receive_with_our_code() -> None:
         assert ws.statistics().broken == 0
         closes = [e for e in await client.events() if isinstance(e, CloseConnection)]
         assert closes[0].code == 4002
+
+    run(main)
+
+
+def test_a_peer_that_reads_nothing_ends_the_websocket_after_the_send_timeout() -> None:
+    """A lockstep stream blocks a send until the peer reads: a peer that stops reading costs
+    the sender ``send_timeout_s``, then the WebSocket is gone (1001) and stays gone."""
+
+    async def main() -> None:
+        client_stream, server_stream = trio.testing.lockstep_stream_pair()
+        conn = WSConnection(ConnectionType.CLIENT)
+        head = conn.send(Request(host="gw", target="/v1/worker", subprotocols=[SUB]))
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(client_stream.send_all, head)
+            req = await read_request(server_stream)
+
+        async def read_accept() -> None:
+            conn.receive_data(await client_stream.receive_some())
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(read_accept)
+            ws = await upgrade(server_stream, req, subprotocol=SUB, max_message_bytes=1000, keepalive_s=5.0,
+                               idle_timeout_s=20.0, send_timeout_s=30.0)
+        assert isinstance(next(conn.events()), AcceptConnection)
+        start = trio.current_time()
+        with pytest.raises(WsClosed) as info:
+            await ws.send_message(b"x" * 10)  # the client reads nothing from here on
+        assert (info.value.code, info.value.local) == (1001, True)
+        assert trio.current_time() - start == pytest.approx(30.0)
+        with pytest.raises(WsClosed) as again:
+            await ws.send_message(b"y")
+        assert again.value.code == 1001
+
+    run(main)
+
+
+def test_text_is_bounded_and_counted_in_utf8_bytes() -> None:
+    async def main() -> None:
+        client, ws, _ = await connect(max_message_bytes=1000)
+        await client.send(TextMessage(data="é" * 400))  # 400 characters, 800 bytes: fits
+        assert await ws.receive_message() == "é" * 400
+        await ws.send_message("é" * 10)
+        stats = ws.statistics()
+        assert (stats.payload_bytes_in, stats.payload_bytes_out) == (800, 20)
+        await client.send(TextMessage(data="é" * 501))  # 501 characters, 1002 bytes: too big
+        with pytest.raises(WsClosed) as info:
+            await ws.receive_message()
+        assert info.value.code == 1009
 
     run(main)
