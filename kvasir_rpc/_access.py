@@ -17,6 +17,8 @@ import pathlib
 import re
 import secrets
 
+from kvasir_rpc.protocol import TARGET_KEY_DOMAIN, TARGET_KEY_METADATA
+
 __all__ = [
     "AUTHORIZATION_METADATA",
     "MIN_TOKEN_CHARS",
@@ -31,8 +33,6 @@ __all__ = [
 ]
 
 AUTHORIZATION_METADATA = "authorization"
-TARGET_KEY_METADATA = "kvasir-target-key"
-_TARGET_KEY_DOMAIN = b"kvasir.v1.target\x00"
 MIN_TOKEN_CHARS = 16
 _TOKEN = re.compile(r"[\x21-\x7e]+")  # printable ASCII, no spaces: it travels in a header
 
@@ -80,7 +80,7 @@ def check_bearer(metadata: object, token: str) -> bool:
 
 def target_key(token: str, session_id: str) -> str:
     """The key that opens ``session_id``'s target: HMAC-SHA256(token, domain + id), hex."""
-    return hmac.new(token.encode(), _TARGET_KEY_DOMAIN + session_id.encode(), hashlib.sha256).hexdigest()
+    return hmac.new(token.encode(), TARGET_KEY_DOMAIN + session_id.encode(), hashlib.sha256).hexdigest()
 
 
 def target_key_matches(token: str, session_id: str, presented: bytes | str) -> bool:

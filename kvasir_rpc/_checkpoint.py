@@ -23,6 +23,8 @@ from collections.abc import Iterable, Mapping, Sequence
 import torch
 from safetensors import safe_open
 
+from kvasir_rpc.protocol import WEIGHTS_DIGEST_DOMAIN
+
 __all__ = [
     "CheckpointError",
     "ExpertIndex",
@@ -41,7 +43,6 @@ _FUSED = re.compile(
     r"^(?P<prefix>.*?)layers\.(?P<layer>\d+)\.(?:mlp|block_sparse_moe)\.experts\.(?P<proj>gate_up_proj|down_proj)$"
 )
 _PROJ = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up", "down_proj": "down", "w2": "down"}
-_DIGEST_DOMAIN = b"kvasir.v1.weights\x00"
 
 
 class CheckpointError(ValueError):
@@ -192,7 +193,7 @@ def expert_digest(gate_up: torch.Tensor, down: torch.Tensor) -> bytes:
 
 def slices_digest(expert_digests: Mapping[tuple[int, int], bytes]) -> bytes:
     """Combine per-expert digests into the one digest a worker announces."""
-    h = hashlib.sha256(_DIGEST_DOMAIN)
+    h = hashlib.sha256(WEIGHTS_DIGEST_DOMAIN)
     for (layer, expert), d in sorted(expert_digests.items()):
         h.update(struct.pack("<II", layer, expert) + d)
     return h.digest()

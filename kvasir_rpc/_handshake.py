@@ -25,6 +25,15 @@ from google.protobuf.message import DecodeError
 from kvasir_rpc._errors import CloseCode, LocalProtocolError, RemoteProtocolError
 from kvasir_rpc._gen.kvasir.v1 import session_pb2
 from kvasir_rpc._wallet import Wallet, is_address, verify_signature
+from kvasir_rpc.protocol import (
+    HELLO_SIGNATURE_DOMAIN,
+    MAX_CHALLENGE_AGE_MS,
+    MAX_EXPERTS_PER_LAYER,
+    MAX_HELLO_BYTES,
+    MAX_LAYERS,
+    MAX_SESSION_ID_CHARS,
+    NONCE_BYTES,
+)
 
 __all__ = [
     "HELLO_SIGNATURE_DOMAIN",
@@ -35,14 +44,7 @@ __all__ = [
     "slices_to_proto",
 ]
 
-HELLO_SIGNATURE_DOMAIN = b"kvasir.v1.SessionHello\x00"
-NONCE_BYTES = 32
-# A hello answering a challenge older than this is stale.
-DEFAULT_MAX_CHALLENGE_AGE_MS = 30_000
-# Bounds on what a stranger may claim, so a hello cannot make us allocate without limit.
-MAX_HELLO_BYTES = 4 << 20
-MAX_LAYERS = 4096
-MAX_EXPERTS_PER_LAYER = 65536
+DEFAULT_MAX_CHALLENGE_AGE_MS = MAX_CHALLENGE_AGE_MS
 
 Slices = Mapping[int, Sequence[int]]
 
@@ -289,7 +291,7 @@ class WorkerHandshake:
         except RemoteProtocolError:
             self.state = _WorkerState.FAILED
             raise
-        if not msg.session_id or len(msg.session_id) > 128:
-            raise self._fail("accept: session_id must be 1 to 128 characters")
+        if not msg.session_id or len(msg.session_id) > MAX_SESSION_ID_CHARS:
+            raise self._fail(f"accept: session_id must be 1 to {MAX_SESSION_ID_CHARS} characters")
         self._step("receive_accept")
         return msg.session_id

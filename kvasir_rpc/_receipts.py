@@ -16,6 +16,7 @@ from google.protobuf import unknown_fields as _unknown_fields
 
 from kvasir_rpc._gen.kvasir.v1 import ledger_pb2
 from kvasir_rpc._wallet import Wallet, is_address, verify_signature
+from kvasir_rpc.protocol import MAX_SESSION_ID_CHARS
 
 __all__ = [
     "DEFAULT_RATE_NANO_PER_BYTE",
@@ -43,7 +44,7 @@ MAX_SEQ = (1 << 63) - 1
 # Six short fields serialize to well under 300 bytes; the bound caps the work a stranger's
 # garbage can cost before it is rejected.
 MAX_RECEIPT_BYTES = 1024
-SESSION_ID_MAX_CHARS = 128
+SESSION_ID_MAX_CHARS = MAX_SESSION_ID_CHARS
 _SESSION_ID = re.compile(r"[A-Za-z0-9._:-]{1,%d}" % SESSION_ID_MAX_CHARS)
 _SIGNATURE_BYTES = 64
 

@@ -33,6 +33,16 @@ __all__ = [
     "CONTROL_WORDS",
     "GATEWAY_SUBPROTOCOL",
     "HEALTH_PATH",
+    "HELLO_SIGNATURE_DOMAIN",
+    "MAX_CHALLENGE_AGE_MS",
+    "MAX_EXPERTS_PER_LAYER",
+    "MAX_HELLO_BYTES",
+    "MAX_LAYERS",
+    "MAX_SESSION_ID_CHARS",
+    "NONCE_BYTES",
+    "TARGET_KEY_DOMAIN",
+    "TARGET_KEY_METADATA",
+    "WEIGHTS_DIGEST_DOMAIN",
     "HUB_CONTROL_PATH",
     "HUB_DATA_PREFIX",
     "HUB_HANDSHAKE_TIMEOUT_S",
@@ -95,6 +105,29 @@ HUB_HANDSHAKE_TIMEOUT_S = 10.0
 WORKER_HANDSHAKE_TIMEOUT_S = 15.0
 # A worker must answer "close" with "closed" within this (else the hub closes 1008).
 CLOSE_TIMEOUT_S = 10.0
+
+
+# --- The session handshake (kvasir_rpc._handshake runs it) ------------------------------------
+
+# The worker signs HELLO_SIGNATURE_DOMAIN + HelloBody bytes with its wallet (Ed25519).
+HELLO_SIGNATURE_DOMAIN = b"kvasir.v1.SessionHello\x00"
+NONCE_BYTES = 32
+# A hello answering a challenge older than this is stale (close 1008).
+MAX_CHALLENGE_AGE_MS = 30_000
+# Bounds on what a stranger may claim, so a hello cannot make the hub allocate without limit.
+MAX_HELLO_BYTES = 4 << 20
+MAX_LAYERS = 4096
+MAX_EXPERTS_PER_LAYER = 65536
+MAX_SESSION_ID_CHARS = 128
+
+# --- Domains and metadata ---------------------------------------------------------------------
+
+# The weights digest: sha256(WEIGHTS_DIGEST_DOMAIN + ...), see docs/PROTOCOL.md section 12.
+WEIGHTS_DIGEST_DOMAIN = b"kvasir.v1.weights\x00"
+# A session's target admits a connection whose first request carries this metadata:
+# hex HMAC-SHA256(backbone token, TARGET_KEY_DOMAIN + session id).
+TARGET_KEY_METADATA = "kvasir-target-key"
+TARGET_KEY_DOMAIN = b"kvasir.v1.target\x00"
 
 
 def choose_subprotocol(offered: Sequence[str], supported: Sequence[str] = TUNNEL_SUBPROTOCOLS) -> str | None:
