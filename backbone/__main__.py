@@ -130,6 +130,7 @@ def main(argv: list[str] | None = None) -> int:
             groups_reason=why,
             expert_weights="on-demand" if on_demand else "all",
             rss_bytes=_rss_bytes(),
+            peak_rss_bytes=_peak_rss_bytes(),
             **{k: v for k, v in dataclasses.asdict(stats).items()},
         )
         if args.compare_local:
@@ -171,6 +172,14 @@ def _rss_bytes() -> int:
     import psutil
 
     return int(psutil.Process().memory_info().rss)
+
+
+def _peak_rss_bytes() -> int:
+    """The most resident memory this process has held so far (loading included)."""
+    import resource
+
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(peak if sys.platform == "darwin" else peak * 1024)  # macOS counts bytes, Linux KiB
 
 
 def _choose_groups(spec: str, dispatcher, model, tokenizer, prompts, decode_grouped):  # type: ignore[no-untyped-def]

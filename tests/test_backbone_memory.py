@@ -22,8 +22,8 @@ def test_backbone_memory_follows_dense_part_plus_local_experts(tmp_path):
         lean = sw.run_backbone(args)
         # No workers at all: every expert is read from the checkpoint when first needed.
         alone = sw.run_backbone([*args, "--expert-weights", "on-demand"], hub=False)
-    print({"full_rss": full["rss_bytes"], "lean_rss": lean["rss_bytes"], "alone_rss": alone["rss_bytes"],
-           "alone_expert_bytes": alone["expert_bytes_held"]})
+    print({name: {"rss": r["rss_bytes"], "peak_rss": r["peak_rss_bytes"], "expert_bytes": r["expert_bytes_held"]}
+           for name, r in (("full", full), ("lean", lean), ("alone", alone))})
     assert full["expert_weights"] == "all" and full["expert_bytes_held"] == EXPERT_BYTES
     assert lean["expert_weights"] == "on-demand" and lean["expert_bytes_held"] == 0
     assert lean["remote_rows"] == full["remote_rows"] > 0 and lean["fallback_calls"] == 0
