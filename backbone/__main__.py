@@ -175,11 +175,22 @@ def _rss_bytes() -> int:
 
 
 def _peak_rss_bytes() -> int:
-    """The most resident memory this process has held so far (loading included)."""
+    """The most resident memory this process has held so far (loading included).
+
+    Linux: the high-water mark of this program's own address space (``VmHWM``).
+    ``getrusage``'s ``ru_maxrss`` is not that: exec carries the parent's peak into it, so
+    a backbone started by a large process would report the parent's memory."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024  # kB
+    except OSError:
+        pass
     import resource
 
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return int(peak if sys.platform == "darwin" else peak * 1024)  # macOS counts bytes, Linux KiB
+    return int(peak if sys.platform == "darwin" else peak * 1024)  # macOS counts bytes, others KiB
 
 
 def _choose_groups(spec: str, dispatcher, model, tokenizer, prompts, decode_grouped):  # type: ignore[no-untyped-def]
