@@ -283,9 +283,6 @@ class Dispatcher:
                 replays=self.replays,
             )
 
-    def links(self) -> list[WorkerLink]:
-        return self.placement.links() if self.placement is not None else []
-
     def close(self) -> None:
         if self.placement is not None:
             self.placement.close()

@@ -76,10 +76,6 @@ class Placement:
         with self._lock:
             return tuple(sorted(self._rejected))
 
-    def links(self) -> list[WorkerLink]:
-        with self._lock:
-            return list(self._links.values())
-
     def close(self) -> None:
         with self._lock:
             links, self._links = list(self._links.values()), {}
