@@ -40,9 +40,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="dtype activations travel in: the model's (bit-exact, default) or, for a float32 "
                         "model, bfloat16/float16 (half the bytes, not bit-exact)")
     g.add_argument("--expert-weights", choices=["auto", "all", "on-demand"], default="auto",
-                   help="'all': hold every expert, as loaded; 'on-demand': drop them and read an expert from "
-                        "the checkpoint the first time it must be computed here; 'auto': on-demand when experts "
-                        "live on a hub's workers and no local comparison is asked")
+                   help="'all': load and hold every expert; 'on-demand': load only the dense part and read an "
+                        "expert from the checkpoint the first time it must be computed here; 'auto': on-demand "
+                        "when experts live on a hub's workers and no local comparison is asked")
     g.add_argument("--audit-rate", type=float, default=None,
                    help="fraction of remote rows recomputed here to check the worker (default 0.02; "
                         "each session's first call is audited too; 0 turns sampling off)")
@@ -82,8 +82,13 @@ def main(argv: list[str] | None = None) -> int:
     transformers.utils.logging.set_verbosity_error()
     if args.threads:
         torch.set_num_threads(args.threads)
+    on_demand = args.expert_weights == "on-demand" or (
+        args.expert_weights == "auto" and bool(args.hub) and not args.compare_local
+    )
+    if on_demand and args.compare_local:
+        parser.error("--compare-local runs transformers' eager experts, which need every expert: use --expert-weights all")
     try:
-        model, tokenizer = load_model(args.model)
+        model, tokenizer = load_model(args.model, experts="on-demand" if on_demand else "all")
     except (OSError, ValueError) as exc:
         print(f"backbone: cannot load {args.model}: {exc}", file=sys.stderr)
         return 2
@@ -98,11 +103,6 @@ def main(argv: list[str] | None = None) -> int:
     model_dtype = next(model.parameters()).dtype
     if wire_dtype is not None and (model_dtype != torch.float32 or wire_dtype == model_dtype):
         wire_dtype = None  # float16/bfloat16 models already travel as they are
-    on_demand = args.expert_weights == "on-demand" or (
-        args.expert_weights == "auto" and watcher is not None and not args.compare_local
-    )
-    if on_demand and args.compare_local:
-        parser.error("--compare-local runs transformers' eager experts, which need every expert: use --expert-weights all")
     source = ExpertIndex(args.model) if on_demand else None
     reporter = WorkReporter(args.hub, hub_token) if args.hub else None
     audit_rate = DEFAULT_AUDIT_RATE if args.audit_rate is None else args.audit_rate
@@ -130,6 +130,7 @@ def main(argv: list[str] | None = None) -> int:
             groups_reason=why,
             expert_weights="on-demand" if on_demand else "all",
             rss_bytes=_rss_bytes(),
+            peak_rss_bytes=_peak_rss_bytes(),
             **{k: v for k, v in dataclasses.asdict(stats).items()},
         )
         if args.compare_local:
@@ -171,6 +172,25 @@ def _rss_bytes() -> int:
     import psutil
 
     return int(psutil.Process().memory_info().rss)
+
+
+def _peak_rss_bytes() -> int:
+    """The most resident memory this process has held so far (loading included).
+
+    Linux: the high-water mark of this program's own address space (``VmHWM``).
+    ``getrusage``'s ``ru_maxrss`` is not that: exec carries the parent's peak into it, so
+    a backbone started by a large process would report the parent's memory."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024  # kB
+    except OSError:
+        pass
+    import resource
+
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(peak if sys.platform == "darwin" else peak * 1024)  # macOS counts bytes, others KiB
 
 
 def _choose_groups(spec: str, dispatcher, model, tokenizer, prompts, decode_grouped):  # type: ignore[no-untyped-def]

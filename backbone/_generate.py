@@ -10,6 +10,7 @@ import time
 import torch
 
 from backbone._experts import IMPLEMENTATION, Dispatcher, ReplayNeeded, install
+from backbone._weights import load_without_experts
 from kvasir_rpc import get_logger, threads_initializer
 
 log = get_logger("backbone.generate")
@@ -21,13 +22,23 @@ MAX_REPLAYS = 16
 __all__ = ["Decode", "compare", "decode", "load_model"]
 
 
-def load_model(model_dir: str | pathlib.Path):  # type: ignore[no-untyped-def]
-    """Load ``(model, tokenizer)`` from a local checkpoint folder, offline, in eval mode."""
+def load_model(model_dir: str | pathlib.Path, *, experts: str = "all"):  # type: ignore[no-untyped-def]
+    """Load ``(model, tokenizer)`` from a local checkpoint folder, offline, in eval mode.
+
+    ``experts="all"`` loads every expert with transformers' ``from_pretrained``;
+    ``"on-demand"`` loads the dense part only and leaves the experts on the meta device
+    (a Dispatcher with ``expert_source`` reads each from the checkpoint when it is computed
+    here), so no more than the dense part is ever resident at load time."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     install()
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), local_files_only=True, dtype="auto")
+    if experts == "all":
+        model = AutoModelForCausalLM.from_pretrained(str(model_dir), local_files_only=True, dtype="auto")
+    elif experts == "on-demand":
+        model = load_without_experts(model_dir)
+    else:
+        raise ValueError(f"experts must be 'all' or 'on-demand', got {experts!r}")
     model.eval()
     return model, tokenizer
 
@@ -189,6 +200,3 @@ def compare(a: Decode, b: Decode) -> dict[str, float | bool]:
         "argmax_agreement": float(agree),
     }
 
-
-def attach(model, watcher, call_timeout_s: float = 30.0) -> Dispatcher:  # type: ignore[no-untyped-def]
-    return Dispatcher(model, watcher, call_timeout_s=call_timeout_s)

@@ -63,13 +63,11 @@ class WorkerLink:
 
     _SENTINEL = object()
 
-    def __init__(self, session: session_pb2.Session, on_dead: Callable[[WorkerLink], None] | None = None, *,
-                 token: str) -> None:
+    def __init__(self, session: session_pb2.Session, *, token: str) -> None:
         self.session_id = session.session_id
         self.wallet = session.wallet
         self.target = session.target
         self.slices = slices_from_proto(session.slices)
-        self._on_dead = on_dead
         self._channel = grpc.insecure_channel(self.target, options=_CHANNEL_OPTIONS)
         self._stub = expert_pb2_grpc.ExpertServiceStub(self._channel)
         self._requests: queue.SimpleQueue[object] = queue.SimpleQueue()
@@ -77,8 +75,6 @@ class WorkerLink:
         self._lock = threading.Lock()
         self._ids = itertools.count(1)
         self.dead: BaseException | None = None
-        self.calls = 0
-        self.rows = 0
         self._responses = self._stub.Dispatch(
             self._iter_requests(), metadata=((TARGET_KEY_METADATA, target_key(token, self.session_id)),))
         self._reader = threading.Thread(target=self._read, name=f"link-{self.session_id}", daemon=True)
@@ -102,8 +98,6 @@ class WorkerLink:
                 fut.set_exception(self.dead)
                 return rec
             self._pending[call_id] = rec
-            self.calls += 1
-            self.rows += rec.rows
         request.call_id = call_id
         self._requests.put(request)
         return rec
@@ -120,9 +114,10 @@ class WorkerLink:
             error = ConnectionError(f"worker {self.session_id} ended its Dispatch stream")
         except grpc.RpcError as exc:
             error = exc
-        self._fail(error)
+        self.fail(error)
 
-    def _fail(self, error: BaseException) -> None:
+    def fail(self, error: BaseException) -> None:
+        """Mark the link dead for good (first error wins) and fail every pending call with it."""
         with self._lock:
             if self.dead is None:
                 self.dead = error
@@ -130,8 +125,6 @@ class WorkerLink:
         for rec in pending.values():
             if not rec.future.done():
                 rec.future.set_exception(error)
-        if self._on_dead is not None:
-            self._on_dead(self)
 
     def close(self) -> None:
         self._requests.put(self._SENTINEL)

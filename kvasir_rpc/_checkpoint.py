@@ -114,6 +114,7 @@ class ExpertIndex:
         self.model_dir = pathlib.Path(model_dir)
         self.info = read_model_info(self.model_dir)
         self._locs: dict[tuple[int, int], dict[str, _Loc]] = {}
+        self._others: dict[str, pathlib.Path] = {}
         for file, keys in self._files_and_keys():
             for key in keys:
                 if m := _PER_EXPERT.match(key):
@@ -124,6 +125,8 @@ class ExpertIndex:
                     for e in range(self.info.num_experts):
                         slot = self._locs.setdefault((layer, e), {})
                         slot[m["proj"]] = _Loc(file, key, e)
+                else:
+                    self._others[key] = file
         incomplete = [
             k for k, v in self._locs.items() if not ({"gate", "up", "down"} <= v.keys() or {"gate_up_proj", "down_proj"} <= v.keys())
         ]
@@ -156,6 +159,11 @@ class ExpertIndex:
         for layer, expert in sorted(self._locs):
             out.setdefault(layer, []).append(expert)
         return {k: tuple(v) for k, v in out.items()}
+
+    def other_tensors(self) -> dict[str, pathlib.Path]:
+        """Every tensor of the checkpoint that holds no routed expert (the dense part), by
+        name, with the safetensors file it is in."""
+        return dict(self._others)
 
     def has(self, layer: int, expert: int) -> bool:
         return (layer, expert) in self._locs

@@ -8,8 +8,6 @@ tests/test_swarm.py checks the same through real workers."""
 
 from __future__ import annotations
 
-import types
-
 import pytest
 import torch
 
@@ -44,17 +42,17 @@ def test_deferred_shared_expert_is_bitwise_unchanged(qwen35) -> None:  # type: i
     try:
         run = decode(model, tokenizer, prompts, 5)
         assert torch.equal(run.logits, reference.logits) and torch.equal(run.new_tokens, reference.new_tokens)
-        layers = len(d._experts)
-        assert d.shared_overlapped == layers * 5  # every layer, every forward (prefill + 4 steps)
+        layers = len(d.weights.modules)
+        assert d.statistics().shared_overlapped == layers * 5  # every layer, every forward (prefill + 4 steps)
         # Groups decode in threads at once: each thread keeps its own pending shared outputs.
         grouped_ref = decode_grouped(model, tokenizer, prompts, 5, 2, implementation="eager")
         grouped = decode_grouped(model, tokenizer, prompts, 5, 2)
         assert torch.equal(grouped.logits, grouped_ref.logits)
         # Local mode (remote off): the shared expert runs where transformers calls it.
         d.remote = False
-        before = d.shared_overlapped
+        before = d.statistics().shared_overlapped
         local = decode(model, tokenizer, prompts, 5)
-        assert torch.equal(local.logits, reference.logits) and d.shared_overlapped == before
+        assert torch.equal(local.logits, reference.logits) and d.statistics().shared_overlapped == before
     finally:
         d.close()
 
@@ -62,7 +60,7 @@ def test_deferred_shared_expert_is_bitwise_unchanged(qwen35) -> None:  # type: i
 def test_shared_output_used_before_it_is_computed_raises(qwen35) -> None:  # type: ignore[no-untyped-def]
     model, tokenizer = qwen35
     d = Dispatcher(model, _NoSessions())  # type: ignore[arg-type]
-    d._run_shared = types.MethodType(lambda self, layer: None, d)  # type: ignore[method-assign]
+    d.shared.run = lambda layer: None  # type: ignore[method-assign]
     try:
         with pytest.raises(RuntimeError, match="shared expert's output was used before"):
             decode(model, tokenizer, prompts_for_batch("shared", 2), 2)
@@ -73,6 +71,6 @@ def test_shared_output_used_before_it_is_computed_raises(qwen35) -> None:  # typ
     try:
         run = decode(model, tokenizer, prompts_for_batch("shared", 2), 2)
         ref = decode(model, tokenizer, prompts_for_batch("shared", 2), 2, implementation="eager")
-        assert torch.equal(run.logits, ref.logits) and d2.shared_overlapped > 0
+        assert torch.equal(run.logits, ref.logits) and d2.statistics().shared_overlapped > 0
     finally:
         d2.close()

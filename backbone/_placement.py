@@ -1,0 +1,127 @@
+"""Placement: which worker link serves which (layer, expert).
+
+The hub's session list (followed by a ``SessionWatcher``) is the single source of who holds
+what. A session is routed to only if the digest it announces for its slices is the digest
+of this model's own weights for them; a session that announces other weights is rejected,
+one caught delivering wrong work is quarantined, and neither is routed to again. The route
+table is rebuilt when the session list changes or a link is dropped.
+"""
+
+from __future__ import annotations
+
+import threading
+
+from kvasir_rpc import Route, get_logger, slices_digest
+from backbone._links import SessionWatcher, WorkerLink
+from backbone._weights import ExpertWeights
+
+__all__ = ["Placement"]
+
+log = get_logger("backbone.placement")
+
+
+class Placement:
+    """Routes (layer, expert) to live worker links; thread-safe."""
+
+    def __init__(self, watcher: SessionWatcher, weights: ExpertWeights) -> None:
+        self.watcher = watcher
+        self._weights = weights
+        self._digests: dict[tuple[int, int], bytes] = {}
+        self._links: dict[str, WorkerLink] = {}
+        self._rejected: set[str] = set()
+        # Replaced, never mutated: decode threads read it without the lock.
+        self.quarantined: frozenset[str] = frozenset()
+        self._seen_version = -1
+        self._routes: dict[int, dict[int, WorkerLink]] = {}
+        self._lock = threading.Lock()
+
+    def split(self, layer: int, routes: list[Route]) -> tuple[dict[WorkerLink, list[Route]], list[Route]]:
+        """``(placed, local)``: the routes a live link serves, by link, and the rest."""
+        with self._lock:
+            self._refresh()
+            table = self._routes.get(layer, {})
+        placed: dict[WorkerLink, list[Route]] = {}
+        local: list[Route] = []
+        for r in routes:
+            link = table.get(r.expert)
+            if link is not None and link.dead is None:
+                placed.setdefault(link, []).append(r)
+            else:
+                local.append(r)
+        return placed, local
+
+    def drop(self, link: WorkerLink, error: BaseException) -> None:
+        """A call on ``link`` was lost: the link is dead and routes are rebuilt without it."""
+        link.fail(error)
+        with self._lock:
+            self._seen_version = -1
+
+    def quarantine(self, link: WorkerLink) -> bool:
+        """Never route to ``link``'s session again; True the first time it is quarantined."""
+        sid = link.session_id
+        with self._lock:
+            first = sid not in self.quarantined
+            self.quarantined = self.quarantined | {sid}
+            self._seen_version = -1
+            dropped = self._links.pop(sid, None)
+        link.fail(RuntimeError(f"session {sid} quarantined"))
+        if first and dropped is not None:
+            # Closing waits on the link's reader thread; the decode does not.
+            threading.Thread(target=dropped.close, name=f"close-{sid}", daemon=True).start()
+        return first
+
+    def rejected(self) -> tuple[str, ...]:
+        """Sessions whose announced weights are not this model's, sorted."""
+        with self._lock:
+            return tuple(sorted(self._rejected))
+
+    def close(self) -> None:
+        with self._lock:
+            links, self._links = list(self._links.values()), {}
+        for link in links:
+            link.close()
+
+    def _expected_digest(self, slices: dict[int, tuple[int, ...]]) -> bytes | None:
+        """The digest a session holding ``slices`` of this model announces; None when the
+        model has no such slices."""
+        digests = {}
+        for layer, experts in slices.items():
+            num_experts = self._weights.num_experts(layer)
+            if num_experts is None:
+                return None
+            for e in experts:
+                if e >= num_experts:
+                    return None
+                key = (layer, e)
+                if key not in self._digests:
+                    self._digests[key] = self._weights.digest(layer, e)
+                digests[key] = self._digests[key]
+        return slices_digest(digests)
+
+    def _refresh(self) -> None:
+        """Rebuild the route table when the hub's session set changed (lock held)."""
+        if self.watcher.version == self._seen_version:
+            return
+        self._seen_version = self.watcher.version
+        live = self.watcher.sessions()
+        for sid in list(self._links):
+            if sid not in live:
+                self._links.pop(sid).close()
+        for sid, s in sorted(live.items(), key=lambda kv: (kv[1].connected_since_unix_ms, kv[0])):
+            if sid in self._links or sid in self._rejected or sid in self.quarantined:
+                continue
+            expected = self._expected_digest({sl.layer: tuple(sl.experts) for sl in s.slices})
+            if expected is None or expected != s.weights_digest:
+                log.warning("session weights do not match this model; not routing to it", session_id=sid,
+                            wallet=s.wallet)
+                self._rejected.add(sid)
+                continue
+            self._links[sid] = WorkerLink(s, token=self.watcher.token)
+        routes: dict[int, dict[int, WorkerLink]] = {}
+        for link in self._links.values():
+            if link.dead is not None:
+                continue
+            for layer, experts in link.slices.items():
+                for e in experts:
+                    routes.setdefault(layer, {}).setdefault(e, link)
+        self._routes = routes

@@ -1,0 +1,201 @@
+"""Where an expert's weights come from, and loading a model without its experts.
+
+``HeldWeights``: the experts the model holds, as transformers loaded them (every expert is
+in memory). ``CheckpointWeights``: the model's experts were never loaded (their parameters
+are on the meta device, see ``load_without_experts``); an expert is read from the
+checkpoint the first time this backbone computes it, so resident memory is the dense part
+plus the experts computed here.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import re
+import threading
+
+import torch
+
+from kvasir_rpc import ExpertIndex, expert_digest, get_logger
+
+__all__ = ["CheckpointWeights", "ExpertWeights", "HeldWeights", "experts_modules", "load_without_experts"]
+
+log = get_logger("backbone.weights")
+
+_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+
+def layer_of(name: str) -> int | None:
+    """The decoder layer a module name sits in (``model.layers.3.mlp`` -> 3), or None."""
+    m = _LAYER.search(name + ".")
+    return int(m[1]) if m else None
+
+
+def experts_modules(model: torch.nn.Module) -> dict[int, torch.nn.Module]:
+    """{layer: experts module}: every module with fused ``gate_up_proj`` and ``down_proj``."""
+    found: dict[int, torch.nn.Module] = {}
+    for name, module in model.named_modules():
+        layer = layer_of(name)
+        if hasattr(module, "gate_up_proj") and hasattr(module, "down_proj") and layer is not None:
+            found[layer] = module
+    if not found:
+        raise ValueError("the model has no experts modules with gate_up_proj/down_proj")
+    return found
+
+
+def _fused(module: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+    """The fused ``gate_up_proj`` [E, 2I, H] and ``down_proj`` [E, H, I] of an experts module."""
+    gate_up, down = module.gate_up_proj, module.down_proj
+    assert isinstance(gate_up, torch.Tensor) and isinstance(down, torch.Tensor)
+    return gate_up, down
+
+
+class ExpertWeights:
+    """One expert's ``(gate_up [2I, H], down [H, I])`` for the experts of ``modules``."""
+
+    def __init__(self, modules: dict[int, torch.nn.Module]) -> None:
+        self.modules = modules
+
+    def num_experts(self, layer: int) -> int | None:
+        """Experts in ``layer``, or None when the layer has none."""
+        module = self.modules.get(layer)
+        return None if module is None else int(_fused(module)[0].shape[0])
+
+    def get(self, layer: int, expert: int, *, keep: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+        """``keep=False`` (audits, which touch a sampled few): do not grow memory for it."""
+        raise NotImplementedError
+
+    def digest(self, layer: int, expert: int) -> bytes:
+        """The expert's weights digest (what a worker holding it announces)."""
+        raise NotImplementedError
+
+    def bytes_held(self) -> int:
+        """Bytes of expert weights this process holds in memory."""
+        raise NotImplementedError
+
+
+class HeldWeights(ExpertWeights):
+    """Every expert as the model holds it."""
+
+    def get(self, layer: int, expert: int, *, keep: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+        gate_up, down = _fused(self.modules[layer])
+        return gate_up[expert], down[expert]
+
+    def digest(self, layer: int, expert: int) -> bytes:
+        return expert_digest(*self.get(layer, expert))
+
+    def bytes_held(self) -> int:
+        return sum(t.numel() * t.element_size() for m in self.modules.values() for t in _fused(m))
+
+
+class CheckpointWeights(ExpertWeights):
+    """Experts read from the checkpoint when first computed here, then kept."""
+
+    def __init__(self, modules: dict[int, torch.nn.Module], index: ExpertIndex) -> None:
+        super().__init__(modules)
+        self.index = index
+        self._loaded: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+        self._lock = threading.Lock()
+
+    def get(self, layer: int, expert: int, *, keep: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+        key = (layer, expert)
+        with self._lock:
+            if key not in self._loaded:
+                if not keep:
+                    return self.index.load(layer, expert)
+                self._loaded[key] = self.index.load(layer, expert)
+            return self._loaded[key]
+
+    def digest(self, layer: int, expert: int) -> bytes:
+        return self.index.expert_digest(layer, expert)
+
+    def bytes_held(self) -> int:
+        with self._lock:
+            return sum(t.numel() * t.element_size() for pair in self._loaded.values() for t in pair)
+
+
+def load_without_experts(model_dir: str | os.PathLike[str], index: ExpertIndex | None = None):  # type: ignore[no-untyped-def]
+    """The checkpoint's model with its dense part loaded and its routed experts left on the
+    meta device: expert bytes are never read nor allocated, not even while loading.
+
+    The model is built on the meta device by transformers (the same classes and config as
+    ``from_pretrained``); the checkpoint's other tensors are renamed as transformers renames
+    them, read one by one and assigned in place (``load_state_dict(assign=True)``); what
+    transformers computes rather than loads (rotary tables) is initialised by its own
+    ``initialize_weights``, which leaves every loaded tensor as it is.
+
+    Raises CheckpointError (a ValueError) when the checkpoint lacks a dense tensor the model
+    needs, holds one of another shape, or holds a dense tensor that transformers would have to
+    convert rather than rename (load such a checkpoint with every expert instead)."""
+    from safetensors import safe_open
+    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
+
+    from kvasir_rpc import CheckpointError
+
+    model_dir = pathlib.Path(model_dir)
+    index = index if index is not None else ExpertIndex(model_dir)
+    config = AutoConfig.from_pretrained(str(model_dir), local_files_only=True)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    experts = {id(p) for m in experts_modules(model).values() for p in m.parameters()}
+    wanted = {k: v for k, v in model.state_dict(keep_vars=True).items() if id(v) not in experts}
+
+    transforms = get_model_conversion_mapping(model)
+    renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
+    converters = [t for t in transforms if isinstance(t, WeightConverter)]
+    by_file: dict[pathlib.Path, dict[str, str]] = {}
+    unexpected: list[str] = []
+    for name, file in sorted(index.other_tensors().items()):
+        target, converter = rename_source_key(name, renamings, converters, model.base_model_prefix, wanted)
+        if converter is not None:
+            raise CheckpointError(f"{model_dir}: tensor {name} must be converted ({converter}) to load, not only "
+                                  "renamed; load this checkpoint with every expert (--expert-weights all)")
+        if target in wanted:
+            by_file.setdefault(file, {})[name] = target
+        else:
+            unexpected.append(name)
+
+    state: dict[str, torch.Tensor] = {}
+    mismatched: list[str] = []
+    for file, names in sorted(by_file.items()):
+        with safe_open(str(file), framework="pt") as h:
+            for name, target in names.items():
+                tensor = h.get_tensor(name)
+                like = wanted[target]
+                if tensor.shape != like.shape:
+                    mismatched.append(f"{name}: {list(tensor.shape)} in the checkpoint, {list(like.shape)} in the model")
+                    continue
+                state[target] = tensor.to(like.dtype)
+    tied = set(getattr(model, "all_tied_weights_keys", {}) or {})
+    persistent = set(model.state_dict().keys())
+    missing = sorted(k for k in wanted if k in persistent and k not in state and k not in tied)
+    if missing or mismatched:
+        raise CheckpointError(f"{model_dir}: the dense part does not fit the model: missing {missing[:8]} "
+                              f"({len(missing)}), mismatched {mismatched[:8]} ({len(mismatched)})")
+    if unexpected:
+        log.warning("checkpoint tensors this model does not use; not read", count=len(unexpected),
+                    first=unexpected[:4])
+
+    model.load_state_dict(state, strict=False, assign=True)
+    # What transformers computes instead of loading (non-persistent buffers such as the rotary
+    # tables) is still on meta: give it memory and let transformers initialise it. Every
+    # loaded tensor is marked initialised, so initialize_weights leaves it alone.
+    for name, buffer in list(model.named_buffers()):
+        if buffer.is_meta:
+            owner, _, leaf = name.rpartition(".")
+            module = model.get_submodule(owner)
+            persistent_buffer = leaf not in module._non_persistent_buffers_set
+            module.register_buffer(leaf, torch.empty_like(buffer, device="cpu"), persistent=persistent_buffer)
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        if name in state:
+            tensor._is_hf_initialized = True
+    model.initialize_weights()
+    model.tie_weights()
+    try:
+        model.generation_config = GenerationConfig.from_pretrained(str(model_dir), local_files_only=True)
+    except OSError:
+        pass  # no generation_config.json: the model's defaults, as from_pretrained
+    model.eval()
+    return model
