@@ -158,8 +158,8 @@ class Dispatcher:
             segments=[expert_pb2.ExpertSegment(expert=r.expert, rows=len(r.token_idx)) for r in routes],
             row_index=index.tolist() if dedupe else (),
         )
-        size = req.ByteSize()
-        return SentCall(link.submit(layer, req), routes, link, rows, weights, index if dedupe else None, size)
+        rec = link.submit(layer, req)
+        return SentCall(rec, routes, link, rows, weights, index if dedupe else None, rec.request_bytes)
 
     def _compute(self, layer: int, act: Activation, hidden: torch.Tensor, top_k_weights: torch.Tensor,
                  r: Route) -> torch.Tensor:

@@ -47,6 +47,9 @@ class CallRecord:
     rows: int
     sent_ns: int
     future: Future[expert_pb2.ExpertPartials]
+    # The serialized request as sent, call_id included: what the worker is paid for if the
+    # answer is accepted.
+    request_bytes: int = 0
 
 
 class WorkerLink:
@@ -99,6 +102,7 @@ class WorkerLink:
                 return rec
             self._pending[call_id] = rec
         request.call_id = call_id
+        rec.request_bytes = request.ByteSize()
         self._requests.put(request)
         return rec
 
