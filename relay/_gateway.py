@@ -189,6 +189,11 @@ class Gateway:
     async def _route(self, stream: trio.abc.Stream, req: HttpRequest, remote: str):  # type: ignore[no-untyped-def]
         cfg = self.config
 
+        async def refuse(why: str, status: int, body: str, *, headers: tuple[tuple[str, str], ...] = ()) -> None:
+            """Count the refusal under ``why`` and answer with a plain HTTP response."""
+            self._refuse(why)
+            await send_response(stream, status, body, headers=list(headers))
+
         async def ws(sub: str) -> WebSocket:
             return await upgrade(stream, req, subprotocol=sub, max_message_bytes=cfg.max_message_bytes,
                                  keepalive_s=cfg.keepalive_s, idle_timeout_s=cfg.idle_timeout_s)
@@ -202,28 +207,20 @@ class Gateway:
             return None
         if path == WORKER_PATH:
             if not req.is_upgrade or req.method != "GET":
-                self._refuse("not_websocket")
-                await send_response(stream, 426, f"{path} takes a WebSocket upgrade\n", headers=[("upgrade", "websocket")])
-                return None
+                return await refuse("not_websocket", 426, f"{path} takes a WebSocket upgrade\n", headers=(("upgrade", "websocket"),))
             subprotocol = choose_subprotocol(req.subprotocols)
             if subprotocol is None:
-                self._refuse("subprotocol")
-                await send_response(stream, 400, "the tunnel needs the WebSocket subprotocol "
-                                                 f"{' or '.join(TUNNEL_SUBPROTOCOLS)}\n")
-                return None
+                return await refuse("subprotocol", 400, "the tunnel needs the WebSocket subprotocol "
+                                    f"{' or '.join(TUNNEL_SUBPROTOCOLS)}\n")
             if self._control is None:
-                self._refuse("no_hub")
-                await send_response(stream, 503, "no hub is connected to this gateway; retry later\n",
-                                    headers=[("retry-after", "5")])
-                return None
+                return await refuse("no_hub", 503, "no hub is connected to this gateway; retry later\n",
+                                    headers=(("retry-after", "5"),))
             # A worker still upgrading will wait, and every waiting worker is a session to be
             # (_pending holds both the waiting and the spliced): count them all, or
             # simultaneous arrivals pass this check together while each upgrade awaits.
             waiting = sum(1 for p in self._pending.values() if p.hub_ws is None) + self._admitting
             if waiting >= cfg.max_unpaired or len(self._pending) + self._admitting >= cfg.max_sessions:
-                self._refuse("capacity")
-                await send_response(stream, 503, "gateway at capacity; retry later\n", headers=[("retry-after", "5")])
-                return None
+                return await refuse("capacity", 503, "gateway at capacity; retry later\n", headers=(("retry-after", "5"),))
             self._admitting += 1
             try:
                 sock = await ws(subprotocol)
@@ -234,32 +231,22 @@ class Gateway:
             return "worker", sock, None
         if path == HUB_CONTROL_PATH or path.startswith(HUB_DATA_PREFIX):
             if not self._authorized(req):
-                self._refuse("hub_token")
-                await send_response(stream, 401, "hub paths need the hub token (Authorization: Bearer ...)\n",
-                                    headers=[("www-authenticate", "Bearer")])
-                return None
+                return await refuse("hub_token", 401, "hub paths need the hub token (Authorization: Bearer ...)\n",
+                                    headers=(("www-authenticate", "Bearer"),))
             if not req.is_upgrade or req.method != "GET":
-                self._refuse("not_websocket")
-                await send_response(stream, 426, f"{path} takes a WebSocket upgrade\n", headers=[("upgrade", "websocket")])
-                return None
+                return await refuse("not_websocket", 426, f"{path} takes a WebSocket upgrade\n", headers=(("upgrade", "websocket"),))
             if path == HUB_CONTROL_PATH:
                 return "control", await ws(GATEWAY_SUBPROTOCOL), None
             pid = path[len(HUB_DATA_PREFIX):]
             pending = self._pending.get(pid)
             if pending is None or pending.hub_ws is not None:
-                self._refuse("unknown_pairing")
-                await send_response(stream, 404, "no worker waits under this pairing id\n")
-                return None
+                return await refuse("unknown_pairing", 404, "no worker waits under this pairing id\n")
             data_sub = choose_subprotocol(req.subprotocols)
             if data_sub is None:
-                self._refuse("subprotocol")
-                await send_response(stream, 400, "the data path needs the WebSocket subprotocol "
-                                                 f"{' or '.join(TUNNEL_SUBPROTOCOLS)}\n")
-                return None
+                return await refuse("subprotocol", 400, "the data path needs the WebSocket subprotocol "
+                                    f"{' or '.join(TUNNEL_SUBPROTOCOLS)}\n")
             return "data", await ws(data_sub), pid
-        self._refuse("not_found")
-        await send_response(stream, 404, "not found\n")
-        return None
+        return await refuse("not_found", 404, "not found\n")
 
     async def _serve_control(self, ws: WebSocket) -> None:
         old, self._control = self._control, ws
