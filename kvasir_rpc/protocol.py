@@ -251,6 +251,13 @@ class _Side:
             raise LocalProtocolError(f"{self._name} tunnel: can't send {what} in state {self.state.value}")
         self.state = nxt
 
+    def send_data(self, data: bytes) -> bytes:
+        """HTTP/2 bytes of the current connection, as one binary message."""
+        if len(data) > READ_BYTES:
+            raise LocalProtocolError(f"a tunnel message carries at most {READ_BYTES} bytes, not {len(data)}")
+        self._send("data")
+        return data
+
     def _receive(self, msg: bytes | str) -> str:
         what = _what(msg)
         nxt = self._table.get((self.state, f"recv {what}"))
@@ -274,12 +281,6 @@ class HubTunnel(_Side):
         self._send("open")
         self.connections += 1
         return _C.OPEN.value
-
-    def send_data(self, data: bytes) -> bytes:
-        if len(data) > READ_BYTES:
-            raise LocalProtocolError(f"a tunnel message carries at most {READ_BYTES} bytes, not {len(data)}")
-        self._send("data")
-        return data
 
     def close(self) -> str:
         """The backbone's connection ended (or the worker said "eof")."""
@@ -313,12 +314,6 @@ class WorkerTunnel(_Side):
         if step.endswith(" close"):
             return Close()
         return Data(bytes(msg) if not isinstance(msg, bytes) else msg)  # type: ignore[arg-type]
-
-    def send_data(self, data: bytes) -> bytes:
-        if len(data) > READ_BYTES:
-            raise LocalProtocolError(f"a tunnel message carries at most {READ_BYTES} bytes, not {len(data)}")
-        self._send("data")
-        return data
 
     def eof(self) -> str:
         """The local gRPC server ended the connection."""
