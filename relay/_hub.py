@@ -45,6 +45,7 @@ from kvasir_rpc.protocol import (
     Eof,
     Event,
     HubTunnel,
+    TunnelState,
     choose_subprotocol,
 )
 from relay._registry import SessionRegistry
@@ -179,9 +180,13 @@ class _Session:
         self.log = log.bind(session_id=session_id)
         self.tunnel = HubTunnel()
         self._inbox_send, self._inbox = trio.open_memory_channel[Event](4)
-        self._busy = False
         # Connections still presenting their key, oldest first (the scope ends the gate).
         self._unauthenticated: collections.deque[trio.CancelScope] = collections.deque()
+
+    @property
+    def busy(self) -> bool:
+        """A backbone connection holds the tunnel (from "open" until the worker's "closed")."""
+        return self.tunnel.state is not TunnelState.IDLE
 
     async def run(self, task_status=trio.TASK_STATUS_IGNORED) -> None:  # type: ignore[no-untyped-def]
         listeners = await trio.open_tcp_listeners(0, host=self.hub.config.grpc_host)
@@ -193,7 +198,7 @@ class _Session:
             task_status.started(f"{self.hub.config.grpc_host}:{port}")
             while True:
                 stream = await listener.accept()
-                if self._busy:
+                if self.busy:
                     # One HTTP/2 connection per tunnel at a time; gRPC clients reconnect (and
                     # one refused before any answer reconnects without failing a call).
                     await stream.aclose()
@@ -248,12 +253,13 @@ class _Session:
             self.log.info("target connection refused", reason=why, state=gate.state)
             await stream.aclose()
             return
-        if self._busy:
+        if self.busy:
             # One HTTP/2 connection per tunnel at a time; gRPC clients reconnect.
             self.log.info("target connection refused: the worker already serves a connection")
             await stream.aclose()
             return
-        self._busy = True
+        # No checkpoint between this check and tunnel.open() in _splice; were one added, a
+        # second splice would meet LocalProtocolError there rather than mix two connections.
         await self._splice(stream, verdict.forward)
 
     async def _read_ws(self) -> None:
@@ -312,7 +318,6 @@ class _Session:
             async for event in self._inbox:
                 if isinstance(event, Closed):
                     break
-        self._busy = False
         self.log.debug("backbone connection ended", ended_by=ended_by, connection=tunnel.connections)
 
 
