@@ -17,6 +17,7 @@ import pathlib
 import re
 import secrets
 
+from kvasir_rpc._secrets import check_secret_mode, write_secret
 from kvasir_rpc.protocol import TARGET_KEY_DOMAIN, TARGET_KEY_METADATA
 
 __all__ = [
@@ -42,25 +43,28 @@ class TokenError(ValueError):
 
 
 def load_token(path: str | os.PathLike[str]) -> str:
-    """The token in ``path`` (surrounding whitespace stripped). Raises TokenError."""
+    """The token in ``path`` (surrounding whitespace stripped). Raises TokenError. A file that
+    others may read is still used, with a warning (``check_secret_mode``)."""
     p = pathlib.Path(path)
     try:
         token = p.read_text().strip()
     except OSError as exc:
         raise TokenError(f"cannot read the token file {p}: {exc.strerror or exc}") from None
+    check_secret_mode(p, "token file")
     if len(token) < MIN_TOKEN_CHARS or not _TOKEN.fullmatch(token):
         raise TokenError(f"{p}: a token is at least {MIN_TOKEN_CHARS} printable ASCII characters without spaces")
     return token
 
 
 def load_or_create_token(path: str | os.PathLike[str]) -> str:
-    """The token in ``path``; a fresh random one (mode 0600) when the file does not exist."""
+    """The token in ``path``; a fresh random one (mode 0600) when the file does not exist.
+    Two processes creating it at once end up with the same token (the second reads the first's)."""
     p = pathlib.Path(path)
     if not p.exists():
-        p.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        with os.fdopen(fd, "w") as f:
-            f.write(secrets.token_urlsafe(32) + "\n")
+        try:
+            write_secret(p, secrets.token_urlsafe(32) + "\n", replace=False)
+        except FileExistsError:
+            pass
     return load_token(p)
 
 

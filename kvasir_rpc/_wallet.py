@@ -9,6 +9,8 @@ import re
 import nacl.exceptions
 import nacl.signing
 
+from kvasir_rpc._secrets import check_secret_mode, write_secret
+
 __all__ = ["Wallet", "WalletError", "is_address", "verify_signature"]
 
 _ADDRESS = re.compile(r"[0-9a-f]{64}")
@@ -47,7 +49,8 @@ class Wallet:
 
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> Wallet:
-        """Read a wallet file. Raises WalletError naming the file when it is malformed."""
+        """Read a wallet file. Raises WalletError naming the file when it is malformed, OSError
+        when it cannot be read. A file that others may read is used, with a warning."""
         p = pathlib.Path(path)
         try:
             text = p.read_text(encoding="ascii").strip()
@@ -55,19 +58,21 @@ class Wallet:
             raise WalletError(f"{p}: not a text file; expected 64 lowercase hex characters") from exc
         if not re.fullmatch(r"[0-9a-f]{64}", text):
             raise WalletError(f"{p}: expected 64 lowercase hex characters (an Ed25519 seed)")
+        check_secret_mode(p, "key file")
         return cls(nacl.signing.SigningKey(bytes.fromhex(text)))
 
     @classmethod
     def load_or_create(cls, path: str | os.PathLike[str]) -> Wallet:
-        """Load the wallet at ``path``, creating it (mode 0600, parents too) when missing."""
+        """Load the wallet at ``path``, creating it (mode 0600, parents too) when missing. Two
+        processes creating it at once end up with the same wallet (the second loads the first's)."""
         p = pathlib.Path(path)
         if p.exists():
             return cls.load(p)
         wallet = cls.generate()
-        p.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        with os.fdopen(fd, "w") as f:
-            f.write(wallet._key.encode().hex() + "\n")
+        try:
+            write_secret(p, wallet._key.encode().hex() + "\n", replace=False)
+        except FileExistsError:
+            return cls.load(p)
         return wallet
 
     def sign(self, message: bytes) -> bytes:

@@ -9,18 +9,23 @@ import os
 import pathlib
 from collections.abc import Sequence
 
+from kvasir_rpc._secrets import write_secret
+
 __all__ = ["make_dev_certs"]
 
 
-def _write(path: pathlib.Path, data: bytes, mode: int) -> None:
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
-    with os.fdopen(fd, "wb") as f:
-        f.write(data)
+def _write_public(path: pathlib.Path, data: bytes) -> None:
+    # Certificates are public (0644), and also replaced whole, so a reader never sees half of one.
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_bytes(data)
+    tmp.chmod(0o644)
+    os.replace(tmp, path)
 
 
 def make_dev_certs(directory: str | os.PathLike[str], hosts: Sequence[str] = ("localhost", "127.0.0.1", "::1"),
                    *, days: int = 365) -> dict[str, pathlib.Path]:
-    """Write ``ca.pem``, ``ca.key``, ``gateway.pem`` and ``gateway.key`` (keys mode 0600).
+    """Write ``ca.pem``, ``ca.key``, ``gateway.pem`` and ``gateway.key``, replacing old ones;
+    the keys mode 0600 (``write_secret``: an old 0644 key is replaced, never rewritten in place).
 
     The gateway certificate names every entry of ``hosts`` (DNS names or IP addresses).
     Returns the paths by name.
@@ -70,8 +75,8 @@ def make_dev_certs(directory: str | os.PathLike[str], hosts: Sequence[str] = ("l
     no_enc = serialization.NoEncryption()
     pkcs8 = serialization.PrivateFormat.PKCS8
     paths = {name: out / name for name in ("ca.pem", "ca.key", "gateway.pem", "gateway.key")}
-    _write(paths["ca.pem"], ca.public_bytes(pem), 0o644)
-    _write(paths["ca.key"], ca_key.private_bytes(pem, pkcs8, no_enc), 0o600)
-    _write(paths["gateway.pem"], cert.public_bytes(pem), 0o644)
-    _write(paths["gateway.key"], key.private_bytes(pem, pkcs8, no_enc), 0o600)
+    write_secret(paths["ca.key"], ca_key.private_bytes(pem, pkcs8, no_enc))
+    write_secret(paths["gateway.key"], key.private_bytes(pem, pkcs8, no_enc))
+    _write_public(paths["ca.pem"], ca.public_bytes(pem))
+    _write_public(paths["gateway.pem"], cert.public_bytes(pem))
     return paths

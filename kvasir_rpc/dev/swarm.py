@@ -135,8 +135,9 @@ class LocalSwarm:
         if not self.token_file.exists():
             import secrets
 
-            self.token_file.write_text(secrets.token_urlsafe(32) + "\n")
-            self.token_file.chmod(0o600)
+            from kvasir_rpc import write_secret
+
+            write_secret(self.token_file, secrets.token_urlsafe(32) + "\n")
         ready = self.workdir / "gateway.ready.json"
         ready.unlink(missing_ok=True)
         certs = self.workdir / "certs"
