@@ -50,6 +50,17 @@ if TYPE_CHECKING:  # the real names, for type checkers; at run time __getattr__ 
         slices_to_proto,
     )
     from kvasir_rpc._reflection import enable_reflection
+    from kvasir_rpc._listen import (
+        NO_PORT_SHARING,
+        ListenError,
+        as_listen_error,
+        bind_grpc,
+        check_listen,
+    )
+    from kvasir_rpc._secrets import (
+        check_secret_mode,
+        write_secret,
+    )
     from kvasir_rpc._receipts import (
         DEFAULT_RATE_NANO_PER_BYTE,
         MAX_CUMULATIVE_BYTES,
@@ -144,6 +155,13 @@ _LAZY = {
     "slices_from_proto": "kvasir_rpc._handshake",
     "slices_to_proto": "kvasir_rpc._handshake",
     "enable_reflection": "kvasir_rpc._reflection",
+    "NO_PORT_SHARING": "kvasir_rpc._listen",
+    "ListenError": "kvasir_rpc._listen",
+    "as_listen_error": "kvasir_rpc._listen",
+    "bind_grpc": "kvasir_rpc._listen",
+    "check_listen": "kvasir_rpc._listen",
+    "check_secret_mode": "kvasir_rpc._secrets",
+    "write_secret": "kvasir_rpc._secrets",
     "DEFAULT_RATE_NANO_PER_BYTE": "kvasir_rpc._receipts",
     "MAX_CUMULATIVE_BYTES": "kvasir_rpc._receipts",
     "ReceiptError": "kvasir_rpc._receipts",

@@ -31,11 +31,17 @@ def _hub_key(text: str) -> str:
 
 
 def run_serve(args: argparse.Namespace) -> int:
+    from kvasir_rpc import ListenError, check_listen
     from ledger._service import serve_ledger
     from ledger._store import StoreError, open_store
 
     configure_logging("ledger", level=args.log_level)
     log = get_logger("ledger")
+    try:
+        check_listen(args.listen)  # before the database: a second ledger must not touch it
+    except ListenError as exc:
+        print(f"ledger: {exc}", file=sys.stderr)
+        return 1
     stop = threading.Event()
 
     def on_signal(signum: int, _frame: FrameType | None) -> None:
@@ -54,6 +60,9 @@ def run_serve(args: argparse.Namespace) -> int:
         try:
             server, port, health = serve_ledger(args.listen, store, args.trust_key, args.rate_nano_per_byte,
                                                 max_workers=args.workers)
+        except ListenError as exc:
+            print(f"ledger: {exc}", file=sys.stderr)
+            return 1
         except (OSError, ValueError) as exc:
             log.error("cannot serve", error=str(exc))
             return 2

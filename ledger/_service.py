@@ -12,6 +12,8 @@ from typing import Any, NoReturn
 import grpc
 
 from kvasir_rpc import (
+    NO_PORT_SHARING,
+    bind_grpc,
     enable_reflection,
     format_kvr,
     format_units,
@@ -148,8 +150,8 @@ def create_server(
     ("HOST:PORT"; port 0 picks a free one). Returns (server, bound port); stop it with
     ``server.stop(grace)``. The store stays the caller's to close.
 
-    Raises ValueError for a malformed trusted key or a rate out of [1, 1000], OSError when
-    the address cannot be bound.
+    Raises ValueError for a malformed trusted key or a rate out of [1, 1000], ListenError (an
+    OSError naming the address) when the address cannot be bound, or is taken already.
     """
     server, port, _health = serve_ledger(address, store, trusted_keys, rate, max_workers=max_workers)
     return server, port
@@ -174,17 +176,13 @@ def serve_ledger(
         raise ValueError("at least one trusted hub key is needed: without one nothing can be credited")
     if not 1 <= rate <= MAX_RATE_NANO_PER_BYTE:
         raise ValueError(f"rate must be 1 to {MAX_RATE_NANO_PER_BYTE} nano-KVR per byte, got {rate}")
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="ledger-svc"))
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="ledger-svc"),
+                         options=[NO_PORT_SHARING])
     ledger_pb2_grpc.add_LedgerServiceServicer_to_server(LedgerServicer(store, trusted_keys, rate), server)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     enable_reflection(server, [SERVICE_NAME, health.SERVICE_NAME])
-    try:
-        port = server.add_insecure_port(address)
-    except RuntimeError as exc:  # newer grpcio raises where older ones returned 0
-        raise OSError(f"could not bind the ledger's gRPC address {address}: {exc}") from exc
-    if port == 0:
-        raise OSError(f"could not bind the ledger's gRPC address {address}")
+    port = bind_grpc(server, address)
     server.start()
     health_servicer.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
     health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)

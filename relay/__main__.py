@@ -24,6 +24,41 @@ def _read_token(path: pathlib.Path) -> str:
         raise SystemExit(str(exc)) from None
 
 
+def _address(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def _check_listen(component: str, *addresses: str) -> None:
+    """Stop with one line (exit 1) when an address is taken: before any file or database is
+    touched, so a second copy started by mistake changes nothing of the first's."""
+    from kvasir_rpc import ListenError, check_listen
+
+    for address in addresses:
+        try:
+            check_listen(address)
+        except ListenError as exc:
+            raise SystemExit(f"{component}: {exc}") from None
+
+
+async def _start_listening(nursery: trio.Nursery, failed: list[str], component: str, address: str,
+                           serve, *args):  # type: ignore[no-untyped-def]
+    """``await nursery.start(serve, *args)``. When ``address`` cannot be bound (taken since
+    ``_check_listen``) the line to show goes to ``failed``, the nursery is cancelled and
+    None returned: the caller exits 1 once trio.run is over (an exception would leave trio
+    wrapped in an exception group, and print a traceback)."""
+    from kvasir_rpc import as_listen_error
+
+    try:
+        return await nursery.start(serve, *args)
+    except (OSError, BaseExceptionGroup) as exc:
+        err = as_listen_error(address, exc)
+        if err is None:
+            raise
+        failed.append(f"{component}: {err}")
+        nursery.cancel_scope.cancel()
+        return None
+
+
 async def _until_signal(nursery: trio.Nursery, log, what: str) -> None:  # type: ignore[no-untyped-def]
     with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
         async for _ in signals:
@@ -33,20 +68,22 @@ async def _until_signal(nursery: trio.Nursery, log, what: str) -> None:  # type:
 
 
 def run_hub(args: argparse.Namespace) -> int:
-    from kvasir_rpc import TokenError, Wallet, load_or_create_token
+    from kvasir_rpc import TokenError, Wallet, as_listen_error, load_or_create_token
     from relay._hub import HubConfig, create_session_server, serve_hub
     from relay._registry import SessionRegistry
 
     configure_logging("hub", level=args.log_level)
     install_fast_masking()
     log = get_logger("relay")
+    grpc_host, grpc_port = args.grpc
+    ws_address, grpc_address = _address(*args.listen), _address(grpc_host, grpc_port)
+    _check_listen("hub", grpc_address, ws_address)
     key = Wallet.load_or_create(args.key)
     try:
         backbone_token = load_or_create_token(args.backbone_token_file)
     except TokenError as exc:
         raise SystemExit(f"--backbone-token-file: {exc}") from None
     registry = SessionRegistry()
-    grpc_host, grpc_port = args.grpc
     gateway_ssl = None
     token = ""
     if args.gateway:
@@ -69,17 +106,27 @@ def run_hub(args: argparse.Namespace) -> int:
     from relay._work import WorkDesk
 
     desk = WorkDesk(registry, store, key, quarantine_s=args.quarantine_seconds)
-    server, bound_grpc = create_session_server(registry, f"{grpc_host}:{grpc_port}", backbone_token=backbone_token,
-                                               desk=desk)
+    try:
+        server, bound_grpc = create_session_server(registry, grpc_address, backbone_token=backbone_token, desk=desk)
+    except (OSError, RuntimeError) as exc:  # taken since _check_listen
+        store.close()
+        err = as_listen_error(grpc_address, exc)
+        if err is None:
+            raise
+        raise SystemExit(f"hub: {err}") from None
     config = HubConfig(listen_host=args.listen[0], listen_port=args.listen[1], grpc_host=grpc_host,
                        gateway_url=args.gateway, gateway_token=token, gateway_ssl=gateway_ssl,
                        keepalive_s=args.keepalive, keepalive_timeout_s=args.keepalive_timeout,
                        backbone_token=backbone_token, target_auth_timeout_s=args.target_auth_timeout)
 
+    failed: list[str] = []
+
     async def run() -> None:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(sender.run)
-            ws_port = await nursery.start(serve_hub, config, key, registry)
+            ws_port = await _start_listening(nursery, failed, "hub", ws_address, serve_hub, config, key, registry)
+            if ws_port is None:
+                return
             log.info("hub listening", ws=f"{config.listen_host}:{ws_port}", grpc=f"{grpc_host}:{bound_grpc}",
                      hub_key=key.address, gateway=args.gateway)
             write_ready_file(args.ready_file, {"ws_port": ws_port, "grpc_port": bound_grpc, "hub_key": key.address})
@@ -95,18 +142,24 @@ def run_hub(args: argparse.Namespace) -> int:
             sender.close()
         finally:
             store.close()
+    if failed:
+        raise SystemExit(failed[0])
     return 0
 
 
 def run_gateway(args: argparse.Namespace) -> int:
+    from kvasir_rpc import check_secret_mode
     from relay._gateway import GatewayConfig, serve_gateway
 
     configure_logging("gateway", level=args.log_level)
     install_fast_masking()
     log = get_logger("relay")
+    address = _address(*args.listen)
+    _check_listen("gateway", address)
     token = _read_token(args.hub_token_file)
     ctx = None
     if args.cert:
+        check_secret_mode(args.key, "TLS key file")
         ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
         ctx.load_cert_chain(str(args.cert), str(args.key))
         ctx.set_alpn_protocols(["http/1.1"])
@@ -119,14 +172,21 @@ def run_gateway(args: argparse.Namespace) -> int:
         idle_timeout_s=args.idle_timeout, new_connections_per_ip_per_s=args.max_new_per_ip,
     )
 
+    failed: list[str] = []
+
     async def run() -> None:
         async with trio.open_nursery() as nursery:
-            port, _gw = await nursery.start(serve_gateway, config)
+            started = await _start_listening(nursery, failed, "gateway", address, serve_gateway, config)
+            if started is None:
+                return
+            port, _gw = started
             log.info("gateway listening", address=f"{config.host}:{port}", tls=ctx is not None)
             write_ready_file(args.ready_file, {"port": port})
             await _until_signal(nursery, log, "gateway")
 
     trio.run(run)
+    if failed:
+        raise SystemExit(failed[0])
     return 0
 
 

@@ -18,11 +18,15 @@ import grpc
 import trio
 
 from kvasir_rpc import (
+    NO_PORT_SHARING,
     CheckpointError,
+    ListenError,
     SpecError,
     Wallet,
     WorkerHandshake,
     __version__,
+    bind_grpc,
+    check_listen,
     configure_logging,
     enable_reflection,
     expert_pb2,
@@ -56,6 +60,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--log-level", default="info")
     args = p.parse_args(argv)
     configure_logging("worker", level=args.log_level)
+    if args.direct_grpc:
+        try:
+            check_listen(args.direct_grpc)  # now, not after minutes of loading experts
+        except ListenError as exc:
+            print(f"worker: {exc}", file=sys.stderr)
+            return 1
     from kvasir_rpc import install_fast_masking
 
     install_fast_masking()
@@ -88,17 +98,21 @@ def main(argv: list[str] | None = None) -> int:
     server = grpc.server(
         # Carry --threads into the pool's threads (see threads_initializer).
         futures.ThreadPoolExecutor(max_workers=8, thread_name_prefix="expert", initializer=threads_initializer()),
-        options=[("grpc.max_receive_message_length", 256 << 20), ("grpc.max_send_message_length", 256 << 20)],
+        options=[("grpc.max_receive_message_length", 256 << 20), ("grpc.max_send_message_length", 256 << 20),
+                 NO_PORT_SHARING],
     )
     expert_pb2_grpc.add_ExpertServiceServicer_to_server(servicer, server)
     # Reflection reaches only those who reach the server: the key holder through the hub's target.
     enable_reflection(server, [expert_pb2.DESCRIPTOR.services_by_name["ExpertService"].full_name])
-    server.add_insecure_port(f"unix:{uds_path}")
-    if args.direct_grpc:
-        # Opt-in, for benchmarks and trusted LANs: the one case where the worker listens.
-        if server.add_insecure_port(args.direct_grpc) == 0:
-            print(f"worker: cannot bind --direct-grpc {args.direct_grpc}", file=sys.stderr)
-            return 2
+    try:
+        bind_grpc(server, f"unix:{uds_path}")
+        if args.direct_grpc:
+            # Opt-in, for benchmarks and trusted LANs: the one case where the worker listens.
+            bind_grpc(server, args.direct_grpc)
+    except ListenError as exc:
+        print(f"worker: {exc}", file=sys.stderr)
+        shutil.rmtree(sock_dir, ignore_errors=True)
+        return 1
     server.start()
 
     def make_handshake() -> WorkerHandshake:

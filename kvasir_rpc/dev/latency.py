@@ -8,10 +8,11 @@ from __future__ import annotations
 import argparse
 import pathlib
 import signal
+import sys
 
 import trio
 
-from kvasir_rpc import hostport, write_ready_file
+from kvasir_rpc import ListenError, as_listen_error, hostport, write_ready_file
 
 __all__ = ["LatencyProxy", "main"]
 
@@ -90,8 +91,13 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     proxy = LatencyProxy(args.upstream, args.rtt_ms, args.rtt_file)
 
+    address = f"{args.listen[0]}:{args.listen[1]}"
+
     async def run() -> None:
-        listeners = await trio.open_tcp_listeners(args.listen[1], host=args.listen[0])
+        try:
+            listeners = await trio.open_tcp_listeners(args.listen[1], host=args.listen[0])
+        except OSError as exc:
+            raise as_listen_error(address, exc) or exc from None
         write_ready_file(args.ready_file, {"port": listeners[0].socket.getsockname()[1]})
         async with trio.open_nursery() as n:
             n.start_soon(proxy.watch_rtt_file)
@@ -101,7 +107,11 @@ def main(argv: list[str] | None = None) -> int:
                     n.cancel_scope.cancel()
                     return
 
-    trio.run(run)
+    try:
+        trio.run(run)
+    except ListenError as exc:
+        print(f"kvasir latency-proxy: {exc}", file=sys.stderr)
+        return 1
     return 0
 
 
