@@ -18,8 +18,6 @@ from kvasir_rpc._log import get_logger
 
 __all__ = ["check_secret_mode", "write_secret"]
 
-_log = get_logger("kvasir_rpc.secrets")
-
 
 def write_secret(path: str | os.PathLike[str], data: bytes | str, *, replace: bool = True) -> None:
     """Write ``data`` to ``path`` with mode 0600 whatever the umask, atomically.
@@ -78,5 +76,7 @@ def check_secret_mode(path: str | os.PathLike[str], what: str = "secret file") -
         return True
     if mode & 0o077 == 0:
         return True
-    _log.warning(f"{what} is open to other users", file=str(path), mode=f"{mode:04o}", fix=f"chmod 600 {path}")
+    # A logger per call: the one in force now (tests capture logs; main() configures late).
+    get_logger("kvasir_rpc.secrets").warning(f"{what} is open to other users", file=str(path),
+                                             mode=f"{mode:04o}", fix=f"chmod 600 {path}")
     return False

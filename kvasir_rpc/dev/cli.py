@@ -110,8 +110,9 @@ def _cmd_certs(args: argparse.Namespace) -> int:
 
 
 def _cmd_key_show(args: argparse.Namespace) -> int:
-    from kvasir_rpc import Wallet, WalletError
+    from kvasir_rpc import Wallet, WalletError, configure_logging
 
+    configure_logging("kvasir", level="warning")  # a loose key file's warning goes to stderr, not stdout
     try:
         wallet = Wallet.load(args.file)
     except FileNotFoundError:
