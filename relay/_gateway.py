@@ -36,6 +36,8 @@ from kvasir_rpc.protocol import (
     choose_subprotocol,
     encode_pair,
 )
+from relay._intake import Refusal, http_error_refusal, upgrade_refusal
+from relay._refusals import RefusalLog
 from relay._ws import HttpError, HttpRequest, WebSocket, WsClosed, read_request, send_response, upgrade
 
 __all__ = ["GatewayConfig", "GatewayStats", "serve_gateway"]
@@ -110,7 +112,8 @@ class Gateway:
         self._connections = 0
         self._relayed = 0
         self._admitting = 0  # workers between the capacity check and their _pending entry
-        self.refused: dict[str, int] = {}
+        # Every refusal is counted here and logged one line each, rate-limited per reason.
+        self.refusals = RefusalLog(log)
 
     def statistics(self) -> GatewayStats:
         return GatewayStats(
@@ -118,12 +121,13 @@ class Gateway:
             hub_connected=self._control is not None,
             unpaired=sum(1 for p in self._pending.values() if p.hub_ws is None),
             sessions=self._sessions,
-            refused=dict(self.refused),
+            refused=self.refusals.counts(),
             relayed_bytes=self._relayed,
         )
 
-    def _refuse(self, why: str) -> None:
-        self.refused[why] = self.refused.get(why, 0) + 1
+    def _refuse(self, why: str, **fields: object) -> None:
+        """Count a refused connection under ``why`` and log it (rate-limited)."""
+        self.refusals.refused(why, **fields)
 
     def _authorized(self, req: HttpRequest) -> bool:
         got = (req.header("authorization") or "").encode()
@@ -138,18 +142,18 @@ class Gateway:
         except OSError:
             return
         if not self._limiter.allow(ip):
-            self._refuse("rate")
+            self._refuse("rate", remote=remote)
             await stream.aclose()
             return
         if self._connections >= self.config.max_connections:
-            self._refuse("connections")
+            self._refuse("connections", remote=remote)
             await stream.aclose()
             return
         self._connections += 1
         try:
             await self._handle(stream, remote)
         except Exception:  # one connection's failure must never stop the gateway
-            self._refuse("internal_error")
+            self._refuse("internal_error", remote=remote)
             log.exception("connection handler failed", remote=remote)
         finally:
             self._connections -= 1
@@ -165,13 +169,22 @@ class Gateway:
                     tls = TLSStream(raw, cfg.ssl_context, server_side=True)
                     await tls.do_handshake()
                     stream = tls
-                req = await read_request(stream)
-                ws = await self._route(stream, req, remote)
+                try:
+                    req = await read_request(stream)
+                    ws = await self._route(stream, req, remote)
+                except HttpError as exc:  # nothing was sent yet: answer it if anyone listens
+                    refusal = http_error_refusal(exc)
+                    if refusal is not None:
+                        await send_response(stream, refusal.status, refusal.message + "\n",
+                                            headers=list(refusal.headers))
+                    self._refuse(exc.reason, remote=remote, status=exc.status, detail=str(exc))
+                    return
         except trio.TooSlowError:
-            self._refuse("handshake_timeout")
+            self._refuse("handshake_timeout", remote=remote,
+                         detail=f"no request within {cfg.handshake_timeout_s:g} s")
             return
-        except (HttpError, trio.BrokenResourceError, trio.ClosedResourceError, ssl.SSLError, OSError):
-            self._refuse("bad_handshake")
+        except (trio.BrokenResourceError, trio.ClosedResourceError, ssl.SSLError, OSError) as exc:
+            self._refuse("bad_handshake", remote=remote, detail=f"{type(exc).__name__}: {exc}")
             return
         if ws is None:
             return
@@ -190,9 +203,12 @@ class Gateway:
         cfg = self.config
 
         async def refuse(why: str, status: int, body: str, *, headers: tuple[tuple[str, str], ...] = ()) -> None:
-            """Count the refusal under ``why`` and answer with a plain HTTP response."""
-            self._refuse(why)
+            """Count the refusal under ``why``, log it and answer with a plain HTTP response."""
+            self._refuse(why, remote=remote, status=status, path=req.path[:200], detail=body.strip())
             await send_response(stream, status, body, headers=list(headers))
+
+        async def refuse_as(refusal: Refusal) -> None:
+            await refuse(refusal.reason, refusal.status, refusal.message + "\n", headers=refusal.headers)
 
         async def ws(sub: str) -> WebSocket:
             return await upgrade(stream, req, subprotocol=sub, max_message_bytes=cfg.max_message_bytes,
@@ -206,8 +222,8 @@ class Gateway:
             await send_response(stream, 200, "ok\n" if self._control is not None else "ok (no hub connected)\n")
             return None
         if path == WORKER_PATH:
-            if not req.is_upgrade or req.method != "GET":
-                return await refuse("not_websocket", 426, f"{path} takes a WebSocket upgrade\n", headers=(("upgrade", "websocket"),))
+            if (bad := upgrade_refusal(req)) is not None:
+                return await refuse_as(bad)
             subprotocol = choose_subprotocol(req.subprotocols)
             if subprotocol is None:
                 return await refuse("subprotocol", 400, "the tunnel needs the WebSocket subprotocol "
@@ -233,8 +249,8 @@ class Gateway:
             if not self._authorized(req):
                 return await refuse("hub_token", 401, "hub paths need the hub token (Authorization: Bearer ...)\n",
                                     headers=(("www-authenticate", "Bearer"),))
-            if not req.is_upgrade or req.method != "GET":
-                return await refuse("not_websocket", 426, f"{path} takes a WebSocket upgrade\n", headers=(("upgrade", "websocket"),))
+            if (bad := upgrade_refusal(req)) is not None:
+                return await refuse_as(bad)
             if path == HUB_CONTROL_PATH:
                 return "control", await ws(GATEWAY_SUBPROTOCOL), None
             pid = path[len(HUB_DATA_PREFIX):]
@@ -281,7 +297,7 @@ class Gateway:
             with trio.move_on_after(self.config.pairing_timeout_s):
                 await pending.paired.wait()
             if pending.hub_ws is None:
-                self._refuse("pairing_timeout")
+                self._refuse("pairing_timeout", remote=remote)
                 await worker.close(CloseCode.TRY_AGAIN_LATER, "no hub took the session in time")
                 return
             self._sessions += 1
@@ -330,5 +346,6 @@ async def serve_gateway(config: GatewayConfig, *, task_status=trio.TASK_STATUS_I
     listeners = await trio.open_tcp_listeners(config.port, host=config.host)
     port = listeners[0].socket.getsockname()[1]
     async with trio.open_nursery() as nursery:
+        nursery.start_soon(gateway.refusals.run)
         await nursery.start(trio.serve_listeners, gateway.handle, listeners)
         task_status.started((port, gateway))

@@ -15,7 +15,7 @@ from concurrent import futures
 
 import grpc
 import trio
-from trio_websocket import ConnectionClosed, WebSocketConnection, WebSocketRequest, serve_websocket
+from trio_websocket import ConnectionClosed, WebSocketConnection, WebSocketRequest, WebSocketServer
 
 from kvasir_rpc import (
     CloseCode,
@@ -48,6 +48,8 @@ from kvasir_rpc.protocol import (
     TunnelState,
     choose_subprotocol,
 )
+from relay._intake import UpgradeIntake
+from relay._refusals import RefusalLog
 from relay._registry import SessionRegistry
 from relay._stream_limits import StreamLimits, StreamLimitsInterceptor
 from relay._target_gate import Admitted, Refused, TargetGate, Verdict
@@ -327,6 +329,9 @@ class _Hub:
         self.key = key
         self.registry = registry
         self._ids = itertools.count(1)
+        # Refused worker connections (malformed upgrades, wrong subprotocol): counted and
+        # logged one line each, rate-limited per reason.
+        self.refusals = RefusalLog(log)
 
     def new_session_id(self) -> str:
         return f"s{next(self._ids)}-{secrets.token_hex(6)}"
@@ -334,8 +339,9 @@ class _Hub:
     async def handle(self, request: WebSocketRequest) -> None:
         subprotocol = choose_subprotocol(request.proposed_subprotocols)
         if subprotocol is None:
-            await request.reject(400, body=f"the tunnel needs the WebSocket subprotocol "
-                                           f"{' or '.join(TUNNEL_SUBPROTOCOLS)}\n".encode())
+            message = f"the tunnel needs the WebSocket subprotocol {' or '.join(TUNNEL_SUBPROTOCOLS)}"
+            self.refusals.refused("subprotocol", remote=str(request.remote), status=400, detail=message)
+            await request.reject(400, body=f"{message}\n".encode())
             return
         ws = await request.accept(subprotocol=subprotocol)
         peer = ws.remote
@@ -425,23 +431,26 @@ async def serve_hub(
     if len(config.backbone_token) < MIN_TOKEN_CHARS:
         raise TokenError(f"the hub needs a backbone token of at least {MIN_TOKEN_CHARS} characters")
     hub = _Hub(config, key, registry)
+    # The intake answers malformed upgrades itself (trio-websocket would answer a bare 400,
+    # log nothing and hold each one's task for its connect timeout) and hands on the rest.
+    intake = UpgradeIntake(await trio.open_tcp_listeners(config.listen_port, host=config.listen_host),
+                           hub.refusals, timeout_s=config.handshake_timeout_s)
+    server = WebSocketServer(
+        hub.handle,
+        [intake],  # type: ignore[list-item]  # any trio Listener serves; the type names two
+        max_message_size=MAX_MESSAGE_BYTES, receive_buffer_size=READ_BYTES,
+        message_queue_size=4,
+        connect_timeout=config.handshake_timeout_s,
+        disconnect_timeout=5,
+    )
     async with trio.open_nursery() as nursery:
-        server = await nursery.start(
-            lambda task_status: serve_websocket(
-                hub.handle,
-                config.listen_host,
-                config.listen_port,
-                ssl_context=None,
-                max_message_size=MAX_MESSAGE_BYTES, receive_buffer_size=READ_BYTES,
-                message_queue_size=4,
-                disconnect_timeout=5,
-                task_status=task_status,
-            )
-        )
+        await nursery.start(intake.serve)
+        nursery.start_soon(hub.refusals.run)
+        await nursery.start(server.run)
         if config.gateway_url:
             from relay._hub_gateway import GatewayLink
 
             link = GatewayLink(hub.serve_connection, config.gateway_url, config.gateway_token,
                                ssl_context=config.gateway_ssl)
             nursery.start_soon(link.run)
-        task_status.started(server.port)
+        task_status.started(intake.port)

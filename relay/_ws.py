@@ -79,6 +79,7 @@ class HttpRequest:
     target: str
     headers: list[tuple[bytes, bytes]]
     trailing: bytes
+    http_version: str = "1.1"
 
     def header(self, name: str) -> str | None:
         key = name.lower().encode()
@@ -104,30 +105,53 @@ class HttpRequest:
 
 
 class HttpError(Exception):
-    """The client's bytes are not an HTTP/1.1 request we can read."""
+    """The client's bytes are not an HTTP/1.1 request we can read.
+
+    ``status`` is the answer it deserves (None when nobody is left to read one: the client
+    closed before a whole head); ``reason`` is a fixed word for statistics and logs."""
+
+    def __init__(self, message: str, *, status: int | None = 400, reason: str = "bad_request") -> None:
+        super().__init__(message)
+        self.status = status
+        self.reason = reason
 
 
-async def read_request(stream: trio.abc.Stream) -> HttpRequest:
-    """Read one HTTP request head. Raises HttpError on garbage, a head over MAX_HEADER_BYTES
-    or EOF."""
+async def read_request(stream: trio.abc.ReceiveStream) -> HttpRequest:
+    """Read one HTTP request head. Raises HttpError on garbage (400), a request line over
+    MAX_HEADER_BYTES (414), a head over MAX_HEADER_BYTES (431), or EOF before a whole head
+    (status None)."""
     conn = h11.Connection(h11.SERVER, max_incomplete_event_size=MAX_HEADER_BYTES)
     fed = 0
+    start = bytearray()  # the first bytes, enough to tell a long request line (414) from a long head (431)
+
+    def too_big() -> HttpError:
+        if b"\n" in start[:MAX_HEADER_BYTES]:
+            return HttpError(f"request head larger than {MAX_HEADER_BYTES} bytes", status=431,
+                             reason="header_too_big")
+        return HttpError(f"request line longer than {MAX_HEADER_BYTES} bytes", status=414,
+                         reason="request_line_too_long")
+
     while True:
         try:
             event = conn.next_event()
         except h11.RemoteProtocolError as exc:
-            raise HttpError(str(exc)) from exc
+            # h11's own bound on an incomplete head (431), or an error in a head over ours
+            if exc.error_status_hint == 431 or fed - len(conn.trailing_data[0]) > MAX_HEADER_BYTES:
+                raise too_big() from exc
+            raise HttpError(str(exc), status=exc.error_status_hint) from exc
         if event is h11.NEED_DATA:
             data = await stream.receive_some(MAX_HEADER_BYTES)
             if not data:
-                raise HttpError("connection closed before a complete request")
+                raise HttpError("connection closed before a complete request", status=None, reason="incomplete")
             fed += len(data)
+            if len(start) <= MAX_HEADER_BYTES:
+                start += data[:MAX_HEADER_BYTES + 1 - len(start)]
             conn.receive_data(bytes(data))
             continue
         # h11 bounds only what is buffered while a head is incomplete: a head that ends in a
         # later read could be up to twice the bound. Count what it really took.
         if fed - len(conn.trailing_data[0]) > MAX_HEADER_BYTES:
-            raise HttpError(f"request head larger than {MAX_HEADER_BYTES} bytes")
+            raise too_big()
         if isinstance(event, h11.Request):
             trailing = b""
             if (event.method == b"GET") and any(k.lower() == b"upgrade" for k, _ in event.headers):
@@ -142,6 +166,7 @@ async def read_request(stream: trio.abc.Stream) -> HttpRequest:
                 target=event.target.decode("ascii", "replace"),
                 headers=list(event.headers),
                 trailing=trailing,
+                http_version=event.http_version.decode("ascii", "replace"),
             )
         raise HttpError(f"unexpected {type(event).__name__} before a request")
 
@@ -150,7 +175,8 @@ async def send_response(stream: trio.abc.Stream, status: int, body: str, *, head
     """Answer with a plain-text HTTP/1.1 response and close the connection."""
     payload = body.encode()
     reason = {200: "OK", 400: "Bad Request", 401: "Unauthorized", 404: "Not Found", 405: "Method Not Allowed",
-              426: "Upgrade Required", 429: "Too Many Requests", 503: "Service Unavailable"}.get(status, "")
+              414: "URI Too Long", 426: "Upgrade Required", 429: "Too Many Requests",
+              431: "Request Header Fields Too Large", 503: "Service Unavailable"}.get(status, "")
     head = [f"HTTP/1.1 {status} {reason}", "content-type: text/plain; charset=utf-8",
             f"content-length: {len(payload)}", "connection: close", *(f"{k}: {v}" for k, v in headers)]
     try:
@@ -170,9 +196,15 @@ async def upgrade(
     idle_timeout_s: float,
     send_timeout_s: float = SEND_TIMEOUT_S,
 ) -> WebSocket:
-    """Accept the WebSocket upgrade of ``request`` with ``subprotocol``."""
+    """Accept the WebSocket upgrade of ``request`` with ``subprotocol``.
+
+    ``request`` should have passed ``relay._intake.upgrade_refusal``; one that wsproto still
+    refuses raises HttpError (400) with wsproto's words, before anything is sent."""
     conn = WSConnection(ConnectionType.SERVER)
-    conn.initiate_upgrade_connection(request.headers, request.target)
+    try:
+        conn.initiate_upgrade_connection(request.headers, request.target)
+    except WsRemoteProtocolError as exc:
+        raise HttpError(f"not a valid WebSocket upgrade: {exc}", reason="bad_upgrade") from exc
     for event in conn.events():
         if isinstance(event, Request):
             break

@@ -4,6 +4,8 @@ hostile traffic beside a live session, and a gateway restart mid-decode."""
 from __future__ import annotations
 
 import ipaddress
+import json
+import pathlib
 import random
 import signal
 import socket
@@ -16,6 +18,7 @@ import pytest
 import trio
 import trio.testing
 from helpers import trustme_certs, wait_until
+from probes import PROBES
 from wsclient import connect, open_stream, open_tcp, read_until_eof
 from wsproto.events import CloseConnection
 
@@ -88,7 +91,7 @@ def test_plain_http_gets_precise_answers(gw):
     assert _http(gw, b"GET /v1/worker HTTP/1.1\r\nHost: x\r\n\r\n").startswith(b"HTTP/1.1 426")
     assert _http(gw, b"GET /nowhere HTTP/1.1\r\nHost: x\r\n\r\n").startswith(b"HTTP/1.1 404")
     assert _http(gw, b"GET /v1/hub/control HTTP/1.1\r\nHost: x\r\n\r\n").startswith(b"HTTP/1.1 401")
-    assert _http(gw, b"\x16\x03garbage\r\n\r\n") == b""  # not HTTP: closed without an answer
+    assert _http(gw, b"\x16\x03garbage\r\n\r\n").startswith(b"HTTP/1.1 400")  # not HTTP: 400, then closed
 
     async def no_subprotocol() -> int | None:
         with trio.fail_after(10):
@@ -240,6 +243,68 @@ def test_silent_peer_is_pinged_then_closed(gw):
     ev, pings = trio.run(silent)
     assert isinstance(ev, CloseConnection) and ev.code == 1001 and "idle" in (ev.reason or ""), ev
     assert pings >= 2
+
+
+def _probe_answers(port: int, ssl_context: ssl.SSLContext | None, source: str) -> dict[str, bytes]:
+    """Each malformed upgrade of PROBES on its own connection: what came back until EOF."""
+    async def run() -> dict[str, bytes]:
+        answers = {}
+        for name, (request, *_) in PROBES.items():
+            with trio.fail_after(10):
+                stream = await open_stream(port, ssl_context, source)
+                try:
+                    await stream.send_all(request)
+                except (trio.BrokenResourceError, ssl.SSLError):
+                    pass  # answered and closed before it took the whole request: read the answer
+                answers[name] = await read_until_eof(stream)
+                await stream.aclose()
+        return answers
+
+    return trio.run(run)
+
+
+def _log_since(path: pathlib.Path, offset: int) -> tuple[str, list[dict[str, object]]]:
+    """The log's text after ``offset`` and its JSON lines."""
+    with open(path, "rb") as f:
+        f.seek(offset)
+        text = f.read().decode(errors="replace")
+    entries = []
+    for line in text.splitlines():
+        try:
+            entries.append(json.loads(line))
+        except ValueError:
+            pass
+    return text, entries
+
+
+def test_hostile_malformed_upgrades_get_their_4xx_and_one_line_each_then_a_worker_connects(gw):
+    """The issue's probe (no Sec-WebSocket-Key/-Version, HTTP/1.0 without Host, ...) against the
+    real gateway (TLS) and the real hub (plain, its worker listener): the precise status line,
+    one log line per connection and no traceback; then workers still connect to both."""
+    source = "127.0.0.77"
+    offsets = {name: (gw.logs / f"{name}.log").stat().st_size for name in ("gateway", "hub")}
+    answers = {"gateway": _probe_answers(gw.gateway_port, _client_ssl(gw), source),
+               "hub": _probe_answers(gw.hub_ws_port, None, source)}
+    for where, got in answers.items():
+        for name, (_, status, _, header) in PROBES.items():
+            assert got[name].startswith(f"HTTP/1.1 {status} ".encode()), (where, name, got[name][:300])
+            if header is not None:
+                assert f"\r\n{header[0]}: {header[1]}\r\n".lower().encode() in got[name].lower(), (where, name, got[name])
+    gw.start_worker("worker3", gw.model, "*:0-1", via="hub")
+    gw.start_worker("worker4", gw.model, "*:2-3", via="gateway")
+    try:
+        gw.wait_sessions(4, timeout=60, watch=["gateway", "worker1", "worker2", "worker3", "worker4"])
+    finally:
+        gw.stop_process("worker3")
+        gw.stop_process("worker4")
+    wait_until(lambda: len(gw.list_sessions()) == 2, 30, "the hub to drop the two extra sessions")
+    for where in ("gateway", "hub"):
+        text, entries = _log_since(gw.logs / f"{where}.log", offsets[where])
+        assert "Traceback" not in text and not [e for e in entries if "exception" in e or "exc_info" in e], text
+        refused = [e for e in entries if e.get("event") == "connection refused"
+                   and str(e.get("remote", "")).startswith(source + ":")]
+        assert sorted(str(e["reason"]) for e in refused) == sorted(reason for _, _, reason, _ in PROBES.values()), \
+            (where, refused)
 
 
 def test_gateway_restart_mid_decode(tiny_models, tmp_path):
