@@ -13,7 +13,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from kvasir_rpc import HelloInfo, session_pb2, slices_to_proto
+from kvasir_rpc import ExpertSet, HelloInfo, session_pb2, slices_to_proto
 
 __all__ = ["SessionRegistry", "SessionStats"]
 
@@ -22,7 +22,7 @@ __all__ = ["SessionRegistry", "SessionStats"]
 class SessionStats:
     session_id: str
     wallet: str
-    slices: dict[int, tuple[int, ...]]
+    slices: dict[int, ExpertSet]
     weights_digest: bytes
     device: str
     model_type: str
