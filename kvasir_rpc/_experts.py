@@ -2,13 +2,13 @@
 
 A hub keeps every session's announced slices for the session's life and a stranger chooses
 them, so they are kept as bytes, not as Python ints (a tuple of ints costs ~36 bytes an
-expert): as runs of consecutive ids, or as a bitset when that is smaller. Either form is a
-few bytes per run or one bit per id, whichever is less.
+expert), in the smallest of three forms: runs of consecutive ids (8 bytes a run), a bitset
+(one bit per id up to the largest), or the ids themselves (4 bytes an id). So a set never
+takes more than 4 bytes an id, and a model's whole layer of E experts at most E/8 bytes.
 """
 
 from __future__ import annotations
 
-import bisect
 import dataclasses
 import json
 import os
@@ -21,12 +21,14 @@ import numpy as np
 
 __all__ = ["ExpertSet", "ModelShape", "read_model_shape"]
 
-_RUNS = 0
-_BITS = 1
+_RUNS = 0  # (first, last) uint32 pairs: 8 bytes a run
+_BITS = 1  # bit i set for id i: (largest id + 1) / 8 bytes
+_IDS = 2  # the ids as uint32: 4 bytes an id
 
 
 class ExpertSet(Sequence[int]):
-    """An immutable, sorted set of expert ids (uint32), stored as runs or as a bitset.
+    """An immutable, sorted set of expert ids (uint32), stored as runs, a bitset or the ids,
+    whichever is smallest.
 
     ``ExpertSet.from_sorted(ids)`` takes ids that must be strictly ascending (else
     ValueError); ``ExpertSet.of(ids)`` sorts and deduplicates any iterable. ``in``, ``len``
@@ -34,16 +36,15 @@ class ExpertSet(Sequence[int]):
     the ids once (O(n)), for the rare caller that needs positions.
     """
 
-    __slots__ = ("_kind", "_data", "_len", "_starts", "_hash")
+    __slots__ = ("_kind", "_data", "_len", "_hash")
 
     _kind: int
     _data: bytes
     _len: int
-    _starts: array[int] | None
     _hash: int | None
 
     def __init__(self) -> None:
-        self._kind, self._data, self._len, self._starts, self._hash = _RUNS, b"", 0, None, None
+        self._kind, self._data, self._len, self._hash = _RUNS, b"", 0, None
 
     @classmethod
     def of(cls, ids: Iterable[int]) -> ExpertSet:
@@ -71,12 +72,13 @@ class ExpertSet(Sequence[int]):
         breaks = np.flatnonzero(arr[1:] != arr[:-1] + 1)
         starts = np.concatenate((arr[:1], arr[breaks + 1]))
         lasts = np.concatenate((arr[breaks], arr[-1:]))
-        runs_bytes = 8 * starts.size
-        bits_bytes = (int(arr[-1]) >> 3) + 1
-        if bits_bytes < runs_bytes:
+        runs_bytes, ids_bytes, bits_bytes = 8 * starts.size, 4 * arr.size, (int(arr[-1]) >> 3) + 1
+        if bits_bytes < min(runs_bytes, ids_bytes):
             mask = np.zeros(bits_bytes * 8, dtype=np.bool_)
             mask[arr] = True
             self._kind, self._data = _BITS, np.packbits(mask, bitorder="little").tobytes()
+        elif ids_bytes < runs_bytes:
+            self._kind, self._data = _IDS, arr.astype("<u4").tobytes()
         else:
             # Interleaved (start, last) pairs, little-endian uint32.
             pairs = np.empty(2 * starts.size, dtype="<u4")
@@ -84,16 +86,13 @@ class ExpertSet(Sequence[int]):
             self._kind, self._data = _RUNS, pairs.tobytes()
         return self
 
-    def _runs(self) -> array[int]:
-        if self._starts is None:  # the starts alone, for bisect (built on first lookup)
-            self._starts = array("I", np.frombuffer(self._data, dtype="<u4")[0::2].tobytes())
-        return self._starts
-
     def to_array(self) -> np.ndarray:
         """The ids ascending, as a new uint32 array."""
         if self._kind == _BITS:
             bits = np.unpackbits(np.frombuffer(self._data, dtype=np.uint8), bitorder="little")
             return np.flatnonzero(bits).astype(np.uint32)
+        if self._kind == _IDS:
+            return np.frombuffer(self._data, dtype="<u4").astype(np.uint32)
         pairs = np.frombuffer(self._data, dtype="<u4").astype(np.int64)
         starts, lasts = pairs[0::2], pairs[1::2]
         if starts.size == 0:
@@ -122,14 +121,17 @@ class ExpertSet(Sequence[int]):
             return False
         if self._kind == _BITS:
             return (e >> 3) < len(self._data) and bool(self._data[e >> 3] >> (e & 7) & 1)
-        i = bisect.bisect_right(self._runs(), e) - 1
-        if i < 0:
+        if e > 0xFFFFFFFF:
             return False
-        last = int.from_bytes(self._data[8 * i + 4: 8 * i + 8], "little")
-        return e <= last
+        view = np.frombuffer(self._data, dtype="<u4")  # no copy
+        if self._kind == _IDS:
+            i = int(np.searchsorted(view, e))
+            return i < view.size and int(view[i]) == e
+        i = int(np.searchsorted(view[0::2], e, side="right")) - 1  # the last run starting at or before e
+        return i >= 0 and e <= int(view[2 * i + 1])
 
     def __iter__(self) -> Iterator[int]:
-        if self._kind == _BITS:
+        if self._kind != _RUNS:
             yield from self.to_list()
             return
         pairs = array("I", self._data)

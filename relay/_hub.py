@@ -19,6 +19,7 @@ from trio_websocket import ConnectionClosed, WebSocketConnection, WebSocketReque
 
 from kvasir_rpc import (
     CloseCode,
+    HelloInfo,
     HubHandshake,
     ModelShape,
     RemoteProtocolError,
@@ -389,7 +390,11 @@ class _Hub:
             for wallet, address in held:
                 self._release(wallet, address)
 
-    async def _serve_connection(self, ws: WebSocketConnection, remote: str, held: list[tuple[str, str]]) -> None:
+    async def _handshake(self, ws: WebSocketConnection, remote: str,
+                         held: list[tuple[str, str]]) -> tuple[HelloInfo, str] | None:
+        """The verified hello and the new session id, or None when the handshake was refused
+        (the WebSocket is then closed with the refusal's code). A function of its own so that
+        the hello's bytes (up to MAX_HELLO_BYTES) die with it, not live as long as the session."""
         hs = HubHandshake(self.key.address, shape=self.config.model_shape)
         try:
             with trio.fail_after(self.config.handshake_timeout_s):
@@ -408,16 +413,22 @@ class _Hub:
                 held.append((info.wallet, address))
                 session_id = self.new_session_id()
                 await ws.send_message(hs.accept(session_id))
+                return info, session_id
         except trio.TooSlowError:
             log.info("handshake timed out", remote=remote)
             await ws.aclose(CloseCode.POLICY_VIOLATION, "handshake timed out")
-            return
         except RemoteProtocolError as exc:
             log.info("handshake refused", remote=remote, reason=exc.reason, code=exc.close_code)
             await ws.aclose(exc.close_code, exc.reason[:120])
-            return
         except ConnectionClosed:
+            pass
+        return None
+
+    async def _serve_connection(self, ws: WebSocketConnection, remote: str, held: list[tuple[str, str]]) -> None:
+        verified = await self._handshake(ws, remote, held)
+        if verified is None:
             return
+        info, session_id = verified
         session = _Session(self, ws, session_id)
         slog = log.bind(session_id=session_id, wallet=info.wallet)
         kicked: list[str] = []

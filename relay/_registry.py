@@ -93,6 +93,8 @@ class SessionRegistry:
         )
 
     def _notify(self, kind: session_pb2.SessionEvent.Kind, stats: SessionStats) -> None:
+        if not self._watchers:  # the event expands the session's slices: build it only for a reader
+            return
         event = session_pb2.SessionEvent(kind=kind, session=stats.to_proto())
         for w in self._watchers:
             w.put(event)
