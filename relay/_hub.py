@@ -143,7 +143,7 @@ class SessionServicer(session_pb2_grpc.SessionServiceServicer):
                     continue
                 if event is None:
                     return
-                yield session_pb2.WatchSessionsResponse(event=event)
+                yield session_pb2.WatchSessionsResponse(event=event.to_proto())
         finally:
             self._registry.unwatch(q)
 

@@ -77,11 +77,31 @@ class Sessions:
         self.open_ws.clear()
 
 
+def _watch_until_synced(sw: LocalSwarm) -> list[str]:
+    """The wallets a fresh WatchSessions reports before SYNCED."""
+    import grpc
+
+    from kvasir_rpc import session_pb2, session_pb2_grpc
+
+    wallets = []
+    with grpc.insecure_channel(sw.hub_grpc_address) as ch:
+        call = session_pb2_grpc.SessionServiceStub(ch).WatchSessions(session_pb2.WatchSessionsRequest(), timeout=30)
+        for resp in call:
+            if resp.event.kind == session_pb2.SessionEvent.KIND_SYNCED:
+                call.cancel()
+                return wallets
+            assert resp.event.kind == session_pb2.SessionEvent.KIND_ADDED
+            wallets.append(resp.event.session.wallet)
+    raise AssertionError("the watch ended before SYNCED")
+
+
 def test_hub_memory_per_session_at_the_largest_hello(tmp_path):
-    """Today's largest hello (no --model): each session costs the hub under 2 MiB of RSS, where
-    a tuple per layer cost ~65 MiB. What it keeps is ~40 KiB and 8 bytes a layer; the rest of
-    the growth is heap glibc keeps after parsing a 4 MB hello (malloc_trim returns it)."""
-    n = 4
+    """Today's largest hello (no --model): each session costs the hub a few hundred KiB to ~2
+    MiB of RSS (~65 MiB before slices were kept compactly). What the session keeps is ~40 KiB
+    and 8 bytes a layer; the rest is heap glibc keeps after parsing each 4 MB hello, which
+    varies with how the hello's bytes arrive, hence the loose bound. The tight bound is
+    the next test's, for a hub told its model."""
+    n = 6
     probe = {layer: range(MAX_EXPERTS_PER_LAYER) for layer in range(PROBE_LAYERS)}
     with LocalSwarm(tmp_path) as sw:
         sw.start_hub(extra=HUB_ARGS)
@@ -107,7 +127,7 @@ def test_hub_memory_per_session_at_the_largest_hello(tmp_path):
         per_session = growth[0] / n
         print(f"hub RSS growth at {PROBE_LAYERS}x{MAX_EXPERTS_PER_LAYER} hellos: "
               f"{growth[0] / 2**20:.2f} MiB for {n} sessions, {per_session / 2**10:.0f} KiB per session")
-        assert per_session < 2 << 20
+        assert per_session < 4 << 20
         sw._check_alive("hub")
 
 
@@ -197,9 +217,10 @@ def test_hub_caps_sessions_per_address(tmp_path):
                 out["fourth"] = await s.open(Wallet.generate(), slices)
                 await trio.to_thread.run_sync(_wait_opened, sw, 3)
                 out["listed"] = len(await trio.to_thread.run_sync(sw.list_sessions))
+                out["watched"] = len(await trio.to_thread.run_sync(_watch_until_synced, sw))
                 nursery.cancel_scope.cancel()
 
         trio.run(main)
         assert out["first three"] == [0, 0, 0]
         assert out["fourth"] == (1013, "too many sessions from this address (at most 3 per address on this hub)")
-        assert out["listed"] == 3
+        assert out["listed"] == out["watched"] == 3
