@@ -224,3 +224,42 @@ def test_hub_caps_sessions_per_address(tmp_path):
         assert out["first three"] == [0, 0, 0]
         assert out["fourth"] == (1013, "too many sessions from this address (at most 3 per address on this hub)")
         assert out["listed"] == out["watched"] == 3
+
+
+def test_hub_reads_the_model_shape_from_config_json(tmp_path):
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text('{"model_type": "qwen3_moe", "num_hidden_layers": 2, "num_experts": 4}')
+    with LocalSwarm(tmp_path / "swarm") as sw:
+        sw.start_hub(extra=(*HUB_ARGS, "--model", str(model)))
+        out: dict[str, object] = {}
+
+        async def main() -> None:
+            async with trio.open_nursery() as nursery:
+                s = Sessions(sw.hub_ws_url, nursery)
+                out["outside"] = await s.open(Wallet.generate(), {1: [0, 4]})
+                out["inside"] = (await s.open(Wallet.generate(), {0: [0, 1, 2, 3], 1: [3]}))[0]
+                nursery.cancel_scope.cancel()
+
+        trio.run(main)
+        assert out["outside"] == (1008, "hello: layer 1: expert 4 is not in the model served (4 experts per layer)")
+        assert out["inside"] == 0
+
+
+@pytest.mark.parametrize("args, says", [
+    (["--layers", "3"], "--layers and --experts go together"),
+    (["--layers", "0", "--experts", "8"], "at least one layer and one expert"),
+    (["--model", "nowhere", "--layers", "1", "--experts", "1"], "--model and --layers/--experts are exclusive"),
+    (["--model", "nowhere"], "--model: nowhere/config.json not found"),
+    (["--max-sessions-per-wallet", "0"], "--max-sessions-per-wallet must be at least 1"),
+])
+def test_hub_refuses_a_bad_model_or_cap_at_start(tmp_path, args, says):
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "relay", "hub", "--listen", "127.0.0.1:0", "--grpc", "127.0.0.1:0",
+                          "--key", str(tmp_path / "hub.key"), "--backbone-token-file", str(tmp_path / "t"),
+                          "--contrib-db", str(tmp_path / "c.sqlite"), *args],
+                         capture_output=True, text=True, timeout=60, cwd=pathlib.Path(__file__).parents[1])
+    assert out.returncode != 0 and says in out.stderr, out.stderr
+    assert not (tmp_path / "hub.key").exists()  # refused before it made anything
