@@ -41,6 +41,8 @@ if TYPE_CHECKING:  # the real names, for type checkers; at run time __getattr__ 
         session_pb2_grpc,
         tensor_pb2,
     )
+    from kvasir_rpc._addr import address_key, remote_host
+    from kvasir_rpc._experts import ExpertSet, ModelShape, read_model_shape
     from kvasir_rpc._handshake import (
         HELLO_SIGNATURE_DOMAIN,
         HelloInfo,
@@ -148,6 +150,11 @@ _LAZY = {
     "session_pb2": _GEN,
     "session_pb2_grpc": _GEN,
     "tensor_pb2": _GEN,
+    "address_key": "kvasir_rpc._addr",
+    "remote_host": "kvasir_rpc._addr",
+    "ExpertSet": "kvasir_rpc._experts",
+    "ModelShape": "kvasir_rpc._experts",
+    "read_model_shape": "kvasir_rpc._experts",
     "HELLO_SIGNATURE_DOMAIN": "kvasir_rpc._handshake",
     "HelloInfo": "kvasir_rpc._handshake",
     "HubHandshake": "kvasir_rpc._handshake",

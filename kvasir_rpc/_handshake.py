@@ -23,6 +23,7 @@ from collections.abc import Callable, Mapping, Sequence
 from google.protobuf.message import DecodeError
 
 from kvasir_rpc._errors import CloseCode, LocalProtocolError, RemoteProtocolError
+from kvasir_rpc._experts import ExpertSet, ModelShape
 from kvasir_rpc._gen.kvasir.v1 import session_pb2
 from kvasir_rpc._wallet import Wallet, is_address, verify_signature
 from kvasir_rpc.protocol import (
@@ -55,27 +56,39 @@ def _now_ms() -> int:
 
 def slices_to_proto(slices: Slices) -> list[session_pb2.ExpertSlice]:
     return [
-        session_pb2.ExpertSlice(layer=layer, experts=sorted(experts))
+        session_pb2.ExpertSlice(layer=layer, experts=experts.to_list() if isinstance(experts, ExpertSet)
+                                else sorted(experts))
         for layer, experts in sorted(slices.items())
         if experts
     ]
 
 
-def slices_from_proto(items: Sequence[session_pb2.ExpertSlice]) -> dict[int, tuple[int, ...]]:
-    """Validate and normalise announced slices. Raises ValueError on duplicates or bounds."""
-    out: dict[int, tuple[int, ...]] = {}
+def slices_from_proto(
+    items: Sequence[session_pb2.ExpertSlice], shape: ModelShape | None = None
+) -> dict[int, ExpertSet]:
+    """Validate announced slices and store them compactly (ExpertSet). Without ``shape`` the
+    protocol's bounds apply; with it every layer and expert must exist in that model.
+    Raises ValueError saying what is wrong."""
+    out: dict[int, ExpertSet] = {}
     if len(items) > MAX_LAYERS:
         raise ValueError(f"{len(items)} layers announced, at most {MAX_LAYERS}")
     for item in items:
         if item.layer in out:
             raise ValueError(f"layer {item.layer} announced twice")
-        experts = tuple(item.experts)
-        if len(experts) > MAX_EXPERTS_PER_LAYER:
-            raise ValueError(f"layer {item.layer}: {len(experts)} experts, at most {MAX_EXPERTS_PER_LAYER}")
-        if list(experts) != sorted(set(experts)):
-            raise ValueError(f"layer {item.layer}: experts must be sorted and unique")
-        if not experts:
+        if shape is not None and item.layer >= shape.layers:
+            raise ValueError(f"layer {item.layer} is not in the model served ({shape.layers} layers)")
+        n = len(item.experts)
+        if n > MAX_EXPERTS_PER_LAYER:
+            raise ValueError(f"layer {item.layer}: {n} experts, at most {MAX_EXPERTS_PER_LAYER}")
+        if not n:
             raise ValueError(f"layer {item.layer}: no experts")
+        try:
+            experts = ExpertSet.from_sorted(item.experts)
+        except ValueError:
+            raise ValueError(f"layer {item.layer}: experts must be sorted and unique") from None
+        if shape is not None and item.experts[-1] >= shape.experts:  # ascending: the last is the largest
+            raise ValueError(f"layer {item.layer}: expert {item.experts[-1]} is not in the model served "
+                             f"({shape.experts} experts per layer)")
         out[item.layer] = experts
     return out
 
@@ -85,7 +98,7 @@ class HelloInfo:
     """What a verified worker claims."""
 
     wallet: str
-    slices: dict[int, tuple[int, ...]]
+    slices: dict[int, ExpertSet]
     weights_digest: bytes
     device: str
     model_type: str
@@ -139,13 +152,17 @@ class HubHandshake:
         clock_ms: Callable[[], int] = _now_ms,
         max_challenge_age_ms: int = DEFAULT_MAX_CHALLENGE_AGE_MS,
         nonce: bytes | None = None,
+        shape: ModelShape | None = None,
     ) -> None:
+        """``shape``: the model served; a hello announcing a layer or expert outside it is
+        refused (1008). Without it only the protocol's bounds apply."""
         if not is_address(hub_key):
             raise ValueError("hub_key must be 64 lowercase hex characters")
         self.hub_key = hub_key
         self._clock = clock_ms
         self._max_age = max_challenge_age_ms
         self._nonce = nonce if nonce is not None else secrets.token_bytes(NONCE_BYTES)
+        self._shape = shape
         self._issued_ms = 0
         self.state = _HubState.START
 
@@ -198,7 +215,7 @@ class HubHandshake:
                 "bad signature: the hello is not signed by its wallet", close_code=CloseCode.POLICY_VIOLATION
             )
         try:
-            slices = slices_from_proto(body.slices)
+            slices = slices_from_proto(body.slices, self._shape)
         except ValueError as exc:
             raise RemoteProtocolError(f"hello: {exc}", close_code=CloseCode.POLICY_VIOLATION) from exc
         if len(body.weights_digest) != 32:

@@ -1,5 +1,5 @@
 """python -m relay hub --listen HOST:PORT --grpc HOST:PORT [--key PATH] [--backbone-token-file PATH]
-    [--gateway wss://HOST:PORT ...]
+    [--model DIR | --layers N --experts M] [--gateway wss://HOST:PORT ...]
 python -m relay gateway --listen HOST:PORT --cert PEM --key PEM --hub-token-file FILE"""
 
 from __future__ import annotations
@@ -67,6 +67,28 @@ async def _until_signal(nursery: trio.Nursery, log, what: str) -> None:  # type:
             return
 
 
+def _model_shape(args: argparse.Namespace):  # type: ignore[no-untyped-def]
+    """The model the hub serves, from --model (its config.json) or --layers/--experts; None
+    when neither is given."""
+    from kvasir_rpc import ModelShape, read_model_shape
+
+    if args.model is not None:
+        if args.layers is not None or args.experts is not None:
+            raise SystemExit("--model and --layers/--experts are exclusive: give one")
+        try:
+            return read_model_shape(args.model)
+        except ValueError as exc:
+            raise SystemExit(f"--model: {exc}") from None
+    if (args.layers is None) != (args.experts is None):
+        raise SystemExit("--layers and --experts go together")
+    if args.layers is None:
+        return None
+    try:
+        return ModelShape(layers=args.layers, experts=args.experts)
+    except ValueError as exc:
+        raise SystemExit(f"--layers/--experts: {exc}") from None
+
+
 def run_hub(args: argparse.Namespace) -> int:
     from kvasir_rpc import TokenError, Wallet, as_listen_error, load_or_create_token
     from relay._hub import HubConfig, create_session_server, serve_hub
@@ -75,6 +97,11 @@ def run_hub(args: argparse.Namespace) -> int:
     configure_logging("hub", level=args.log_level)
     install_fast_masking()
     log = get_logger("relay")
+    shape = _model_shape(args)
+    for flag, value in (("--max-sessions-per-wallet", args.max_sessions_per_wallet),
+                        ("--max-sessions-per-address", args.max_sessions_per_address)):
+        if value < 1:
+            raise SystemExit(f"{flag} must be at least 1")
     grpc_host, grpc_port = args.grpc
     ws_address, grpc_address = _address(*args.listen), _address(grpc_host, grpc_port)
     _check_listen("hub", grpc_address, ws_address)
@@ -117,7 +144,9 @@ def run_hub(args: argparse.Namespace) -> int:
     config = HubConfig(listen_host=args.listen[0], listen_port=args.listen[1], grpc_host=grpc_host,
                        gateway_url=args.gateway, gateway_token=token, gateway_ssl=gateway_ssl,
                        keepalive_s=args.keepalive, keepalive_timeout_s=args.keepalive_timeout,
-                       backbone_token=backbone_token, target_auth_timeout_s=args.target_auth_timeout)
+                       backbone_token=backbone_token, target_auth_timeout_s=args.target_auth_timeout,
+                       model_shape=shape, max_sessions_per_wallet=args.max_sessions_per_wallet,
+                       max_sessions_per_address=args.max_sessions_per_address)
 
     failed: list[str] = []
 
@@ -128,7 +157,8 @@ def run_hub(args: argparse.Namespace) -> int:
             if ws_port is None:
                 return
             log.info("hub listening", ws=f"{config.listen_host}:{ws_port}", grpc=f"{grpc_host}:{bound_grpc}",
-                     hub_key=key.address, gateway=args.gateway)
+                     hub_key=key.address, gateway=args.gateway,
+                     model=f"{shape.layers} layers x {shape.experts} experts" if shape else "any (protocol bounds)")
             write_ready_file(args.ready_file, {"ws_port": ws_port, "grpc_port": bound_grpc, "hub_key": key.address})
             await _until_signal(nursery, log, "hub")
 
@@ -203,6 +233,16 @@ def main(argv: list[str] | None = None) -> int:
                           "the same file (python -m backbone generate --hub-token-file)")
     hub.add_argument("--target-auth-timeout", type=float, default=10.0,
                      help="seconds a connection to a session's target has to present its key")
+    hub.add_argument("--model", type=pathlib.Path,
+                     help="checkpoint folder of the model served (only its config.json is read): hellos announcing "
+                          "a layer or expert outside it are refused (1008)")
+    hub.add_argument("--layers", type=int, help="the model's layer count, instead of --model (with --experts)")
+    hub.add_argument("--experts", type=int, help="the model's experts per layer, instead of --model (with --layers)")
+    hub.add_argument("--max-sessions-per-wallet", type=int, default=4,
+                     help="live sessions one wallet may hold (more are refused with 1013)")
+    hub.add_argument("--max-sessions-per-address", type=int, default=32,
+                     help="live sessions from one address, IPv6 by /64 (more are refused with 1013); through a "
+                          "gateway, the worker's address the gateway reports")
     hub.add_argument("--gateway", help="wss://HOST:PORT of a public gateway to take sessions from")
     hub.add_argument("--gateway-token-file", type=pathlib.Path, help="file holding the gateway's hub token")
     hub.add_argument("--ca-file", type=pathlib.Path, help="CA bundle to verify the gateway (default: system trust)")

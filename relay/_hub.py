@@ -19,15 +19,19 @@ from trio_websocket import ConnectionClosed, WebSocketConnection, WebSocketReque
 
 from kvasir_rpc import (
     CloseCode,
+    HelloInfo,
     HubHandshake,
+    ModelShape,
     RemoteProtocolError,
     Wallet,
     get_logger,
     MIN_TOKEN_CHARS,
     TokenError,
+    address_key,
     check_bearer,
     keepalive,
     leaf_exception,
+    remote_host,
     send_whole,
     session_pb2,
     session_pb2_grpc,
@@ -86,6 +90,13 @@ class HubConfig:
     # may be presenting at once per session (more are closed at once). Neither reaches the worker.
     target_auth_timeout_s: float = 10.0
     max_unauthenticated_targets: int = 8
+    # The model served: a hello announcing a layer or expert outside it is refused (1008).
+    # None: only the protocol's bounds apply (MAX_LAYERS x MAX_EXPERTS_PER_LAYER).
+    model_shape: ModelShape | None = None
+    # Live sessions one wallet, and one source address (IPv4 address, IPv6 /64; through a
+    # gateway the worker's address it announces), may hold; more are refused with 1013.
+    max_sessions_per_wallet: int = 4
+    max_sessions_per_address: int = 32
 
 
 class SessionServicer(session_pb2_grpc.SessionServiceServicer):
@@ -134,7 +145,7 @@ class SessionServicer(session_pb2_grpc.SessionServiceServicer):
                     continue
                 if event is None:
                     return
-                yield session_pb2.WatchSessionsResponse(event=event)
+                yield session_pb2.WatchSessionsResponse(event=event.to_proto())
         finally:
             self._registry.unwatch(q)
 
@@ -329,9 +340,33 @@ class _Hub:
         self.key = key
         self.registry = registry
         self._ids = itertools.count(1)
+        # Sessions held per wallet and per address key, from the verified hello to the end
+        # (counted on the trio thread only, so a check and its increment cannot interleave).
+        self._per_wallet: collections.Counter[str] = collections.Counter()
+        self._per_address: collections.Counter[str] = collections.Counter()
         # Refused worker connections (malformed upgrades, wrong subprotocol): counted and
         # logged one line each, rate-limited per reason.
         self.refusals = RefusalLog(log)
+
+    def _hold(self, wallet: str, address: str) -> None:
+        """Count one more session for ``wallet`` and ``address``, or raise RemoteProtocolError
+        (1013, the cap's name and value in the reason) when either is at its cap."""
+        cfg = self.config
+        if self._per_wallet[wallet] >= cfg.max_sessions_per_wallet:
+            raise RemoteProtocolError(f"too many sessions for this wallet (at most {cfg.max_sessions_per_wallet} "
+                                      "per wallet on this hub)", close_code=CloseCode.TRY_AGAIN_LATER)
+        if self._per_address[address] >= cfg.max_sessions_per_address:
+            raise RemoteProtocolError(f"too many sessions from this address (at most "
+                                      f"{cfg.max_sessions_per_address} per address on this hub)",
+                                      close_code=CloseCode.TRY_AGAIN_LATER)
+        self._per_wallet[wallet] += 1
+        self._per_address[address] += 1
+
+    def _release(self, wallet: str, address: str) -> None:
+        for counter, key in ((self._per_wallet, wallet), (self._per_address, address)):
+            counter[key] -= 1
+            if counter[key] <= 0:
+                del counter[key]  # the tables hold only live keys
 
     def new_session_id(self) -> str:
         return f"s{next(self._ids)}-{secrets.token_hex(6)}"
@@ -354,7 +389,19 @@ class _Hub:
 
     async def serve_connection(self, ws: WebSocketConnection, remote: str) -> None:
         """Run the handshake and then the session on one worker WebSocket (direct or via a gateway)."""
-        hs = HubHandshake(self.key.address)
+        held: list[tuple[str, str]] = []  # what _hold counted for this connection, released at its end
+        try:
+            await self._serve_connection(ws, remote, held)
+        finally:
+            for wallet, address in held:
+                self._release(wallet, address)
+
+    async def _handshake(self, ws: WebSocketConnection, remote: str,
+                         held: list[tuple[str, str]]) -> tuple[HelloInfo, str] | None:
+        """The verified hello and the new session id, or None when the handshake was refused
+        (the WebSocket is then closed with the refusal's code). A function of its own so that
+        the hello's bytes (up to MAX_HELLO_BYTES) die with it, not live as long as the session."""
+        hs = HubHandshake(self.key.address, shape=self.config.model_shape)
         try:
             with trio.fail_after(self.config.handshake_timeout_s):
                 await ws.send_message(hs.challenge())
@@ -367,18 +414,27 @@ class _Hub:
                     when = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(until / 1000))
                     raise RemoteProtocolError(f"wallet quarantined by this hub until {when}",
                                               close_code=CloseCode.POLICY_VIOLATION)
+                address = address_key(remote_host(remote))
+                self._hold(info.wallet, address)
+                held.append((info.wallet, address))
                 session_id = self.new_session_id()
                 await ws.send_message(hs.accept(session_id))
+                return info, session_id
         except trio.TooSlowError:
             log.info("handshake timed out", remote=remote)
             await ws.aclose(CloseCode.POLICY_VIOLATION, "handshake timed out")
-            return
         except RemoteProtocolError as exc:
             log.info("handshake refused", remote=remote, reason=exc.reason, code=exc.close_code)
             await ws.aclose(exc.close_code, exc.reason[:120])
-            return
         except ConnectionClosed:
+            pass
+        return None
+
+    async def _serve_connection(self, ws: WebSocketConnection, remote: str, held: list[tuple[str, str]]) -> None:
+        verified = await self._handshake(ws, remote, held)
+        if verified is None:
             return
+        info, session_id = verified
         session = _Session(self, ws, session_id)
         slog = log.bind(session_id=session_id, wallet=info.wallet)
         kicked: list[str] = []

@@ -13,16 +13,16 @@ import threading
 import time
 from collections.abc import Callable
 
-from kvasir_rpc import HelloInfo, session_pb2, slices_to_proto
+from kvasir_rpc import ExpertSet, HelloInfo, session_pb2, slices_to_proto
 
-__all__ = ["SessionRegistry", "SessionStats"]
+__all__ = ["SessionChange", "SessionRegistry", "SessionStats"]
 
 
 @dataclasses.dataclass(frozen=True)
 class SessionStats:
     session_id: str
     wallet: str
-    slices: dict[int, tuple[int, ...]]
+    slices: dict[int, ExpertSet]
     weights_digest: bytes
     device: str
     model_type: str
@@ -50,6 +50,20 @@ class SessionStats:
         )
 
 
+@dataclasses.dataclass(frozen=True)
+class SessionChange:
+    """One change a watcher is told of. Kept as the compact snapshot until the watcher sends
+    it: the proto expands every slice, and a watcher's queue may hold one per live session."""
+
+    kind: session_pb2.SessionEvent.Kind
+    stats: SessionStats | None = None  # None for SYNCED
+
+    def to_proto(self) -> session_pb2.SessionEvent:
+        if self.stats is None:
+            return session_pb2.SessionEvent(kind=self.kind)
+        return session_pb2.SessionEvent(kind=self.kind, session=self.stats.to_proto())
+
+
 @dataclasses.dataclass
 class _Entry:
     hello: HelloInfo
@@ -69,7 +83,7 @@ class SessionRegistry:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._sessions: dict[str, _Entry] = {}
-        self._watchers: set[queue.SimpleQueue[session_pb2.SessionEvent | None]] = set()
+        self._watchers: set[queue.SimpleQueue[SessionChange | None]] = set()
         # wallet -> refused until (unix ms): quarantined wallets may not open sessions.
         self._bans: dict[str, int] = {}
         # Called with the final SessionStats of each session that ends (outside the lock).
@@ -93,9 +107,9 @@ class SessionRegistry:
         )
 
     def _notify(self, kind: session_pb2.SessionEvent.Kind, stats: SessionStats) -> None:
-        event = session_pb2.SessionEvent(kind=kind, session=stats.to_proto())
+        change = SessionChange(kind, stats)
         for w in self._watchers:
-            w.put(event)
+            w.put(change)
 
     def add(self, session_id: str, hello: HelloInfo, *, target: str, remote: str,
             kick: Callable[[str], None] | None = None) -> None:
@@ -165,17 +179,18 @@ class SessionRegistry:
             items = [self._stats(sid, e) for sid, e in self._sessions.items()]
         return sorted(items, key=lambda s: (s.connected_since_unix_ms, s.session_id))
 
-    def watch(self) -> queue.SimpleQueue[session_pb2.SessionEvent | None]:
-        """A queue that first gets ADDED for each live session and SYNCED, then every change."""
-        q: queue.SimpleQueue[session_pb2.SessionEvent | None] = queue.SimpleQueue()
+    def watch(self) -> queue.SimpleQueue[SessionChange | None]:
+        """A queue that first gets ADDED for each live session and SYNCED, then every change;
+        None when the registry closes. Each change becomes a proto only as it is sent."""
+        q: queue.SimpleQueue[SessionChange | None] = queue.SimpleQueue()
         with self._lock:
             for sid, e in self._sessions.items():
-                q.put(session_pb2.SessionEvent(kind=session_pb2.SessionEvent.KIND_ADDED, session=self._stats(sid, e).to_proto()))
-            q.put(session_pb2.SessionEvent(kind=session_pb2.SessionEvent.KIND_SYNCED))
+                q.put(SessionChange(session_pb2.SessionEvent.KIND_ADDED, self._stats(sid, e)))
+            q.put(SessionChange(session_pb2.SessionEvent.KIND_SYNCED))
             self._watchers.add(q)
         return q
 
-    def unwatch(self, q: queue.SimpleQueue[session_pb2.SessionEvent | None]) -> None:
+    def unwatch(self, q: queue.SimpleQueue[SessionChange | None]) -> None:
         with self._lock:
             self._watchers.discard(q)
 

@@ -37,7 +37,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import trio
@@ -125,13 +125,13 @@ def _make_call(name: str, call_id: int, layer: int, hidden: torch.Tensor, weight
     return _Call(name, req, layer, hidden, weights, tuple(segments), index)
 
 
-def _pick_layer(slices: dict[int, tuple[int, ...]]) -> tuple[int, tuple[int, ...]]:
+def _pick_layer(slices: Mapping[int, Sequence[int]]) -> tuple[int, tuple[int, ...]]:
     """The layer with the most announced experts (the lowest on a tie), and up to three of them."""
     layer = max(sorted(slices), key=lambda k: len(slices[k]))
-    return layer, slices[layer][:3]
+    return layer, tuple(slices[layer][:3])
 
 
-def plan_calls(slices: dict[int, tuple[int, ...]], hidden_size: int, dtype: torch.dtype, seed: int) -> list[_Call]:
+def plan_calls(slices: Mapping[int, Sequence[int]], hidden_size: int, dtype: torch.dtype, seed: int) -> list[_Call]:
     """Seeded random calls over announced experts: one of several experts with several rows
     each, one of a single row, and a packed one (``row_index``) when the worker holds two or
     more experts of a layer. Inputs are float32 normals cast to the model's dtype."""
@@ -441,7 +441,7 @@ class _Check:
                 "'kvasir.v1.weights\\0' and, by ascending (layer, expert), u32le layer, u32le expert, digest")
         return f"{got.hex()[:16]}… equals the checkpoint's digest of the announced slices", []
 
-    def _checkpoint_digest(self, slices: dict[int, tuple[int, ...]]) -> tuple[bytes, list[tuple[int, int]]]:
+    def _checkpoint_digest(self, slices: Mapping[int, Sequence[int]]) -> tuple[bytes, list[tuple[int, int]]]:
         from kvasir_rpc import slices_digest
 
         keys = [(layer, e) for layer, experts in sorted(slices.items()) for e in experts]
