@@ -37,7 +37,10 @@ __all__ = ["BudgetStats", "HttpRequest", "MessageBudget", "WebSocket", "WsClosed
            "send_response", "upgrade"]
 
 MAX_HEADER_BYTES = 16 << 10
-READ_BYTES = 1 << 20
+# One read's buffer. A TLS read returns at most one record (16 KiB) however much is asked,
+# and asking for 1 MiB made every read allocate 1 MiB to keep 16 KiB: under load the
+# gateway's memory grew with that churn rather than with what it held.
+READ_BYTES = 64 << 10
 # A peer that reads nothing for this long while we send to it is gone: the WebSocket is
 # closed (a send cut off mid-frame leaves nothing usable behind it).
 SEND_TIMEOUT_S = 60.0
