@@ -200,6 +200,8 @@ def run_gateway(args: argparse.Namespace) -> int:
         handshake_timeout_s=args.handshake_timeout, max_message_bytes=args.max_message_bytes,
         max_unpaired=args.max_unpaired, max_sessions=args.max_sessions, keepalive_s=args.keepalive,
         idle_timeout_s=args.idle_timeout, new_connections_per_ip_per_s=args.max_new_per_ip,
+        max_sessions_per_address=args.max_sessions_per_address, max_buffered_bytes=args.max_buffered_bytes,
+        message_deadline_s=args.message_deadline,
     )
 
     failed: list[str] = []
@@ -268,6 +270,13 @@ def main(argv: list[str] | None = None) -> int:
     gw.add_argument("--max-message-bytes", type=int, default=4 << 20, help="larger messages are closed with 1009")
     gw.add_argument("--max-unpaired", type=int, default=64, help="workers waiting for a hub at once")
     gw.add_argument("--max-sessions", type=int, default=1024, help="live spliced sessions, workers waiting for a hub included")
+    gw.add_argument("--max-sessions-per-address", type=int, default=32,
+                    help="sessions (waiting or spliced) one source address may hold; an IPv6 /64 is one address "
+                         "(more: HTTP 429)")
+    gw.add_argument("--max-buffered-bytes", type=int, default=256 << 20,
+                    help="bytes of unfinished messages held over all connections (a fragment past it: close 1013)")
+    gw.add_argument("--message-deadline", type=float, default=30.0,
+                    help="seconds from a message's first fragment to its last (later: close 1008)")
     gw.add_argument("--keepalive", type=float, default=20.0, help="ping a silent peer after this many seconds")
     gw.add_argument("--idle-timeout", type=float, default=120.0, help="close a peer silent this long (1001)")
     gw.add_argument("--max-new-per-ip", type=float, default=50.0, help="new connections per source address per second")
@@ -277,6 +286,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command == "gateway" and bool(args.cert) != bool(args.key):
         parser.error("--cert and --key go together")
+    if args.command == "gateway":
+        for flag in ("max_sessions_per_address", "max_buffered_bytes", "message_deadline"):
+            if getattr(args, flag) <= 0:
+                parser.error(f"--{flag.replace('_', '-')} must be positive")
     return int(args.func(args))
 
 

@@ -5,8 +5,14 @@ Workers connect to ``/v1/worker``; a hub keeps a control WebSocket on ``/v1/hub/
 in ``kvasir_rpc.protocol``, where every path and subprotocol is defined); the hub dials
 ``/v1/hub/data/ID`` and the gateway splices the two WebSockets, relaying their messages
 both ways without looking inside them. Everything the public can send is bounded:
-handshake time, header and message sizes, unpaired workers, live sessions, idle time and new
-connections per source address per second.
+handshake time, header and message sizes, unpaired workers, live sessions (in all and per
+source address), bytes of unfinished messages (in all) and how long one may stay unfinished,
+idle time, and new connections per source address per second. A source address is an IPv4
+address or an IPv6 /64 (an IPv4-mapped IPv6 address counts as its IPv4 address): one host
+usually holds a whole /64.
+
+Once spliced, the two WebSockets' pings and pongs are relayed too, not answered here: the
+hub's keepalive then tests the worker itself, end to end.
 
 This module imports no protobuf or gRPC module.
 """
@@ -15,9 +21,11 @@ from __future__ import annotations
 
 import dataclasses
 import hmac
+import ipaddress
 import secrets
 import ssl
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 
 import trio
@@ -38,9 +46,18 @@ from kvasir_rpc.protocol import (
 )
 from relay._intake import Refusal, http_error_refusal, upgrade_refusal
 from relay._refusals import RefusalLog
-from relay._ws import HttpError, HttpRequest, WebSocket, WsClosed, read_request, send_response, upgrade
+from relay._ws import (
+    HttpError,
+    HttpRequest,
+    MessageBudget,
+    WebSocket,
+    WsClosed,
+    read_request,
+    send_response,
+    upgrade,
+)
 
-__all__ = ["GatewayConfig", "GatewayStats", "serve_gateway"]
+__all__ = ["GatewayConfig", "GatewayStats", "address_key", "serve_gateway"]
 
 log = get_logger("relay.gateway")
 
@@ -55,11 +72,15 @@ class GatewayConfig:
     max_message_bytes: int = MAX_MESSAGE_BYTES
     max_unpaired: int = 64
     max_sessions: int = 1024
+    max_sessions_per_address: int = 32
+    max_buffered_bytes: int = 256 << 20
+    message_deadline_s: float = 30.0
     keepalive_s: float = 20.0
     idle_timeout_s: float = 120.0
     pairing_timeout_s: float = 10.0
     new_connections_per_ip_per_s: float = 50.0
     max_connections: int = 4096
+    rate_table_size: int = 65536
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,27 +91,60 @@ class GatewayStats:
     sessions: int
     refused: dict[str, int]
     relayed_bytes: int
+    buffered_bytes: int
+    sessions_by_address: dict[str, int]
+
+
+def address_key(host: str) -> str:
+    """The source address limits apply to: an IPv4 address as it is, an IPv4-mapped IPv6
+    address as its IPv4 address, any other IPv6 address as its /64 (``2001:db8:1:2::/64``).
+    A string that is not an address (a test's name) is its own key."""
+    try:
+        addr = ipaddress.ip_address(host.split("%", 1)[0])
+    except ValueError:
+        return host
+    if isinstance(addr, ipaddress.IPv6Address):
+        if addr.ipv4_mapped is not None:
+            return str(addr.ipv4_mapped)
+        return str(ipaddress.IPv6Network((addr, 64), strict=False))
+    return str(addr)
+
+
+def _host(remote: str) -> str:
+    """The host of ``HOST:PORT`` (an IPv6 host has colons of its own; brackets allowed)."""
+    return remote.rsplit(":", 1)[0].strip("[]") if ":" in remote else remote
 
 
 class _RateLimiter:
-    """Token bucket per source address: ``rate`` new connections a second, burst ``rate``."""
+    """Token bucket per source address (``address_key``): ``rate`` new connections a
+    second, burst ``rate``.
 
-    def __init__(self, rate: float, clock: Callable[[], float] = time.monotonic) -> None:
+    The table holds at most ``max_entries`` addresses, least recently seen first: a new one
+    beyond that evicts the oldest, so an attacker rotating addresses cannot grow it. An
+    evicted address starts again with a full bucket, which is what it would have after a
+    quiet spell anyway; with the default size, evicting a still-limited one takes tens of
+    thousands of addresses within its refill time."""
+
+    def __init__(self, rate: float, clock: Callable[[], float] = time.monotonic, *, max_entries: int = 65536) -> None:
+        if max_entries < 1:
+            raise ValueError("the rate limiter needs room for at least one address")
         self.rate = rate
+        self.max_entries = max_entries
         self._clock = clock
-        self._buckets: dict[str, tuple[float, float]] = {}
+        self._buckets: OrderedDict[str, tuple[float, float]] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._buckets)
 
     def allow(self, key: str) -> bool:
         now = self._clock()
-        tokens, last = self._buckets.get(key, (self.rate, now))
+        tokens, last = self._buckets.pop(key, (self.rate, now))
         tokens = min(self.rate, tokens + (now - last) * self.rate)
-        if len(self._buckets) > 65536:  # forget the quiet ones rather than grow without bound
-            self._buckets = {k: v for k, v in self._buckets.items() if now - v[1] < 10}
-        if tokens < 1.0:
-            self._buckets[key] = (tokens, now)
-            return False
-        self._buckets[key] = (tokens - 1.0, now)
-        return True
+        allowed = tokens >= 1.0
+        self._buckets[key] = (tokens - 1.0 if allowed else tokens, now)  # now the most recent
+        if len(self._buckets) > self.max_entries:
+            self._buckets.popitem(last=False)
+        return allowed
 
 
 @dataclasses.dataclass
@@ -105,7 +159,11 @@ class _Pending:
 class Gateway:
     def __init__(self, config: GatewayConfig) -> None:
         self.config = config
-        self._limiter = _RateLimiter(config.new_connections_per_ip_per_s)
+        self._limiter = _RateLimiter(config.new_connections_per_ip_per_s, max_entries=config.rate_table_size)
+        self._budget = MessageBudget(config.max_buffered_bytes, config.message_deadline_s)
+        # Workers per source address (address_key), upgrading, waiting or spliced: an entry
+        # lives while its count is above zero, so the table is bounded by the sessions.
+        self._by_address: dict[str, int] = {}
         self._control: WebSocket | None = None
         self._pending: dict[str, _Pending] = {}
         self._sessions = 0
@@ -121,13 +179,31 @@ class Gateway:
             hub_connected=self._control is not None,
             unpaired=sum(1 for p in self._pending.values() if p.hub_ws is None),
             sessions=self._sessions,
-            refused=self.refusals.counts(),
+            refused=self._refusals(),
             relayed_bytes=self._relayed,
+            buffered_bytes=self._budget.statistics().buffered,
+            sessions_by_address=dict(self._by_address),
         )
+
+    def _refusals(self) -> dict[str, int]:
+        """Refusals by reason, with the connections the message budget closed."""
+        out = self.refusals.counts()
+        budget = self._budget.statistics()
+        for why, n in (("buffer_full", budget.refused_buffer), ("message_deadline", budget.refused_deadline)):
+            if n:
+                out[why] = n
+        return out
 
     def _refuse(self, why: str, **fields: object) -> None:
         """Count a refused connection under ``why`` and log it (rate-limited)."""
         self.refusals.refused(why, **fields)
+
+    def _release_address(self, key: str) -> None:
+        left = self._by_address[key] - 1
+        if left:
+            self._by_address[key] = left
+        else:
+            del self._by_address[key]
 
     def _authorized(self, req: HttpRequest) -> bool:
         got = (req.header("authorization") or "").encode()
@@ -141,7 +217,7 @@ class Gateway:
             ip = peer[0]
         except OSError:
             return
-        if not self._limiter.allow(ip):
+        if not self._limiter.allow(address_key(ip)):
             self._refuse("rate", remote=remote)
             await stream.aclose()
             return
@@ -198,6 +274,10 @@ class Gateway:
                 await self._serve_data(sock, extra)
         except WsClosed:
             pass
+        finally:
+            sock.forget_partial()  # its bytes go back to the budget however it ended
+            if kind == "worker":
+                self._release_address(extra)
 
     async def _route(self, stream: trio.abc.Stream, req: HttpRequest, remote: str):  # type: ignore[no-untyped-def]
         cfg = self.config
@@ -212,7 +292,7 @@ class Gateway:
 
         async def ws(sub: str) -> WebSocket:
             return await upgrade(stream, req, subprotocol=sub, max_message_bytes=cfg.max_message_bytes,
-                                 keepalive_s=cfg.keepalive_s, idle_timeout_s=cfg.idle_timeout_s)
+                                 keepalive_s=cfg.keepalive_s, idle_timeout_s=cfg.idle_timeout_s, budget=self._budget)
 
         path = req.path
         if path == HEALTH_PATH:
@@ -237,14 +317,23 @@ class Gateway:
             waiting = sum(1 for p in self._pending.values() if p.hub_ws is None) + self._admitting
             if waiting >= cfg.max_unpaired or len(self._pending) + self._admitting >= cfg.max_sessions:
                 return await refuse("capacity", 503, "gateway at capacity; retry later\n", headers=(("retry-after", "5"),))
+            source = address_key(_host(remote))
+            if self._by_address.get(source, 0) >= cfg.max_sessions_per_address:
+                return await refuse("address_sessions", 429, f"this address ({source}) already holds "
+                                    f"{cfg.max_sessions_per_address} sessions, the most one address may; "
+                                    "retry when one ends\n", headers=(("retry-after", "5"),))
+            self._by_address[source] = self._by_address.get(source, 0) + 1
             self._admitting += 1
             try:
                 sock = await ws(subprotocol)
+            except BaseException:
+                self._release_address(source)
+                raise
             finally:
                 # No checkpoint from here to _serve_worker's _pending entry: the place
                 # passes from this count to that one without a gap.
                 self._admitting -= 1
-            return "worker", sock, None
+            return "worker", sock, source
         if path == HUB_CONTROL_PATH or path.startswith(HUB_DATA_PREFIX):
             if not self._authorized(req):
                 return await refuse("hub_token", 401, "hub paths need the hub token (Authorization: Bearer ...)\n",
@@ -319,12 +408,16 @@ class Gateway:
         await pending.done.wait()
 
     async def _splice(self, a: WebSocket, b: WebSocket) -> None:
-        """Relay messages both ways; when one side closes, close the other with its code."""
+        """Relay messages, pings and pongs both ways; when one side closes, close the other
+        with its code."""
 
         async def pump(src: WebSocket, dst: WebSocket, cancel: trio.CancelScope) -> None:
             try:
                 while True:
-                    msg = await src.receive_message()
+                    msg = await src.receive_relayed()
+                    if not isinstance(msg, (bytes, str)):
+                        await dst.send_control(msg)  # a ping or pong: the ends test each other
+                        continue
                     await dst.send_message(msg)
                     # bytes, as the name says: a text message's length is in characters
                     self._relayed += len(msg) if isinstance(msg, bytes) else len(msg.encode())

@@ -7,6 +7,10 @@ Two ways a connection ends without a close frame are told apart: the peer (or th
 broke it (``trio.BrokenResourceError``: WsClosed 1006, ``local`` False, counted as
 ``broken``), or this side closed the stream (``trio.ClosedResourceError``: shutdown, or a
 task that closed it under another; WsClosed ``local`` True, counted as ``closed_locally``).
+
+Partial messages are what a peer can make the gateway hold without finishing anything: a
+``MessageBudget`` shared by every WebSocket of a process bounds their sum (close 1013) and
+how long one may stay unfinished (close 1008).
 """
 
 from __future__ import annotations
@@ -29,13 +33,20 @@ from wsproto.events import (
 )
 from wsproto.utilities import RemoteProtocolError as WsRemoteProtocolError
 
-__all__ = ["HttpRequest", "WebSocket", "WsClosed", "WsStats", "read_request", "send_response", "upgrade"]
+__all__ = ["BudgetStats", "HttpRequest", "MessageBudget", "WebSocket", "WsClosed", "WsStats", "read_request",
+           "send_response", "upgrade"]
 
 MAX_HEADER_BYTES = 16 << 10
-READ_BYTES = 1 << 20
+# One read's buffer. A TLS read returns at most one record (16 KiB) however much is asked,
+# and asking for 1 MiB made every read allocate 1 MiB to keep 16 KiB: under load the
+# gateway's memory grew with that churn rather than with what it held.
+READ_BYTES = 64 << 10
 # A peer that reads nothing for this long while we send to it is gone: the WebSocket is
 # closed (a send cut off mid-frame leaves nothing usable behind it).
 SEND_TIMEOUT_S = 60.0
+# The payload of this side's own keepalive pings: a pong carrying it answers us, not a ping
+# relayed from the other side of a splice.
+OWN_PING = b"kvasir-keepalive"
 
 
 class WsClosed(Exception):
@@ -57,6 +68,8 @@ class WsStats:
     ``wire_bytes_*`` every byte read from or written to the stream (frame headers, control
     frames, the close handshake). ``pings_sent``: keepalive pings to a silent peer;
     ``pings_answered``: the peer's pings we answered; ``pongs_received``: the peer's pongs.
+    ``control_relayed``: the peer's pings and pongs handed out to be relayed (a splice);
+    ``buffered``: bytes of the unfinished message held now;
     ``broken``: 1 when the peer or the network broke the connection (no close frame);
     ``closed_locally``: 1 when a read or write found the stream already closed by us."""
 
@@ -69,8 +82,57 @@ class WsStats:
     pings_sent: int
     pings_answered: int
     pongs_received: int
+    control_relayed: int
+    buffered: int
     broken: int
     closed_locally: int
+
+
+@dataclasses.dataclass(frozen=True)
+class BudgetStats:
+    """A ``MessageBudget``'s counters: ``buffered`` bytes of unfinished messages held now,
+    their ``peak`` and ``limit``; connections closed because a fragment would have passed
+    the limit (``refused_buffer``, 1013) or a message stayed unfinished past the deadline
+    (``refused_deadline``, 1008)."""
+
+    buffered: int
+    peak: int
+    limit: int
+    deadline_s: float
+    refused_buffer: int
+    refused_deadline: int
+
+
+class MessageBudget:
+    """Bounds shared by every WebSocket given it: at most ``limit`` bytes of partially
+    received messages in all, and at most ``deadline_s`` from a message's first fragment to
+    its last. Single-threaded (trio): no lock."""
+
+    def __init__(self, limit: int, deadline_s: float) -> None:
+        if limit <= 0 or deadline_s <= 0:
+            raise ValueError("a message budget needs a positive limit and deadline")
+        self.limit = limit
+        self.deadline_s = deadline_s
+        self._buffered = 0
+        self._peak = 0
+        self.refused_buffer = 0
+        self.refused_deadline = 0
+
+    def take(self, n: int) -> bool:
+        """Reserve ``n`` bytes; False (nothing reserved) if that would pass the limit."""
+        if self._buffered + n > self.limit:
+            return False
+        self._buffered += n
+        self._peak = max(self._peak, self._buffered)
+        return True
+
+    def give(self, n: int) -> None:
+        """Return ``n`` bytes reserved with ``take``."""
+        self._buffered -= n
+
+    def statistics(self) -> BudgetStats:
+        return BudgetStats(buffered=self._buffered, peak=self._peak, limit=self.limit, deadline_s=self.deadline_s,
+                           refused_buffer=self.refused_buffer, refused_deadline=self.refused_deadline)
 
 
 @dataclasses.dataclass
@@ -195,6 +257,7 @@ async def upgrade(
     keepalive_s: float,
     idle_timeout_s: float,
     send_timeout_s: float = SEND_TIMEOUT_S,
+    budget: MessageBudget | None = None,
 ) -> WebSocket:
     """Accept the WebSocket upgrade of ``request`` with ``subprotocol``.
 
@@ -212,7 +275,7 @@ async def upgrade(
         raise HttpError("not a WebSocket upgrade")
     await stream.send_all(conn.send(AcceptConnection(subprotocol=subprotocol)))
     ws = WebSocket(stream, conn, max_message_bytes=max_message_bytes, keepalive_s=keepalive_s,
-                   idle_timeout_s=idle_timeout_s, send_timeout_s=send_timeout_s)
+                   idle_timeout_s=idle_timeout_s, send_timeout_s=send_timeout_s, budget=budget)
     if request.trailing:
         conn.receive_data(request.trailing)
     return ws
@@ -222,13 +285,21 @@ class WebSocket:
     """A server-side WebSocket over a trio stream. One task receives; any task may send.
 
     ``receive_message`` answers pings, enforces the largest message (close 1009), pings
-    an idle peer every ``keepalive_s`` and closes it (1001) after ``idle_timeout_s`` of
-    silence. A send that the peer does not take within ``send_timeout_s`` ends the
-    WebSocket (1001). Every failure surfaces as WsClosed with the code to report.
+    a peer silent for ``keepalive_s`` (and again every ``keepalive_s``) and closes it (1001)
+    after ``idle_timeout_s`` without activity: a message, a fragment, a ping of its own, or a
+    pong. ``receive_relayed`` is the same for a splice: the peer's pings and pongs (except
+    answers to our own pings) are returned to be relayed to the other side instead of being
+    answered here, and answers to our own pings no longer count as activity, so that
+    liveness is what the two ends see of each other. With a ``budget``, unfinished messages
+    are bounded in bytes over all WebSockets sharing it (close 1013) and in time (close
+    1008), and their buffers are freed whenever this WebSocket ends. A send that the peer
+    does not take within ``send_timeout_s`` ends the WebSocket (1001). Every failure
+    surfaces as WsClosed with the code to report.
     """
 
     def __init__(self, stream: trio.abc.Stream, conn: WSConnection, *, max_message_bytes: int,
-                 keepalive_s: float, idle_timeout_s: float, send_timeout_s: float = SEND_TIMEOUT_S) -> None:
+                 keepalive_s: float, idle_timeout_s: float, send_timeout_s: float = SEND_TIMEOUT_S,
+                 budget: MessageBudget | None = None) -> None:
         self._stream = stream
         self._send_timeout = send_timeout_s
         self._cut: WsClosed | None = None
@@ -236,9 +307,17 @@ class WebSocket:
         self._max = max_message_bytes
         self._keepalive = keepalive_s
         self._idle_timeout = idle_timeout_s
+        self._budget = budget
         self._send_lock = trio.StrictFIFOLock()
         self._parts: list[bytes | str] = []
         self._size = 0
+        self._charged = 0  # bytes of _parts reserved in the budget
+        self._started_at: float | None = None  # when the unfinished message began
+        self._relaying = False
+        now = trio.current_time()
+        self._last_active = now  # the idle timer: the peer's own doing (see the class docstring)
+        self._last_heard = now  # any bytes at all: the keepalive's timer
+        self._last_ping = now
         self._closed: WsClosed | None = None
         self._messages_in = 0
         self._messages_out = 0
@@ -249,6 +328,7 @@ class WebSocket:
         self._pings_sent = 0
         self._pings_answered = 0
         self._pongs = 0
+        self._relayed_control = 0
         self._broken = 0
         self._closed_locally = 0
 
@@ -257,8 +337,16 @@ class WebSocket:
         return WsStats(messages_in=self._messages_in, messages_out=self._messages_out,
                        payload_bytes_in=self._payload_in, payload_bytes_out=self._payload_out,
                        wire_bytes_in=self._wire_in, wire_bytes_out=self._wire_out, pings_sent=self._pings_sent,
-                       pings_answered=self._pings_answered, pongs_received=self._pongs, broken=self._broken,
+                       pings_answered=self._pings_answered, pongs_received=self._pongs,
+                       control_relayed=self._relayed_control, buffered=self._size, broken=self._broken,
                        closed_locally=self._closed_locally)
+
+    def forget_partial(self) -> None:
+        """Drop the unfinished message, if any, and give its bytes back to the budget.
+        Called whenever the WebSocket ends; idempotent."""
+        if self._budget is not None:
+            self._budget.give(self._charged)
+        self._parts, self._size, self._charged, self._started_at = [], 0, 0, None
 
     def _lost(self, exc: trio.BrokenResourceError | trio.ClosedResourceError) -> WsClosed:
         """The WsClosed for a stream that failed under a read or write, chained to ``exc``.
@@ -266,6 +354,7 @@ class WebSocket:
         Broken: the peer or the network ended it (1006, not local). Closed: we closed the
         stream, either through ``close`` (its WsClosed stands) or under this WebSocket (a
         local 1006: shutdown, or a bug in whoever closed it)."""
+        self.forget_partial()
         if isinstance(exc, trio.BrokenResourceError):
             self._broken = 1
             self._closed = self._closed or WsClosed(1006, "connection lost")
@@ -302,9 +391,19 @@ class WebSocket:
         self._payload_out += len(message) if isinstance(message, bytes) else len(message.encode())
         await self._write(data)
 
-    async def ping(self, payload: bytes = b"kv") -> None:
+    async def send_control(self, event: Ping | Pong) -> None:
+        """Send a ping or pong received on the other side of a splice, payload unchanged.
+        Raises WsClosed if this WebSocket is closed."""
+        if self._closed is not None:
+            raise self._closed
+        if self._conn.state is ConnectionState.OPEN:
+            out = Ping(payload=event.payload) if isinstance(event, Ping) else Pong(payload=event.payload)
+            await self._write(self._conn.send(out))
+
+    async def ping(self, payload: bytes = OWN_PING) -> None:
         if self._closed is None and self._conn.state is ConnectionState.OPEN:
             self._pings_sent += 1
+            self._last_ping = trio.current_time()
             await self._write(self._conn.send(Ping(payload=payload)))
 
     async def close(self, code: int = 1000, reason: str = "") -> None:
@@ -321,18 +420,32 @@ class WebSocket:
     async def _close_stream(self) -> None:
         # The peer may already be gone (broken) or the stream closed already (aclose is
         # idempotent, but a wrapper may say so): closing is best effort and never raises.
+        self.forget_partial()
         try:
             await self._stream.aclose()
         except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
             pass
 
     async def receive_message(self) -> bytes | str:
+        """The next whole message; pings are answered here. Raises WsClosed."""
+        got = await self._receive(relay=False)
+        assert isinstance(got, (bytes, str))  # without relay, control frames never come out
+        return got
+
+    async def receive_relayed(self) -> bytes | str | Ping | Pong:
+        """The next whole message, or a ping or pong for the caller to relay to the other
+        side of a splice (``send_control``); answers to our own pings stay here. From the
+        first call on, only the peer's own traffic keeps it from being idle. Raises WsClosed."""
+        self._relaying = True
+        return await self._receive(relay=True)
+
+    async def _receive(self, *, relay: bool) -> bytes | str | Ping | Pong:
         while True:
             if self._closed is not None:
                 raise self._closed
             try:
                 for event in self._conn.events():
-                    result = await self._handle(event)
+                    result = await self._handle(event, relay)
                     if result is not None:
                         return result
             except WsRemoteProtocolError as exc:
@@ -341,51 +454,88 @@ class WebSocket:
             data = await self._receive_some()
             self._conn.receive_data(data)
 
+    async def _expire(self, code: int, reason: str) -> WsClosed:
+        await self.close(code, reason)
+        return WsClosed(code, reason, local=True)
+
     async def _receive_some(self) -> bytes:
-        idle = 0.0
+        budget = self._budget
         while True:
-            with trio.move_on_after(self._keepalive) as scope:
+            now = trio.current_time()
+            ends = (self._started_at + budget.deadline_s
+                    if budget is not None and self._started_at is not None else float("inf"))
+            if now >= ends:
+                assert budget is not None
+                budget.refused_deadline += 1
+                raise await self._expire(1008, f"message not finished within {budget.deadline_s:g} s")
+            if now >= self._last_active + self._idle_timeout:
+                raise await self._expire(1001, "idle timeout")
+            next_ping = max(self._last_heard, self._last_ping) + self._keepalive
+            if now >= next_ping:
+                await self.ping()
+                continue
+            with trio.move_on_at(min(ends, next_ping, self._last_active + self._idle_timeout)) as scope:
                 try:
                     data = await self._stream.receive_some(READ_BYTES)
                 except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
                     raise self._lost(exc) from exc
-            if not scope.cancelled_caught:
-                if not data:
-                    # A clean EOF without a close frame: the peer's side ended it.
-                    self._broken = 1
-                    self._closed = self._closed or WsClosed(1006, "connection closed without a close frame")
-                    await self._close_stream()
-                    raise self._closed
-                self._wire_in += len(data)
-                return bytes(data)
-            idle += self._keepalive
-            if idle >= self._idle_timeout:
-                await self.close(1001, "idle timeout")
-                raise WsClosed(1001, "idle timeout", local=True)
-            await self.ping()
+            if scope.cancelled_caught:
+                continue
+            if not data:
+                # A clean EOF without a close frame: the peer's side ended it.
+                self._broken = 1
+                self._closed = self._closed or WsClosed(1006, "connection closed without a close frame")
+                await self._close_stream()
+                raise self._closed
+            self._wire_in += len(data)
+            self._last_heard = trio.current_time()
+            return bytes(data)
 
-    async def _handle(self, event: object) -> bytes | str | None:
+    async def _handle(self, event: object, relay: bool) -> bytes | str | Ping | Pong | None:
         if isinstance(event, Message):
+            self._last_active = trio.current_time()
             # Sizes are bytes: a text message is bounded by its UTF-8 length, not its characters.
-            self._size += len(event.data) if isinstance(event.data, bytes) else len(event.data.encode())
+            n = len(event.data) if isinstance(event.data, bytes) else len(event.data.encode())
+            self._size += n
             if self._size > self._max:
                 await self.close(1009, f"message larger than {self._max} bytes")
                 raise WsClosed(1009, "message too big", local=True)
+            if not event.message_finished:
+                if self._started_at is None:
+                    self._started_at = self._last_active
+                if self._budget is not None:
+                    if not self._budget.take(n):
+                        self._budget.refused_buffer += 1
+                        await self.close(1013, "the gateway holds too many unfinished messages; try again later")
+                        raise WsClosed(1013, "message buffers full", local=True)
+                    self._charged += n
+                self._parts.append(event.data)
+                return None
             self._parts.append(event.data)
-            if event.message_finished:
-                self._messages_in += 1
-                self._payload_in += self._size
-                parts, self._parts, self._size = self._parts, [], 0
-                if isinstance(event, TextMessage):
-                    return "".join(parts)  # type: ignore[arg-type]
-                return b"".join(parts)  # type: ignore[arg-type]
-            return None
+            self._messages_in += 1
+            self._payload_in += self._size
+            parts = self._parts
+            self.forget_partial()
+            if isinstance(event, TextMessage):
+                return "".join(parts)  # type: ignore[arg-type]
+            return b"".join(parts)  # type: ignore[arg-type]
         if isinstance(event, Ping):
+            self._last_active = trio.current_time()
+            if relay:
+                self._relayed_control += 1
+                return event
             self._pings_answered += 1
             await self._write(self._conn.send(event.response()))
             return None
         if isinstance(event, Pong):
             self._pongs += 1
+            ours = event.payload == OWN_PING
+            if not (ours and self._relaying):
+                # Answers to our pings prove only this hop: they count while we are the end.
+                self._last_active = trio.current_time()
+            if relay and not ours:
+                self._relayed_control += 1
+                return event
             return None
         if isinstance(event, CloseConnection):
             if self._conn.state is not ConnectionState.CLOSED:

@@ -20,7 +20,7 @@ import trio.testing
 from helpers import trustme_certs, wait_until
 from probes import PROBES
 from wsclient import connect, open_stream, open_tcp, read_until_eof
-from wsproto.events import CloseConnection
+from wsproto.events import BytesMessage, CloseConnection
 
 from kvasir_rpc.dev.swarm import LocalSwarm
 
@@ -374,3 +374,102 @@ def test_kvasir_certs_makes_a_ca_that_verifies_the_gateway(tmp_path):
 
     assert trio.run(handshake, "127.0.0.1") and trio.run(handshake, "gw.example")
     assert not trio.run(handshake, "other.example")
+
+
+HOARD_LIMITS = ["--max-sessions", "20", "--max-sessions-per-address", "8", "--max-buffered-bytes", str(16 << 20),
+                "--message-deadline", "4"]
+HOARD_MESSAGE = (4 << 20) - 1  # just under --max-message-bytes: only the budget and the deadline stop it
+
+
+async def _hoard(sw, stop: trio.Event, tally: dict[str, int], rss: list[int]) -> None:
+    """One address (127.0.0.3) keeps 20 connections busy: each session it gets starts a
+    4 MiB message and never finishes it; refused, it retries after a pause. Until ``stop``."""
+    ctx = _client_ssl(sw)
+    gateway = psutil.Process(sw.procs["gateway"].pid)
+
+    def note(outcome: str) -> None:
+        tally[outcome] = tally.get(outcome, 0) + 1
+
+    async def one() -> None:
+        while not stop.is_set():
+            try:
+                with trio.fail_after(30):
+                    ws = await connect(sw.gateway_port, "/v1/worker", ssl_context=ctx, source="127.0.0.3",
+                                       subprotocols=["kvasir.tunnel.v1"])
+                    if ws.status is not None:
+                        note(f"http_{ws.status}")
+                        await ws.aclose()
+                        await trio.sleep(0.5)
+                        continue
+                    await ws.next_event()  # the hub's challenge, relayed: the session is spliced
+                    await ws.stream.send_all(ws.conn.send(BytesMessage(bytes(HOARD_MESSAGE), message_finished=False)))
+                    ev = await ws.next_event()
+                    while not isinstance(ev, CloseConnection) and ev is not None:
+                        ev = await ws.next_event()
+                    note(f"close_{ev.code}" if isinstance(ev, CloseConnection) else "eof")
+                    await ws.aclose()
+            except trio.TooSlowError:
+                note("TIMEOUT")
+            except (OSError, trio.BrokenResourceError, ssl.SSLError):
+                note("reset")  # closed by the gateway while our send was still going out
+
+    async def sample() -> None:
+        while not stop.is_set():
+            rss.append(gateway.memory_info().rss)
+            await trio.sleep(0.05)
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(sample)
+        for _ in range(20):
+            nursery.start_soon(one)
+
+
+def test_one_address_hoarding_unfinished_messages_cannot_lock_out_a_worker(tiny_models, tmp_path):
+    """The probe: 20 sessions from one address, each holding an unfinished 4 MiB message,
+    against ``--max-sessions 20``. Now the address gets at most its 8 sessions (429 beyond),
+    the budget (16 MiB) and the deadline (4 s) cut its messages, the gateway's memory stays
+    bounded, and a worker from another address gets in and serves a decode."""
+    model = tiny_models("qwen3_moe")
+    with LocalSwarm(tmp_path) as sw:
+        trustme_certs(sw.workdir)
+        sw.start_gateway(extra=HOARD_LIMITS)
+        sw.start_hub(gateway=True)
+        gateway = psutil.Process(sw.procs["gateway"].pid)
+        tally: dict[str, int] = {}
+        rss: list[int] = []
+        result: dict[str, object] = {}
+
+        def legit_worker() -> None:
+            sw.start_worker("worker1", model, "*:0-7", via="gateway")  # from 127.0.0.1
+            sw.wait_sessions(1, timeout=120, watch=["gateway", "hub", "worker1"])
+            result.update(sw.run_backbone(["--model", str(model), "--prompt", "under a hoard", "--max-new-tokens", "12",
+                                           "--compare-local", "--wait-sessions", "1"], timeout=300))
+
+        async def main() -> float:
+            stop = trio.Event()
+            with trio.fail_after(420):
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(_hoard, sw, stop, tally, rss)
+                    await trio.sleep(6)  # the hoard is in place (and its first messages cut) before the worker comes
+                    started = trio.current_time()
+                    try:
+                        await trio.to_thread.run_sync(legit_worker)
+                    finally:
+                        stop.set()
+                    return trio.current_time() - started
+
+        baseline = gateway.memory_info().rss
+        served_s = trio.run(main)
+        peak = max(rss)
+        growth_mib = (peak - baseline) / (1 << 20)
+        print(f"\nhoard: gateway RSS {baseline / (1 << 20):.1f} MiB -> peak {peak / (1 << 20):.1f} MiB "
+              f"(+{growth_mib:.1f} MiB); worker served in {served_s:.1f} s; outcomes {tally}")
+        assert result["backbone_exit_code"] == 0
+        assert result["tokens_identical"] is True and result["max_abs_logit_diff"] == 0.0
+        assert result["remote_calls"] > 0 and result["fallback_calls"] == 0
+        assert tally.get("http_429", 0) > 0  # the address was held to its 8 sessions
+        assert tally.get("close_1008", 0) > 0  # messages cut at the deadline
+        assert not set(tally) - {"http_429", "close_1008", "close_1013", "reset"}, tally
+        # At most 16 MiB of unfinished messages are held; the rest is what the allocator keeps
+        # of the ~1 GB that streams through (measured +108 MiB; +250 MiB with 1 MiB reads).
+        assert growth_mib < 200, growth_mib

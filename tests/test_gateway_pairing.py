@@ -1,6 +1,7 @@
 """The public gateway's pairing and routing, in memory and on a fake clock: a hub's control
 WebSocket, workers that wait to be announced, the hub's data connection, the splice, and
-every HTTP refusal on the way. No sockets, no TLS, no processes: each connection is one
+every HTTP refusal on the way, the limits per source address and on unfinished messages, and
+pings relayed end to end. No sockets, no TLS, no processes: each connection is one
 ``memory_stream_pair`` served by ``Gateway._handle``; tests/test_gateway.py runs the real
 thing over TLS.
 """
@@ -15,7 +16,7 @@ import pytest
 import trio
 import trio.testing
 from wsmem import MemClient, open_client
-from wsproto.events import BytesMessage, CloseConnection
+from wsproto.events import BytesMessage, CloseConnection, Event, Ping, Pong
 
 from kvasir_rpc.protocol import (
     GATEWAY_SUBPROTOCOL,
@@ -464,5 +465,173 @@ def test_workers_waiting_across_a_control_replacement_are_all_paired() -> None:
             await second.close()
         stats = h.gateway.statistics()
         assert (stats.unpaired, stats.sessions, stats.refused) == (0, 0, {})
+
+    run(main)
+
+
+# -- 7. sessions per source address ------------------------------------------------------------------
+
+
+def test_sessions_per_source_address_are_capped_429_and_other_addresses_still_get_in() -> None:
+    async def main() -> None:
+        async with gateway(max_sessions_per_address=2) as h:
+            hub = await h.control()
+            first = await h.worker("198.51.100.1:1000")
+            pid = await announced(hub, "198.51.100.1:1000")
+            second = await h.worker("198.51.100.1:1001")  # another port, the same address
+            await announced(hub, "198.51.100.1:1001")
+            refused = await h.dial(WORKER_PATH, "198.51.100.1:1002", subprotocols=[TUNNEL_SUBPROTOCOL])
+            assert refused.status == 429 and refused.headers["retry-after"] == "5"
+            assert b"198.51.100.1" in refused.body and b"2 sessions" in refused.body
+            other = await h.worker("198.51.100.2:1000")  # another address is not affected
+            await announced(hub, "198.51.100.2:1000")
+            assert h.gateway.statistics().sessions_by_address == {"198.51.100.1": 2, "198.51.100.2": 1}
+            # Spliced sessions count too; the place comes back when one ends.
+            data = await h.data(pid)
+            refused = await h.dial(WORKER_PATH, "198.51.100.1:1003", subprotocols=[TUNNEL_SUBPROTOCOL])
+            assert refused.status == 429
+            await first.close()
+            await closed_with(data)
+            await closed_with(first)
+            await trio.testing.wait_all_tasks_blocked()
+            third = await h.worker("198.51.100.1:1004")
+            await announced(hub, "198.51.100.1:1004")
+            for w in (second, other, third):  # no hub dials these: they time out waiting
+                assert (await closed_with(w)).code == 1013
+            await hub.close()
+        stats = h.gateway.statistics()
+        assert stats.refused == {"address_sessions": 2, "pairing_timeout": 3}
+        assert stats.sessions_by_address == {}  # nothing left behind
+
+    run(main)
+
+
+def test_an_ipv6_slash_64_is_one_address_and_ipv4_mapped_is_its_ipv4() -> None:
+    async def main() -> None:
+        async with gateway(max_sessions_per_address=1) as h:
+            hub = await h.control()
+            v6 = await h.worker("2001:db8:1:2::1:443")
+            await announced(hub, "2001:db8:1:2::1:443")
+            same_64 = await h.dial(WORKER_PATH, "2001:db8:1:2:ffff::9:443", subprotocols=[TUNNEL_SUBPROTOCOL])
+            assert same_64.status == 429
+            v4 = await h.worker("192.0.2.1:443")
+            await announced(hub, "192.0.2.1:443")
+            mapped = await h.dial(WORKER_PATH, "::ffff:192.0.2.1:443", subprotocols=[TUNNEL_SUBPROTOCOL])
+            assert mapped.status == 429
+            assert h.gateway.statistics().sessions_by_address == {"2001:db8:1:2::/64": 1, "192.0.2.1": 1}
+            for w in (v6, v4):
+                assert (await closed_with(w)).code == 1013
+            await hub.close()
+        assert h.gateway.statistics().refused == {"address_sessions": 2, "pairing_timeout": 2}
+
+    run(main)
+
+
+# -- 8. unfinished messages ----------------------------------------------------------------------------
+
+
+def test_a_spliced_worker_trickling_a_message_is_cut_1008_at_the_deadline_and_the_hub_told() -> None:
+    async def main() -> None:
+        async with gateway(message_deadline_s=7.0) as h:
+            hub = await h.control()
+            worker = await h.worker()
+            data = await h.data(await announced(hub))
+            start = trio.current_time()
+            for _ in range(5):
+                await worker.send(BytesMessage(b"z" * 4096, message_finished=False))
+                await trio.sleep(1)
+            await trio.testing.wait_all_tasks_blocked()
+            assert h.gateway.statistics().buffered_bytes == 5 * 4096
+            got = await closed_with(worker)
+            assert got.code == 1008 and "not finished within 7 s" in got.reason
+            assert trio.current_time() - start == pytest.approx(7.0)
+            relayed = await closed_with(data)  # the hub hears why its session ended
+            assert relayed.code == 1008
+            await hub.close()
+        stats = h.gateway.statistics()
+        assert (stats.buffered_bytes, stats.refused) == (0, {"message_deadline": 1})
+
+    run(main)
+
+
+def test_unfinished_messages_of_all_sessions_share_the_budget_1013() -> None:
+    async def main() -> None:
+        async with gateway(max_buffered_bytes=10_000) as h:
+            hub = await h.control()
+            a = await h.worker("198.51.100.1:1000")
+            data_a = await h.data(await announced(hub, "198.51.100.1:1000"))
+            b = await h.worker("198.51.100.2:1000")
+            data_b = await h.data(await announced(hub, "198.51.100.2:1000"))
+            await a.send(BytesMessage(b"a" * 6000, message_finished=False))
+            await trio.testing.wait_all_tasks_blocked()
+            await b.send(BytesMessage(b"b" * 6000, message_finished=False))
+            assert (await closed_with(b)).code == 1013
+            assert (await closed_with(data_b)).code == 1013
+            await a.send(BytesMessage(b"a"))  # a's message was held within the budget and goes through
+            assert await data_a.next_event() == b"a" * 6001
+            await a.close()
+            await closed_with(data_a)
+            await closed_with(a)
+            await hub.close()
+        stats = h.gateway.statistics()
+        assert (stats.buffered_bytes, stats.refused) == (0, {"buffer_full": 1})
+
+    run(main)
+
+
+# -- 9. liveness end to end: pings and pongs are relayed across the splice --------------------------------
+
+
+async def raw_events(client: MemClient) -> list[Event]:
+    """What arrived for ``client``, unanswered (``next_event`` would answer pings)."""
+    while True:
+        events = list(client.conn.events())
+        if events:
+            return events
+        assert await client._feed(), "the stream ended"
+
+
+@pytest.mark.parametrize("pinger", ["hub", "worker"])
+def test_a_ping_crosses_the_splice_and_its_pong_comes_back(pinger: str) -> None:
+    async def main() -> None:
+        async with gateway() as h:
+            hub = await h.control()
+            worker = await h.worker()
+            data = await h.data(await announced(hub))
+            src, dst = (data, worker) if pinger == "hub" else (worker, data)
+            await src.send(Ping(b"end-to-end"))
+            assert [(type(e), e.payload) for e in await raw_events(dst)] == [(Ping, b"end-to-end")]  # type: ignore[attr-defined]
+            await dst.send(Pong(b"end-to-end"))
+            assert [(type(e), e.payload) for e in await raw_events(src)] == [(Pong, b"end-to-end")]  # type: ignore[attr-defined]
+            await worker.close()
+            await closed_with(data)
+            await closed_with(worker)
+            await hub.close()
+
+    run(main)
+
+
+def test_a_spliced_worker_that_never_answers_is_seen_by_the_hub() -> None:
+    """The gateway no longer answers the hub's pings: a frozen worker leaves the hub's
+    keepalive without a pong (here the hub waits 10 s, as its keepalive does, then closes)."""
+
+    async def main() -> None:
+        async with gateway(keepalive_s=3.0) as h:  # the gateway's own pings do not change that
+            hub = await h.control()
+            worker = await h.worker()
+            data = await h.data(await announced(hub))
+            await data.send(Ping(b"keepalive-1"))
+            arrived: list[Event] = []
+            with trio.move_on_after(10):
+                while True:
+                    arrived += await raw_events(data)
+            assert not [e for e in arrived if isinstance(e, Pong)], arrived
+            got = [e for e in await raw_events(worker) if isinstance(e, Ping)]
+            assert got[0].payload == b"keepalive-1"  # it reached the worker, which said nothing
+            await data.close(1001, "keepalive: no pong within 10 s")
+            got_close = await closed_with(worker)
+            assert (got_close.code, got_close.reason) == (1001, "keepalive: no pong within 10 s")
+            await closed_with(data)
+            await hub.close()
 
     run(main)

@@ -1,5 +1,6 @@
 """relay/_ws.py over in-memory streams and a fake clock: the HTTP head, the upgrade, frames,
-masking, fragmentation, ping/pong, close codes, the message size limit and idle time.
+masking, fragmentation, ping/pong, close codes, the message size limit and idle time, the
+budget of unfinished messages (bytes over all connections, and a deadline) and relay mode.
 
 The client side is wsproto driven by hand, so a test can send exactly the frames it wants.
 """
@@ -25,7 +26,18 @@ from wsproto.events import (
     TextMessage,
 )
 
-from relay._ws import MAX_HEADER_BYTES, HttpError, HttpRequest, WebSocket, WsClosed, read_request, send_response, upgrade
+from relay._ws import (
+    MAX_HEADER_BYTES,
+    OWN_PING,
+    HttpError,
+    HttpRequest,
+    MessageBudget,
+    WebSocket,
+    WsClosed,
+    read_request,
+    send_response,
+    upgrade,
+)
 
 SUB = "kvasir.tunnel.v1"
 UPGRADE = (b"GET /v1/worker?x=1 HTTP/1.1\r\nHost: gw\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
@@ -158,7 +170,8 @@ class Client:
 
 
 async def connect(*, max_message_bytes: int = 1000, keepalive_s: float = 5.0, idle_timeout_s: float = 20.0,
-                  first: list[Event] | None = None) -> tuple[Client, WebSocket, trio.abc.Stream]:
+                  first: list[Event] | None = None,
+                  budget: MessageBudget | None = None) -> tuple[Client, WebSocket, trio.abc.Stream]:
     """An accepted WebSocket: (client, server WebSocket, the server's raw stream). ``first``:
     frames the client sends in the same write as its upgrade request."""
     client_stream, server_stream = trio.testing.memory_stream_pair()
@@ -170,7 +183,7 @@ async def connect(*, max_message_bytes: int = 1000, keepalive_s: float = 5.0, id
     await client_stream.send_all(head + early)
     req = await read_request(server_stream)
     ws = await upgrade(server_stream, req, subprotocol=SUB, max_message_bytes=max_message_bytes,
-                       keepalive_s=keepalive_s, idle_timeout_s=idle_timeout_s)
+                       keepalive_s=keepalive_s, idle_timeout_s=idle_timeout_s, budget=budget)
     accepted = await client.events()
     assert isinstance(accepted[0], AcceptConnection) and accepted[0].subprotocol == SUB
     return client, ws, server_stream
@@ -422,5 +435,165 @@ def test_text_is_bounded_and_counted_in_utf8_bytes() -> None:
         with pytest.raises(WsClosed) as info:
             await ws.receive_message()
         assert info.value.code == 1009
+
+    run(main)
+
+
+# -- unfinished messages: a deadline, and a budget of bytes shared by every connection ------------
+
+
+def test_a_trickled_message_is_closed_1008_at_the_deadline_and_its_bytes_freed() -> None:
+    async def main() -> None:
+        budget = MessageBudget(1 << 20, deadline_s=10.0)
+        # Keepalive and idle time far away: only the deadline can end this.
+        client, ws, _ = await connect(max_message_bytes=1 << 20, keepalive_s=1000, idle_timeout_s=5000, budget=budget)
+        start = trio.current_time()
+
+        async def trickle() -> None:
+            for _ in range(100):  # a fragment a second: never idle, never finished
+                await client.send(BytesMessage(b"t" * 1000, message_finished=False))
+                await trio.sleep(1)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(trickle)
+            with pytest.raises(WsClosed) as info:
+                await ws.receive_message()
+            nursery.cancel_scope.cancel()
+        assert (info.value.code, info.value.local) == (1008, True)
+        assert trio.current_time() - start == pytest.approx(10.0)
+        closes = [e for e in await client.events() if isinstance(e, CloseConnection)]
+        assert closes[0].code == 1008 and "not finished within 10 s" in closes[0].reason
+        stats = budget.statistics()
+        assert (stats.buffered, stats.peak, stats.refused_deadline) == (0, 10_000, 1)
+        assert ws.statistics().buffered == 0
+
+    run(main)
+
+
+def test_the_deadline_runs_per_message_and_a_finished_one_releases_it() -> None:
+    async def main() -> None:
+        budget = MessageBudget(1 << 20, deadline_s=10.0)
+        client, ws, _ = await connect(keepalive_s=1000, idle_timeout_s=5000, budget=budget)
+        for i in range(5):  # five messages of 9 s each: 45 s in all, each within its deadline
+            await client.send(BytesMessage(b"a", message_finished=False))
+            await trio.sleep(9)
+            await client.send(BytesMessage(b"b"))
+            assert await ws.receive_message() == b"ab"
+            assert budget.statistics().buffered == 0
+        assert budget.statistics().refused_deadline == 0
+
+    run(main)
+
+
+def test_unfinished_messages_share_one_budget_the_one_that_would_pass_it_is_closed_1013() -> None:
+    async def main() -> None:
+        budget = MessageBudget(1000, deadline_s=30.0)
+        a, ws_a, _ = await connect(max_message_bytes=5000, keepalive_s=1000, idle_timeout_s=5000, budget=budget)
+        b, ws_b, _ = await connect(max_message_bytes=5000, keepalive_s=1000, idle_timeout_s=5000, budget=budget)
+        # A whole message is not held (it leaves at once): it may be larger than the budget.
+        await a.send(BytesMessage(b"w" * 3000))
+        assert await ws_a.receive_message() == b"w" * 3000
+        assert budget.statistics().buffered == 0
+        await a.send(BytesMessage(b"x" * 600, message_finished=False))
+        with trio.move_on_after(1):
+            await ws_a.receive_message()
+        assert budget.statistics().buffered == 600
+        await b.send(BytesMessage(b"y" * 300, message_finished=False), BytesMessage(b"y" * 200, message_finished=False))
+        with pytest.raises(WsClosed) as info:
+            await ws_b.receive_message()
+        assert (info.value.code, info.value.local) == (1013, True)
+        closes = [e for e in await b.events() if isinstance(e, CloseConnection)]
+        assert closes[0].code == 1013 and "try again later" in closes[0].reason
+        assert budget.statistics().buffered == 600  # b's 300 went back with it
+        await a.send(BytesMessage(b"x" * 400))  # a finishes: 1000 bytes, more than was left
+        assert await ws_a.receive_message() == b"x" * 1000
+        stats = budget.statistics()
+        assert (stats.buffered, stats.peak, stats.refused_buffer) == (0, 900, 1)
+
+    run(main)
+
+
+@pytest.mark.parametrize("ending", ["our_close", "peer_close", "vanished", "too_big"])
+def test_every_ending_gives_the_unfinished_bytes_back(ending: str) -> None:
+    async def main() -> None:
+        budget = MessageBudget(10_000, deadline_s=30.0)
+        client, ws, _ = await connect(max_message_bytes=1000, keepalive_s=1000, idle_timeout_s=5000, budget=budget)
+        await client.send(BytesMessage(b"x" * 700, message_finished=False))
+        with trio.move_on_after(1):
+            await ws.receive_message()
+        assert budget.statistics().buffered == 700
+        if ending == "our_close":
+            await ws.close(1000)
+        else:
+            if ending == "peer_close":
+                await client.send(CloseConnection(code=1000))
+            elif ending == "vanished":
+                await client.stream.aclose()
+            else:
+                await client.send(BytesMessage(b"x" * 301, message_finished=False))
+            with pytest.raises(WsClosed):
+                await ws.receive_message()
+        assert budget.statistics().buffered == 0
+
+    run(main)
+
+
+# -- relay mode: pings and pongs go to the other side of a splice ----------------------------------
+
+
+def test_relay_mode_hands_out_pings_and_foreign_pongs_unanswered() -> None:
+    async def main() -> None:
+        client, ws, _ = await connect(keepalive_s=1000, idle_timeout_s=5000)
+        await client.send(Ping(b"e2e-1"), Pong(b"e2e-2"), BytesMessage(b"m"))
+        got = [await ws.receive_relayed() for _ in range(3)]
+        assert isinstance(got[0], Ping) and got[0].payload == b"e2e-1"
+        assert isinstance(got[1], Pong) and got[1].payload == b"e2e-2"
+        assert got[2] == b"m"
+        await ws.send_control(Ping(b"from-the-other-side"))
+        await ws.send_control(Pong(b"answer"))
+        sent = await client.events()
+        # The client's ping was not answered here: only what the other side sent arrives.
+        assert [(type(e), e.payload) for e in sent] == [(Ping, b"from-the-other-side"), (Pong, b"answer")]  # type: ignore[attr-defined]
+        stats = ws.statistics()
+        assert (stats.pings_answered, stats.control_relayed) == (0, 2)
+
+    run(main)
+
+
+def test_in_relay_mode_answers_to_our_own_pings_do_not_keep_a_peer_alive() -> None:
+    async def main() -> None:
+        client, ws, _ = await connect(keepalive_s=5, idle_timeout_s=12)
+
+        async def answer() -> None:
+            while True:
+                for event in await client.events():
+                    if isinstance(event, Ping):
+                        assert event.payload == OWN_PING
+                        await client.send(event.response())
+
+        start = trio.current_time()
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(answer)
+            with pytest.raises(WsClosed) as info:
+                await ws.receive_relayed()  # our pongs are not handed out either
+            nursery.cancel_scope.cancel()
+        assert (info.value.code, info.value.local) == (1001, True)
+        assert trio.current_time() - start == pytest.approx(12)
+        stats = ws.statistics()
+        assert stats.pongs_received == stats.pings_sent == 2 and stats.control_relayed == 0
+
+    run(main)
+
+
+def test_in_relay_mode_relayed_pings_keep_a_peer_alive() -> None:
+    async def main() -> None:
+        client, ws, _ = await connect(keepalive_s=5, idle_timeout_s=12)
+        start = trio.current_time()
+        for _ in range(10):  # the other end's keepalive, every 10 s, for 100 s
+            await trio.sleep(10)
+            await client.send(Ping(b"hub"))
+            got = await ws.receive_relayed()
+            assert isinstance(got, Ping) and got.payload == b"hub"
+        assert trio.current_time() - start == pytest.approx(100)
 
     run(main)
