@@ -11,6 +11,20 @@ import structlog
 __all__ = ["configure_logging", "get_logger"]
 
 
+class _StderrLogger:
+    """A structlog logger that prints to the ``sys.stderr`` of the moment, not the one at
+    set-up (a caller that swaps stderr, or closes the one it swapped in, breaks nothing)."""
+
+    def msg(self, message: str) -> None:
+        print(message, file=sys.stderr, flush=True)
+
+    log = debug = info = warn = warning = error = critical = exception = fatal = failure = err = msg
+
+
+def _stderr_logger(*_args: object) -> _StderrLogger:
+    return _StderrLogger()
+
+
 def configure_logging(component: str, *, level: str = "info", json: bool | None = None) -> None:
     """Route structlog and stdlib logging to stderr. ``json=None`` picks JSON unless stderr is a tty."""
     use_json = (not sys.stderr.isatty()) if json is None else json
@@ -28,7 +42,7 @@ def configure_logging(component: str, *, level: str = "info", json: bool | None 
     structlog.configure(
         processors=[*processors, renderer],
         wrapper_class=structlog.make_filtering_bound_logger(lvl),
-        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        logger_factory=_stderr_logger,
         cache_logger_on_first_use=True,
     )
     structlog.contextvars.bind_contextvars(component=component)

@@ -61,3 +61,14 @@ def ledger(tmp_path: pathlib.Path) -> Iterator[LedgerProcess]:
     yield proc
     if proc.proc is not None and proc.proc.poll() is None:
         proc.stop()
+
+
+@pytest.fixture(autouse=True)
+def _structlog_defaults():
+    """A test that runs a main() in-process configures structlog globally (its level, its
+    renderer): put the defaults back so the next test logs as it would alone."""
+    yield
+    import structlog
+
+    structlog.reset_defaults()
+    structlog.contextvars.clear_contextvars()
