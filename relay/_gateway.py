@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import dataclasses
 import hmac
-import ipaddress
 import secrets
 import ssl
 import time
@@ -30,7 +29,7 @@ from collections.abc import Callable
 
 import trio
 
-from kvasir_rpc import CloseCode, TLSStream, get_logger
+from kvasir_rpc import CloseCode, TLSStream, address_key, get_logger, remote_host
 from kvasir_rpc.protocol import (
     GATEWAY_SUBPROTOCOL,
     HEALTH_PATH,
@@ -57,7 +56,7 @@ from relay._ws import (
     upgrade,
 )
 
-__all__ = ["GatewayConfig", "GatewayStats", "address_key", "serve_gateway"]
+__all__ = ["GatewayConfig", "GatewayStats", "serve_gateway"]
 
 log = get_logger("relay.gateway")
 
@@ -93,26 +92,6 @@ class GatewayStats:
     relayed_bytes: int
     buffered_bytes: int
     sessions_by_address: dict[str, int]
-
-
-def address_key(host: str) -> str:
-    """The source address limits apply to: an IPv4 address as it is, an IPv4-mapped IPv6
-    address as its IPv4 address, any other IPv6 address as its /64 (``2001:db8:1:2::/64``).
-    A string that is not an address (a test's name) is its own key."""
-    try:
-        addr = ipaddress.ip_address(host.split("%", 1)[0])
-    except ValueError:
-        return host
-    if isinstance(addr, ipaddress.IPv6Address):
-        if addr.ipv4_mapped is not None:
-            return str(addr.ipv4_mapped)
-        return str(ipaddress.IPv6Network((addr, 64), strict=False))
-    return str(addr)
-
-
-def _host(remote: str) -> str:
-    """The host of ``HOST:PORT`` (an IPv6 host has colons of its own; brackets allowed)."""
-    return remote.rsplit(":", 1)[0].strip("[]") if ":" in remote else remote
 
 
 class _RateLimiter:
@@ -317,7 +296,7 @@ class Gateway:
             waiting = sum(1 for p in self._pending.values() if p.hub_ws is None) + self._admitting
             if waiting >= cfg.max_unpaired or len(self._pending) + self._admitting >= cfg.max_sessions:
                 return await refuse("capacity", 503, "gateway at capacity; retry later\n", headers=(("retry-after", "5"),))
-            source = address_key(_host(remote))
+            source = address_key(remote_host(remote))
             if self._by_address.get(source, 0) >= cfg.max_sessions_per_address:
                 return await refuse("address_sessions", 429, f"this address ({source}) already holds "
                                     f"{cfg.max_sessions_per_address} sessions, the most one address may; "

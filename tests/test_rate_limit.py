@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from relay._gateway import _RateLimiter, address_key
+from kvasir_rpc import address_key
+from relay._gateway import _RateLimiter
 
 
 class FakeClock:
