@@ -278,7 +278,9 @@ def main(argv: list[str] | None = None) -> int:
     gw.add_argument("--message-deadline", type=float, default=30.0,
                     help="seconds from a message's first fragment to its last (later: close 1008)")
     gw.add_argument("--keepalive", type=float, default=20.0, help="ping a silent peer after this many seconds")
-    gw.add_argument("--idle-timeout", type=float, default=120.0, help="close a peer silent this long (1001)")
+    gw.add_argument("--idle-timeout", type=float, default=120.0,
+                    help="close a peer silent this long (1001); once a worker is paired, only its own traffic and "
+                         "the hub's end-to-end pings count, so keep this above the hub's --keepalive")
     gw.add_argument("--max-new-per-ip", type=float, default=50.0, help="new connections per source address per second")
     gw.add_argument("--ready-file", type=pathlib.Path, help="write {port} here once listening")
     gw.add_argument("--log-level", default="info")

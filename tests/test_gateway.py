@@ -38,7 +38,9 @@ def gw(tiny_models, tmp_path_factory):
     with LocalSwarm(tmp_path_factory.mktemp("gw")) as sw:
         trustme_certs(sw.workdir)
         sw.start_gateway(extra=GATEWAY_LIMITS)
-        sw.start_hub(gateway=True)
+        # The hub's end-to-end pings are what keeps a spliced pair from the gateway's idle
+        # timeout: they must come more often than it (as the defaults, 15 s < 120 s, do).
+        sw.start_hub(gateway=True, extra=["--keepalive", "0.5"])
         sw.start_worker("worker1", model, "*:0-3", via="gateway")
         sw.start_worker("worker2", model, "*:4-7", via="gateway")
         sw.wait_sessions(2, watch=["gateway", "worker1", "worker2"])
@@ -313,7 +315,9 @@ def test_gateway_restart_mid_decode(tiny_models, tmp_path):
         trustme_certs(sw.workdir)
         sw.start_gateway()
         port = sw.gateway_port
-        sw.start_hub(gateway=True)
+        # The hub's end-to-end pings are what keeps a spliced pair from the gateway's idle
+        # timeout: they must come more often than it (as the defaults, 15 s < 120 s, do).
+        sw.start_hub(gateway=True, extra=["--keepalive", "0.5"])
         sw.start_worker("worker1", model, "*:0-3", via="gateway")
         sw.start_worker("worker2", model, "*:4-7", via="gateway")
         sw.wait_sessions(2, watch=["gateway", "worker1", "worker2"])
