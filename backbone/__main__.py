@@ -12,6 +12,7 @@ import sys
 import time
 
 from kvasir_rpc import configure_logging, get_logger
+from backbone._deadlines import DEFAULT_STRAGGLER_FACTOR, DEFAULT_STRAGGLER_FLOOR_S, StragglerPolicy
 
 log = get_logger("backbone")
 
@@ -34,7 +35,16 @@ def main(argv: list[str] | None = None) -> int:
                         "step and a local one")
     g.add_argument("--wait-sessions", type=int, default=0, help="wait until the hub lists this many sessions")
     g.add_argument("--wait-timeout", type=float, default=60.0)
-    g.add_argument("--call-timeout", type=float, default=30.0, help="seconds before a remote call is recomputed here")
+    g.add_argument("--call-timeout", type=float, default=30.0,
+                   help="seconds after which an unanswered remote call is lost: recomputed here and its worker "
+                        "no longer used (a late call is recomputed sooner, see --straggler-factor)")
+    g.add_argument("--straggler-factor", type=float, default=DEFAULT_STRAGGLER_FACTOR,
+                   help="a call is late, and computed here with its answer dropped unpaid, after this many times "
+                        "its worker's measured round trip (srtt + 4 rttvar, scaled by rows); 0 waits the call "
+                        f"timeout (default {DEFAULT_STRAGGLER_FACTOR})")
+    g.add_argument("--straggler-floor", type=float, default=DEFAULT_STRAGGLER_FLOOR_S,
+                   help="seconds a call is always given before it counts as late "
+                        f"(default {DEFAULT_STRAGGLER_FLOOR_S})")
     g.add_argument("--threads", type=int, default=int(os.environ.get("KVASIR_THREADS", "0")) or None)
     g.add_argument("--wire-dtype", choices=["model", "bfloat16", "float16"], default="model",
                    help="dtype activations travel in: the model's (bit-exact, default) or, for a float32 "
@@ -57,6 +67,11 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--max-new-tokens and --batch must be at least 1")
     if args.audit_rate is not None and not 0.0 <= args.audit_rate <= 1.0:
         parser.error("--audit-rate is a fraction from 0 to 1")
+    try:
+        stragglers = StragglerPolicy(factor=args.straggler_factor, floor_s=args.straggler_floor,
+                                     cap_s=args.call_timeout)
+    except ValueError as exc:
+        parser.error(f"--straggler-factor/--straggler-floor/--call-timeout: {exc}")
     hub_token = ""
     if args.hub:
         from kvasir_rpc import TokenError, load_token
@@ -107,7 +122,8 @@ def main(argv: list[str] | None = None) -> int:
     reporter = WorkReporter(args.hub, hub_token) if args.hub else None
     audit_rate = DEFAULT_AUDIT_RATE if args.audit_rate is None else args.audit_rate
     dispatcher = Dispatcher(model, watcher, call_timeout_s=args.call_timeout, wire_dtype=wire_dtype,
-                            expert_source=source, audit_rate=audit_rate, reporter=reporter)
+                            expert_source=source, audit_rate=audit_rate, reporter=reporter,
+                            stragglers=stragglers)
     prompts = prompts_for_batch(args.prompt, args.batch)
     result: dict[str, object] = {}
     try:

@@ -8,13 +8,19 @@ partial in one fixed order whatever the placement. Its parts, one job each:
 * ``Placement`` (``_placement.py``): which worker link serves which (layer, expert);
 * ``ExpertWeights`` (``_weights.py``): where an expert's weights come from;
 * ``SharedDeferral`` (``_shared.py``): Qwen3.5's shared expert computed while calls fly;
-* ``AnswerChecker`` (``_checking.py``): whether a worker's answer is accepted.
+* ``AnswerChecker`` (``_checking.py``): whether a worker's answer is accepted;
+* ``StragglerPolicy`` (``_deadlines.py``): how long a call is awaited before it is computed here.
+
+All calls of a layer are awaited together, each until its own deadline: a late one is
+computed here (hedged) and its answer, if it still comes, is dropped and never paid.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import threading
+import time
 
 import torch
 from transformers.integrations.moe import ExpertsInterface
@@ -32,6 +38,7 @@ from kvasir_rpc import (
 )
 from backbone._audit import DEFAULT_AUDIT_RATE
 from backbone._checking import AnswerChecker, SentCall
+from backbone._deadlines import StragglerPolicy
 from backbone._links import SessionWatcher, WorkerLink
 from backbone._placement import Placement
 from backbone._shared import SharedDeferral
@@ -61,6 +68,9 @@ class DispatchStats:
     audit_seconds: float = 0.0
     sessions_quarantined: tuple[str, ...] = ()
     replays: int = 0
+    hedged_calls: int = 0  # late: computed here before their answer came
+    hedged_rows: int = 0
+    late_answers_dropped: int = 0  # answers of hedged calls that came after all: unused, unpaid
 
 
 class ReplayNeeded(RuntimeError):
@@ -76,6 +86,8 @@ class Dispatcher:
     same kernel: the reference the remote run must equal bitwise. ``expert_source``: the
     model was loaded without its experts (``load_model(..., experts="on-demand")``) and an
     expert is read from this checkpoint index the first time it is computed here.
+    ``stragglers``: when a call is late and computed here (its ``cap_s`` is replaced by
+    ``call_timeout_s``, after which a call is lost and its link dropped).
     Thread-safe: decode groups call ``forward`` from several threads.
     """
 
@@ -89,6 +101,7 @@ class Dispatcher:
         expert_source: ExpertIndex | None = None,
         audit_rate: float = DEFAULT_AUDIT_RATE,
         reporter: WorkReporter | None = None,
+        stragglers: StragglerPolicy | None = None,
     ) -> None:
         modules = experts_modules(model)
         self.weights: ExpertWeights
@@ -109,7 +122,8 @@ class Dispatcher:
         # None: activations travel in the model's dtype (bit-exact). bfloat16/float16 for a
         # float32 model halves the bytes and is not bit-exact.
         self.wire_dtype = wire_dtype
-        self.call_timeout_s = call_timeout_s
+        # The call timeout caps every deadline: a call unanswered that long is lost.
+        self.policy = dataclasses.replace(stragglers or StragglerPolicy(), cap_s=call_timeout_s)
         self._attempt = threading.local()  # sessions the current decode attempt of a thread used
         self._lock = threading.Lock()
         self.reset_counters()
@@ -158,7 +172,7 @@ class Dispatcher:
             segments=[expert_pb2.ExpertSegment(expert=r.expert, rows=len(r.token_idx)) for r in routes],
             row_index=index.tolist() if dedupe else (),
         )
-        rec = link.submit(layer, req)
+        rec = link.submit(layer, req, self.policy)
         return SentCall(rec, routes, link, rows, weights, index if dedupe else None, rec.request_bytes)
 
     def _compute(self, layer: int, act: Activation, hidden: torch.Tensor, top_k_weights: torch.Tensor,
@@ -169,37 +183,90 @@ class Dispatcher:
 
     def _collect(self, layer: int, act: Activation, hidden: torch.Tensor, top_k_weights: torch.Tensor,
                  inflight: list[SentCall], partials: dict[int, torch.Tensor]) -> None:
-        """Each call's answer into ``partials``: accepted and paid, or lost or refused and
-        recomputed here (a refused one's session quarantined)."""
+        """Each call's answer into ``partials``: accepted and paid, or lost, refused or late
+        and recomputed here (a refused one's session quarantined). All calls are awaited
+        together, in the order they finish, each until its own deadline."""
         replay = False
-        for sent in inflight:
-            out, violation = self._answer(layer, act, hidden.shape[1], sent)
-            if violation is not None:
-                replay |= self._quarantine(sent.link, violation)
-            if out is None:  # lost or refused: recomputed here, not paid
-                with self._lock:
-                    self.fallback_calls += 1
-                    self.fallback_rows += sent.record.rows
+        waiting = {sent.record.future: sent for sent in inflight}
+        while waiting:
+            nearest = min(sent.record.deadline_ns for sent in waiting.values())
+            timeout = max(0.0, (nearest - time.perf_counter_ns()) / 1e9)
+            done, _ = concurrent.futures.wait(waiting, timeout=timeout,
+                                              return_when=concurrent.futures.FIRST_COMPLETED)
+            now = time.perf_counter_ns()
+            finished = [waiting.pop(fut) for fut in done]
+            late = [sent for sent in waiting.values() if sent.record.deadline_ns <= now]
+            for sent in late:
+                del waiting[sent.record.future]
+            for sent in finished:
+                out, violation = self._answer(layer, act, hidden.shape[1], sent)
+                if violation is not None:
+                    replay |= self._quarantine(sent.link, violation)
+                if out is None:  # lost or refused: recomputed here, not paid
+                    self._fall_back(layer, act, hidden, top_k_weights, sent, partials)
+                else:
+                    self._accept(sent, out, hidden.dtype, partials)
+            for sent in late:
+                self._late(layer, sent)
                 for r in sent.routes:
                     partials[r.expert] = self._compute(layer, act, hidden, top_k_weights, r)
-            else:
-                self._accept(sent, out, hidden.dtype, partials)
         if replay:
             raise ReplayNeeded("a worker this decode used was caught delivering wrong work")
 
+    def _fall_back(self, layer: int, act: Activation, hidden: torch.Tensor, top_k_weights: torch.Tensor,
+                   sent: SentCall, partials: dict[int, torch.Tensor]) -> None:
+        with self._lock:
+            self.fallback_calls += 1
+            self.fallback_rows += sent.record.rows
+        for r in sent.routes:
+            partials[r.expert] = self._compute(layer, act, hidden, top_k_weights, r)
+
+    def _late(self, layer: int, sent: SentCall) -> None:
+        """``sent`` passed its deadline unanswered: count it (hedged, or lost at the call
+        timeout) and drop its answer if it still comes. The caller computes it here."""
+        rec, link = sent.record, sent.link
+        waited_s = round((time.perf_counter_ns() - rec.sent_ns) / 1e9, 3)
+        assert self.placement is not None
+        if not self.policy.hedging or rec.deadline_ns - rec.sent_ns >= int(self.policy.cap_s * 1e9):
+            # The call timeout: lost, as a broken stream is.
+            log.warning("remote call timed out; computing locally", session_id=link.session_id, layer=layer,
+                        rows=rec.rows, waited_s=waited_s)
+            self.placement.drop(link, TimeoutError(f"call {rec.call_id} unanswered after {waited_s} s"))
+            with self._lock:
+                self.fallback_calls += 1
+                self.fallback_rows += rec.rows
+            return
+        misses = link.note_miss()
+        srtt, rttvar = link.round_trip()
+        with self._lock:
+            self.hedged_calls += 1
+            self.hedged_rows += rec.rows
+        rec.future.add_done_callback(self._late_answer)
+        log.info("remote call late; computing locally", session_id=link.session_id, layer=layer, rows=rec.rows,
+                 waited_s=waited_s, srtt_s=srtt, rttvar_s=rttvar, misses=misses)
+        if misses >= self.policy.max_misses:
+            log.warning("worker missed its deadlines; not routing to it", session_id=link.session_id,
+                        misses=misses, srtt_s=srtt)
+            self.placement.drop(link, TimeoutError(f"{misses} calls in a row past their deadlines"))
+
+    def _late_answer(self, fut: concurrent.futures.Future[expert_pb2.ExpertPartials]) -> None:
+        """The answer of a hedged call: never checked, never used, never paid."""
+        if not fut.cancelled() and fut.exception() is None:
+            with self._lock:
+                self.late_answers_dropped += 1
+
     def _answer(self, layer: int, act: Activation, width: int,
                 sent: SentCall) -> tuple[torch.Tensor | None, session_pb2.QuarantineRequest | None]:
-        """The call's checked partials, or None (lost, or refused with the evidence)."""
+        """The finished call's checked partials, or None (lost, or refused with the evidence)."""
         rec = sent.record
-        try:
-            msg = rec.future.result(timeout=self.call_timeout_s)
-        except Exception as exc:  # timeout or stream failure: recomputed here
+        exc = rec.future.exception()
+        if exc is not None:  # the stream failed: recomputed here
             log.warning("remote call lost; computing locally", session_id=sent.link.session_id, layer=layer,
                         rows=rec.rows, error=repr(exc)[:200])
             assert self.placement is not None
             self.placement.drop(sent.link, exc)
             return None, None
-        return self.checker.check(layer, act, sent, msg, width)
+        return self.checker.check(layer, act, sent, rec.future.result(), width)
 
     def _accept(self, sent: SentCall, out: torch.Tensor, dtype: torch.dtype, partials: dict[int, torch.Tensor]) -> None:
         # Paid: the request as sent and the partials at exactly their expected size.
@@ -212,6 +279,7 @@ class Dispatcher:
             partials[r.expert] = out[start : start + n]
             start += n
         sid = sent.link.session_id
+        sent.link.note_on_time()
         with self._lock:
             self.remote_calls += 1
             self.remote_rows += sent.record.rows
@@ -264,6 +332,7 @@ class Dispatcher:
             self.remote_calls = self.remote_rows = self.local_rows = 0
             self.fallback_calls = self.fallback_rows = 0
             self.replays = 0
+            self.hedged_calls = self.hedged_rows = self.late_answers_dropped = 0
             self._used: set[str] = set()
         self.shared.overlapped = 0
         self.checker.reset_counters()
@@ -289,6 +358,9 @@ class Dispatcher:
                 audit_seconds=checks.audit_seconds,
                 sessions_quarantined=quarantined,
                 replays=self.replays,
+                hedged_calls=self.hedged_calls,
+                hedged_rows=self.hedged_rows,
+                late_answers_dropped=self.late_answers_dropped,
             )
 
     def close(self) -> None:

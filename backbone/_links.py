@@ -24,6 +24,7 @@ from kvasir_rpc import (
     slices_from_proto,
     target_key,
 )
+from backbone._deadlines import RttEstimator, StragglerPolicy
 
 __all__ = ["CallRecord", "SessionWatcher", "WorkerLink"]
 
@@ -39,7 +40,8 @@ _CHANNEL_OPTIONS = [
 
 @dataclasses.dataclass
 class CallRecord:
-    """One remote call: which worker, which layer and rows, when it left."""
+    """One remote call: which worker, which layer and rows, when it left, until when it is
+    awaited and when its answer came (``time.perf_counter_ns``)."""
 
     call_id: int
     session_id: str
@@ -50,6 +52,8 @@ class CallRecord:
     # The serialized request as sent, call_id included: what the worker is paid for if the
     # answer is accepted.
     request_bytes: int = 0
+    deadline_ns: int = 0  # past it the call is late: computed here, its answer dropped
+    answered_ns: int = 0  # 0 until the answer arrives
 
 
 class WorkerLink:
@@ -59,6 +63,10 @@ class WorkerLink:
     future when the answer arrives. When the stream fails every pending call fails with the
     stream's RpcError and the link is dead for good (the caller recomputes and stops routing
     here).
+
+    The link measures the round trip of every call answered in time (``RttEstimator``) and gives
+    each call its deadline from it; ``misses`` counts late calls since the last one
+    answered in time.
 
     ``token`` is the backbone token shared with the hub: the stream presents the session's
     target key (``kvasir_rpc.target_key``), without which the hub does not splice it.
@@ -78,6 +86,8 @@ class WorkerLink:
         self._lock = threading.Lock()
         self._ids = itertools.count(1)
         self.dead: BaseException | None = None
+        self._rtt = RttEstimator()
+        self.misses = 0
         self._responses = self._stub.Dispatch(
             self._iter_requests(), metadata=((TARGET_KEY_METADATA, target_key(token, self.session_id)),))
         self._reader = threading.Thread(target=self._read, name=f"link-{self.session_id}", daemon=True)
@@ -90,13 +100,16 @@ class WorkerLink:
                 return
             yield item
 
-    def submit(self, layer: int, request: expert_pb2.DispatchRequest) -> CallRecord:
-        """Send one call; the record's future resolves to ExpertPartials or an exception."""
+    def submit(self, layer: int, request: expert_pb2.DispatchRequest, policy: StragglerPolicy) -> CallRecord:
+        """Send one call with its deadline from ``policy`` and this link's round trips; the
+        record's future resolves to ExpertPartials or an exception."""
         fut: Future[expert_pb2.ExpertPartials] = Future()
         with self._lock:
             call_id = next(self._ids)
             assignments = sum(seg.rows for seg in request.segments)  # the rows of the answer
-            rec = CallRecord(call_id, self.session_id, layer, assignments, time.perf_counter_ns(), fut)
+            sent_ns = time.perf_counter_ns()
+            rec = CallRecord(call_id, self.session_id, layer, assignments, sent_ns, fut,
+                             deadline_ns=sent_ns + int(self._rtt.deadline_s(policy, assignments) * 1e9))
             if self.dead is not None:
                 fut.set_exception(self.dead)
                 return rec
@@ -111,14 +124,37 @@ class WorkerLink:
         try:
             for resp in self._responses:
                 p = resp.partials
+                now = time.perf_counter_ns()
                 with self._lock:
                     rec = self._pending.pop(p.call_id, None)
+                    if rec is not None:
+                        rec.answered_ns = now
+                        # Measured where it arrives, not where the decode gets to it. A late
+                        # answer is not: a stall must not teach the link to be waited on longer.
+                        if now <= rec.deadline_ns:
+                            self._rtt.observe((now - rec.sent_ns) / 1e9, rec.rows)
                 if rec is not None:
                     rec.future.set_result(p)
             error = ConnectionError(f"worker {self.session_id} ended its Dispatch stream")
         except grpc.RpcError as exc:
             error = exc
         self.fail(error)
+
+    def note_miss(self) -> int:
+        """A call of this link was late; the late calls in a row so far."""
+        with self._lock:
+            self.misses += 1
+            return self.misses
+
+    def note_on_time(self) -> None:
+        """A call of this link was answered in time."""
+        with self._lock:
+            self.misses = 0
+
+    def round_trip(self) -> tuple[float | None, float]:
+        """``(srtt, rttvar)`` in seconds; srtt None before the first answer."""
+        with self._lock:
+            return self._rtt.srtt, self._rtt.rttvar
 
     def fail(self, error: BaseException) -> None:
         """Mark the link dead for good (first error wins) and fail every pending call with it."""
