@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 import pytest
+from hypothesis import HealthCheck, settings
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -21,6 +22,23 @@ if TYPE_CHECKING:
     from helpers import LedgerProcess
 
     from relay._contrib import ContributionStore
+
+# The fuzz tier (tests/test_fuzz_*.py, marker ``fuzz``): a fixed budget per target so that CI
+# stays bounded and never flakes. By default each target runs FUZZ_EXAMPLES derandomized
+# examples (the same inputs on every run, no example database); KVASIR_FUZZ_EXAMPLES=N (as
+# ``make fuzz`` sets) runs N random examples instead and keeps failures in hypothesis's local
+# database (.hypothesis/) so that a find replays until fixed.
+FUZZ_EXAMPLES = 60
+_long_fuzz = int(os.environ.get("KVASIR_FUZZ_EXAMPLES", "0") or 0)
+settings.register_profile(
+    "fuzz",
+    max_examples=_long_fuzz or FUZZ_EXAMPLES,
+    derandomize=not _long_fuzz,
+    database=settings.default.database if _long_fuzz else None,
+    deadline=None,  # a slow example is not a failure; each fuzz target bounds its own time
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much],
+    print_blob=True,
+)
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
