@@ -23,12 +23,12 @@ from hypothesis import event as note_case
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvasir_rpc import decode_tensor, encode_tensor, expert_pb2, expert_pb2_grpc, tensor_pb2
+from kvasir_rpc import decode_tensor, encode_tensor, expert_pb2, expert_pb2_grpc
 from kvasir_rpc.dev.tiny import make_tiny_checkpoint
 from worker._load import load_experts
 from worker._service import ExpertServicer
 
-pytestmark = [pytest.mark.fuzz, pytest.mark.timeout(180)]
+pytestmark = [pytest.mark.fuzz, pytest.mark.integration]  # a gRPC server on 127.0.0.1
 FUZZ = settings.get_profile("fuzz")
 
 ALLOWED = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION}
@@ -52,10 +52,6 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ExpertSer
     finally:
         channel.close()
         server.stop(None)
-
-
-def tensor(dtype: int, shape: list[int], data: bytes) -> tensor_pb2.Tensor:
-    return tensor_pb2.Tensor(dtype=dtype, shape=shape, data=data)  # type: ignore[call-arg]
 
 
 def hidden_size(servicer: ExpertServicer) -> int:
@@ -114,7 +110,6 @@ def mutate(req: expert_pb2.DispatchRequest, field: str, value: object) -> expert
     return out
 
 
-SMALL = st.integers(0, 9)
 FIELD_VALUES = st.one_of(
     st.tuples(st.just("hidden.dtype"), st.integers(0, 12)),
     st.tuples(st.just("weights.dtype"), st.integers(0, 12)),

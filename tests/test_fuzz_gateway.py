@@ -35,7 +35,7 @@ from kvasir_rpc.protocol import (
 )
 from relay._gateway import Gateway, GatewayConfig
 
-pytestmark = [pytest.mark.fuzz, pytest.mark.timeout(180)]
+pytestmark = pytest.mark.fuzz
 FUZZ = settings.get_profile("fuzz")
 
 TOKEN = "s3cret-hub-token"

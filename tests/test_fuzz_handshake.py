@@ -32,7 +32,7 @@ from kvasir_rpc.protocol import (
     WorkerTunnel,
 )
 
-pytestmark = [pytest.mark.fuzz, pytest.mark.timeout(120)]
+pytestmark = pytest.mark.fuzz
 FUZZ = settings.get_profile("fuzz")
 
 HUB = Wallet.generate()
@@ -127,7 +127,7 @@ CHALLENGES = st.one_of(
     st.builds(lambda nonce, key, t: session_pb2.SessionChallenge(nonce=nonce, hub_key=key, issued_at_unix_ms=t)
               .SerializeToString(),
               st.binary(max_size=40), st.sampled_from([HUB.address, "", "x" * 64, HUB.address[:63]]),
-              st.integers(0, (1 << 64) - 1)),
+              st.integers(-(1 << 63), (1 << 63) - 1)),
 )
 
 

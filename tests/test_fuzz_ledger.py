@@ -26,7 +26,7 @@ from kvasir_rpc import ReceiptError, Wallet, ledger_pb2, open_receipt
 from kvasir_rpc._receipts import MAX_CUMULATIVE_BYTES, MAX_SEQ
 from ledger import open_store
 
-pytestmark = [pytest.mark.fuzz, pytest.mark.timeout(180)]
+pytestmark = pytest.mark.fuzz
 FUZZ = settings(settings.get_profile("fuzz"), suppress_health_check=[
     *settings.get_profile("fuzz").suppress_health_check, HealthCheck.function_scoped_fixture])
 
