@@ -1,12 +1,13 @@
 # make demo  - set up .venv on first use, then run the whole swarm on this machine
 # make test  - set up .venv on first use, then lint the protos and run the tests
 # make test-fast - the tests without real processes, servers or models (seconds)
+# make fuzz  - the fuzz tier with FUZZ_EXAMPLES random examples per target (make test runs it short)
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-fast bench profile proto lint venv clean system-deps bench-deps
+.PHONY: demo test test-fast fuzz bench profile proto lint venv clean system-deps bench-deps
 
 venv: $(STAMP)
 
@@ -25,7 +26,12 @@ test: $(STAMP) system-deps lint
 
 # Protocol cores, stores and in-memory streams only: no process, port, database server or model.
 test-fast: $(STAMP)
-	$(PY) -m pytest -q -m "not integration"
+	$(PY) -m pytest -q -m "not integration and not fuzz"
+
+# The fuzz tier, long: random (not derandomized) examples, failures kept in .hypothesis/.
+FUZZ_EXAMPLES ?= 5000
+fuzz: $(STAMP)
+	KVASIR_FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) $(PY) -m pytest -q -m fuzz --hypothesis-show-statistics
 
 # Benchmarks (not part of the tests): the edge path needs Debian's nginx.
 bench: $(STAMP) bench-deps

@@ -16,6 +16,8 @@ Money rules, enforced in one transaction per batch of receipts, receipt by recei
 * a receipt marked ``quarantined`` is checked and credited like any other, and its credit
   closes the session: every later receipt of that (hub_key, session_id) is REJECTED
   (SESSION_QUARANTINED), while a replay of the closing receipt stays DUPLICATE;
+* a credit that would take the total credited past ``MAX_CREDITED_NANO`` (2^62) is
+  REJECTED (LEDGER_LIMIT), so that every balance and sum stays a 64-bit integer;
 * every credit is two journal ``entries``: +amount to the wallet's ``pending:<wallet>``
   account, -amount to ``rewards_pool``; account balances are kept with the entries, so
   the entries and the balances each sum to zero (``LedgerStore.books`` checks it).
@@ -59,6 +61,10 @@ POOL_ACCOUNT = "rewards_pool"
 SCHEMA_VERSION = "2"
 _MIGRATES_FROM = ("1",)
 MAX_RATE_NANO_PER_BYTE = 1000  # with MAX_CUMULATIVE_BYTES (2^50) a credit stays below 2^60
+# All credits together stay at or below this, so that every balance, every sum of entries and
+# the books' totals fit a signed 64-bit integer (SQLite would otherwise turn an overflowing
+# balance into a float without a word). Past it a receipt is REJECTED (LEDGER_LIMIT).
+MAX_CREDITED_NANO = 1 << 62
 
 T = TypeVar("T")
 
@@ -468,6 +474,13 @@ class LedgerStore:
         # write afterwards in a few executemany calls (pipelined on PostgreSQL), since one
         # round trip per credit was most of a batch's time.
         outcomes: list[Outcome | None] = [i if isinstance(i, Outcome) else None for i in items]
+        # The total credited so far, read (not locked: the pool row stays last in the lock
+        # order) inside this write transaction. SQLite's one writer makes it exact; on
+        # PostgreSQL a concurrent batch may have added to it since, and a bigint that still
+        # overflowed would fail that batch with an error, never corrupt the books.
+        cur.execute(q("SELECT balance_nano FROM accounts WHERE account = ?"), (POOL_ACCOUNT,))
+        pool = cur.fetchone()
+        credited_nano = -int(pool[0]) if pool is not None else 0
         fresh: list[tuple[int, ledger_pb2.ByteReceipt, int]] = []  # (item index, receipt, delta bytes)
         fresh_by_seq: dict[tuple[str, str, int], int] = {}  # -> position in fresh
         duplicates_of_fresh: list[tuple[int, int]] = []  # (item index, position in fresh)
@@ -530,7 +543,14 @@ class LedgerStore:
                     detail=f"cumulative_bytes {r.cumulative_bytes} is below the {st.last_cumulative} "
                     f"already credited",
                 )
+            elif credited_nano + (r.cumulative_bytes - st.last_cumulative) * rate > MAX_CREDITED_NANO:
+                outcomes[index] = Outcome(
+                    ledger_pb2.RECEIPT_STATUS_REJECTED, ledger_pb2.REJECT_REASON_LEDGER_LIMIT,
+                    f"crediting {r.cumulative_bytes - st.last_cumulative} bytes would take the ledger's total credited "
+                    f"past {MAX_CREDITED_NANO} nano-KVR; a hub that signs such counts is broken",
+                )
             else:
+                credited_nano += (r.cumulative_bytes - st.last_cumulative) * rate
                 fresh_by_seq[(*key, r.seq)] = len(fresh)
                 fresh.append((index, r, r.cumulative_bytes - st.last_cumulative))
                 st.last_seq, st.last_cumulative, st.dirty = r.seq, r.cumulative_bytes, True

@@ -42,6 +42,7 @@ _FINAL: dict[int, str] = {
     _R.REJECT_REASON_WALLET_MISMATCH: "the ledger holds this session under another wallet",
     _R.REJECT_REASON_CONFLICT: "the ledger credited another count for this seq (was the hub's --contrib-db reset?)",
     _R.REJECT_REASON_SESSION_QUARANTINED: "the session was quarantined: it earns nothing after its closing receipt",
+    _R.REJECT_REASON_LEDGER_LIMIT: "its count would take the ledger's total credited past its bound (a hub bug)",
 }
 _ANSWERED = (_R.RECEIPT_STATUS_CREDITED, _R.RECEIPT_STATUS_DUPLICATE, _R.RECEIPT_STATUS_STALE)
 

@@ -2,7 +2,8 @@
 ledger process.
 
 Tests that start real processes, servers on ports, PostgreSQL or a transformers model are
-marked ``integration``; ``pytest -m "not integration"`` (``make test-fast``) runs the rest.
+marked ``integration``; the fuzz tier (tests/test_fuzz_*.py) is marked ``fuzz``;
+``pytest -m "not integration and not fuzz"`` (``make test-fast``) runs the rest.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 import pytest
+from hypothesis import HealthCheck, settings
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -21,6 +23,34 @@ if TYPE_CHECKING:
     from helpers import LedgerProcess
 
     from relay._contrib import ContributionStore
+
+# The fuzz tier (tests/test_fuzz_*.py, marker ``fuzz``): a fixed budget per target so that CI
+# stays bounded and never flakes. By default each target runs FUZZ_EXAMPLES derandomized
+# examples (the same inputs on every run, no example database); KVASIR_FUZZ_EXAMPLES=N (as
+# ``make fuzz`` sets) runs N random examples instead and keeps failures in hypothesis's local
+# database (.hypothesis/) so that a find replays until fixed.
+FUZZ_EXAMPLES = 150
+_long_fuzz = int(os.environ.get("KVASIR_FUZZ_EXAMPLES", "0") or 0)
+settings.register_profile(
+    "fuzz",
+    max_examples=_long_fuzz or FUZZ_EXAMPLES,
+    derandomize=not _long_fuzz,
+    database=settings.default.database if _long_fuzz else None,
+    deadline=None,  # a slow example is not a failure; each fuzz target bounds its own time
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much],
+    print_blob=True,
+)
+
+# A fuzz test's wall-clock bound (pytest-timeout) in CI; none for a long run. Each example
+# is bounded on its own too: a fake clock and trio.fail_after, or a gRPC deadline.
+FUZZ_TIMEOUT_S = 0 if _long_fuzz else 240
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if item.get_closest_marker("fuzz") is not None:
+            item.add_marker(pytest.mark.timeout(FUZZ_TIMEOUT_S))
+
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 

@@ -149,7 +149,10 @@ class ExpertServicer(expert_pb2_grpc.ExpertServiceServicer):
                 x = hidden[start : start + rows] if index is None else hidden[index[start : start + rows]]
                 out.append(expert_forward(x, gate_up, down, e.act, weights[start : start + rows]))
                 start += rows
-            partials = torch.cat(out) if len(out) > 1 else out[0]
+            if not out:  # a call with no assignments is valid: its partials are [0, hidden_size]
+                partials = hidden.new_empty((0, e.hidden_size))
+            else:
+                partials = torch.cat(out) if len(out) > 1 else out[0]
             if wire_dtype != partials.dtype:
                 partials = partials.to(wire_dtype)
         self.calls += 1

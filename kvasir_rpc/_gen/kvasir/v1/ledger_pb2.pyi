@@ -25,6 +25,7 @@ class RejectReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     REJECT_REASON_WALLET_MISMATCH: _ClassVar[RejectReason]
     REJECT_REASON_CONFLICT: _ClassVar[RejectReason]
     REJECT_REASON_SESSION_QUARANTINED: _ClassVar[RejectReason]
+    REJECT_REASON_LEDGER_LIMIT: _ClassVar[RejectReason]
 RECEIPT_STATUS_UNSPECIFIED: ReceiptStatus
 RECEIPT_STATUS_CREDITED: ReceiptStatus
 RECEIPT_STATUS_DUPLICATE: ReceiptStatus
@@ -38,6 +39,7 @@ REJECT_REASON_UNTRUSTED_KEY: RejectReason
 REJECT_REASON_WALLET_MISMATCH: RejectReason
 REJECT_REASON_CONFLICT: RejectReason
 REJECT_REASON_SESSION_QUARANTINED: RejectReason
+REJECT_REASON_LEDGER_LIMIT: RejectReason
 
 class ByteReceipt(_message.Message):
     __slots__ = ("hub_key", "session_id", "wallet", "seq", "cumulative_bytes", "issued_at_unix_ms", "quarantined")
