@@ -177,36 +177,68 @@ class SessionWatcher:
     """Follows the hub's WatchSessions stream in a thread and keeps the live set.
 
     ``token``: the backbone token shared with the hub. The watch presents it (the hub keeps
-    an allowance of streams for it that strangers cannot take) and links are made with it."""
+    an allowance of streams for it that strangers cannot take) and links are made with it.
+
+    When the stream ends (the hub restarted or went away), the hub's sessions went with it:
+    the live set empties, so the decode computes locally, and the watch is opened again,
+    with a bounded backoff, until a hub answers; its snapshot brings the new sessions."""
+
+    RETRY_MIN_S = 0.1
+    RETRY_MAX_S = 2.0
 
     def __init__(self, hub_address: str, *, token: str) -> None:
         self.token = token
-        self._channel = grpc.insecure_channel(hub_address)
+        # Reconnect soon after a restarted hub listens again, not after gRPC's 120 s backoff.
+        self._channel = grpc.insecure_channel(hub_address, options=[
+            ("grpc.initial_reconnect_backoff_ms", int(self.RETRY_MIN_S * 1000)),
+            ("grpc.max_reconnect_backoff_ms", int(self.RETRY_MAX_S * 1000)),
+        ])
         self._stub = session_pb2_grpc.SessionServiceStub(self._channel)
         self._cond = threading.Condition()
         self._sessions: dict[str, session_pb2.Session] = {}
         self._synced = False
+        self._closed = threading.Event()
         self.version = 0
+        self.resubscribes = 0
         self._call = self._stub.WatchSessions(session_pb2.WatchSessionsRequest(), metadata=bearer(token))
         self._thread = threading.Thread(target=self._run, name="session-watch", daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
-        try:
-            for resp in self._call:
-                ev = resp.event
-                with self._cond:
-                    if ev.kind == session_pb2.SessionEvent.KIND_ADDED:
-                        self._sessions[ev.session.session_id] = ev.session
-                    elif ev.kind == session_pb2.SessionEvent.KIND_REMOVED:
-                        self._sessions.pop(ev.session.session_id, None)
-                    elif ev.kind == session_pb2.SessionEvent.KIND_SYNCED:
-                        self._synced = True
+        backoff = self.RETRY_MIN_S
+        while True:
+            try:
+                for resp in self._call:
+                    backoff = self.RETRY_MIN_S
+                    ev = resp.event
+                    with self._cond:
+                        if ev.kind == session_pb2.SessionEvent.KIND_ADDED:
+                            self._sessions[ev.session.session_id] = ev.session
+                        elif ev.kind == session_pb2.SessionEvent.KIND_REMOVED:
+                            self._sessions.pop(ev.session.session_id, None)
+                        elif ev.kind == session_pb2.SessionEvent.KIND_SYNCED:
+                            self._synced = True
+                        self.version += 1
+                        self._cond.notify_all()
+                if not self._closed.is_set():
+                    log.warning("session watch ended by the hub; watching again")
+            except grpc.RpcError as exc:
+                if not self._closed.is_set() and self._sessions:
+                    log.warning("session watch ended; watching again", code=str(exc.code()), details=exc.details())
+            with self._cond:
+                if self._sessions:
+                    self._sessions = {}
                     self.version += 1
                     self._cond.notify_all()
-        except grpc.RpcError as exc:
-            if exc.code() != grpc.StatusCode.CANCELLED:
-                log.warning("session watch ended", code=str(exc.code()), details=exc.details())
+            if self._closed.wait(backoff):
+                return
+            backoff = min(backoff * 2, self.RETRY_MAX_S)
+            with self._cond:
+                if self._closed.is_set():
+                    return
+                self._call = self._stub.WatchSessions(session_pb2.WatchSessionsRequest(),
+                                                      metadata=bearer(self.token))
+                self.resubscribes += 1
 
     def sessions(self) -> dict[str, session_pb2.Session]:
         with self._cond:
@@ -218,6 +250,8 @@ class SessionWatcher:
             return self._cond.wait_for(lambda: self._synced and predicate(self._sessions), timeout=timeout)
 
     def close(self) -> None:
-        self._call.cancel()
+        with self._cond:
+            self._closed.set()
+            self._call.cancel()
         self._channel.close()
         self._thread.join(timeout=5)
