@@ -4,12 +4,16 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
 import pathlib
+import signal
 import sys
+import threading
 import time
+from collections.abc import Iterator
 
 from kvasir_rpc import configure_logging, get_logger
 from backbone._deadlines import DEFAULT_STRAGGLER_FACTOR, DEFAULT_STRAGGLER_FLOOR_S, StragglerPolicy
@@ -27,6 +31,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="the hub's backbone token file (its --backbone-token-file); needed with --hub")
     g.add_argument("--prompt", required=True)
     g.add_argument("--max-new-tokens", type=int, default=16)
+    g.add_argument("--max-seconds", type=float, default=None,
+                   help="end the decode after this many seconds (the tokens so far; Ctrl-C does the same)")
     g.add_argument("--batch", type=int, default=1, help="sequences decoded together")
     g.add_argument("--compare-local", action="store_true", help="also decode with every expert local and compare")
     g.add_argument("--groups", default="1",
@@ -65,6 +71,8 @@ def main(argv: list[str] | None = None) -> int:
                      "(without it the hub splices no worker to this backbone)")
     if args.max_new_tokens < 1 or args.batch < 1:
         parser.error("--max-new-tokens and --batch must be at least 1")
+    if args.max_seconds is not None and args.max_seconds <= 0:
+        parser.error("--max-seconds must be positive")
     if args.audit_rate is not None and not 0.0 <= args.audit_rate <= 1.0:
         parser.error("--audit-rate is a fraction from 0 to 1")
     try:
@@ -130,13 +138,18 @@ def main(argv: list[str] | None = None) -> int:
         groups, why = _choose_groups(args.groups, dispatcher, model, tokenizer, prompts, decode_grouped)
         dispatcher.reset_counters()
         t0 = time.perf_counter()
-        run = decode_grouped(model, tokenizer, prompts, args.max_new_tokens, groups)
+        with _stop_on_interrupt(args.max_seconds) as stop:
+            log.info("decoding", sequences=len(prompts), max_new_tokens=args.max_new_tokens, groups=groups)
+            run = decode_grouped(model, tokenizer, prompts, args.max_new_tokens, groups, stop=stop)
         elapsed = time.perf_counter() - t0
+        steps = int(run.new_tokens.shape[1])
         stats = dispatcher.statistics()
         n_tokens = int(run.new_tokens.numel())
         result.update(
             texts=run.texts,
             n_tokens=n_tokens,
+            steps=steps,
+            stopped_early=steps < args.max_new_tokens,
             seconds=round(elapsed, 4),
             tokens_per_s=round(n_tokens / elapsed, 3) if elapsed > 0 else None,
             decode_tokens_per_s=round(run.decode_tokens_per_s, 3) if run.decode_tokens_per_s else None,
@@ -151,9 +164,9 @@ def main(argv: list[str] | None = None) -> int:
         )
         if args.compare_local:
             dispatcher.remote = False
-            local = decode_grouped(model, tokenizer, prompts, args.max_new_tokens, groups)
+            local = decode_grouped(model, tokenizer, prompts, steps, groups)
             result.update(compare(run, local))
-            reference = decode_grouped(model, tokenizer, prompts, args.max_new_tokens, groups, implementation="eager")
+            reference = decode_grouped(model, tokenizer, prompts, steps, groups, implementation="eager")
             ref = compare(local, reference)
             result["reference_tokens_identical"] = ref["tokens_identical"]
             result["reference_max_abs_logit_diff"] = ref["max_abs_logit_diff"]
@@ -182,6 +195,34 @@ def main(argv: list[str] | None = None) -> int:
     ok = (not args.compare_local) or (bool(result.get("tokens_identical")) and (
         result.get("max_abs_logit_diff") == 0.0 or not result.get("bit_exact_wire")))
     return 0 if ok else 1
+
+
+@contextlib.contextmanager
+def _stop_on_interrupt(max_seconds: float | None) -> Iterator[threading.Event]:
+    """An event that ends the decode after its current step: set by the first Ctrl-C
+    (SIGINT) or after ``max_seconds``. The tokens so far are the result, and --compare-local
+    compares that many. A second Ctrl-C interrupts at once."""
+    stop = threading.Event()
+    timer = threading.Timer(max_seconds, stop.set) if max_seconds is not None else None
+    if timer is not None:
+        timer.daemon = True
+        timer.start()
+
+    def on_sigint(signum: int, frame: object) -> None:
+        if stop.is_set():
+            raise KeyboardInterrupt
+        stop.set()
+        print("backbone: stopping after this step (Ctrl-C again to interrupt)", file=sys.stderr, flush=True)
+
+    main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGINT, on_sigint) if main_thread else None
+    try:
+        yield stop
+    finally:
+        if timer is not None:
+            timer.cancel()
+        if main_thread:
+            signal.signal(signal.SIGINT, previous if previous is not None else signal.SIG_DFL)
 
 
 def _rss_bytes() -> int:

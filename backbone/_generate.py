@@ -87,14 +87,27 @@ def prompts_for_batch(prompt: str, batch: int) -> list[str]:
     return [prompt] + [f"{prompt} ({i})" for i in range(1, batch)]
 
 
-def decode(model, tokenizer, prompts: list[str], max_new_tokens: int, implementation: str = IMPLEMENTATION) -> Decode:  # type: ignore[no-untyped-def]
-    """Greedy decode of exactly ``max_new_tokens`` per prompt with the given experts implementation."""
+class _StopWhenSet:
+    """A stopping criterion that ends the decode after the current step once ``event`` is set
+    (the operator's Ctrl-C, or ``--max-seconds``): every row stops together."""
+
+    def __init__(self, event: threading.Event) -> None:
+        self.event = event
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor, **kwargs: object) -> torch.Tensor:
+        return torch.full((input_ids.shape[0],), self.event.is_set(), dtype=torch.bool, device=input_ids.device)
+
+
+def decode(model, tokenizer, prompts: list[str], max_new_tokens: int, implementation: str = IMPLEMENTATION,  # type: ignore[no-untyped-def]
+           stop: threading.Event | None = None) -> Decode:
+    """Greedy decode of exactly ``max_new_tokens`` per prompt with the given experts
+    implementation; fewer (at least one) when ``stop`` is set during the decode."""
     model.set_experts_implementation(implementation)
     tokenizer.padding_side = "left"
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     enc = tokenizer(prompts, return_tensors="pt", padding=True)
-    from transformers import LogitsProcessorList
+    from transformers import LogitsProcessorList, StoppingCriteriaList
 
     dispatcher = _dispatcher_of(model) if implementation == IMPLEMENTATION else None
     for attempt in range(MAX_REPLAYS + 1):
@@ -106,6 +119,7 @@ def decode(model, tokenizer, prompts: list[str], max_new_tokens: int, implementa
                 out = model.generate(
                     **enc,
                     logits_processor=LogitsProcessorList([clock]),
+                    stopping_criteria=StoppingCriteriaList([_StopWhenSet(stop)] if stop is not None else []),
                     do_sample=False,
                     max_new_tokens=max_new_tokens,
                     min_new_tokens=max_new_tokens,
@@ -133,7 +147,7 @@ def decode(model, tokenizer, prompts: list[str], max_new_tokens: int, implementa
 
 
 def decode_grouped(model, tokenizer, prompts: list[str], max_new_tokens: int, groups: int,  # type: ignore[no-untyped-def]
-                   implementation: str = IMPLEMENTATION) -> Decode:
+                   implementation: str = IMPLEMENTATION, stop: threading.Event | None = None) -> Decode:
     """Micro-batch pipelining: split ``prompts`` into ``groups`` (prompt i goes to group
     i % groups) and decode the groups concurrently, one thread each, so one group computes
     while others wait on remote experts. torch releases the GIL inside its kernels and the
@@ -141,10 +155,13 @@ def decode_grouped(model, tokenizer, prompts: list[str], max_new_tokens: int, gr
 
     Each group is padded on its own, so compare a grouped decode with a decode of the same
     grouping (the local reference does exactly that).
+
+    When ``stop`` is set the groups end at different steps; each is cut to the shortest, so
+    the result is the decode of that many tokens.
     """
     groups = max(1, min(groups, len(prompts)))
     if groups == 1:
-        return decode(model, tokenizer, prompts, max_new_tokens, implementation)
+        return decode(model, tokenizer, prompts, max_new_tokens, implementation, stop)
     model.set_experts_implementation(implementation)
     parts: list[Decode | None] = [None] * groups
     errors: list[BaseException] = []
@@ -154,7 +171,7 @@ def decode_grouped(model, tokenizer, prompts: list[str], max_new_tokens: int, gr
     def run(g: int) -> None:
         same_threads()  # or OpenMP gives this thread every core
         try:
-            parts[g] = decode(model, tokenizer, prompts[g::groups], max_new_tokens, implementation)
+            parts[g] = decode(model, tokenizer, prompts[g::groups], max_new_tokens, implementation, stop)
         except BaseException as exc:  # re-raised in the caller's thread
             errors.append(exc)
 
@@ -166,6 +183,8 @@ def decode_grouped(model, tokenizer, prompts: list[str], max_new_tokens: int, gr
     if errors:
         raise errors[0]
     done = [p for p in parts if p is not None]
+    steps = min(p.new_tokens.shape[1] for p in done)
+    done = [_first_steps(p, steps, tokenizer) for p in done]
     order = [i for g in range(groups) for i in range(g, len(prompts), groups)]
     inverse = torch.empty(len(order), dtype=torch.long)
     inverse[torch.tensor(order)] = torch.arange(len(order))
@@ -179,6 +198,16 @@ def decode_grouped(model, tokenizer, prompts: list[str], max_new_tokens: int, gr
                                                             batch_first=True),
                   new_tokens=new_tokens, logits=logits, texts=texts,
                   step_rates=[r for p in done for r in p.step_rates])
+
+
+def _first_steps(d: Decode, steps: int, tokenizer) -> Decode:  # type: ignore[no-untyped-def]
+    """``d`` cut to its first ``steps`` new tokens (greedy: the decode of that many)."""
+    cut = d.new_tokens.shape[1] - steps
+    if cut == 0:
+        return d
+    return Decode(sequences=d.sequences[:, : d.sequences.shape[1] - cut], new_tokens=d.new_tokens[:, :steps],
+                  logits=d.logits[:steps], texts=tokenizer.batch_decode(d.new_tokens[:, :steps], skip_special_tokens=True),
+                  step_rates=d.step_rates)
 
 
 def compare(a: Decode, b: Decode) -> dict[str, float | bool]:
