@@ -122,8 +122,10 @@ if TYPE_CHECKING:  # the real names, for type checkers; at run time __getattr__ 
     )
     from kvasir_rpc._tunnel import (
         keepalive,
+        receive_message,
         send_whole,
     )
+    from kvasir_rpc._channel import TunnelCipher
 
 __version__ = "0.1.0"
 
@@ -211,6 +213,8 @@ _LAZY = {
     "TLSStream": "kvasir_rpc._tls",
     "keepalive": "kvasir_rpc._tunnel",
     "send_whole": "kvasir_rpc._tunnel",
+    "receive_message": "kvasir_rpc._tunnel",
+    "TunnelCipher": "kvasir_rpc._channel",
     "open_websocket_url": "kvasir_rpc._tls",
 }
 

@@ -2,14 +2,24 @@
 
 Over the tunnel's WebSocket, after the HTTP upgrade, three binary messages:
 
-    hub    -> worker   SessionChallenge{nonce, hub_key, issued_at}
-    worker -> hub      SessionHello{body = HelloBody{nonce, hub_key, wallet, slices, ...},
+    hub    -> worker   SessionChallenge{nonce, hub_key, issued_at, kx_public}
+    worker -> hub      SessionHello{body = HelloBody{nonce, hub_key, wallet, slices, ...,
+                                                     kx_public, hub_kx_public, require_encryption},
                                     signature = Ed25519(wallet, DOMAIN + body)}
-    hub    -> worker   SessionAccept{session_id}
+    hub    -> worker   SessionAccept{session_id, encrypted,
+                                     signature = Ed25519(hub key, ACCEPT_DOMAIN + transcript hash
+                                                         + session_id + encrypted)}
 
-then raw tunnel bytes. Each side is a plain object fed bytes; it returns bytes to send or
-raises RemoteProtocolError carrying the WebSocket close code to answer with (1008, policy
-violation, for a bad signature or a stale challenge; 1002 for malformed messages).
+then the tunnel, sealed end to end when ``encrypted`` (``_channel``; each side's ``cipher``).
+The hub's signature over the transcript (both messages exactly as sent, with both ephemeral
+keys) binds the session to this connection: a relay can neither replay a hello on another
+connection (the nonce), nor put its own key exchange in (the signatures cover both keys),
+nor strip the encryption (the flag is signed).
+
+Each side is a plain object fed bytes; it returns bytes to send or raises
+RemoteProtocolError carrying the WebSocket close code to answer with (1008, policy
+violation, for a bad signature, a stale challenge, an unpinned hub key or an encryption
+policy the sides do not share; 1002 for malformed messages).
 """
 
 from __future__ import annotations
@@ -22,12 +32,16 @@ from collections.abc import Callable, Mapping, Sequence
 
 from google.protobuf.message import DecodeError
 
+from kvasir_rpc._channel import KeyExchange, TunnelCipher, derive_tunnel_keys, transcript_hash
 from kvasir_rpc._errors import CloseCode, LocalProtocolError, RemoteProtocolError
 from kvasir_rpc._experts import ExpertSet, ModelShape
 from kvasir_rpc._gen.kvasir.v1 import session_pb2
 from kvasir_rpc._wallet import Wallet, is_address, verify_signature
 from kvasir_rpc.protocol import (
+    ACCEPT_SIGNATURE_DOMAIN,
+    E2E_HUB_MODES,
     HELLO_SIGNATURE_DOMAIN,
+    KX_PUBLIC_BYTES,
     MAX_CHALLENGE_AGE_MS,
     MAX_EXPERTS_PER_LAYER,
     MAX_HELLO_BYTES,
@@ -37,6 +51,7 @@ from kvasir_rpc.protocol import (
 )
 
 __all__ = [
+    "ACCEPT_SIGNATURE_DOMAIN",
     "HELLO_SIGNATURE_DOMAIN",
     "HelloInfo",
     "HubHandshake",
@@ -132,6 +147,12 @@ _WORKER_TRANSITIONS = {
 }
 
 
+def accept_signed_message(transcript: bytes, session_id: str, encrypted: bool) -> bytes:
+    """What the hub signs in SessionAccept: the domain, the transcript hash, the session id
+    (UTF-8) and one byte, 1 when the tunnel is encrypted."""
+    return ACCEPT_SIGNATURE_DOMAIN + transcript + session_id.encode() + (b"\x01" if encrypted else b"\x00")
+
+
 def _parse(cls: type, data: bytes, what: str):  # type: ignore[no-untyped-def]
     msg = cls()
     try:
@@ -143,27 +164,44 @@ def _parse(cls: type, data: bytes, what: str):  # type: ignore[no-untyped-def]
 
 class HubHandshake:
     """The hub's side. ``challenge()`` -> bytes; ``receive_hello(bytes)`` -> HelloInfo;
-    ``accept(session_id)`` -> bytes."""
+    ``accept(session_id)`` -> bytes, signed with the hub key. After ``accept``, ``encrypted``
+    says whether the tunnel is sealed and ``cipher`` seals and opens it (None in clear)."""
 
     def __init__(
         self,
-        hub_key: str,
+        key: Wallet,
         *,
         clock_ms: Callable[[], int] = _now_ms,
         max_challenge_age_ms: int = DEFAULT_MAX_CHALLENGE_AGE_MS,
         nonce: bytes | None = None,
         shape: ModelShape | None = None,
+        e2e: str = "auto",
+        via_gateway: bool = False,
+        kx_private: bytes | None = None,
     ) -> None:
-        """``shape``: the model served; a hello announcing a layer or expert outside it is
-        refused (1008). Without it only the protocol's bounds apply."""
-        if not is_address(hub_key):
-            raise ValueError("hub_key must be 64 lowercase hex characters")
-        self.hub_key = hub_key
+        """``key``: the hub's wallet, which signs the accept. ``shape``: the model served; a
+        hello announcing a layer or expert outside it is refused (1008). Without it only the
+        protocol's bounds apply. ``e2e`` (one of E2E_HUB_MODES) with ``via_gateway`` decide
+        whether the session is encrypted end to end: "auto" encrypts a session that came
+        through a gateway or whose worker requires it, "on" every session, "off" none.
+        ``nonce`` and ``kx_private`` (the ephemeral X25519 key) are fresh unless given."""
+        if e2e not in E2E_HUB_MODES:
+            raise ValueError(f"e2e must be one of {', '.join(E2E_HUB_MODES)}, not {e2e!r}")
+        self._key = key
+        self.hub_key = key.address
         self._clock = clock_ms
         self._max_age = max_challenge_age_ms
         self._nonce = nonce if nonce is not None else secrets.token_bytes(NONCE_BYTES)
         self._shape = shape
+        self._e2e = e2e
+        self._via_gateway = via_gateway
+        self._kx = KeyExchange(kx_private)
         self._issued_ms = 0
+        self._challenge = b""
+        self._transcript = b""
+        self._keys: tuple[bytes, bytes] | None = None
+        self.encrypted = False
+        self.cipher: TunnelCipher | None = None
         self.state = _HubState.START
 
     def _step(self, event: str) -> None:
@@ -175,9 +213,10 @@ class HubHandshake:
     def challenge(self) -> bytes:
         self._step("challenge")
         self._issued_ms = self._clock()
-        return session_pb2.SessionChallenge(
-            nonce=self._nonce, hub_key=self.hub_key, issued_at_unix_ms=self._issued_ms
+        self._challenge = session_pb2.SessionChallenge(
+            nonce=self._nonce, hub_key=self.hub_key, issued_at_unix_ms=self._issued_ms, kx_public=self._kx.public
         ).SerializeToString()
+        return self._challenge
 
     def receive_hello(self, data: bytes) -> HelloInfo:
         if self.state is not _HubState.CHALLENGED:
@@ -222,6 +261,14 @@ class HubHandshake:
             raise RemoteProtocolError(
                 "hello: weights_digest must be 32 bytes (sha256)", close_code=CloseCode.POLICY_VIOLATION
             )
+        self._transcript = transcript_hash(self._challenge, data)
+        self.encrypted = self._must_encrypt(body)
+        if body.kx_public:
+            if body.hub_kx_public != self._kx.public:
+                raise RemoteProtocolError("hello: hub_kx_public is not the key exchange this hub sent "
+                                          "(a relay put its own in)", close_code=CloseCode.POLICY_VIOLATION)
+            if self.encrypted:
+                self._keys = derive_tunnel_keys(self._kx.shared_secret(body.kx_public), self._transcript)
         return HelloInfo(
             wallet=body.wallet,
             slices=slices,
@@ -231,14 +278,37 @@ class HubHandshake:
             worker_version=body.worker_version[:64],
         )
 
+    def _must_encrypt(self, body: session_pb2.HelloBody) -> bool:
+        """Whether this session is sealed; RemoteProtocolError (1008) when the two sides'
+        policies cannot both hold."""
+        if body.require_encryption and self._e2e == "off":
+            raise RemoteProtocolError("the worker requires end-to-end encryption and this hub runs with --e2e off "
+                                      "(run the worker with --e2e auto, or the hub with --e2e auto)",
+                                      close_code=CloseCode.POLICY_VIOLATION)
+        must = self._e2e == "on" or (self._e2e == "auto" and (self._via_gateway or body.require_encryption))
+        if must and not body.kx_public:
+            why = "sessions through a gateway are" if self._e2e == "auto" else "every session is"
+            raise RemoteProtocolError(f"{why} encrypted end to end on this hub and the hello has no key exchange: "
+                                      "upgrade the worker", close_code=CloseCode.POLICY_VIOLATION)
+        if body.kx_public and len(body.kx_public) != KX_PUBLIC_BYTES:
+            raise RemoteProtocolError(f"hello: kx_public must be {KX_PUBLIC_BYTES} bytes, got {len(body.kx_public)}",
+                                      close_code=CloseCode.POLICY_VIOLATION)
+        return must
+
     def accept(self, session_id: str) -> bytes:
+        """The signed SessionAccept; from now on ``cipher`` seals the tunnel when ``encrypted``."""
         self._step("accept")
-        return session_pb2.SessionAccept(session_id=session_id).SerializeToString()
+        signature = self._key.sign(accept_signed_message(self._transcript, session_id, self.encrypted))
+        if self._keys is not None:
+            self.cipher = TunnelCipher.for_hub(self._keys)
+        return session_pb2.SessionAccept(session_id=session_id, encrypted=self.encrypted,
+                                         signature=signature).SerializeToString()
 
 
 class WorkerHandshake:
     """The worker's side. ``receive_challenge(bytes)`` -> hello bytes;
-    ``receive_accept(bytes)`` -> session id."""
+    ``receive_accept(bytes)`` -> session id, once the hub's signature over the transcript
+    checks out. Then ``encrypted`` and ``cipher`` as on the hub's side."""
 
     def __init__(
         self,
@@ -250,7 +320,12 @@ class WorkerHandshake:
         model_type: str = "",
         worker_version: str = "",
         expected_hub_key: str | None = None,
+        require_encryption: bool = False,
+        kx_private: bytes | None = None,
     ) -> None:
+        """``expected_hub_key``: the pinned hub key (a challenge from another is refused,
+        1008). ``require_encryption``: refuse an accept that does not encrypt (1008).
+        ``kx_private``: the ephemeral X25519 key, fresh unless given."""
         self._wallet = wallet
         self._slices = slices
         self._digest = weights_digest
@@ -258,7 +333,14 @@ class WorkerHandshake:
         self._model_type = model_type
         self._version = worker_version
         self._expected_hub_key = expected_hub_key
+        self._require = require_encryption
+        self._kx = KeyExchange(kx_private)
+        self._challenge = b""
+        self._hello = b""
+        self._hub_kx = b""
         self.hub_key: str | None = None
+        self.encrypted = False
+        self.cipher: TunnelCipher | None = None
         self.state = _WorkerState.AWAIT_CHALLENGE
 
     def _step(self, event: str) -> None:
@@ -284,8 +366,16 @@ class WorkerHandshake:
         if not is_address(ch.hub_key):
             raise self._fail("challenge hub_key must be 64 lowercase hex characters")
         if self._expected_hub_key is not None and ch.hub_key != self._expected_hub_key:
-            raise self._fail(f"unexpected hub key {ch.hub_key}", CloseCode.POLICY_VIOLATION)
+            raise self._fail(f"unexpected hub key {ch.hub_key}: this worker pins {self._expected_hub_key} "
+                             "(--hub-key); something other than that hub answered", CloseCode.POLICY_VIOLATION)
+        if ch.kx_public and len(ch.kx_public) != KX_PUBLIC_BYTES:
+            raise self._fail(f"challenge kx_public must be {KX_PUBLIC_BYTES} bytes, got {len(ch.kx_public)}",
+                             CloseCode.POLICY_VIOLATION)
+        if self._require and not ch.kx_public:
+            raise self._fail("the hub offers no end-to-end encryption (no key exchange in its challenge) and this "
+                             "worker requires it (--e2e require): upgrade the hub", CloseCode.POLICY_VIOLATION)
         self.hub_key = ch.hub_key
+        self._hub_kx = bytes(ch.kx_public)
         body = session_pb2.HelloBody(
             nonce=ch.nonce,
             hub_key=ch.hub_key,
@@ -295,10 +385,15 @@ class WorkerHandshake:
             device=self._device,
             model_type=self._model_type,
             worker_version=self._version,
+            kx_public=self._kx.public,
+            hub_kx_public=self._hub_kx,
+            require_encryption=self._require,
         ).SerializeToString()
         self._step("receive_challenge")
         signature = self._wallet.sign(HELLO_SIGNATURE_DOMAIN + body)
-        return session_pb2.SessionHello(body=body, signature=signature).SerializeToString()
+        self._challenge = bytes(data)
+        self._hello = session_pb2.SessionHello(body=body, signature=signature).SerializeToString()
+        return self._hello
 
     def receive_accept(self, data: bytes) -> str:
         if self.state is not _WorkerState.AWAIT_ACCEPT:
@@ -310,5 +405,29 @@ class WorkerHandshake:
             raise
         if not msg.session_id or len(msg.session_id) > MAX_SESSION_ID_CHARS:
             raise self._fail(f"accept: session_id must be 1 to {MAX_SESSION_ID_CHARS} characters")
+        assert self.hub_key is not None
+        transcript = transcript_hash(self._challenge, self._hello)
+        if not msg.signature:
+            raise self._fail("accept: not signed by the hub (a hub too old for this worker, or a relay that "
+                             "stripped the signature)", CloseCode.POLICY_VIOLATION)
+        if not verify_signature(self.hub_key, accept_signed_message(transcript, msg.session_id, msg.encrypted),
+                                msg.signature):
+            raise self._fail(f"accept: bad signature: not signed by hub {self.hub_key} over this connection's "
+                             "handshake (altered on the way, e.g. its encryption stripped, or replayed from another "
+                             "connection)", CloseCode.POLICY_VIOLATION)
+        if msg.encrypted:
+            if not self._hub_kx:
+                raise self._fail("accept: encrypted, but the challenge had no key exchange",
+                                 CloseCode.POLICY_VIOLATION)
+            try:
+                shared = self._kx.shared_secret(self._hub_kx)
+            except RemoteProtocolError:
+                self.state = _WorkerState.FAILED
+                raise
+            self.cipher = TunnelCipher.for_worker(derive_tunnel_keys(shared, transcript))
+        elif self._require:
+            raise self._fail("accept: the hub did not encrypt this session and this worker requires it "
+                             "(--e2e require); the hub runs with --e2e off?", CloseCode.POLICY_VIOLATION)
+        self.encrypted = msg.encrypted
         self._step("receive_accept")
         return msg.session_id

@@ -29,6 +29,7 @@ from collections.abc import Sequence
 from kvasir_rpc._errors import CloseCode, LocalProtocolError, RemoteProtocolError
 
 __all__ = [
+    "ACCEPT_SIGNATURE_DOMAIN",
     "CLOSE_TIMEOUT_S",
     "CONTROL_WORDS",
     "GATEWAY_SUBPROTOCOL",
@@ -43,15 +44,22 @@ __all__ = [
     "TARGET_KEY_DOMAIN",
     "TARGET_KEY_METADATA",
     "WEIGHTS_DIGEST_DOMAIN",
+    "E2E_HUB_MODES",
+    "E2E_WORKER_MODES",
     "HUB_CONTROL_PATH",
     "HUB_DATA_PREFIX",
     "HUB_HANDSHAKE_TIMEOUT_S",
     "KEEPALIVE_S",
     "KEEPALIVE_TIMEOUT_S",
+    "KX_PUBLIC_BYTES",
     "MAX_MESSAGE_BYTES",
     "PAIRING_VERSION",
     "PING",
     "READ_BYTES",
+    "SEALED_CONTROL",
+    "SEALED_DATA",
+    "SEAL_OVERHEAD",
+    "TUNNEL_KEYS_INFO",
     "TUNNEL_SUBPROTOCOL",
     "TUNNEL_SUBPROTOCOLS",
     "WORKER_HANDSHAKE_TIMEOUT_S",
@@ -119,6 +127,25 @@ MAX_HELLO_BYTES = 4 << 20
 MAX_LAYERS = 4096
 MAX_EXPERTS_PER_LAYER = 65536
 MAX_SESSION_ID_CHARS = 128
+
+# --- The end-to-end channel (kvasir_rpc._channel; docs/PROTOCOL.md "End-to-end channel") -----
+
+# The hub signs ACCEPT_SIGNATURE_DOMAIN + transcript hash + session id + encrypted flag byte.
+ACCEPT_SIGNATURE_DOMAIN = b"kvasir.v1.SessionAccept\x00"
+# X25519 public keys, one fresh pair per connection on each side.
+KX_PUBLIC_BYTES = 32
+# HKDF-SHA256 info for the two tunnel keys (hub -> worker, then worker -> hub).
+TUNNEL_KEYS_INFO = b"kvasir.v1.tunnel keys"
+# The first plaintext byte of a sealed message: what the rest is.
+SEALED_DATA = 0  # HTTP/2 bytes
+SEALED_CONTROL = 1  # a control word in UTF-8 ("open", "eof", "close", "closed")
+# A sealed message is this much longer than its payload: the kind byte and the 16-byte tag.
+SEAL_OVERHEAD = 1 + 16
+# The hub's --e2e: "auto" encrypts sessions that come through a gateway, and direct ones whose
+# worker requires it; "on" every session; "off" none (a worker that requires it is refused).
+E2E_HUB_MODES = ("auto", "on", "off")
+# The worker's --e2e: "require" refuses an unencrypted accept; "auto" takes what the hub chooses.
+E2E_WORKER_MODES = ("auto", "require")
 
 # --- Domains and metadata ---------------------------------------------------------------------
 

@@ -146,7 +146,7 @@ def run_hub(args: argparse.Namespace) -> int:
                        keepalive_s=args.keepalive, keepalive_timeout_s=args.keepalive_timeout,
                        backbone_token=backbone_token, target_auth_timeout_s=args.target_auth_timeout,
                        model_shape=shape, max_sessions_per_wallet=args.max_sessions_per_wallet,
-                       max_sessions_per_address=args.max_sessions_per_address)
+                       max_sessions_per_address=args.max_sessions_per_address, e2e=args.e2e)
 
     failed: list[str] = []
 
@@ -157,7 +157,7 @@ def run_hub(args: argparse.Namespace) -> int:
             if ws_port is None:
                 return
             log.info("hub listening", ws=f"{config.listen_host}:{ws_port}", grpc=f"{grpc_host}:{bound_grpc}",
-                     hub_key=key.address, gateway=args.gateway,
+                     hub_key=key.address, gateway=args.gateway, e2e=args.e2e,
                      model=f"{shape.layers} layers x {shape.experts} experts" if shape else "any (protocol bounds)")
             write_ready_file(args.ready_file, {"ws_port": ws_port, "grpc_port": bound_grpc, "hub_key": key.address})
             await _until_signal(nursery, log, "hub")
@@ -257,6 +257,10 @@ def main(argv: list[str] | None = None) -> int:
                      help="drop a session whose worker does not answer a ping within this many seconds")
     hub.add_argument("--quarantine-seconds", type=float, default=24 * 3600.0,
                      help="how long a wallet caught delivering wrong work is refused")
+    hub.add_argument("--e2e", choices=["auto", "on", "off"], default="auto",
+                     help="encrypt hub <-> worker tunnels end to end, so a gateway (or an edge in front of it) "
+                          "relays only ciphertext: auto (default) for every session through a gateway and for "
+                          "direct workers that require it; on: every session; off: none")
     hub.add_argument("--ready-file", type=pathlib.Path, help="write {ws_port, grpc_port, hub_key} here once listening")
     hub.add_argument("--log-level", default="info")
     hub.set_defaults(func=run_hub)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import itertools
 import secrets
 import ssl
@@ -23,6 +24,7 @@ from kvasir_rpc import (
     HubHandshake,
     ModelShape,
     RemoteProtocolError,
+    TunnelCipher,
     Wallet,
     get_logger,
     MIN_TOKEN_CHARS,
@@ -31,6 +33,7 @@ from kvasir_rpc import (
     check_bearer,
     keepalive,
     leaf_exception,
+    receive_message,
     remote_host,
     send_whole,
     session_pb2,
@@ -97,6 +100,10 @@ class HubConfig:
     # gateway the worker's address it announces), may hold; more are refused with 1013.
     max_sessions_per_wallet: int = 4
     max_sessions_per_address: int = 32
+    # End-to-end encryption of hub <-> worker tunnels (kvasir_rpc.protocol.E2E_HUB_MODES):
+    # "auto" seals every session that comes through a gateway and a direct one whose worker
+    # requires it; "on" every session; "off" none (a worker that requires it is refused, 1008).
+    e2e: str = "auto"
 
 
 class SessionServicer(session_pb2_grpc.SessionServiceServicer):
@@ -186,9 +193,12 @@ class _Session:
     so the worker.
     """
 
-    def __init__(self, hub: _Hub, ws: WebSocketConnection, session_id: str) -> None:
+    def __init__(self, hub: _Hub, ws: WebSocketConnection, session_id: str,
+                 cipher: TunnelCipher | None = None) -> None:
         self.hub = hub
         self.ws = ws
+        # Seals and opens every tunnel message of an encrypted session (None: in clear).
+        self.cipher = cipher
         self.session_id = session_id
         self.log = log.bind(session_id=session_id)
         self.tunnel = HubTunnel()
@@ -278,7 +288,7 @@ class _Session:
     async def _read_ws(self) -> None:
         async with self._inbox_send:
             while True:
-                event = self.tunnel.receive(await self.ws.get_message())
+                event = self.tunnel.receive(await receive_message(self.ws, self.cipher))
                 await self._inbox_send.send(event)
 
     async def _splice(self, stream: trio.SocketStream, first: bytes) -> None:
@@ -287,8 +297,9 @@ class _Session:
         reg = self.hub.registry
         sid = self.session_id
         tunnel = self.tunnel
-        await send_whole(self.ws, tunnel.open())
-        await send_whole(self.ws, tunnel.send_data(first))
+        cipher = self.cipher
+        await send_whole(self.ws, tunnel.open(), cipher=cipher)
+        await send_whole(self.ws, tunnel.send_data(first), cipher=cipher)
         reg.count_bytes(sid, to_worker=len(first))
         ended_by = "backbone"
         async with stream:
@@ -304,7 +315,7 @@ class _Session:
                         if not data:
                             nursery.cancel_scope.cancel()
                             return
-                        await send_whole(self.ws, tunnel.send_data(bytes(data)))
+                        await send_whole(self.ws, tunnel.send_data(bytes(data)), cipher=cipher)
                         reg.count_bytes(sid, to_worker=len(data))
 
                 async def worker_to_backbone() -> None:
@@ -326,7 +337,7 @@ class _Session:
                 nursery.start_soon(backbone_to_worker)
                 nursery.start_soon(worker_to_backbone)
         # Either side ended: tell the worker, then drop its late bytes until "closed".
-        await send_whole(self.ws, tunnel.close())
+        await send_whole(self.ws, tunnel.close(), cipher=cipher)
         with trio.fail_after(self.hub.config.close_timeout_s):
             async for event in self._inbox:
                 if isinstance(event, Closed):
@@ -387,21 +398,23 @@ class _Hub:
             log.exception("session handler failed", remote=remote)
             await ws.aclose(CloseCode.INTERNAL_ERROR, "hub error")
 
-    async def serve_connection(self, ws: WebSocketConnection, remote: str) -> None:
-        """Run the handshake and then the session on one worker WebSocket (direct or via a gateway)."""
+    async def serve_connection(self, ws: WebSocketConnection, remote: str, *, via_gateway: bool = False) -> None:
+        """Run the handshake and then the session on one worker WebSocket, direct or (with
+        ``via_gateway``, which decides the end-to-end encryption under --e2e auto) through a gateway."""
         held: list[tuple[str, str]] = []  # what _hold counted for this connection, released at its end
         try:
-            await self._serve_connection(ws, remote, held)
+            await self._serve_connection(ws, remote, held, via_gateway)
         finally:
             for wallet, address in held:
                 self._release(wallet, address)
 
-    async def _handshake(self, ws: WebSocketConnection, remote: str,
-                         held: list[tuple[str, str]]) -> tuple[HelloInfo, str] | None:
-        """The verified hello and the new session id, or None when the handshake was refused
-        (the WebSocket is then closed with the refusal's code). A function of its own so that
-        the hello's bytes (up to MAX_HELLO_BYTES) die with it, not live as long as the session."""
-        hs = HubHandshake(self.key.address, shape=self.config.model_shape)
+    async def _handshake(self, ws: WebSocketConnection, remote: str, held: list[tuple[str, str]],
+                         via_gateway: bool) -> tuple[HelloInfo, str, TunnelCipher | None] | None:
+        """The verified hello, the new session id and the session's cipher (None in clear), or
+        None when the handshake was refused (the WebSocket is then closed with the refusal's
+        code). A function of its own so that the hello's bytes (up to MAX_HELLO_BYTES) die
+        with it, not live as long as the session."""
+        hs = HubHandshake(self.key, shape=self.config.model_shape, e2e=self.config.e2e, via_gateway=via_gateway)
         try:
             with trio.fail_after(self.config.handshake_timeout_s):
                 await ws.send_message(hs.challenge())
@@ -419,7 +432,7 @@ class _Hub:
                 held.append((info.wallet, address))
                 session_id = self.new_session_id()
                 await ws.send_message(hs.accept(session_id))
-                return info, session_id
+                return info, session_id, hs.cipher
         except trio.TooSlowError:
             log.info("handshake timed out", remote=remote)
             await ws.aclose(CloseCode.POLICY_VIOLATION, "handshake timed out")
@@ -430,12 +443,13 @@ class _Hub:
             pass
         return None
 
-    async def _serve_connection(self, ws: WebSocketConnection, remote: str, held: list[tuple[str, str]]) -> None:
-        verified = await self._handshake(ws, remote, held)
+    async def _serve_connection(self, ws: WebSocketConnection, remote: str, held: list[tuple[str, str]],
+                                via_gateway: bool) -> None:
+        verified = await self._handshake(ws, remote, held, via_gateway)
         if verified is None:
             return
-        info, session_id = verified
-        session = _Session(self, ws, session_id)
+        info, session_id, cipher = verified
+        session = _Session(self, ws, session_id, cipher)
         slog = log.bind(session_id=session_id, wallet=info.wallet)
         kicked: list[str] = []
         trio_token = trio.lowlevel.current_trio_token()
@@ -450,8 +464,10 @@ class _Hub:
                     trio_token.run_sync_soon(on_loop)
 
                 target = await nursery.start(session.run)
-                self.registry.add(session_id, info, target=target, remote=remote, kick=kick)
-                slog.info("session open", target=target, device=info.device, layers=len(info.slices))
+                self.registry.add(session_id, info, target=target, remote=remote, kick=kick,
+                                  encrypted=cipher is not None)
+                slog.info("session open", target=target, device=info.device, layers=len(info.slices),
+                          encrypted=cipher is not None)
         except* ConnectionClosed as eg:
             reason = leaf_exception(eg).reason  # type: ignore[attr-defined]
             slog.info("session closed by worker", code=reason.code, reason=reason.reason)
@@ -506,7 +522,8 @@ async def serve_hub(
         if config.gateway_url:
             from relay._hub_gateway import GatewayLink
 
-            link = GatewayLink(hub.serve_connection, config.gateway_url, config.gateway_token,
+            link = GatewayLink(functools.partial(hub.serve_connection, via_gateway=True), config.gateway_url,
+                               config.gateway_token,
                                ssl_context=config.gateway_ssl)
             nursery.start_soon(link.run)
         task_status.started(intake.port)

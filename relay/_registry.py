@@ -32,6 +32,7 @@ class SessionStats:
     target: str
     remote_address: str
     work_bytes: int = 0
+    encrypted: bool = False
 
     def to_proto(self) -> session_pb2.Session:
         return session_pb2.Session(
@@ -47,6 +48,7 @@ class SessionStats:
             target=self.target,
             remote_address=self.remote_address,
             work_bytes=self.work_bytes,
+            encrypted=self.encrypted,
         )
 
 
@@ -73,6 +75,7 @@ class _Entry:
     to_worker: int = 0
     from_worker: int = 0
     work_bytes: int = 0
+    encrypted: bool = False
     # Ends the session from any thread, with a reason for the worker (see _Session).
     kick: Callable[[str], None] | None = None
 
@@ -104,6 +107,7 @@ class SessionRegistry:
             target=e.target,
             remote_address=e.remote,
             work_bytes=e.work_bytes,
+            encrypted=e.encrypted,
         )
 
     def _notify(self, kind: session_pb2.SessionEvent.Kind, stats: SessionStats) -> None:
@@ -112,10 +116,10 @@ class SessionRegistry:
             w.put(change)
 
     def add(self, session_id: str, hello: HelloInfo, *, target: str, remote: str,
-            kick: Callable[[str], None] | None = None) -> None:
+            kick: Callable[[str], None] | None = None, encrypted: bool = False) -> None:
         with self._lock:
             entry = _Entry(hello=hello, since_ms=time.time_ns() // 1_000_000, target=target, remote=remote,
-                           kick=kick)
+                           kick=kick, encrypted=encrypted)
             self._sessions[session_id] = entry
             self._notify(session_pb2.SessionEvent.KIND_ADDED, self._stats(session_id, entry))
 

@@ -1,4 +1,5 @@
-"""python -m worker (--hub ws://HOST:PORT | --gateway wss://HOST:PORT) --model DIR --experts SPEC --wallet PATH [--device auto|cpu|cuda|mps]"""
+"""python -m worker (--hub ws://HOST:PORT | --gateway wss://HOST:PORT) --model DIR --experts SPEC --wallet PATH
+[--hub-key HEX] [--e2e auto|require] [--device auto|cpu|cuda|mps]"""
 
 from __future__ import annotations
 
@@ -33,6 +34,7 @@ from kvasir_rpc import (
     expert_pb2_grpc,
     format_slices,
     get_logger,
+    is_address,
 )
 from worker._load import load_experts
 from worker._service import ExpertServicer
@@ -57,8 +59,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--direct-grpc", metavar="HOST:PORT",
                    help="also serve ExpertService on this TCP address, without the tunnel (benchmarks, "
                         "trusted LANs); off by default: the worker opens no listening socket")
+    p.add_argument("--hub-key", metavar="HEX",
+                   help="the hub's public key (64 hex characters, in its ready file and its 'hub listening' log "
+                        "line): serve only that hub; without it, whoever answers the dial as a hub is served")
+    p.add_argument("--e2e", choices=["auto", "require"],
+                   help="require: refuse a session whose tunnel is not encrypted end to end (default with "
+                        "--gateway); auto: take what the hub chooses (default with --hub)")
     p.add_argument("--log-level", default="info")
     args = p.parse_args(argv)
+    if args.hub_key is not None and not is_address(args.hub_key):
+        p.error("--hub-key must be 64 lowercase hex characters (the hub's Ed25519 public key)")
+    require_e2e = (args.e2e or ("require" if args.gateway else "auto")) == "require"
     configure_logging("worker", level=args.log_level)
     if args.direct_grpc:
         try:
@@ -123,6 +134,8 @@ def main(argv: list[str] | None = None) -> int:
             device=str(experts.device),
             model_type=experts.model_type,
             worker_version=__version__,
+            expected_hub_key=args.hub_key,
+            require_encryption=require_e2e,
         )
 
     holder = TunnelHolder()
@@ -131,6 +144,9 @@ def main(argv: list[str] | None = None) -> int:
             print("worker: --gateway must be a wss:// URL", file=sys.stderr)
             return 2
         url = args.gateway.rstrip("/") + "/v1/worker"
+        if args.hub_key is None:
+            log.warning("no --hub-key: the gateway (or anyone in front of it) could stand in for the hub and be "
+                        "served; pin the hub's key to serve only it")
         ssl_context = (ssl.create_default_context(cafile=str(args.ca_file) if args.ca_file else None)
                        if url.startswith("wss://") else None)
     else:

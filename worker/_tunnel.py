@@ -18,7 +18,9 @@ from kvasir_rpc import (
     keepalive,
     leaf_exception,
     open_websocket_url,
+    receive_message,
     send_whole,
+    TunnelCipher,
 )
 from kvasir_rpc.protocol import (
     KEEPALIVE_S,
@@ -50,11 +52,12 @@ class _Conn:
 
 
 async def serve_session(ws: WebSocketConnection, uds_path: str, *, keepalive_s: float = KEEPALIVE_S,
-                        keepalive_timeout_s: float = KEEPALIVE_TIMEOUT_S) -> None:
+                        keepalive_timeout_s: float = KEEPALIVE_TIMEOUT_S, cipher: TunnelCipher | None = None) -> None:
     """Follow the hub's control messages until the WebSocket closes (ConnectionClosed) or
     the hub breaks the protocol or stops answering pings (RemoteProtocolError).
 
-    What may be sent when is ``WorkerTunnel``'s; this moves the bytes."""
+    What may be sent when is ``WorkerTunnel``'s; this moves the bytes, sealed and opened
+    with ``cipher`` when the session is encrypted end to end."""
     tunnel = WorkerTunnel()
     conn: _Conn | None = None
 
@@ -70,8 +73,8 @@ async def serve_session(ws: WebSocketConnection, uds_path: str, *, keepalive_s: 
                         data = b""
                     if not data:
                         break
-                    await send_whole(ws, tunnel.send_data(bytes(data)))
-                await send_whole(ws, tunnel.eof())
+                    await send_whole(ws, tunnel.send_data(bytes(data)), cipher=cipher)
+                await send_whole(ws, tunnel.eof(), cipher=cipher)
         finally:
             c.done.set()
 
@@ -79,7 +82,7 @@ async def serve_session(ws: WebSocketConnection, uds_path: str, *, keepalive_s: 
         nursery.start_soon(keepalive, ws, keepalive_s, keepalive_timeout_s)
         try:
             while True:
-                event = tunnel.receive(await ws.get_message())
+                event = tunnel.receive(await receive_message(ws, cipher))
                 if isinstance(event, Open):
                     conn = _Conn(await trio.open_unix_socket(uds_path))
                     nursery.start_soon(pump, conn)
@@ -89,7 +92,7 @@ async def serve_session(ws: WebSocketConnection, uds_path: str, *, keepalive_s: 
                     await conn.done.wait()
                     await conn.stream.aclose()
                     conn = None
-                    await send_whole(ws, tunnel.closed())
+                    await send_whole(ws, tunnel.closed(), cipher=cipher)
                 elif isinstance(event, Data):
                     assert conn is not None
                     try:
@@ -163,9 +166,10 @@ async def run_tunnel(
                 backoff = min_backoff_s
                 if holder is not None:
                     holder.ws = ws
-                log.info("session established", session_id=session_id, hub_key=hs.hub_key, url=url)
+                log.info("session established", session_id=session_id, hub_key=hs.hub_key, url=url,
+                         encrypted=hs.encrypted)
                 try:
-                    await serve_session(ws, uds_path)
+                    await serve_session(ws, uds_path, cipher=hs.cipher)
                 except* RemoteProtocolError as eg:
                     perr = leaf_exception(eg)
                     assert isinstance(perr, RemoteProtocolError)
@@ -175,7 +179,13 @@ async def run_tunnel(
         except* ConnectionClosed as eg:
             reason = leaf_exception(eg).reason  # type: ignore[attr-defined]
             log.info("tunnel closed", code=reason.code, reason=reason.reason)
-        except* (OSError, HandshakeError, trio.TooSlowError, RemoteProtocolError) as eg:
+        except* RemoteProtocolError as eg:
+            perr = leaf_exception(eg)
+            assert isinstance(perr, RemoteProtocolError)
+            # A refused hub key, signature or encryption policy is something to act on.
+            (log.warning if perr.close_code == CloseCode.POLICY_VIOLATION else log.info)(
+                "tunnel failed", error=perr.reason, code=perr.close_code)
+        except* (OSError, HandshakeError, trio.TooSlowError) as eg:
             log.info("tunnel failed", error=repr(leaf_exception(eg)))
         if holder is not None and holder.closing:
             return

@@ -47,7 +47,7 @@ if TYPE_CHECKING:
     import torch
     from trio_websocket import WebSocketConnection, WebSocketRequest
 
-    from kvasir_rpc import Activation, ExpertIndex, HelloInfo, expert_pb2
+    from kvasir_rpc import Activation, ExpertIndex, HelloInfo, TunnelCipher, expert_pb2
 
 __all__ = ["PASS", "FAIL", "SKIP", "StepResult", "add_parser", "judge_partials", "run", "run_check"]
 
@@ -225,6 +225,7 @@ class _Check:
         self.proc: subprocess.Popen[bytes] | None = None
         self.hello: HelloInfo | None = None
         self.ws: WebSocketConnection | None = None
+        self.cipher: TunnelCipher | None = None  # the worker's session is sealed end to end
         self.tunnel = HubTunnel()
         self.fatal: str | None = None
         self.finishing = False
@@ -400,7 +401,8 @@ class _Check:
         from kvasir_rpc.protocol import HUB_HANDSHAKE_TIMEOUT_S, CloseCode, RemoteProtocolError
 
         assert self.ws is not None
-        hs = HubHandshake(self.hub_key.address)
+        # As a hub would for a direct worker (--e2e auto): encrypted when the worker requires it.
+        hs = HubHandshake(self.hub_key)
         try:
             with trio.fail_after(HUB_HANDSHAKE_TIMEOUT_S):
                 await self.ws.send_message(hs.challenge())
@@ -409,6 +411,7 @@ class _Check:
                     raise RemoteProtocolError(f"the SessionHello must be a binary message, got text {data[:40]!r}")
                 info = hs.receive_hello(data)
                 await self.ws.send_message(hs.accept("conformance-1"))
+                self.cipher = hs.cipher
         except trio.TooSlowError:
             await self.end(f"no SessionHello within {HUB_HANDSHAKE_TIMEOUT_S:g} s of the challenge (a hub closes "
                            "1008 'handshake timed out')", CloseCode.POLICY_VIOLATION)
@@ -676,18 +679,22 @@ class _Check:
         """Feed every message of the worker to the hub's tunnel state machine."""
         from trio_websocket import ConnectionClosed
 
+        from kvasir_rpc import receive_message
         from kvasir_rpc.protocol import RemoteProtocolError
         from kvasir_rpc.protocol import Closed, Data, Discarded, Eof
 
         assert self.ws is not None
         while True:
             try:
-                msg = await self.ws.get_message()
+                msg = await receive_message(self.ws, self.cipher)
             except ConnectionClosed as exc:
                 if not self.finishing:
                     why = exc.reason
                     await self.end("the worker closed the WebSocket" + ("" if why is None else
                                    f": {why.code} {why.reason or ''}".rstrip()))
+                return
+            except RemoteProtocolError as exc:  # a sealed message that does not open
+                await self.end(f"end-to-end channel: {exc.reason}; a hub closes {exc.close_code}", exc.close_code)
                 return
             state = self.tunnel.state
             try:
@@ -743,7 +750,7 @@ class _Check:
         self.first_data, self.closed, self._worker_eof = trio.Event(), trio.Event(), trio.Event()
         self.discarded = 0
         self.stream = stream
-        await send_whole(ws, self.tunnel.open())
+        await send_whole(ws, self.tunnel.open(), cipher=self.cipher)
         self.opened.set()
         async with trio.open_nursery() as nursery:
 
@@ -755,7 +762,7 @@ class _Check:
                         data = b""
                     if not data or self.tunnel.state is not TunnelState.OPEN:
                         break
-                    await send_whole(ws, self.tunnel.send_data(bytes(data)))
+                    await send_whole(ws, self.tunnel.send_data(bytes(data)), cipher=self.cipher)
                 nursery.cancel_scope.cancel()
 
             nursery.start_soon(client_to_worker)
@@ -766,7 +773,7 @@ class _Check:
         if self.fatal is not None:
             return
         self._close_sent_at = trio.current_time()
-        await send_whole(ws, self.tunnel.close())
+        await send_whole(ws, self.tunnel.close(), cipher=self.cipher)
         with trio.move_on_after(CLOSE_TIMEOUT_S):
             await self.closed.wait()
         if not self.closed.is_set():

@@ -208,9 +208,15 @@ class LocalSwarm:
                      launcher: Sequence[str] = ("-m", "worker")) -> subprocess.Popen[bytes]:
         """Start a worker that dials the hub directly (``via="hub"``) or the gateway (at
         ``gateway_url`` when given, e.g. through a latency proxy). ``launcher`` is what
-        python runs, followed by the worker's arguments (tests run dishonest workers so)."""
+        python runs, followed by the worker's arguments (tests run dishonest workers so).
+
+        Once the hub has started, the worker pins its key (``--hub-key``, unless ``extra``
+        names one), as an operator should: through a gateway its tunnel is then sealed end to
+        end to that hub and no one else."""
         where = (["--hub", self.hub_ws_url] if via == "hub"
                  else ["--gateway", gateway_url or self.gateway_url, "--ca-file", str(self.ca_file)])
+        if self.hub_key and "--hub-key" not in extra:
+            where += ["--hub-key", self.hub_key]
         return self._spawn(name, [*launcher, *where, "--model", str(model),
                                   "--experts", experts, "--wallet", str(self.workdir / f"{name}.wallet"), *extra])
 

@@ -27,17 +27,19 @@ class ExpertSlice(_message.Message):
     def __init__(self, layer: _Optional[int] = ..., experts: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class SessionChallenge(_message.Message):
-    __slots__ = ("nonce", "hub_key", "issued_at_unix_ms")
+    __slots__ = ("nonce", "hub_key", "issued_at_unix_ms", "kx_public")
     NONCE_FIELD_NUMBER: _ClassVar[int]
     HUB_KEY_FIELD_NUMBER: _ClassVar[int]
     ISSUED_AT_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    KX_PUBLIC_FIELD_NUMBER: _ClassVar[int]
     nonce: bytes
     hub_key: str
     issued_at_unix_ms: int
-    def __init__(self, nonce: _Optional[bytes] = ..., hub_key: _Optional[str] = ..., issued_at_unix_ms: _Optional[int] = ...) -> None: ...
+    kx_public: bytes
+    def __init__(self, nonce: _Optional[bytes] = ..., hub_key: _Optional[str] = ..., issued_at_unix_ms: _Optional[int] = ..., kx_public: _Optional[bytes] = ...) -> None: ...
 
 class HelloBody(_message.Message):
-    __slots__ = ("nonce", "hub_key", "wallet", "slices", "weights_digest", "device", "model_type", "worker_version")
+    __slots__ = ("nonce", "hub_key", "wallet", "slices", "weights_digest", "device", "model_type", "worker_version", "kx_public", "hub_kx_public", "require_encryption")
     NONCE_FIELD_NUMBER: _ClassVar[int]
     HUB_KEY_FIELD_NUMBER: _ClassVar[int]
     WALLET_FIELD_NUMBER: _ClassVar[int]
@@ -46,6 +48,9 @@ class HelloBody(_message.Message):
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     MODEL_TYPE_FIELD_NUMBER: _ClassVar[int]
     WORKER_VERSION_FIELD_NUMBER: _ClassVar[int]
+    KX_PUBLIC_FIELD_NUMBER: _ClassVar[int]
+    HUB_KX_PUBLIC_FIELD_NUMBER: _ClassVar[int]
+    REQUIRE_ENCRYPTION_FIELD_NUMBER: _ClassVar[int]
     nonce: bytes
     hub_key: str
     wallet: str
@@ -54,7 +59,10 @@ class HelloBody(_message.Message):
     device: str
     model_type: str
     worker_version: str
-    def __init__(self, nonce: _Optional[bytes] = ..., hub_key: _Optional[str] = ..., wallet: _Optional[str] = ..., slices: _Optional[_Iterable[_Union[ExpertSlice, _Mapping]]] = ..., weights_digest: _Optional[bytes] = ..., device: _Optional[str] = ..., model_type: _Optional[str] = ..., worker_version: _Optional[str] = ...) -> None: ...
+    kx_public: bytes
+    hub_kx_public: bytes
+    require_encryption: bool
+    def __init__(self, nonce: _Optional[bytes] = ..., hub_key: _Optional[str] = ..., wallet: _Optional[str] = ..., slices: _Optional[_Iterable[_Union[ExpertSlice, _Mapping]]] = ..., weights_digest: _Optional[bytes] = ..., device: _Optional[str] = ..., model_type: _Optional[str] = ..., worker_version: _Optional[str] = ..., kx_public: _Optional[bytes] = ..., hub_kx_public: _Optional[bytes] = ..., require_encryption: _Optional[bool] = ...) -> None: ...
 
 class SessionHello(_message.Message):
     __slots__ = ("body", "signature")
@@ -65,13 +73,17 @@ class SessionHello(_message.Message):
     def __init__(self, body: _Optional[bytes] = ..., signature: _Optional[bytes] = ...) -> None: ...
 
 class SessionAccept(_message.Message):
-    __slots__ = ("session_id",)
+    __slots__ = ("session_id", "encrypted", "signature")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    ENCRYPTED_FIELD_NUMBER: _ClassVar[int]
+    SIGNATURE_FIELD_NUMBER: _ClassVar[int]
     session_id: str
-    def __init__(self, session_id: _Optional[str] = ...) -> None: ...
+    encrypted: bool
+    signature: bytes
+    def __init__(self, session_id: _Optional[str] = ..., encrypted: _Optional[bool] = ..., signature: _Optional[bytes] = ...) -> None: ...
 
 class Session(_message.Message):
-    __slots__ = ("session_id", "wallet", "slices", "weights_digest", "device", "model_type", "connected_since_unix_ms", "bytes_to_worker", "bytes_from_worker", "target", "remote_address", "work_bytes")
+    __slots__ = ("session_id", "wallet", "slices", "weights_digest", "device", "model_type", "connected_since_unix_ms", "bytes_to_worker", "bytes_from_worker", "target", "remote_address", "work_bytes", "encrypted")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     WALLET_FIELD_NUMBER: _ClassVar[int]
     SLICES_FIELD_NUMBER: _ClassVar[int]
@@ -84,6 +96,7 @@ class Session(_message.Message):
     TARGET_FIELD_NUMBER: _ClassVar[int]
     REMOTE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     WORK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    ENCRYPTED_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     wallet: str
     slices: _containers.RepeatedCompositeFieldContainer[ExpertSlice]
@@ -96,7 +109,8 @@ class Session(_message.Message):
     target: str
     remote_address: str
     work_bytes: int
-    def __init__(self, session_id: _Optional[str] = ..., wallet: _Optional[str] = ..., slices: _Optional[_Iterable[_Union[ExpertSlice, _Mapping]]] = ..., weights_digest: _Optional[bytes] = ..., device: _Optional[str] = ..., model_type: _Optional[str] = ..., connected_since_unix_ms: _Optional[int] = ..., bytes_to_worker: _Optional[int] = ..., bytes_from_worker: _Optional[int] = ..., target: _Optional[str] = ..., remote_address: _Optional[str] = ..., work_bytes: _Optional[int] = ...) -> None: ...
+    encrypted: bool
+    def __init__(self, session_id: _Optional[str] = ..., wallet: _Optional[str] = ..., slices: _Optional[_Iterable[_Union[ExpertSlice, _Mapping]]] = ..., weights_digest: _Optional[bytes] = ..., device: _Optional[str] = ..., model_type: _Optional[str] = ..., connected_since_unix_ms: _Optional[int] = ..., bytes_to_worker: _Optional[int] = ..., bytes_from_worker: _Optional[int] = ..., target: _Optional[str] = ..., remote_address: _Optional[str] = ..., work_bytes: _Optional[int] = ..., encrypted: _Optional[bool] = ...) -> None: ...
 
 class ListSessionsRequest(_message.Message):
     __slots__ = ()

@@ -1,0 +1,161 @@
+"""The end-to-end channel between hub and worker, without I/O.
+
+The session handshake (``_handshake``) carries one ephemeral X25519 public key each way and
+ends with an accept the hub signs over the transcript; from that exchange both sides derive
+two keys here and, when the accept says ``encrypted``, seal every tunnel message with
+ChaCha20-Poly1305 (the ``cryptography`` package does all the cryptography):
+
+    shared  = X25519(own ephemeral private key, peer's ephemeral public key)
+    keys    = HKDF-SHA256(ikm = shared, salt = transcript hash, info = TUNNEL_KEYS_INFO, 64 bytes)
+              hub -> worker key = keys[:32], worker -> hub key = keys[32:]
+    sealed  = ChaCha20-Poly1305(key, nonce = message counter as 12 bytes big-endian,
+                                plaintext = kind byte + payload, no associated data)
+
+Each direction counts its own messages from 0, so a message replayed, reordered, dropped or
+sent back the other way fails its tag. A relay between the two (the gateway, a CDN edge)
+sees only the WebSocket framing and the sizes. docs/PROTOCOL.md ("End-to-end channel") is
+the normative text; tests/vectors/channel.json pins the bytes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+
+from cryptography.exceptions import InvalidTag
+from cryptography.hazmat.primitives import hashes
+from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X25519PublicKey
+from cryptography.hazmat.primitives.ciphers.aead import ChaCha20Poly1305
+from cryptography.hazmat.primitives.kdf.hkdf import HKDF
+from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
+
+from kvasir_rpc._errors import CloseCode, LocalProtocolError, RemoteProtocolError
+from kvasir_rpc.protocol import (
+    KX_PUBLIC_BYTES,
+    SEAL_OVERHEAD,
+    SEALED_CONTROL,
+    SEALED_DATA,
+    TUNNEL_KEYS_INFO,
+)
+
+__all__ = ["KeyExchange", "TunnelCipher", "derive_tunnel_keys", "transcript_hash"]
+
+_NONCE_BYTES = 12
+_MAX_COUNTER = (1 << 64) - 1  # far beyond any session; past it a key would repeat a nonce
+
+
+def transcript_hash(challenge: bytes, hello: bytes) -> bytes:
+    """sha256 over the challenge and the hello exactly as sent, each prefixed with its length
+    (4 bytes, big-endian): what the hub's accept signature and the key schedule are bound to."""
+    h = hashlib.sha256()
+    for part in (challenge, hello):
+        h.update(struct.pack(">I", len(part)))
+        h.update(part)
+    return h.digest()
+
+
+class KeyExchange:
+    """One side's ephemeral X25519 key pair (fresh per connection unless ``private`` is given,
+    as the test vectors do)."""
+
+    def __init__(self, private: bytes | None = None) -> None:
+        self._key = X25519PrivateKey.from_private_bytes(private) if private is not None else X25519PrivateKey.generate()
+        self.public = self._key.public_key().public_bytes(Encoding.Raw, PublicFormat.Raw)
+
+    def shared_secret(self, peer_public: bytes) -> bytes:
+        """X25519 with the peer's public key. Raises RemoteProtocolError (1008) for a key that
+        is not 32 bytes or that gives the all-zero secret (a low-order point: whoever sent it
+        would know the keys)."""
+        if len(peer_public) != KX_PUBLIC_BYTES:
+            raise RemoteProtocolError(f"key exchange: the peer's public key must be {KX_PUBLIC_BYTES} bytes, "
+                                      f"got {len(peer_public)}", close_code=CloseCode.POLICY_VIOLATION)
+        try:
+            shared = self._key.exchange(X25519PublicKey.from_public_bytes(peer_public))
+        except ValueError:
+            shared = bytes(32)
+        if shared == bytes(32):
+            raise RemoteProtocolError("key exchange: the peer's public key gives an all-zero shared secret "
+                                      "(a low-order point); refusing it", close_code=CloseCode.POLICY_VIOLATION)
+        return shared
+
+
+def derive_tunnel_keys(shared: bytes, transcript: bytes) -> tuple[bytes, bytes]:
+    """(hub -> worker key, worker -> hub key) from the X25519 secret and the transcript hash."""
+    okm = HKDF(algorithm=hashes.SHA256(), length=64, salt=transcript, info=TUNNEL_KEYS_INFO).derive(shared)
+    return okm[:32], okm[32:]
+
+
+class TunnelCipher:
+    """Seals what one side sends and opens what it receives, each direction with its own key
+    and message counter. ``for_hub`` / ``for_worker`` pick the directions.
+
+    ``seal`` takes what the tunnel would have sent in clear (bytes of data, or a control word)
+    and returns one binary message; ``open`` takes one received message and returns what the
+    peer sealed. Messages must be sealed in the order they are sent and opened in the order
+    they arrive. A text message, a failed tag (a flipped bit, a replayed, reordered, dropped or
+    truncated message, the wrong key) or an unknown kind raises RemoteProtocolError with 1008;
+    after one failure every later ``open`` fails too (the session is over)."""
+
+    def __init__(self, send_key: bytes, receive_key: bytes, *, peer: str) -> None:
+        self._send = ChaCha20Poly1305(send_key)
+        self._receive = ChaCha20Poly1305(receive_key)
+        self._peer = peer
+        self.sent = 0
+        self.received = 0
+        self._broken = False
+
+    @classmethod
+    def for_hub(cls, keys: tuple[bytes, bytes]) -> TunnelCipher:
+        return cls(keys[0], keys[1], peer="worker")
+
+    @classmethod
+    def for_worker(cls, keys: tuple[bytes, bytes]) -> TunnelCipher:
+        return cls(keys[1], keys[0], peer="hub")
+
+    @staticmethod
+    def _nonce(counter: int) -> bytes:
+        return counter.to_bytes(_NONCE_BYTES, "big")
+
+    def seal(self, message: bytes | str) -> bytes:
+        """One sealed binary message for ``message`` (data bytes or a control word)."""
+        if self.sent >= _MAX_COUNTER:
+            raise LocalProtocolError("the tunnel's message counter is exhausted: reconnect for fresh keys")
+        if isinstance(message, str):
+            plain = bytes([SEALED_CONTROL]) + message.encode()
+        else:
+            plain = bytes([SEALED_DATA]) + message
+        sealed = self._send.encrypt(self._nonce(self.sent), plain, None)
+        self.sent += 1
+        return sealed
+
+    def _fail(self, why: str) -> RemoteProtocolError:
+        self._broken = True
+        return RemoteProtocolError(why, close_code=CloseCode.POLICY_VIOLATION)
+
+    def open(self, message: bytes | str) -> bytes | str:
+        """What the peer sealed in ``message``: bytes of data, or a control word (str)."""
+        if self._broken:
+            raise self._fail("the end-to-end channel already failed; nothing more is accepted")
+        if isinstance(message, str):
+            raise self._fail(f"a text message on an encrypted tunnel: the {self._peer} (or a relay between us) "
+                             "sent something in clear")
+        if len(message) < SEAL_OVERHEAD:
+            raise self._fail(f"a sealed message of {len(message)} bytes is shorter than its "
+                             f"{SEAL_OVERHEAD} bytes of overhead (truncated on the way)")
+        try:
+            plain = self._receive.decrypt(self._nonce(self.received), bytes(message), None)
+        except InvalidTag:
+            raise self._fail(f"message {self.received} from the {self._peer} failed its authentication tag: "
+                             "altered, replayed, reordered or dropped between us (a relay on the path, "
+                             "or the wrong keys)") from None
+        self.received += 1
+        kind, payload = plain[0], plain[1:]
+        if kind == SEALED_DATA:
+            return payload
+        if kind == SEALED_CONTROL:
+            try:
+                word = payload.decode()
+            except UnicodeDecodeError:
+                raise self._fail("a sealed control message is not UTF-8") from None
+            return word  # an unknown word is the tunnel state machine's to refuse (1002)
+        raise self._fail(f"a sealed message of unknown kind {kind} (0: data, 1: control)")
