@@ -98,7 +98,7 @@ def test_a_whole_model_fits():
 
 def test_hub_handshake_refuses_a_hello_outside_its_model_with_1008():
     hub_key, wallet = Wallet.generate(), Wallet.generate()
-    hub = HubHandshake(hub_key.address, shape=SHAPE)
+    hub = HubHandshake(hub_key, shape=SHAPE)
     worker = WorkerHandshake(wallet, slices={0: [1], 9: [0]}, weights_digest=bytes(32), device="cpu")
     hello = worker.receive_challenge(hub.challenge())
     with pytest.raises(RemoteProtocolError) as exc:

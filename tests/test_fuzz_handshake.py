@@ -49,7 +49,7 @@ def worker(**kw: object) -> WorkerHandshake:
 
 
 def hub() -> tuple[HubHandshake, bytes]:
-    h = HubHandshake(HUB.address, clock_ms=lambda: NOW, nonce=NONCE)
+    h = HubHandshake(HUB, clock_ms=lambda: NOW, nonce=NONCE)
     return h, h.challenge()
 
 

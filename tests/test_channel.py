@@ -1,0 +1,312 @@
+"""The end-to-end channel, without I/O: the key exchange in the handshake, the hub's signed
+accept, the encryption policy of both sides, and the sealed tunnel messages.
+
+Each tampered field is refused with its close code (1008: the peer, or a relay between
+us, broke the channel's promises); the cipher refuses a flipped bit, a replay, a reorder, a
+truncation, a text message and the other direction's key with 1008 too.
+"""
+
+import pytest
+
+from kvasir_rpc._channel import KeyExchange, TunnelCipher, derive_tunnel_keys, transcript_hash
+from kvasir_rpc._errors import CloseCode, RemoteProtocolError
+from kvasir_rpc._gen.kvasir.v1 import session_pb2
+from kvasir_rpc._handshake import HubHandshake, WorkerHandshake, accept_signed_message
+from kvasir_rpc._wallet import Wallet
+from kvasir_rpc.protocol import HELLO_SIGNATURE_DOMAIN, SEAL_OVERHEAD
+
+HUB = Wallet.generate()
+RELAY = Wallet.generate()
+WORKER = Wallet.generate()
+
+
+def hub_side(**kw):
+    return HubHandshake(kw.pop("key", HUB), **kw)
+
+
+def worker_side(**kw):
+    return WorkerHandshake(WORKER, slices={0: [0, 1]}, weights_digest=bytes(32), device="cpu", **kw)
+
+
+def run(hub, worker, session_id="s1-abc"):
+    """A whole handshake; (challenge, hello, accept) as sent."""
+    ch = hub.challenge()
+    hello = worker.receive_challenge(ch)
+    hub.receive_hello(hello)
+    accept = hub.accept(session_id)
+    assert worker.receive_accept(accept) == session_id
+    return ch, hello, accept
+
+
+def refused(fn, data, code, words):
+    with pytest.raises(RemoteProtocolError) as exc:
+        fn(data)
+    assert exc.value.close_code == code, exc.value.reason
+    assert words in exc.value.reason, exc.value.reason
+    return exc.value
+
+
+# --- policy: who encrypts ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("hub_mode, via_gateway, require, encrypted", [
+    ("auto", True, False, True),
+    ("auto", True, True, True),
+    ("auto", False, False, False),
+    ("auto", False, True, True),
+    ("on", False, False, True),
+    ("off", True, False, False),
+])
+def test_the_policies_decide_together(hub_mode, via_gateway, require, encrypted):
+    hub, worker = hub_side(e2e=hub_mode, via_gateway=via_gateway), worker_side(require_encryption=require)
+    run(hub, worker)
+    assert hub.encrypted is worker.encrypted is encrypted
+    assert (hub.cipher is None) is (worker.cipher is None) is (not encrypted)
+
+
+def test_a_hub_with_e2e_off_refuses_a_worker_that_requires_it():
+    hub, worker = hub_side(e2e="off"), worker_side(require_encryption=True)
+    hello = worker.receive_challenge(hub.challenge())
+    refused(hub.receive_hello, hello, CloseCode.POLICY_VIOLATION, "--e2e off")
+
+
+def _hello_without_kx(ch_bytes: bytes) -> bytes:
+    """A validly signed hello from a worker that predates the channel (no key exchange)."""
+    ch = session_pb2.SessionChallenge.FromString(ch_bytes)
+    body = session_pb2.HelloBody(nonce=ch.nonce, hub_key=ch.hub_key, wallet=WORKER.address,
+                                 slices=[session_pb2.ExpertSlice(layer=0, experts=[0])], weights_digest=bytes(32),
+                                 device="cpu").SerializeToString()
+    return session_pb2.SessionHello(body=body, signature=WORKER.sign(HELLO_SIGNATURE_DOMAIN + body)).SerializeToString()
+
+
+@pytest.mark.parametrize("mode, via_gateway", [("auto", True), ("on", False)])
+def test_a_hub_that_must_encrypt_refuses_a_hello_without_key_exchange(mode, via_gateway):
+    hub = hub_side(e2e=mode, via_gateway=via_gateway)
+    refused(hub.receive_hello, _hello_without_kx(hub.challenge()), CloseCode.POLICY_VIOLATION, "upgrade the worker")
+
+
+def test_an_old_worker_still_joins_a_hub_that_need_not_encrypt():
+    hub = hub_side()
+    hub.receive_hello(_hello_without_kx(hub.challenge()))
+    assert hub.encrypted is False
+    session_pb2.SessionAccept.FromString(hub.accept("s1"))
+
+
+def test_a_worker_that_requires_encryption_refuses_a_challenge_without_key_exchange():
+    hub = hub_side()
+    ch = session_pb2.SessionChallenge.FromString(hub.challenge())
+    ch.ClearField("kx_public")
+    refused(worker_side(require_encryption=True).receive_challenge, ch.SerializeToString(),
+            CloseCode.POLICY_VIOLATION, "upgrade the hub")
+
+
+# --- the signed accept and the key exchange, tampered --------------------------------------
+
+
+def _accept_pair(**worker_kw):
+    """A hub that has accepted, the worker waiting for that accept, and the accept."""
+    hub, worker = hub_side(via_gateway=True), worker_side(**worker_kw)
+    hub.receive_hello(worker.receive_challenge(hub.challenge()))
+    return hub, worker, hub.accept("s1-abc")
+
+
+def _edit_accept(accept: bytes, **fields) -> bytes:
+    msg = session_pb2.SessionAccept.FromString(accept)
+    for k, v in fields.items():
+        setattr(msg, k, v)
+    return msg.SerializeToString()
+
+
+@pytest.mark.parametrize("field, value, words", [
+    ("encrypted", False, "bad signature"),  # a relay strips the encryption
+    ("session_id", "s1-abd", "bad signature"),
+    ("signature", b"", "not signed"),
+    ("signature", bytes(64), "bad signature"),
+])
+def test_a_tampered_accept_is_refused(field, value, words):
+    _, worker, accept = _accept_pair()
+    err = refused(worker.receive_accept, _edit_accept(accept, **{field: value}), CloseCode.POLICY_VIOLATION, words)
+    assert worker.state.value == "FAILED" and worker.cipher is None, err
+
+
+def test_an_accept_signed_by_another_key_is_refused():
+    hub, worker, accept = _accept_pair()
+    forged = _edit_accept(accept, signature=RELAY.sign(b"anything"))
+    refused(worker.receive_accept, forged, CloseCode.POLICY_VIOLATION, "bad signature")
+
+
+def test_an_accept_from_another_connection_is_refused():
+    """The same hub, the same worker, the same session id: another handshake's accept does
+    not verify, because the signature covers this connection's transcript (nonce, both keys)."""
+    _, _, accept_a = _accept_pair()
+    _, worker_b, _ = _accept_pair()
+    refused(worker_b.receive_accept, accept_a, CloseCode.POLICY_VIOLATION, "bad signature")
+
+
+def test_an_unencrypted_accept_is_refused_by_a_worker_that_requires_encryption():
+    """A relay cannot turn the flag off (above); a misbehaving hub could sign it off. The
+    worker that requires encryption leaves all the same."""
+    hub, worker = hub_side(), worker_side(require_encryption=True)
+    ch = hub.challenge()
+    hello = worker.receive_challenge(ch)
+    plain = session_pb2.SessionAccept(session_id="s1", encrypted=False, signature=HUB.sign(
+        accept_signed_message(transcript_hash(ch, hello), "s1", False))).SerializeToString()
+    refused(worker.receive_accept, plain, CloseCode.POLICY_VIOLATION, "--e2e require")
+
+
+def test_a_relay_that_substitutes_its_key_exchange_in_the_challenge_is_caught():
+    hub, worker = hub_side(via_gateway=True), worker_side()
+    ch = session_pb2.SessionChallenge.FromString(hub.challenge())
+    ch.kx_public = KeyExchange().public
+    hello = worker.receive_challenge(ch.SerializeToString())
+    refused(hub.receive_hello, hello, CloseCode.POLICY_VIOLATION, "hub_kx_public")
+
+
+def test_a_relay_that_substitutes_the_workers_key_exchange_breaks_the_wallet_signature():
+    hub, worker = hub_side(via_gateway=True), worker_side()
+    hello = session_pb2.SessionHello.FromString(worker.receive_challenge(hub.challenge()))
+    body = session_pb2.HelloBody.FromString(hello.body)
+    body.kx_public = KeyExchange().public
+    hello.body = body.SerializeToString()
+    refused(hub.receive_hello, hello.SerializeToString(), CloseCode.POLICY_VIOLATION, "bad signature")
+
+
+def test_a_relay_that_impersonates_the_hub_is_refused_by_a_pinned_worker():
+    relay = hub_side(key=RELAY)
+    refused(worker_side(expected_hub_key=HUB.address).receive_challenge, relay.challenge(),
+            CloseCode.POLICY_VIOLATION, "pins")
+
+
+@pytest.mark.parametrize("key, words", [(bytes(32), "all-zero"), (b"\x01" + bytes(31), "all-zero"),
+                                        (b"\x05" * 31, "32 bytes")])
+def test_a_low_order_or_short_key_exchange_is_refused(key, words):
+    """A worker (signing its hello honestly) that sends a low-order point would know the
+    keys whatever the hub's; the hub refuses it. The worker's side refuses the same."""
+    hub = hub_side(via_gateway=True)
+    ch = session_pb2.SessionChallenge.FromString(hub.challenge())
+    body = session_pb2.HelloBody(nonce=ch.nonce, hub_key=ch.hub_key, wallet=WORKER.address,
+                                 slices=[session_pb2.ExpertSlice(layer=0, experts=[0])], weights_digest=bytes(32),
+                                 device="cpu", kx_public=key, hub_kx_public=ch.kx_public).SerializeToString()
+    hello = session_pb2.SessionHello(body=body, signature=WORKER.sign(HELLO_SIGNATURE_DOMAIN + body))
+    refused(hub.receive_hello, hello.SerializeToString(), CloseCode.POLICY_VIOLATION, words)
+    with pytest.raises(RemoteProtocolError) as exc:
+        KeyExchange().shared_secret(key)
+    assert exc.value.close_code == CloseCode.POLICY_VIOLATION
+
+
+# --- the sealed tunnel ----------------------------------------------------------------------
+
+
+def ciphers():
+    hub, worker = hub_side(via_gateway=True), worker_side()
+    run(hub, worker)
+    assert hub.cipher is not None and worker.cipher is not None
+    return hub.cipher, worker.cipher
+
+
+@pytest.mark.parametrize("hub_sends", [True, False])
+def test_seal_and_open_both_ways(hub_sends):
+    hub, worker = ciphers()
+    tx, rx = (hub, worker) if hub_sends else (worker, hub)
+    for msg in ("open", b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n", b"", bytes(range(256)) * 4096, "closed", "eof"):
+        sealed = tx.seal(msg)
+        assert len(sealed) == len(msg) + SEAL_OVERHEAD
+        assert isinstance(sealed, bytes)
+        if len(msg) > 4:
+            assert (msg.encode() if isinstance(msg, str) else msg)[:16] not in sealed
+        got = rx.open(sealed)
+        assert got == msg and type(got) is type(msg)
+    assert (tx.sent, rx.received) == (6, 6)
+
+
+def test_the_same_payload_seals_differently_each_time():
+    hub, _ = ciphers()
+    assert hub.seal(b"x" * 64) != hub.seal(b"x" * 64)
+
+
+def _broken(cipher: TunnelCipher, data, words):
+    err = refused(cipher.open, data, CloseCode.POLICY_VIOLATION, words)
+    # Once broken, nothing more opens: the session is over.
+    refused(cipher.open, data, CloseCode.POLICY_VIOLATION, "already failed")
+    return err
+
+
+@pytest.mark.parametrize("bit", [0, 7, 8 * 20, -1])
+def test_a_flipped_bit_is_refused(bit):
+    hub, worker = ciphers()
+    sealed = bytearray(hub.seal(b"partials" * 100))
+    sealed[bit // 8] ^= 1 << (bit % 8)
+    _broken(worker, bytes(sealed), "authentication tag")
+
+
+def test_a_replayed_message_is_refused():
+    hub, worker = ciphers()
+    first = hub.seal(b"one")
+    assert worker.open(first) == b"one"
+    _broken(worker, first, "authentication tag")
+
+
+def test_reordered_messages_are_refused():
+    hub, worker = ciphers()
+    a, b = hub.seal(b"a"), hub.seal(b"b")
+    _broken(worker, b, "authentication tag")
+    del a
+
+
+def test_a_dropped_message_is_noticed_at_the_next():
+    hub, worker = ciphers()
+    hub.seal("open")  # lost on the way
+    _broken(worker, hub.seal(b"data"), "authentication tag")
+
+
+@pytest.mark.parametrize("n", [0, 1, SEAL_OVERHEAD - 1])
+def test_a_message_shorter_than_the_overhead_is_refused(n):
+    hub, worker = ciphers()
+    _broken(worker, hub.seal(b"")[:n], "shorter than")
+
+
+def test_a_truncated_message_is_refused():
+    hub, worker = ciphers()
+    _broken(worker, hub.seal(b"z" * 100)[:-1], "authentication tag")
+
+
+def test_a_text_message_is_refused():
+    _, worker = ciphers()
+    _broken(worker, "open", "text message")
+
+
+def test_a_message_sealed_for_the_other_direction_is_refused():
+    """Each direction has its own key: a relay cannot reflect the worker's messages back."""
+    hub, worker = ciphers()
+    _broken(worker, worker.seal(b"mine"), "authentication tag")
+    hub2, worker2 = ciphers()
+    _broken(hub2, hub2.seal("open"), "authentication tag")
+
+
+def test_another_sessions_keys_do_not_open():
+    hub_a, _ = ciphers()
+    _, worker_b = ciphers()
+    _broken(worker_b, hub_a.seal(b"x"), "authentication tag")
+
+
+def test_an_unknown_kind_is_refused():
+    keys = (bytes(range(32)), bytes(range(32, 64)))
+    hub, worker = TunnelCipher.for_hub(keys), TunnelCipher.for_worker(keys)
+    from cryptography.hazmat.primitives.ciphers.aead import ChaCha20Poly1305
+
+    forged = ChaCha20Poly1305(keys[0]).encrypt(bytes(12), b"\x07hello", None)
+    _broken(worker, forged, "unknown kind")
+    assert hub.seal(b"") != forged
+
+
+def test_key_schedule_is_the_documented_one():
+    """Both sides derive the same two keys from X25519 + HKDF over the transcript."""
+    a, b = KeyExchange(b"\x11" * 32), KeyExchange(b"\x22" * 32)
+    th = transcript_hash(b"challenge", b"hello")
+    assert a.shared_secret(b.public) == b.shared_secret(a.public)
+    k1 = derive_tunnel_keys(a.shared_secret(b.public), th)
+    assert k1 == derive_tunnel_keys(b.shared_secret(a.public), th)
+    assert k1[0] != k1[1] and all(len(k) == 32 for k in k1)
+    assert derive_tunnel_keys(a.shared_secret(b.public), transcript_hash(b"challenge", b"hellp")) != k1
+    # The length prefixes keep the split between the two messages in the hash.
+    assert transcript_hash(b"ab", b"c") != transcript_hash(b"a", b"bc")
