@@ -23,6 +23,8 @@ import torch
 
 from kvasir_rpc import (
     HELLO_SIGNATURE_DOMAIN,
+    TunnelCipher,
+    verify_signature,
     CloseCode,
     HubHandshake,
     RemoteProtocolError,
@@ -39,6 +41,10 @@ from kvasir_rpc import (
     slices_digest,
     tensor_pb2,
 )
+
+from kvasir_rpc._channel import KeyExchange, derive_tunnel_keys, transcript_hash
+from kvasir_rpc._handshake import accept_signed_message
+from kvasir_rpc.protocol import ACCEPT_SIGNATURE_DOMAIN, TUNNEL_KEYS_INFO
 
 VECTORS = pathlib.Path(__file__).resolve().parent / "vectors"
 
@@ -142,6 +148,9 @@ def build_weights_digest() -> dict:  # type: ignore[type-arg]
 
 _SEED = bytes(range(32))  # the worker's wallet seed
 _HUB_SEED = bytes(range(32, 64))
+# The ephemeral X25519 private keys (RFC 7748 scalars, clamped by X25519 itself).
+_HUB_KX = bytes(range(0x80, 0xA0))
+_WORKER_KX = bytes(range(0xA0, 0xC0))
 _NONCE = bytes(range(0x40, 0x60))
 _ISSUED_AT_MS = 1_767_225_600_000  # 2026-01-01T00:00:00Z
 _SESSION_ID = "s1-0123456789ab"
@@ -150,22 +159,23 @@ _SESSION_ID = "s1-0123456789ab"
 def _hello_fields(weights_digest: bytes) -> dict:  # type: ignore[type-arg]
     return {"slices": [{"layer": 0, "experts": [0, 1]}, {"layer": 3, "experts": [2]}],
             "weights_digest_hex": weights_digest.hex(), "device": "cpu", "model_type": "qwen3_moe",
-            "worker_version": "0.1.0"}
+            "worker_version": "0.1.0", "require_encryption": True}
 
 
-def _worker_handshake(wallet: Wallet, hello: dict) -> WorkerHandshake:  # type: ignore[type-arg]
+def _worker_handshake(wallet: Wallet, hello: dict, kx_private: bytes) -> WorkerHandshake:  # type: ignore[type-arg]
     return WorkerHandshake(wallet, slices={s["layer"]: s["experts"] for s in hello["slices"]},
                            weights_digest=bytes.fromhex(hello["weights_digest_hex"]), device=hello["device"],
-                           model_type=hello["model_type"], worker_version=hello["worker_version"])
+                           model_type=hello["model_type"], worker_version=hello["worker_version"],
+                           require_encryption=hello["require_encryption"], kx_private=kx_private)
 
 
 def build_handshake() -> dict:  # type: ignore[type-arg]
     wallet, hub = Wallet(_signing_key(_SEED)), Wallet(_signing_key(_HUB_SEED))
     digest = bytes.fromhex(build_weights_digest()["slices"][1]["weights_digest_hex"])
     hello = _hello_fields(digest)
-    hub_hs = HubHandshake(hub.address, nonce=_NONCE, clock_ms=lambda: _ISSUED_AT_MS)
+    hub_hs = HubHandshake(hub, nonce=_NONCE, clock_ms=lambda: _ISSUED_AT_MS, kx_private=_HUB_KX)
     challenge = hub_hs.challenge()
-    hello_bytes = _worker_handshake(wallet, hello).receive_challenge(challenge)
+    hello_bytes = _worker_handshake(wallet, hello, _WORKER_KX).receive_challenge(challenge)
     msg = session_pb2.SessionHello.FromString(hello_bytes)
     hub_hs.receive_hello(hello_bytes)
     accept_bytes = hub_hs.accept(_SESSION_ID)
@@ -204,10 +214,20 @@ def build_handshake() -> dict:  # type: ignore[type-arg]
             "signature covers signed_message = 'kvasir.v1.SessionHello' NUL + hello_body. A hub verifies the "
             "body bytes as received: another encoder's HelloBody bytes may differ and still be valid. "
             "'refusals': SessionHello messages a hub that sent 'session_challenge_hex' must refuse, with the "
-            "WebSocket close code shown, when it receives them at 'now_ms'."),
+            "WebSocket close code shown, when it receives them at 'now_ms'. The key exchange (docs/PROTOCOL.md, "
+            "'End-to-end channel'): 'hub_kx_private_hex' and 'worker_kx_private_hex' are the ephemeral X25519 "
+            "keys; the hub (its Ed25519 key from 'hub_seed_hex') signs accept_signed_message = "
+            "'kvasir.v1.SessionAccept' NUL + transcript_hash + session_id + 01 (encrypted); transcript_hash = "
+            "sha256(u32be(len(challenge)) + challenge + u32be(len(hello)) + hello). channel.json continues "
+            "this handshake with the tunnel keys and sealed messages."),
         "wallet_seed_hex": _SEED.hex(),
         "wallet_address": wallet.address,
+        "hub_seed_hex": _HUB_SEED.hex(),
         "hub_key": hub.address,
+        "hub_kx_private_hex": _HUB_KX.hex(),
+        "hub_kx_public_hex": session_pb2.SessionChallenge.FromString(challenge).kx_public.hex(),
+        "worker_kx_private_hex": _WORKER_KX.hex(),
+        "worker_kx_public_hex": session_pb2.HelloBody.FromString(msg.body).kx_public.hex(),
         "nonce_hex": _NONCE.hex(),
         "issued_at_unix_ms": _ISSUED_AT_MS,
         "session_challenge_hex": challenge.hex(),
@@ -217,9 +237,56 @@ def build_handshake() -> dict:  # type: ignore[type-arg]
         "signature_hex": msg.signature.hex(),
         "session_hello_hex": hello_bytes.hex(),
         "session_id": _SESSION_ID,
+        "transcript_hash_hex": transcript_hash(challenge, hello_bytes).hex(),
+        "accept_signed_message_hex": accept_signed_message(transcript_hash(challenge, hello_bytes), _SESSION_ID,
+                                                           True).hex(),
+        "accept_signature_hex": session_pb2.SessionAccept.FromString(accept_bytes).signature.hex(),
         "session_accept_hex": accept_bytes.hex(),
         "max_challenge_age_ms": 30_000,
         "refusals": refusals,
+    }
+
+
+def build_channel() -> dict:  # type: ignore[type-arg]
+    """The handshake of handshake.json, continued: the X25519 secret, the two tunnel keys and
+    the first sealed messages each way."""
+    hs = build_handshake()
+    hub_kx, worker_kx = KeyExchange(_HUB_KX), KeyExchange(_WORKER_KX)
+    shared = hub_kx.shared_secret(worker_kx.public)
+    transcript = bytes.fromhex(hs["transcript_hash_hex"])
+    keys = derive_tunnel_keys(shared, transcript)
+    hub, worker = TunnelCipher.for_hub(keys), TunnelCipher.for_worker(keys)
+    preface = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
+    sent = [("hub", "open"), ("hub", preface), ("worker", b"\x00\x00\x00\x04\x00\x00\x00\x00\x00"),
+            ("worker", "eof"), ("hub", "close"), ("worker", "closed")]
+    messages = []
+    for side, msg in sent:
+        sealer = hub if side == "hub" else worker
+        counter = sealer.sent
+        sealed = sealer.seal(msg)
+        (worker if side == "hub" else hub).open(sealed)
+        messages.append({"from": side, "counter": counter, "kind": "control" if isinstance(msg, str) else "data",
+                         "payload_hex": (msg.encode() if isinstance(msg, str) else msg).hex(),
+                         "sealed_hex": sealed.hex()})
+    return {
+        "description": (
+            "The end-to-end channel (docs/PROTOCOL.md, 'End-to-end channel'), continuing handshake.json: "
+            "shared = X25519(hub_kx_private, worker_kx_public) = X25519(worker_kx_private, hub_kx_public); "
+            "okm = HKDF-SHA256(ikm = shared, salt = transcript_hash, info = 'kvasir.v1.tunnel keys', 64 bytes); "
+            "hub_to_worker_key = okm[:32], worker_to_hub_key = okm[32:]. Each message is one binary WebSocket "
+            "message: ChaCha20-Poly1305(key of its direction, nonce = 'counter' as 12 bytes big-endian, "
+            "plaintext = kind byte (0 data, 1 control) + payload, no associated data); each direction counts "
+            "from 0. 'messages' are in the order sent."),
+        "hub_kx_private_hex": _HUB_KX.hex(),
+        "worker_kx_private_hex": _WORKER_KX.hex(),
+        "hub_kx_public_hex": hs["hub_kx_public_hex"],
+        "worker_kx_public_hex": hs["worker_kx_public_hex"],
+        "transcript_hash_hex": hs["transcript_hash_hex"],
+        "shared_secret_hex": shared.hex(),
+        "hkdf_info": TUNNEL_KEYS_INFO.decode(),
+        "hub_to_worker_key_hex": keys[0].hex(),
+        "worker_to_hub_key_hex": keys[1].hex(),
+        "messages": messages,
     }
 
 
@@ -320,6 +387,7 @@ def build_tensor_codec() -> dict:  # type: ignore[type-arg]
 BUILDERS = {
     "weights_digest.json": build_weights_digest,
     "handshake.json": build_handshake,
+    "channel.json": build_channel,
     "expert_compute.json": build_expert_compute,
     "tensor_codec.json": build_tensor_codec,
 }
@@ -353,6 +421,7 @@ if __name__ == "__main__":
 
 DIGEST = _load("weights_digest.json")
 HANDSHAKE = _load("handshake.json")
+CHANNEL = _load("channel.json")
 COMPUTE = _load("expert_compute.json")
 CODEC = _load("tensor_codec.json")
 
@@ -392,7 +461,10 @@ def test_handshake_wallet():
 
 def _hub() -> tuple[HubHandshake, list[int]]:
     now = [HANDSHAKE["issued_at_unix_ms"]]
-    hub = HubHandshake(HANDSHAKE["hub_key"], nonce=bytes.fromhex(HANDSHAKE["nonce_hex"]), clock_ms=lambda: now[0])
+    key = Wallet(_signing_key(bytes.fromhex(HANDSHAKE["hub_seed_hex"])))
+    assert key.address == HANDSHAKE["hub_key"]
+    hub = HubHandshake(key, nonce=bytes.fromhex(HANDSHAKE["nonce_hex"]), clock_ms=lambda: now[0],
+                       kx_private=bytes.fromhex(HANDSHAKE["hub_kx_private_hex"]))
     assert hub.challenge().hex() == HANDSHAKE["session_challenge_hex"]
     return hub, now
 
@@ -404,7 +476,7 @@ def test_handshake_messages():
     assert challenge.issued_at_unix_ms == HANDSHAKE["issued_at_unix_ms"]
     hub, _ = _hub()
     wallet = Wallet(_signing_key(bytes.fromhex(HANDSHAKE["wallet_seed_hex"])))
-    worker = _worker_handshake(wallet, HANDSHAKE["hello"])
+    worker = _worker_handshake(wallet, HANDSHAKE["hello"], bytes.fromhex(HANDSHAKE["worker_kx_private_hex"]))
     hello = worker.receive_challenge(bytes.fromhex(HANDSHAKE["session_challenge_hex"]))
     assert hello.hex() == HANDSHAKE["session_hello_hex"]
     msg = session_pb2.SessionHello.FromString(hello)
@@ -417,6 +489,44 @@ def test_handshake_messages():
     accept = hub.accept(HANDSHAKE["session_id"])
     assert accept.hex() == HANDSHAKE["session_accept_hex"]
     assert worker.receive_accept(accept) == HANDSHAKE["session_id"]
+    assert hub.encrypted and worker.encrypted
+    th = bytes.fromhex(HANDSHAKE["transcript_hash_hex"])
+    assert transcript_hash(bytes.fromhex(HANDSHAKE["session_challenge_hex"]), hello) == th
+    signed = bytes.fromhex(HANDSHAKE["accept_signed_message_hex"])
+    assert signed == ACCEPT_SIGNATURE_DOMAIN + th + HANDSHAKE["session_id"].encode() + b"\x01"
+    assert verify_signature(HANDSHAKE["hub_key"], signed, bytes.fromhex(HANDSHAKE["accept_signature_hex"]))
+
+
+def test_channel_key_schedule():
+    hub_kx = KeyExchange(bytes.fromhex(CHANNEL["hub_kx_private_hex"]))
+    worker_kx = KeyExchange(bytes.fromhex(CHANNEL["worker_kx_private_hex"]))
+    assert (hub_kx.public.hex(), worker_kx.public.hex()) == (CHANNEL["hub_kx_public_hex"], CHANNEL["worker_kx_public_hex"])
+    shared = hub_kx.shared_secret(worker_kx.public)
+    assert shared == worker_kx.shared_secret(hub_kx.public)
+    assert shared.hex() == CHANNEL["shared_secret_hex"]
+    assert CHANNEL["transcript_hash_hex"] == HANDSHAKE["transcript_hash_hex"]
+    assert CHANNEL["hkdf_info"].encode() == TUNNEL_KEYS_INFO
+    keys = derive_tunnel_keys(shared, bytes.fromhex(CHANNEL["transcript_hash_hex"]))
+    assert (keys[0].hex(), keys[1].hex()) == (CHANNEL["hub_to_worker_key_hex"], CHANNEL["worker_to_hub_key_hex"])
+
+
+def test_channel_sealed_messages():
+    """Sealed with the library's cipher, and with ChaCha20-Poly1305 by hand from the stated
+    recipe (what another implementation would write)."""
+    from cryptography.hazmat.primitives.ciphers.aead import ChaCha20Poly1305
+
+    keys = (bytes.fromhex(CHANNEL["hub_to_worker_key_hex"]), bytes.fromhex(CHANNEL["worker_to_hub_key_hex"]))
+    hub, worker = TunnelCipher.for_hub(keys), TunnelCipher.for_worker(keys)
+    for m in CHANNEL["messages"]:
+        payload = bytes.fromhex(m["payload_hex"])
+        msg = payload.decode() if m["kind"] == "control" else payload
+        sealer, opener = (hub, worker) if m["from"] == "hub" else (worker, hub)
+        assert sealer.sent == m["counter"]
+        assert sealer.seal(msg).hex() == m["sealed_hex"]
+        assert opener.open(bytes.fromhex(m["sealed_hex"])) == msg
+        key = keys[0] if m["from"] == "hub" else keys[1]
+        plain = bytes([1 if m["kind"] == "control" else 0]) + payload
+        assert ChaCha20Poly1305(key).encrypt(m["counter"].to_bytes(12, "big"), plain, None).hex() == m["sealed_hex"]
 
 
 @pytest.mark.parametrize("case", HANDSHAKE["refusals"], ids=[c["name"] for c in HANDSHAKE["refusals"]])
