@@ -204,16 +204,17 @@ class LocalSwarm:
         self.hub_key = str(info["hub_key"])
 
     def start_worker(self, name: str, model: str | os.PathLike[str], experts: str, *, via: str = "hub",
-                     gateway_url: str | None = None, extra: Sequence[str] = (),
+                     gateway_url: str | None = None, hub_url: str | None = None, extra: Sequence[str] = (),
                      launcher: Sequence[str] = ("-m", "worker")) -> subprocess.Popen[bytes]:
         """Start a worker that dials the hub directly (``via="hub"``) or the gateway (at
-        ``gateway_url`` when given, e.g. through a latency proxy). ``launcher`` is what
+        ``gateway_url`` when given, e.g. through a latency proxy; the hub at ``hub_url`` when
+        given). ``launcher`` is what
         python runs, followed by the worker's arguments (tests run dishonest workers so).
 
         Once the hub has started, the worker pins its key (``--hub-key``, unless ``extra``
         names one), as an operator should: through a gateway its tunnel is then sealed end to
         end to that hub and no one else."""
-        where = (["--hub", self.hub_ws_url] if via == "hub"
+        where = (["--hub", hub_url or self.hub_ws_url] if via == "hub"
                  else ["--gateway", gateway_url or self.gateway_url, "--ca-file", str(self.ca_file)])
         if self.hub_key and "--hub-key" not in extra:
             where += ["--hub-key", self.hub_key]

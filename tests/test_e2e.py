@@ -1,0 +1,153 @@
+"""The end-to-end channel against a malicious relay, with real processes: a gateway, a hub,
+workers that dial tests/evil_relay.py instead of the gateway (or the hub), and a backbone.
+
+(a) an eavesdropper between worker and gateway learns nothing after the accept; between a
+    worker and a hub that need not encrypt (what --e2e off gives) it reads the HTTP/2 bytes;
+(b) a relay that flips one bit of a worker's message: the hub closes that session 1008 and a
+    live decode stays bitwise equal to local;
+(c) a relay that answers as a hub with its own key: a pinned worker refuses it and never
+    sends a hello;
+(d) a relay that clears ``encrypted`` in the accept: the hub's signature fails (1008).
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+
+import grpc
+import pytest
+import torch
+from helpers import trustme_certs, wait_until
+
+from kvasir_rpc import TARGET_KEY_METADATA, encode_tensor, expert_pb2, expert_pb2_grpc, target_key
+from kvasir_rpc.dev.swarm import LocalSwarm
+
+# Integration: real gateway, hub, relays, workers and a backbone.
+pytestmark = pytest.mark.integration
+
+RELAY = str(pathlib.Path(__file__).with_name("evil_relay.py"))
+PREFACE = b"PRI * HTTP/2.0"
+
+
+@pytest.fixture(scope="module")
+def sw(tiny_models, tmp_path_factory):
+    with LocalSwarm(tmp_path_factory.mktemp("e2e")) as swarm:
+        trustme_certs(swarm.workdir)
+        swarm.start_gateway()
+        swarm.start_hub(gateway=True)
+        swarm.model = tiny_models("qwen3_moe")  # type: ignore[attr-defined]
+        yield swarm
+
+
+def start_relay(sw: LocalSwarm, name: str, mode: str, upstream: str = "", *extra: str) -> tuple[str, pathlib.Path]:
+    """Start an evil relay; its ws:// URL and its folder (events.jsonl, after_accept.bin)."""
+    folder = sw.workdir / name
+    folder.mkdir()
+    sw._spawn(name, [RELAY, mode, "--upstream", upstream, "--ca-file", str(sw.ca_file), "--workdir", str(folder),
+                     *extra])
+    ready = folder / "ready.json"
+    wait_until(lambda: ready.exists() or sw.procs[name].poll() is not None, 30, f"{name} to listen")
+    sw._check_alive(name)
+    return f"ws://127.0.0.1:{json.loads(ready.read_text())['port']}", folder
+
+
+def events(folder: pathlib.Path) -> list[dict]:  # type: ignore[type-arg]
+    path = folder / "events.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def session_of(sw: LocalSwarm, name: str):  # type: ignore[no-untyped-def]
+    from kvasir_rpc import Wallet
+
+    wallet = Wallet.load_or_create(sw.workdir / f"{name}.wallet").address
+    found = [s for s in sw.list_sessions() if s.wallet == wallet]
+    return found[0] if found else None
+
+
+def dispatch(sw: LocalSwarm, session, hidden: torch.Tensor) -> None:  # type: ignore[no-untyped-def]
+    rows = hidden.shape[0]
+    req = expert_pb2.DispatchRequest(call_id=1, layer=0, hidden=encode_tensor(hidden),
+                                     weights=encode_tensor(torch.ones(rows)),
+                                     segments=[expert_pb2.ExpertSegment(expert=0, rows=rows)])
+    key = ((TARGET_KEY_METADATA, target_key(sw.backbone_token, session.session_id)),)
+    with grpc.insecure_channel(session.target) as ch:
+        grpc.channel_ready_future(ch).result(timeout=15)
+        resp = next(iter(expert_pb2_grpc.ExpertServiceStub(ch).Dispatch(iter([req]), timeout=15, metadata=key)))
+    assert list(resp.partials.partials.shape) == [rows, hidden.shape[1]]
+
+
+def test_an_eavesdropping_relay_sees_only_ciphertext(sw):
+    through_gw, gw_dir = start_relay(sw, "relay_gw", "record", sw.gateway_url)
+    through_hub, hub_dir = start_relay(sw, "relay_hub", "record", sw.hub_ws_url)
+    # Through a gateway (the relay stands where it or an edge would): sealed by default.
+    sw.start_worker("sealed", sw.model, "0:0-3", via="gateway", gateway_url=through_gw)
+    # Direct to a hub under --e2e auto by a worker that does not require it: in clear, as
+    # every session is under --e2e off.
+    sw.start_worker("clear", sw.model, "0:0-3", via="hub", hub_url=through_hub)
+    wait_until(lambda: session_of(sw, "sealed") is not None and session_of(sw, "clear") is not None, 120,
+               "both workers' sessions")
+    sealed, clear = session_of(sw, "sealed"), session_of(sw, "clear")
+    assert sealed.encrypted and not clear.encrypted
+    hidden = torch.randn(16, 64, generator=torch.Generator().manual_seed(3))
+    for session in (sealed, clear):
+        dispatch(sw, session, hidden)
+    needle = hidden.numpy().tobytes()[:64]
+    seen_sealed, seen_clear = (gw_dir / "after_accept.bin").read_bytes(), (hub_dir / "after_accept.bin").read_bytes()
+    assert len(seen_sealed) > hidden.numel() * 4  # the call crossed the relay
+    assert PREFACE not in seen_sealed and needle not in seen_sealed and b"kvasir.v1.ExpertService" not in seen_sealed
+    assert not [e for e in events(gw_dir) if e["event"] == "text after the handshake"]
+    assert PREFACE in seen_clear and needle in seen_clear
+    for name in ("sealed", "clear", "relay_gw", "relay_hub"):
+        sw.stop_process(name)
+
+
+def test_a_flipped_bit_ends_the_session_and_the_decode_stays_exact(sw):
+    url, folder = start_relay(sw, "relay_flip", "flip", sw.gateway_url, "--flip-at", "6")
+    sw.start_worker("flipped", sw.model, "all", via="gateway", gateway_url=url)
+    wait_until(lambda: session_of(sw, "flipped") is not None, 120, "the worker's session")
+    first = session_of(sw, "flipped").session_id
+    result = sw.run_backbone(["--model", str(sw.model), "--prompt", "tamper with me", "--max-new-tokens", "12",
+                              "--compare-local", "--wait-sessions", "1"], timeout=300)
+    assert result["backbone_exit_code"] == 0
+    assert result["tokens_identical"] is True and result["max_abs_logit_diff"] == 0.0
+    flips = [e for e in events(folder) if e["event"] == "flipped a bit"]
+    assert len(flips) == 1, events(folder)
+    closes = [e for e in events(folder) if e["event"] == "closed" and e["by"] == "hub" and e["conn"] == flips[0]["conn"]]
+    assert closes and closes[0]["code"] == 1008 and "authentication tag" in closes[0]["reason"], events(folder)
+    hub_log = (sw.logs / "hub.log").read_text()
+    assert "failed its authentication tag" in hub_log
+    # The worker came back on a fresh session (fresh keys) and is served again.
+    wait_until(lambda: (s := session_of(sw, "flipped")) is not None and s.session_id != first, 60, "a new session")
+    for name in ("flipped", "relay_flip"):
+        sw.stop_process(name)
+
+
+def test_a_relay_impersonating_the_hub_is_refused_by_a_pinned_worker(sw):
+    url, folder = start_relay(sw, "relay_fake_hub", "impersonate")
+    sw.start_worker("pinned", sw.model, "0:0", via="gateway", gateway_url=url)  # pinned by LocalSwarm
+    wait_until(lambda: len([e for e in events(folder) if e["event"] == "closed"]) >= 2, 90, "two refusals")
+    evs = events(folder)
+    assert not [e for e in evs if e["event"] == "hello received"], evs
+    assert all(e["code"] == 1008 for e in evs if e["event"] == "closed"), evs
+    log = (sw.logs / "pinned.log").read_text()
+    assert "unexpected hub key" in log and "session established" not in log
+    assert session_of(sw, "pinned") is None
+    for name in ("pinned", "relay_fake_hub"):
+        sw.stop_process(name)
+
+
+def test_a_relay_that_strips_the_encryption_fails_the_signature(sw):
+    url, folder = start_relay(sw, "relay_strip", "strip", sw.gateway_url)
+    sw.start_worker("stripped", sw.model, "0:0", via="gateway", gateway_url=url)
+    wait_until(lambda: len([e for e in events(folder) if e["event"] == "closed" and e["by"] == "worker"]) >= 1, 90,
+               "the worker to refuse the accept")
+    evs = events(folder)
+    assert [e for e in evs if e["event"] == "stripped encrypted from the accept"]
+    refusal = [e for e in evs if e["event"] == "closed" and e["by"] == "worker"][0]
+    assert refusal["code"] == 1008 and "bad signature" in refusal["reason"], evs
+    assert not [e for e in evs if e["event"] == "text after the handshake"]
+    log = (sw.logs / "stripped.log").read_text()
+    assert "session established" not in log
+    for name in ("stripped", "relay_strip"):
+        sw.stop_process(name)
