@@ -2,8 +2,9 @@
 
 Dispatch: one SwiGLU expert (hidden 2048, intermediate 768, float32, like Qwen3-30B-A3B's)
 at several batch sizes through the in-process kernel, a direct grpcio call on loopback TCP
-(no tunnel), the hub path (worker dials the hub's WebSocket) and the gateway path (worker
-and hub both dial a TLS gateway). Medians and p90s per call, rows/s with one and with
+(no tunnel), the hub path (worker dials the hub's WebSocket), the gateway path (worker
+and hub both dial a TLS gateway; the tunnel sealed end to end, the default) and the same
+gateway path with the end-to-end channel off (a hub with ``--e2e off``), for its cost. Medians and p90s per call, rows/s with one and with
 several calls in flight, relay MB/s, and metered bytes over tensor payload bytes.
 
 Everything runs on this machine at once, so absolute figures move between runs; the
@@ -119,7 +120,8 @@ def run_bench(*, quick: bool = False, say: Callable[[str], None] = print) -> dic
     paths: dict[str, dict[str, object]] = {}
     wire: dict[str, dict[str, float]] = {}
     with tempfile.TemporaryDirectory(prefix="kvasir-bench-") as tmp, LocalSwarm(tmp) as sw, \
-            LocalSwarm(pathlib.Path(tmp) / "edge-swarm") as edge_sw:
+            LocalSwarm(pathlib.Path(tmp) / "edge-swarm") as edge_sw, \
+            LocalSwarm(pathlib.Path(tmp) / "e2e-off-swarm") as off_sw:
         ckpt = make_bench_checkpoint(pathlib.Path(tmp) / "expert")
         index = ExpertIndex(ckpt)
         gate_up, down = index.load(0, 0)
@@ -135,6 +137,16 @@ def run_bench(*, quick: bool = False, say: Callable[[str], None] = print) -> dic
         targets = {"direct": f"127.0.0.1:{direct_port}", "hub": by_path["hub"].target,
                    "gateway": by_path["gateway"].target}
         swarm_of = {"hub": sw, "gateway": sw}
+        # The gateway path with the end-to-end channel off: a hub with --e2e off (a swarm of its own).
+        say("e2e off: a second gateway and hub (--e2e off), worker with --e2e auto")
+        off_sw.start_gateway()
+        off_sw.start_hub(gateway=True, extra=["--e2e", "off"])
+        off_sw.start_worker("worker_gateway_e2e_off", ckpt, "0:0", via="gateway", extra=["--e2e", "auto"])
+        by_path["gateway_e2e_off"] = off_sw.wait_sessions(1, watch=["gateway", "worker_gateway_e2e_off"])[0]
+        targets["gateway_e2e_off"] = by_path["gateway_e2e_off"].target
+        swarm_of["gateway_e2e_off"] = off_sw
+        if not by_path["gateway"].encrypted or by_path["gateway_e2e_off"].encrypted:
+            raise SwarmError("the gateway path should be sealed end to end and the --e2e off one not")
         # The edge path: nginx terminates TLS in front of a plain-ws gateway (a second swarm).
         try:
             edge_sw.start_gateway(tls=False)
@@ -230,11 +242,18 @@ def run_bench(*, quick: bool = False, say: Callable[[str], None] = print) -> dic
         "gateway_over_inprocess_rows_b512": round(rows(fast, 512, "rows_s_in_flight") / rows("inprocess", 512), 3),
         "direct_over_inprocess_rows_b512": round(rows("direct", 512) / rows("inprocess", 512), 3),
         "wire_over_payload_b64": wire["gateway"]["64"],
+        "gateway_e2e_on_over_off_p50_b1": round(p50("gateway", 1) / p50("gateway_e2e_off", 1), 3),
+        "gateway_e2e_on_over_off_mb_s_b512": round(float(paths["gateway"]["512"]["mb_s"])  # type: ignore[index]
+                                                   / float(paths["gateway_e2e_off"]["512"]["mb_s"]), 3),  # type: ignore[index]
     }
     figures = {
         "gateway_added_ms_b1": round(p50("gateway", 1) - p50("direct", 1), 3),
         "hub_added_ms_b1": round(p50("hub", 1) - p50("direct", 1), 3),
         "gateway_tls_mb_s_b512": paths["gateway"]["512"]["mb_s"],  # type: ignore[index]
+        "gateway_e2e_on_p50_ms_b1": p50("gateway", 1),
+        "gateway_e2e_off_p50_ms_b1": p50("gateway_e2e_off", 1),
+        "gateway_e2e_on_mb_s_b512": paths["gateway"]["512"]["mb_s"],  # type: ignore[index]
+        "gateway_e2e_off_mb_s_b512": paths["gateway_e2e_off"]["512"]["mb_s"],  # type: ignore[index]
         "gateway_edge_mb_s_b512": paths["edge"]["512"]["mb_s"] if "edge" in paths else None,  # type: ignore[index]
         "faster_gateway_path": fast,
         "hub_mb_s_b512": paths["hub"]["512"]["mb_s"],  # type: ignore[index]
