@@ -137,8 +137,7 @@ class TunnelCipher:
         if self._broken:
             raise self._fail("the end-to-end channel already failed; nothing more is accepted")
         if isinstance(message, str):
-            raise self._fail(f"a text message on an encrypted tunnel: the {self._peer} (or a relay between us) "
-                             "sent something in clear")
+            raise self._fail(f"a text message on an encrypted tunnel: the {self._peer} or a relay sent clear text")
         if len(message) < SEAL_OVERHEAD:
             raise self._fail(f"a sealed message of {len(message)} bytes is shorter than its "
                              f"{SEAL_OVERHEAD} bytes of overhead (truncated on the way)")
@@ -146,8 +145,7 @@ class TunnelCipher:
             plain = self._receive.decrypt(self._nonce(self.received), bytes(message), None)
         except InvalidTag:
             raise self._fail(f"message {self.received} from the {self._peer} failed its authentication tag: "
-                             "altered, replayed, reordered or dropped between us (a relay on the path, "
-                             "or the wrong keys)") from None
+                             "altered, replayed, reordered or dropped on the way") from None
         self.received += 1
         kind, payload = plain[0], plain[1:]
         if kind == SEALED_DATA:

@@ -283,13 +283,12 @@ class HubHandshake:
         policies cannot both hold."""
         if body.require_encryption and self._e2e == "off":
             raise RemoteProtocolError("the worker requires end-to-end encryption and this hub runs with --e2e off "
-                                      "(run the worker with --e2e auto, or the hub with --e2e auto)",
+                                      "(run the worker with --e2e auto)",
                                       close_code=CloseCode.POLICY_VIOLATION)
         must = self._e2e == "on" or (self._e2e == "auto" and (self._via_gateway or body.require_encryption))
         if must and not body.kx_public:
-            why = "sessions through a gateway are" if self._e2e == "auto" else "every session is"
-            raise RemoteProtocolError(f"{why} encrypted end to end on this hub and the hello has no key exchange: "
-                                      "upgrade the worker", close_code=CloseCode.POLICY_VIOLATION)
+            raise RemoteProtocolError(f"this hub encrypts this session end to end (--e2e {self._e2e}) and the hello has "
+                                      "no key exchange: upgrade the worker", close_code=CloseCode.POLICY_VIOLATION)
         if body.kx_public and len(body.kx_public) != KX_PUBLIC_BYTES:
             raise RemoteProtocolError(f"hello: kx_public must be {KX_PUBLIC_BYTES} bytes, got {len(body.kx_public)}",
                                       close_code=CloseCode.POLICY_VIOLATION)
@@ -366,8 +365,9 @@ class WorkerHandshake:
         if not is_address(ch.hub_key):
             raise self._fail("challenge hub_key must be 64 lowercase hex characters")
         if self._expected_hub_key is not None and ch.hub_key != self._expected_hub_key:
-            raise self._fail(f"unexpected hub key {ch.hub_key}: this worker pins {self._expected_hub_key} "
-                             "(--hub-key); something other than that hub answered", CloseCode.POLICY_VIOLATION)
+            # Close reasons hold 120 characters: the keys' first 16 hex digits name them.
+            raise self._fail(f"unexpected hub key {ch.hub_key[:16]}…: this worker pins {self._expected_hub_key[:16]}… "
+                             "(--hub-key); another answered as the hub", CloseCode.POLICY_VIOLATION)
         if ch.kx_public and len(ch.kx_public) != KX_PUBLIC_BYTES:
             raise self._fail(f"challenge kx_public must be {KX_PUBLIC_BYTES} bytes, got {len(ch.kx_public)}",
                              CloseCode.POLICY_VIOLATION)
@@ -412,9 +412,8 @@ class WorkerHandshake:
                              "stripped the signature)", CloseCode.POLICY_VIOLATION)
         if not verify_signature(self.hub_key, accept_signed_message(transcript, msg.session_id, msg.encrypted),
                                 msg.signature):
-            raise self._fail(f"accept: bad signature: not signed by hub {self.hub_key} over this connection's "
-                             "handshake (altered on the way, e.g. its encryption stripped, or replayed from another "
-                             "connection)", CloseCode.POLICY_VIOLATION)
+            raise self._fail(f"accept: bad signature (not hub {self.hub_key[:16]}… over this connection's handshake: "
+                             "altered on the way, or replayed)", CloseCode.POLICY_VIOLATION)
         if msg.encrypted:
             if not self._hub_kx:
                 raise self._fail("accept: encrypted, but the challenge had no key exchange",
