@@ -16,6 +16,7 @@ how long one may stay unfinished (close 1008).
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import h11
 import trio
@@ -33,7 +34,7 @@ from wsproto.events import (
 )
 from wsproto.utilities import RemoteProtocolError as WsRemoteProtocolError
 
-__all__ = ["BudgetStats", "HttpRequest", "MessageBudget", "WebSocket", "WsClosed", "WsStats", "read_request",
+__all__ = ["BudgetStats", "HttpRequest", "MessageBudget", "PartialMessage", "WebSocket", "WsClosed", "WsStats", "read_request",
            "send_response", "upgrade"]
 
 MAX_HEADER_BYTES = 16 << 10
@@ -58,6 +59,14 @@ class WsClosed(Exception):
         self.code = code
         self.reason = reason
         self.local = local
+
+    def fresh(self) -> WsClosed:
+        """A new exception saying the same. A WebSocket keeps the WsClosed that ended it and
+        raises a fresh one each time: raising the kept one would tie it, through its traceback,
+        to the frames that hold the WebSocket, a cycle that keeps every closed WebSocket (its
+        TLS and wsproto buffers, ~1 MiB after a large message) until the garbage collector's
+        next full pass."""
+        return WsClosed(self.code, self.reason, local=self.local)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,9 +115,10 @@ class BudgetStats:
 class MessageBudget:
     """Bounds shared by every WebSocket given it: at most ``limit`` bytes of partially
     received messages in all, and at most ``deadline_s`` from a message's first fragment to
-    its last. Single-threaded (trio): no lock."""
+    its last. Single-threaded (trio): no lock. ``on_release`` is told of every byte given back
+    (a ``relay._memory.Trimmer`` returns the heap's free pages after many)."""
 
-    def __init__(self, limit: int, deadline_s: float) -> None:
+    def __init__(self, limit: int, deadline_s: float, *, on_release: Callable[[int], None] | None = None) -> None:
         if limit <= 0 or deadline_s <= 0:
             raise ValueError("a message budget needs a positive limit and deadline")
         self.limit = limit
@@ -117,6 +127,7 @@ class MessageBudget:
         self._peak = 0
         self.refused_buffer = 0
         self.refused_deadline = 0
+        self._on_release = on_release
 
     def take(self, n: int) -> bool:
         """Reserve ``n`` bytes; False (nothing reserved) if that would pass the limit."""
@@ -129,6 +140,8 @@ class MessageBudget:
     def give(self, n: int) -> None:
         """Return ``n`` bytes reserved with ``take``."""
         self._buffered -= n
+        if n and self._on_release is not None:
+            self._on_release(n)
 
     def statistics(self) -> BudgetStats:
         return BudgetStats(buffered=self._buffered, peak=self._peak, limit=self.limit, deadline_s=self.deadline_s,
@@ -281,6 +294,37 @@ async def upgrade(
     return ws
 
 
+class PartialMessage:
+    """The fragments of one unfinished message, in one ``bytearray``.
+
+    Why not a list of fragments: each fragment (a TLS record's worth, 16-64 KiB) would be
+    its own heap block, below glibc's mmap threshold, and once a 4 MiB message of them is
+    dropped the freed blocks stay in the process as holes between live ones: the
+    gateway's RSS kept what unfinished messages had ever held. One growing buffer passes the
+    mmap threshold after its first 128 KiB (``relay._memory.return_large_buffers`` fixes that
+    threshold) and so lives in a mapping of its own, returned to the system the moment the
+    message is dropped. Held: at most the payload plus 1/8 (``bytearray``'s headroom) and a page."""
+
+    __slots__ = ("_buf",)
+
+    def __init__(self) -> None:
+        self._buf = bytearray()
+
+    def __len__(self) -> int:
+        return len(self._buf)
+
+    def add(self, data: bytes | str) -> None:
+        self._buf += data.encode() if isinstance(data, str) else data
+
+    def take(self, *, text: bool) -> bytes | str:
+        """The whole message (text decoded: wsproto has checked its UTF-8); the buffer is emptied."""
+        buf, self._buf = self._buf, bytearray()
+        return buf.decode() if text else bytes(buf)
+
+    def clear(self) -> None:
+        self._buf = bytearray()
+
+
 class WebSocket:
     """A server-side WebSocket over a trio stream. One task receives; any task may send.
 
@@ -309,9 +353,11 @@ class WebSocket:
         self._idle_timeout = idle_timeout_s
         self._budget = budget
         self._send_lock = trio.StrictFIFOLock()
-        self._parts: list[bytes | str] = []
+        # The unfinished message, in one buffer (a text message as its UTF-8): see
+        # PartialMessage for why not a list of its fragments.
+        self._partial = PartialMessage()
         self._size = 0
-        self._charged = 0  # bytes of _parts reserved in the budget
+        self._charged = 0  # bytes of _partial reserved in the budget
         self._started_at: float | None = None  # when the unfinished message began
         self._relaying = False
         now = trio.current_time()
@@ -346,7 +392,8 @@ class WebSocket:
         Called whenever the WebSocket ends; idempotent."""
         if self._budget is not None:
             self._budget.give(self._charged)
-        self._parts, self._size, self._charged, self._started_at = [], 0, 0, None
+        self._partial.clear()
+        self._size, self._charged, self._started_at = 0, 0, None
 
     def _lost(self, exc: trio.BrokenResourceError | trio.ClosedResourceError) -> WsClosed:
         """The WsClosed for a stream that failed under a read or write, chained to ``exc``.
@@ -373,18 +420,18 @@ class WebSocket:
                 try:
                     await self._stream.send_all(data)
                 except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
-                    raise self._lost(exc) from exc
+                    raise self._lost(exc).fresh() from exc
             if scope.cancelled_caught:
                 self._cut = WsClosed(1001, f"send timed out: the peer read nothing for {self._send_timeout:g} s",
                                      local=True)
                 self._closed = self._closed or self._cut
                 await self._close_stream()
-                raise self._cut
+                raise self._cut.fresh()
             self._wire_out += len(data)
 
     async def send_message(self, message: bytes | str) -> None:
         if self._closed is not None:
-            raise self._closed
+            raise self._closed.fresh()
         event = TextMessage(data=message) if isinstance(message, str) else BytesMessage(data=message)
         data = self._conn.send(event)
         self._messages_out += 1
@@ -395,7 +442,7 @@ class WebSocket:
         """Send a ping or pong received on the other side of a splice, payload unchanged.
         Raises WsClosed if this WebSocket is closed."""
         if self._closed is not None:
-            raise self._closed
+            raise self._closed.fresh()
         if self._conn.state is ConnectionState.OPEN:
             out = Ping(payload=event.payload) if isinstance(event, Ping) else Pong(payload=event.payload)
             await self._write(self._conn.send(out))
@@ -442,7 +489,7 @@ class WebSocket:
     async def _receive(self, *, relay: bool) -> bytes | str | Ping | Pong:
         while True:
             if self._closed is not None:
-                raise self._closed
+                raise self._closed.fresh()
             try:
                 for event in self._conn.events():
                     result = await self._handle(event, relay)
@@ -478,7 +525,7 @@ class WebSocket:
                 try:
                     data = await self._stream.receive_some(READ_BYTES)
                 except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
-                    raise self._lost(exc) from exc
+                    raise self._lost(exc).fresh() from exc
             if scope.cancelled_caught:
                 continue
             if not data:
@@ -486,7 +533,7 @@ class WebSocket:
                 self._broken = 1
                 self._closed = self._closed or WsClosed(1006, "connection closed without a close frame")
                 await self._close_stream()
-                raise self._closed
+                raise self._closed.fresh()
             self._wire_in += len(data)
             self._last_heard = trio.current_time()
             return bytes(data)
@@ -509,16 +556,17 @@ class WebSocket:
                         await self.close(1013, "the gateway holds too many unfinished messages; try again later")
                         raise WsClosed(1013, "message buffers full", local=True)
                     self._charged += n
-                self._parts.append(event.data)
+                self._partial.add(event.data)
                 return None
-            self._parts.append(event.data)
             self._messages_in += 1
             self._payload_in += self._size
-            parts = self._parts
+            if not self._partial:
+                whole = event.data  # one fragment: nothing was buffered
+            else:
+                self._partial.add(event.data)
+                whole = self._partial.take(text=isinstance(event, TextMessage))
             self.forget_partial()
-            if isinstance(event, TextMessage):
-                return "".join(parts)  # type: ignore[arg-type]
-            return b"".join(parts)  # type: ignore[arg-type]
+            return whole
         if isinstance(event, Ping):
             self._last_active = trio.current_time()
             if relay:
@@ -545,5 +593,5 @@ class WebSocket:
                     pass
             self._closed = WsClosed(event.code, event.reason or "")
             await self._close_stream()
-            raise self._closed
+            raise self._closed.fresh()
         return None
