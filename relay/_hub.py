@@ -408,13 +408,14 @@ class _Hub:
                            (("retry-after", "5"),))
         return None
 
-    def wrap(self, stream: trio.abc.Stream, remote: str) -> MeteredStream:
+    def wrap(self, stream: trio.abc.Stream, remote: str, head_bytes: int) -> MeteredStream:
         """The stream trio-websocket gets for an admitted connection: metered (relay._ws_meter)
         and counted as pending until its hello is verified or it closes."""
         def done() -> None:
             self._pending.pop(remote, None)
 
-        metered = MeteredStream(stream, remote, self.budget, self.refusals, hello_limit=MAX_HELLO_BYTES, on_end=done)
+        metered = MeteredStream(stream, remote, self.budget, self.refusals, hello_limit=MAX_HELLO_BYTES,
+                                head_bytes=head_bytes, on_end=done)
         self._pending[remote] = metered
         return metered
 

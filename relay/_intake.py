@@ -151,12 +151,13 @@ class UpgradeIntake(trio.abc.Listener[trio.abc.Stream]):
     (counted as ``crowded_out``), so a flood of silent connections holds a bounded number of
     tasks and descriptors and cannot keep out a client whose head comes in one round trip.
     ``admit`` (the server's own capacity) may refuse a good upgrade (a Refusal, answered
-    like the others); ``wrap`` makes the stream handed on (both are called together, with
+    like the others); ``wrap(stream, remote, head_bytes)`` makes the stream handed on, whose
+    first ``head_bytes`` are the request head (both are called together, with
     no checkpoint between, so a count checked in one and raised in the other is exact)."""
 
     def __init__(self, listeners: list[trio.SocketListener], refusals: RefusalLog, *, timeout_s: float,
                  max_screening: int = 256, admit: Callable[[HttpRequest, str], Refusal | None] | None = None,
-                 wrap: Callable[[trio.abc.Stream, str], trio.abc.Stream] | None = None) -> None:
+                 wrap: Callable[[trio.abc.Stream, str, int], trio.abc.Stream] | None = None) -> None:
         if not listeners:
             raise ValueError("an intake needs at least one listener")
         if max_screening < 1:
@@ -250,7 +251,7 @@ class UpgradeIntake(trio.abc.Listener[trio.abc.Stream]):
             return
         handed: trio.abc.Stream = _Replayed(stream, bytes(recording.seen), remote)
         if self._wrap is not None:
-            handed = self._wrap(handed, remote)
+            handed = self._wrap(handed, remote, len(recording.seen) - len(req.trailing))
         try:
             await self._ready_send.send(handed)
         except (trio.ClosedResourceError, trio.BrokenResourceError):

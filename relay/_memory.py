@@ -10,7 +10,8 @@ messages, RSS kept +42 MiB after every connection had closed.
 ``tune_allocator`` fixes the threshold (fixing it also stops it rising), so every buffer of
 ``MMAP_THRESHOLD`` or more lives in a mapping of its own and goes back to the system when
 freed; ``Trimmer`` gives back the heap's free pages (``malloc_trim``) after a relay has
-dropped many bytes, at most once per interval. Both do nothing where the C library is not
+dropped many bytes, at most once per interval (what is left there: fragments under the
+threshold, reads, wsproto's buffers). Both do nothing where the C library is not
 glibc. Called from each relay's ``main`` (imports have no side effects).
 """
 

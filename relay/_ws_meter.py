@@ -33,8 +33,9 @@ from relay._ws import MessageBudget
 __all__ = ["FrameMeter", "MeteredStream"]
 
 _CONTINUATION, _TEXT, _BINARY = 0x0, 0x1, 0x2
-# How long writing our close frame may take before the stream is closed anyway.
+# How long writing our close frame, and waiting for the worker to hang up, may take.
 CLOSE_WRITE_S = 2.0
+LINGER_READ = 64 << 10
 
 
 class FrameMeter:
@@ -111,12 +112,15 @@ class FrameMeter:
 class MeteredStream(trio.abc.Stream):
     """``inner`` (a worker's connection, its upgrade request replayed) with the bounds of the
     module docstring. ``on_end`` is called once, when the session is accepted
-    (``verified``) or the stream closes, whichever is first. ``repr`` is ``remote`` (what
+    (``verified``) or the stream closes, whichever is first. The first ``head_bytes`` (the
+    upgrade request, replayed by the intake) are not frames. ``repr`` is ``remote`` (what
     trio-websocket reports as the peer of a stream it cannot place)."""
 
     def __init__(self, inner: trio.abc.Stream, remote: str, budget: MessageBudget, refusals: RefusalLog, *,
-                 hello_limit: int, on_end: Callable[[], None] = lambda: None, clock: Callable[[], float] = trio.current_time) -> None:
+                 hello_limit: int, head_bytes: int = 0, on_end: Callable[[], None] = lambda: None,
+                 clock: Callable[[], float] = trio.current_time) -> None:
         self._inner = inner
+        self._head_left = head_bytes  # the HTTP upgrade request comes first: no frames in it
         self._remote = remote
         self._budget = budget
         self._refusals = refusals
@@ -167,7 +171,12 @@ class MeteredStream(trio.abc.Stream):
             return data
         meter = self._meter
         begun = meter.messages
-        meter.feed(data)
+        if self._head_left:
+            skip = min(self._head_left, len(data))
+            self._head_left -= skip
+            meter.feed(data[skip:])
+        else:
+            meter.feed(data)
         if not meter.in_message:
             self._started_at = None
         elif meter.messages != begun:
@@ -195,12 +204,18 @@ class MeteredStream(trio.abc.Stream):
         self._refused = (code, reason)
         self._refusals.refused(why, remote=self._remote, code=code, detail=reason)
         payload = struct.pack("!H", code) + reason.encode()[:123]
+        self._give_back()
         with trio.move_on_after(CLOSE_WRITE_S):
-            async with self._send_lock:
-                try:
+            try:
+                async with self._send_lock:
                     await self._inner.send_all(bytes([0x88, len(payload)]) + payload)
-                except (trio.BrokenResourceError, trio.ClosedResourceError):
+                # Closing with the worker's bytes unread would reset the connection, and a
+                # reset can destroy our close frame before the worker reads it: read on,
+                # dropping what comes, until it hangs up (or for CLOSE_WRITE_S at most).
+                while await self._inner.receive_some(LINGER_READ):
                     pass
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                pass
         await self.aclose()
         raise trio.BrokenResourceError(f"closed by the hub ({code}): {reason}")
 

@@ -66,14 +66,18 @@ def test_the_meter_stops_counting_at_a_continuation_out_of_place() -> None:
     assert meter.lost and meter.data_bytes == 0
 
 
-async def _read_close(client: trio.abc.Stream) -> tuple[int, str]:
-    """The server's close frame (unmasked, as MeteredStream writes it), then EOF."""
-    data = b""
+async def _read_close(client: trio.abc.Stream, head: bytes = b"") -> tuple[int, str]:
+    """The server's close frame (unmasked, as MeteredStream writes it; ``head``: its first
+    bytes if already read), then EOF."""
+    data = head
     while chunk := await client.receive_some(1 << 16):
         data += chunk
-    assert data[0] == 0x88, data[:20]
+    if not head:
+        assert data[0] == 0x88, data[:20]
+        code = struct.unpack("!H", data[2:4])[0]
+        return code, data[4:2 + data[1]].decode()
     code = struct.unpack("!H", data[2:4])[0]
-    return code, data[4:2 + data[1]].decode()
+    return code, data[4:].decode()
 
 
 def _metered(budget: MessageBudget, **kw):  # type: ignore[no-untyped-def]
@@ -121,10 +125,17 @@ def test_a_message_left_unfinished_is_closed_1008_at_its_deadline() -> None:
             await client.send_all(frame(0x2, b"complete") + frame(0x2, b"started", fin=False))
             t0 = trio.current_time()
             await stream.receive_some(1 << 20)
-            with pytest.raises(trio.BrokenResourceError, match="1008"):
-                await _drain(stream)
-            assert trio.current_time() - t0 == pytest.approx(5.0)
-            assert await _read_close(client) == (1008, "message not finished within 5 s")
+
+            async def hub_side() -> None:
+                with pytest.raises(trio.BrokenResourceError, match="1008"):
+                    await _drain(stream)
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(hub_side)
+                first = await client.receive_some(2)  # the close frame goes out at the deadline
+                assert trio.current_time() - t0 == pytest.approx(5.0)
+                got = await _read_close(client, first)  # the hub waits CLOSE_WRITE_S for us to hang up
+            assert first[0] == 0x88 and got == (1008, "message not finished within 5 s")
         assert refusals.counts() == {"message_deadline": 1} and budget.statistics().buffered == 0
 
     trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
@@ -202,5 +213,30 @@ def test_the_intake_answers_503_when_the_server_says_it_is_full() -> None:
         assert answer.startswith(b"HTTP/1.1 503 ") and b"retry-after: 5" in answer
         assert answer.endswith(b"the hub holds its most sessions (2); retry later\n")
         assert refusals.counts() == {"capacity": 1}
+
+    trio.run(main)
+
+
+def test_the_intake_tells_the_wrapper_where_the_frames_begin() -> None:
+    async def main() -> None:
+        refusals = RefusalLog(structlog.get_logger("test"))
+        heads: list[int] = []
+
+        def wrap(stream: trio.abc.Stream, remote: str, head_bytes: int) -> trio.abc.Stream:
+            heads.append(head_bytes)
+            return stream
+
+        intake = UpgradeIntake([object()], refusals, timeout_s=5.0, wrap=wrap)  # type: ignore[list-item]
+        client, server = trio.testing.memory_stream_pair()
+        with trio.fail_after(BUDGET_S):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(intake.screen, server, "203.0.113.7:1")
+                await client.send_all(GOOD + frame(0x2, b"hello"))  # the first frame with the head
+                handed = await intake.accept()
+                meter, got = FrameMeter(), b""
+                while len(got) < len(GOOD) + 11:
+                    got += await handed.receive_some(1 << 16)
+                meter.feed(got[heads[0]:])
+        assert heads == [len(GOOD)] and meter.data_bytes == 5 and not meter.in_message
 
     trio.run(main)
