@@ -240,3 +240,32 @@ def test_the_intake_tells_the_wrapper_where_the_frames_begin() -> None:
         assert heads == [len(GOOD)] and meter.data_bytes == 5 and not meter.in_message
 
     trio.run(main)
+
+
+def test_the_hub_admits_within_its_caps_and_refuses_a_hello_past_max_sessions_1013() -> None:
+    from kvasir_rpc import RemoteProtocolError, Wallet
+    from relay._hub import HubConfig, _Hub
+    from relay._registry import SessionRegistry
+
+    async def main() -> None:
+        hub = _Hub(HubConfig(max_sessions=2, max_pending=1), Wallet.generate(), SessionRegistry())
+        client, server = trio.testing.memory_stream_pair()
+        assert hub.admit(None, "10.0.0.1:1") is None  # type: ignore[arg-type]
+        pending = hub.wrap(server, "10.0.0.1:1", 0)
+        full = hub.admit(None, "10.0.0.2:1")  # type: ignore[arg-type]
+        assert full is not None and (full.reason, full.status) == ("pending_full", 503)
+        pending.verified()  # its hello is verified: the place is free again
+        assert hub.admit(None, "10.0.0.2:1") is None  # type: ignore[arg-type]
+        hub._hold("wallet-a", "10.0.0.1")
+        hub._hold("wallet-b", "10.0.0.2")
+        full = hub.admit(None, "10.0.0.3:1")  # type: ignore[arg-type]
+        assert full is not None and (full.reason, full.status) == ("capacity", 503)
+        with pytest.raises(RemoteProtocolError) as exc:
+            hub._hold("wallet-c", "10.0.0.3")  # a hello verified after the intake let it in
+        assert exc.value.close_code == 1013
+        assert exc.value.reason == "the hub holds its most sessions (2); try again later"
+        hub._release("wallet-a", "10.0.0.1")
+        hub._hold("wallet-c", "10.0.0.3")
+        await pending.aclose()
+
+    trio.run(main)
