@@ -13,7 +13,6 @@ import sys
 import trio
 
 from kvasir_rpc import configure_logging, get_logger, hostport, install_fast_masking, write_ready_file
-from relay._memory import tune_allocator
 
 
 def _read_token(path: pathlib.Path) -> str:
@@ -97,7 +96,6 @@ def run_hub(args: argparse.Namespace) -> int:
 
     configure_logging("hub", level=args.log_level)
     install_fast_masking()
-    tune_allocator()
     log = get_logger("relay")
     shape = _model_shape(args)
     for flag, value in (("--max-sessions-per-wallet", args.max_sessions_per_wallet),
@@ -191,7 +189,6 @@ def run_gateway(args: argparse.Namespace) -> int:
 
     configure_logging("gateway", level=args.log_level)
     install_fast_masking()
-    tune_allocator()
     log = get_logger("relay")
     address = _address(*args.listen)
     _check_listen("gateway", address)

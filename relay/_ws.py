@@ -295,34 +295,31 @@ async def upgrade(
 
 
 class PartialMessage:
-    """The fragments of one unfinished message, in one ``bytearray``.
+    """The fragments of one unfinished message, as they came (a text one as UTF-8), and
+    their size. Joined once, when the message is whole; dropped with the WebSocket."""
 
-    Why not a list of fragments: each fragment (a TLS record's worth, 16-64 KiB) would be
-    its own heap block, below glibc's mmap threshold, and once a 4 MiB message of them is
-    dropped the freed blocks stay in the process as holes between live ones: the
-    gateway's RSS kept what unfinished messages had ever held. One growing buffer passes the
-    mmap threshold after its first 128 KiB (``relay._memory.return_large_buffers`` fixes that
-    threshold) and so lives in a mapping of its own, returned to the system the moment the
-    message is dropped. Held: at most the payload plus 1/8 (``bytearray``'s headroom) and a page."""
-
-    __slots__ = ("_buf",)
+    __slots__ = ("_parts", "_n")
 
     def __init__(self) -> None:
-        self._buf = bytearray()
+        self._parts: list[bytes] = []
+        self._n = 0
 
     def __len__(self) -> int:
-        return len(self._buf)
+        return self._n
 
     def add(self, data: bytes | str) -> None:
-        self._buf += data.encode() if isinstance(data, str) else data
+        b = data.encode() if isinstance(data, str) else data
+        self._parts.append(b)
+        self._n += len(b)
 
     def take(self, *, text: bool) -> bytes | str:
         """The whole message (text decoded: wsproto has checked its UTF-8); the buffer is emptied."""
-        buf, self._buf = self._buf, bytearray()
-        return buf.decode() if text else bytes(buf)
+        whole = b"".join(self._parts)
+        self.clear()
+        return whole.decode() if text else whole
 
     def clear(self) -> None:
-        self._buf = bytearray()
+        self._parts, self._n = [], 0
 
 
 class WebSocket:
@@ -353,8 +350,7 @@ class WebSocket:
         self._idle_timeout = idle_timeout_s
         self._budget = budget
         self._send_lock = trio.StrictFIFOLock()
-        # The unfinished message, in one buffer (a text message as its UTF-8): see
-        # PartialMessage for why not a list of its fragments.
+        # The unfinished message's fragments (a text message's as UTF-8).
         self._partial = PartialMessage()
         self._size = 0
         self._charged = 0  # bytes of _partial reserved in the budget
