@@ -34,7 +34,7 @@ from wsproto.events import (
 )
 from wsproto.utilities import RemoteProtocolError as WsRemoteProtocolError
 
-__all__ = ["BudgetStats", "HttpRequest", "MessageBudget", "PartialMessage", "WebSocket", "WsClosed", "WsStats", "read_request",
+__all__ = ["BudgetStats", "HttpRequest", "MessageBudget", "WebSocket", "WsClosed", "WsStats", "read_request",
            "send_response", "upgrade"]
 
 MAX_HEADER_BYTES = 16 << 10
@@ -294,34 +294,6 @@ async def upgrade(
     return ws
 
 
-class PartialMessage:
-    """The fragments of one unfinished message, as they came (a text one as UTF-8), and
-    their size. Joined once, when the message is whole; dropped with the WebSocket."""
-
-    __slots__ = ("_parts", "_n")
-
-    def __init__(self) -> None:
-        self._parts: list[bytes] = []
-        self._n = 0
-
-    def __len__(self) -> int:
-        return self._n
-
-    def add(self, data: bytes | str) -> None:
-        b = data.encode() if isinstance(data, str) else data
-        self._parts.append(b)
-        self._n += len(b)
-
-    def take(self, *, text: bool) -> bytes | str:
-        """The whole message (text decoded: wsproto has checked its UTF-8); the buffer is emptied."""
-        whole = b"".join(self._parts)
-        self.clear()
-        return whole.decode() if text else whole
-
-    def clear(self) -> None:
-        self._parts, self._n = [], 0
-
-
 class WebSocket:
     """A server-side WebSocket over a trio stream. One task receives; any task may send.
 
@@ -350,10 +322,9 @@ class WebSocket:
         self._idle_timeout = idle_timeout_s
         self._budget = budget
         self._send_lock = trio.StrictFIFOLock()
-        # The unfinished message's fragments (a text message's as UTF-8).
-        self._partial = PartialMessage()
+        self._parts: list[bytes | str] = []
         self._size = 0
-        self._charged = 0  # bytes of _partial reserved in the budget
+        self._charged = 0  # bytes of _parts reserved in the budget
         self._started_at: float | None = None  # when the unfinished message began
         self._relaying = False
         now = trio.current_time()
@@ -388,8 +359,7 @@ class WebSocket:
         Called whenever the WebSocket ends; idempotent."""
         if self._budget is not None:
             self._budget.give(self._charged)
-        self._partial.clear()
-        self._size, self._charged, self._started_at = 0, 0, None
+        self._parts, self._size, self._charged, self._started_at = [], 0, 0, None
 
     def _lost(self, exc: trio.BrokenResourceError | trio.ClosedResourceError) -> WsClosed:
         """The WsClosed for a stream that failed under a read or write, chained to ``exc``.
@@ -552,17 +522,16 @@ class WebSocket:
                         await self.close(1013, "the gateway holds too many unfinished messages; try again later")
                         raise WsClosed(1013, "message buffers full", local=True)
                     self._charged += n
-                self._partial.add(event.data)
+                self._parts.append(event.data)
                 return None
+            self._parts.append(event.data)
             self._messages_in += 1
             self._payload_in += self._size
-            if not self._partial:
-                whole = event.data  # one fragment: nothing was buffered
-            else:
-                self._partial.add(event.data)
-                whole = self._partial.take(text=isinstance(event, TextMessage))
+            parts = self._parts
             self.forget_partial()
-            return whole
+            if isinstance(event, TextMessage):
+                return "".join(parts)  # type: ignore[arg-type]
+            return b"".join(parts)  # type: ignore[arg-type]
         if isinstance(event, Ping):
             self._last_active = trio.current_time()
             if relay:
