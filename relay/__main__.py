@@ -99,9 +99,13 @@ def run_hub(args: argparse.Namespace) -> int:
     log = get_logger("relay")
     shape = _model_shape(args)
     for flag, value in (("--max-sessions-per-wallet", args.max_sessions_per_wallet),
-                        ("--max-sessions-per-address", args.max_sessions_per_address)):
+                        ("--max-sessions-per-address", args.max_sessions_per_address),
+                        ("--max-sessions", args.max_sessions), ("--max-pending", args.max_pending),
+                        ("--max-buffered-bytes", args.max_buffered_bytes)):
         if value < 1:
             raise SystemExit(f"{flag} must be at least 1")
+    if not args.message_deadline > 0:
+        raise SystemExit("--message-deadline must be more than 0 seconds")
     grpc_host, grpc_port = args.grpc
     ws_address, grpc_address = _address(*args.listen), _address(grpc_host, grpc_port)
     _check_listen("hub", grpc_address, ws_address)
@@ -146,7 +150,9 @@ def run_hub(args: argparse.Namespace) -> int:
                        keepalive_s=args.keepalive, keepalive_timeout_s=args.keepalive_timeout,
                        backbone_token=backbone_token, target_auth_timeout_s=args.target_auth_timeout,
                        model_shape=shape, max_sessions_per_wallet=args.max_sessions_per_wallet,
-                       max_sessions_per_address=args.max_sessions_per_address, e2e=args.e2e)
+                       max_sessions_per_address=args.max_sessions_per_address, max_sessions=args.max_sessions,
+                       max_pending=args.max_pending, max_buffered_bytes=args.max_buffered_bytes,
+                       message_deadline_s=args.message_deadline, e2e=args.e2e)
 
     failed: list[str] = []
 
@@ -245,6 +251,14 @@ def main(argv: list[str] | None = None) -> int:
     hub.add_argument("--max-sessions-per-address", type=int, default=32,
                      help="live sessions from one address, IPv6 by /64 (more are refused with 1013); through a "
                           "gateway, the worker's address the gateway reports")
+    hub.add_argument("--max-sessions", type=int, default=1024,
+                     help="live sessions in all, direct and through a gateway (more: HTTP 503 or close 1013)")
+    hub.add_argument("--max-pending", type=int, default=64,
+                     help="direct connections waiting for their hello to be verified (more: HTTP 503)")
+    hub.add_argument("--max-buffered-bytes", type=int, default=256 << 20,
+                     help="bytes of unfinished messages on direct connections, in all (more: close 1013)")
+    hub.add_argument("--message-deadline", type=float, default=30.0,
+                     help="seconds a message may stay unfinished on a direct connection (then close 1008)")
     hub.add_argument("--gateway", help="wss://HOST:PORT of a public gateway to take sessions from")
     hub.add_argument("--gateway-token-file", type=pathlib.Path, help="file holding the gateway's hub token")
     hub.add_argument("--ca-file", type=pathlib.Path, help="CA bundle to verify the gateway (default: system trust)")

@@ -44,6 +44,7 @@ from kvasir_rpc.protocol import (
     encode_pair,
 )
 from relay._intake import Refusal, http_error_refusal, upgrade_refusal
+from relay._memory import Trimmer
 from relay._refusals import RefusalLog
 from relay._ws import (
     HttpError,
@@ -139,7 +140,11 @@ class Gateway:
     def __init__(self, config: GatewayConfig) -> None:
         self.config = config
         self._limiter = _RateLimiter(config.new_connections_per_ip_per_s, max_entries=config.rate_table_size)
-        self._budget = MessageBudget(config.max_buffered_bytes, config.message_deadline_s)
+        # Unfinished messages are dropped all the time; the heap pages they churned go back
+        # to the system soon after (see relay._memory).
+        self.trimmer = Trimmer()
+        self._budget = MessageBudget(config.max_buffered_bytes, config.message_deadline_s,
+                                     on_release=self.trimmer.dropped)
         # Workers per source address (address_key), upgrading, waiting or spliced: an entry
         # lives while its count is above zero, so the table is bounded by the sessions.
         self._by_address: dict[str, int] = {}
@@ -419,5 +424,6 @@ async def serve_gateway(config: GatewayConfig, *, task_status=trio.TASK_STATUS_I
     port = listeners[0].socket.getsockname()[1]
     async with trio.open_nursery() as nursery:
         nursery.start_soon(gateway.refusals.run)
+        nursery.start_soon(gateway.trimmer.run)
         await nursery.start(trio.serve_listeners, gateway.handle, listeners)
         task_status.started((port, gateway))

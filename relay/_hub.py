@@ -12,6 +12,7 @@ import itertools
 import secrets
 import ssl
 import time
+from collections.abc import Callable
 from concurrent import futures
 
 import grpc
@@ -44,6 +45,7 @@ from kvasir_rpc.protocol import (
     HUB_HANDSHAKE_TIMEOUT_S,
     KEEPALIVE_S,
     KEEPALIVE_TIMEOUT_S,
+    MAX_HELLO_BYTES,
     MAX_MESSAGE_BYTES,
     READ_BYTES,
     TUNNEL_SUBPROTOCOLS,
@@ -55,12 +57,15 @@ from kvasir_rpc.protocol import (
     TunnelState,
     choose_subprotocol,
 )
-from relay._intake import UpgradeIntake
+from relay._intake import Refusal, UpgradeIntake
+from relay._memory import Trimmer
 from relay._refusals import RefusalLog
 from relay._registry import SessionRegistry
 from relay._stream_limits import StreamLimits, StreamLimitsInterceptor
 from relay._target_gate import Admitted, Refused, TargetGate, Verdict
 from relay._work import DeskError, WorkDesk
+from relay._ws import HttpRequest, MessageBudget
+from relay._ws_meter import MeteredStream
 
 __all__ = ["HubConfig", "SessionServicer", "StreamLimits", "create_session_server", "serve_hub"]
 
@@ -104,6 +109,18 @@ class HubConfig:
     # "auto" seals every session that comes through a gateway and a direct one whose worker
     # requires it; "on" every session; "off" none (a worker that requires it is refused, 1008).
     e2e: str = "auto"
+    # Live sessions in all (direct and through a gateway): more are refused, with HTTP 503
+    # at the intake when it is already full, else 1013 after the hello.
+    max_sessions: int = 1024
+    # Direct connections upgraded (or being upgraded) whose hello is not verified yet; each
+    # may hold up to MAX_HELLO_BYTES. More get HTTP 503 at the intake.
+    max_pending: int = 64
+    # Connections whose HTTP request head is being read; one more closes the oldest.
+    max_screening: int = 256
+    # Bytes of unfinished messages on direct connections, in all (close 1013), and how long
+    # one may stay unfinished (close 1008), as at the gateway.
+    max_buffered_bytes: int = 256 << 20
+    message_deadline_s: float = 30.0
 
 
 class SessionServicer(session_pb2_grpc.SessionServiceServicer):
@@ -355,6 +372,13 @@ class _Hub:
         # (counted on the trio thread only, so a check and its increment cannot interleave).
         self._per_wallet: collections.Counter[str] = collections.Counter()
         self._per_address: collections.Counter[str] = collections.Counter()
+        self._sessions = 0
+        # Direct connections handed on by the intake whose hello is not verified yet, by
+        # remote (ip:port, unique among live connections), until verified or closed.
+        self._pending: dict[str, MeteredStream] = {}
+        self.trimmer = Trimmer()
+        self.budget = MessageBudget(config.max_buffered_bytes, config.message_deadline_s,
+                                    on_release=self.trimmer.dropped)
         # Refused worker connections (malformed upgrades, wrong subprotocol): counted and
         # logged one line each, rate-limited per reason.
         self.refusals = RefusalLog(log)
@@ -363,6 +387,9 @@ class _Hub:
         """Count one more session for ``wallet`` and ``address``, or raise RemoteProtocolError
         (1013, the cap's name and value in the reason) when either is at its cap."""
         cfg = self.config
+        if self._sessions >= cfg.max_sessions:
+            raise RemoteProtocolError(f"the hub holds its most sessions ({cfg.max_sessions}); try again later",
+                                      close_code=CloseCode.TRY_AGAIN_LATER)
         if self._per_wallet[wallet] >= cfg.max_sessions_per_wallet:
             raise RemoteProtocolError(f"too many sessions for this wallet (at most {cfg.max_sessions_per_wallet} "
                                       "per wallet on this hub)", close_code=CloseCode.TRY_AGAIN_LATER)
@@ -372,12 +399,36 @@ class _Hub:
                                       close_code=CloseCode.TRY_AGAIN_LATER)
         self._per_wallet[wallet] += 1
         self._per_address[address] += 1
+        self._sessions += 1
 
     def _release(self, wallet: str, address: str) -> None:
+        self._sessions -= 1
         for counter, key in ((self._per_wallet, wallet), (self._per_address, address)):
             counter[key] -= 1
             if counter[key] <= 0:
                 del counter[key]  # the tables hold only live keys
+
+    def admit(self, request: HttpRequest, remote: str) -> Refusal | None:
+        """The intake's capacity check for a well-formed upgrade (HTTP 503 when full)."""
+        cfg = self.config
+        if len(self._pending) >= cfg.max_pending:
+            return Refusal("pending_full", 503, f"{cfg.max_pending} connections are already waiting for their "
+                           "session on this hub; retry later", (("retry-after", "5"),))
+        if self._sessions >= cfg.max_sessions:
+            return Refusal("capacity", 503, f"the hub holds its most sessions ({cfg.max_sessions}); retry later",
+                           (("retry-after", "5"),))
+        return None
+
+    def wrap(self, stream: trio.abc.Stream, remote: str, head_bytes: int) -> MeteredStream:
+        """The stream trio-websocket gets for an admitted connection: metered (relay._ws_meter)
+        and counted as pending until its hello is verified or it closes."""
+        def done() -> None:
+            self._pending.pop(remote, None)
+
+        metered = MeteredStream(stream, remote, self.budget, self.refusals, hello_limit=MAX_HELLO_BYTES,
+                                head_bytes=head_bytes, on_end=done)
+        self._pending[remote] = metered
+        return metered
 
     def new_session_id(self) -> str:
         return f"s{next(self._ids)}-{secrets.token_hex(6)}"
@@ -392,24 +443,29 @@ class _Hub:
         ws = await request.accept(subprotocol=subprotocol)
         peer = ws.remote
         remote = peer if isinstance(peer, str) else f"{peer.address}:{peer.port}"
+        metered = self._pending.get(remote)
         try:
-            await self.serve_connection(ws, remote)
+            await self.serve_connection(ws, remote, on_verified=metered.verified if metered else None)
         except Exception:  # one session's failure must never stop the hub
             log.exception("session handler failed", remote=remote)
             await ws.aclose(CloseCode.INTERNAL_ERROR, "hub error")
 
-    async def serve_connection(self, ws: WebSocketConnection, remote: str, *, via_gateway: bool = False) -> None:
+    async def serve_connection(self, ws: WebSocketConnection, remote: str, *, via_gateway: bool = False,
+                               on_verified: Callable[[], None] | None = None) -> None:
         """Run the handshake and then the session on one worker WebSocket, direct or (with
-        ``via_gateway``, which decides the end-to-end encryption under --e2e auto) through a gateway."""
+        ``via_gateway``, which decides the end-to-end encryption under --e2e auto) through a
+        gateway; ``on_verified`` is called once the hello is verified and counted, before the
+        worker hears so."""
         held: list[tuple[str, str]] = []  # what _hold counted for this connection, released at its end
         try:
-            await self._serve_connection(ws, remote, held, via_gateway)
+            await self._serve_connection(ws, remote, held, via_gateway, on_verified)
         finally:
             for wallet, address in held:
                 self._release(wallet, address)
 
     async def _handshake(self, ws: WebSocketConnection, remote: str, held: list[tuple[str, str]],
-                         via_gateway: bool) -> tuple[HelloInfo, str, TunnelCipher | None] | None:
+                         via_gateway: bool, on_verified: Callable[[], None] | None = None,
+                         ) -> tuple[HelloInfo, str, TunnelCipher | None] | None:
         """The verified hello, the new session id and the session's cipher (None in clear), or
         None when the handshake was refused (the WebSocket is then closed with the refusal's
         code). A function of its own so that the hello's bytes (up to MAX_HELLO_BYTES) die
@@ -430,6 +486,8 @@ class _Hub:
                 address = address_key(remote_host(remote))
                 self._hold(info.wallet, address)
                 held.append((info.wallet, address))
+                if on_verified is not None:
+                    on_verified()
                 session_id = self.new_session_id()
                 await ws.send_message(hs.accept(session_id))
                 return info, session_id, hs.cipher
@@ -444,8 +502,8 @@ class _Hub:
         return None
 
     async def _serve_connection(self, ws: WebSocketConnection, remote: str, held: list[tuple[str, str]],
-                                via_gateway: bool) -> None:
-        verified = await self._handshake(ws, remote, held, via_gateway)
+                                via_gateway: bool, on_verified: Callable[[], None] | None = None) -> None:
+        verified = await self._handshake(ws, remote, held, via_gateway, on_verified)
         if verified is None:
             return
         info, session_id, cipher = verified
@@ -506,7 +564,8 @@ async def serve_hub(
     # The intake answers malformed upgrades itself (trio-websocket would answer a bare 400,
     # log nothing and hold each one's task for its connect timeout) and hands on the rest.
     intake = UpgradeIntake(await trio.open_tcp_listeners(config.listen_port, host=config.listen_host),
-                           hub.refusals, timeout_s=config.handshake_timeout_s)
+                           hub.refusals, timeout_s=config.handshake_timeout_s, max_screening=config.max_screening,
+                           admit=hub.admit, wrap=hub.wrap)
     server = WebSocketServer(
         hub.handle,
         [intake],  # type: ignore[list-item]  # any trio Listener serves; the type names two
@@ -518,6 +577,7 @@ async def serve_hub(
     async with trio.open_nursery() as nursery:
         await nursery.start(intake.serve)
         nursery.start_soon(hub.refusals.run)
+        nursery.start_soon(hub.trimmer.run)
         await nursery.start(server.run)
         if config.gateway_url:
             from relay._hub_gateway import GatewayLink

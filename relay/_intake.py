@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import base64
 import binascii
+import collections
 import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 import trio
@@ -143,15 +145,37 @@ class UpgradeIntake(trio.abc.Listener[trio.abc.Stream]):
     connection and screens each in its own task: its request head must arrive within
     ``timeout_s`` and pass ``upgrade_refusal``. A refused connection gets its answer and
     one (rate-limited) line in ``refusals``, and is closed; nothing of it reaches
-    ``accept``. ``accept`` returns the good ones with their bytes replayed from the start."""
+    ``accept``. ``accept`` returns the good ones with their bytes replayed from the start.
 
-    def __init__(self, listeners: list[trio.SocketListener], refusals: RefusalLog, *, timeout_s: float) -> None:
+    At most ``max_screening`` connections are screened at once: one more closes the oldest
+    (counted as ``crowded_out``), so a flood of silent connections holds a bounded number of
+    tasks and descriptors and cannot keep out a client whose head comes in one round trip.
+    ``admit`` (the server's own capacity) may refuse a good upgrade (a Refusal, answered
+    like the others); ``wrap(stream, remote, head_bytes)`` makes the stream handed on, whose
+    first ``head_bytes`` are the request head (both are called together, with
+    no checkpoint between, so a count checked in one and raised in the other is exact)."""
+
+    def __init__(self, listeners: list[trio.SocketListener], refusals: RefusalLog, *, timeout_s: float,
+                 max_screening: int = 256, admit: Callable[[HttpRequest, str], Refusal | None] | None = None,
+                 wrap: Callable[[trio.abc.Stream, str, int], trio.abc.Stream] | None = None) -> None:
         if not listeners:
             raise ValueError("an intake needs at least one listener")
+        if max_screening < 1:
+            raise ValueError("an intake must screen at least one connection at a time")
         self._listeners = listeners
         self._refusals = refusals
         self._timeout = timeout_s
+        self._max_screening = max_screening
+        self._admit = admit
+        self._wrap = wrap
+        # Connections being screened, oldest first (cancelling one's scope closes it).
+        self._screening: collections.deque[trio.CancelScope] = collections.deque()
         self._ready_send, self._ready = trio.open_memory_channel[trio.abc.Stream](0)
+
+    @property
+    def screening(self) -> int:
+        """Connections whose request head is being read now."""
+        return len(self._screening)
 
     @property
     def port(self) -> int:
@@ -174,7 +198,24 @@ class UpgradeIntake(trio.abc.Listener[trio.abc.Stream]):
                     self._refusals.refused("accept_failed", detail=str(exc))
                     await trio.sleep(0.1)
                     continue
-                nursery.start_soon(self.screen, stream, _remote(stream))
+                if len(self._screening) >= self._max_screening:
+                    self._screening.popleft().cancel()
+                scope = trio.CancelScope()
+                self._screening.append(scope)
+                nursery.start_soon(self._screen_within, stream, _remote(stream), scope)
+
+    async def _screen_within(self, stream: trio.abc.Stream, remote: str, scope: trio.CancelScope) -> None:
+        try:
+            with scope:
+                await self.screen(stream, remote)
+        finally:
+            if scope in self._screening:
+                self._screening.remove(scope)
+        if scope.cancelled_caught:
+            self._refusals.refused("crowded_out", remote=remote,
+                                   detail=f"closed for a newer connection ({self._max_screening} were sending their heads)")
+            with trio.CancelScope(shield=True):
+                await stream.aclose()
 
     async def screen(self, stream: trio.abc.Stream, remote: str) -> None:
         """Read and check one connection's head; hand it on, or answer, log and close it."""
@@ -185,6 +226,8 @@ class UpgradeIntake(trio.abc.Listener[trio.abc.Stream]):
                 try:
                     req = await read_request(recording)
                     refusal = upgrade_refusal(req)
+                    if refusal is None and self._admit is not None:
+                        refusal = self._admit(req, remote)
                 except HttpError as exc:
                     refusal = http_error_refusal(exc)
                     if refusal is None:  # gone before a whole head: no answer to give
@@ -206,10 +249,17 @@ class UpgradeIntake(trio.abc.Listener[trio.abc.Stream]):
             self._refusals.refused(refusal.reason, remote=remote, status=refusal.status, detail=refusal.message)
             await stream.aclose()
             return
+        handed: trio.abc.Stream = _Replayed(stream, bytes(recording.seen), remote)
+        if self._wrap is not None:
+            handed = self._wrap(handed, remote, len(recording.seen) - len(req.trailing))
         try:
-            await self._ready_send.send(_Replayed(stream, bytes(recording.seen), remote))
+            await self._ready_send.send(handed)
         except (trio.ClosedResourceError, trio.BrokenResourceError):
-            await stream.aclose()  # the intake is closing
+            await handed.aclose()  # the intake is closing
+        except BaseException:  # crowded out (cancelled) before trio-websocket took it
+            with trio.CancelScope(shield=True):
+                await handed.aclose()  # a wrapper's count ends with it
+            raise
 
     async def accept(self) -> trio.abc.Stream:
         return await self._ready.receive()

@@ -16,6 +16,7 @@ how long one may stay unfinished (close 1008).
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import h11
 import trio
@@ -58,6 +59,14 @@ class WsClosed(Exception):
         self.code = code
         self.reason = reason
         self.local = local
+
+    def fresh(self) -> WsClosed:
+        """A new exception saying the same. A WebSocket keeps the WsClosed that ended it and
+        raises a fresh one each time: raising the kept one would tie it, through its traceback,
+        to the frames that hold the WebSocket, a cycle that keeps every closed WebSocket (its
+        TLS and wsproto buffers, ~1 MiB after a large message) until the garbage collector's
+        next full pass."""
+        return WsClosed(self.code, self.reason, local=self.local)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,9 +115,10 @@ class BudgetStats:
 class MessageBudget:
     """Bounds shared by every WebSocket given it: at most ``limit`` bytes of partially
     received messages in all, and at most ``deadline_s`` from a message's first fragment to
-    its last. Single-threaded (trio): no lock."""
+    its last. Single-threaded (trio): no lock. ``on_release`` is told of every byte given back
+    (a ``relay._memory.Trimmer`` returns the heap's free pages after many)."""
 
-    def __init__(self, limit: int, deadline_s: float) -> None:
+    def __init__(self, limit: int, deadline_s: float, *, on_release: Callable[[int], None] | None = None) -> None:
         if limit <= 0 or deadline_s <= 0:
             raise ValueError("a message budget needs a positive limit and deadline")
         self.limit = limit
@@ -117,6 +127,7 @@ class MessageBudget:
         self._peak = 0
         self.refused_buffer = 0
         self.refused_deadline = 0
+        self._on_release = on_release
 
     def take(self, n: int) -> bool:
         """Reserve ``n`` bytes; False (nothing reserved) if that would pass the limit."""
@@ -129,6 +140,8 @@ class MessageBudget:
     def give(self, n: int) -> None:
         """Return ``n`` bytes reserved with ``take``."""
         self._buffered -= n
+        if n and self._on_release is not None:
+            self._on_release(n)
 
     def statistics(self) -> BudgetStats:
         return BudgetStats(buffered=self._buffered, peak=self._peak, limit=self.limit, deadline_s=self.deadline_s,
@@ -373,18 +386,18 @@ class WebSocket:
                 try:
                     await self._stream.send_all(data)
                 except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
-                    raise self._lost(exc) from exc
+                    raise self._lost(exc).fresh() from exc
             if scope.cancelled_caught:
                 self._cut = WsClosed(1001, f"send timed out: the peer read nothing for {self._send_timeout:g} s",
                                      local=True)
                 self._closed = self._closed or self._cut
                 await self._close_stream()
-                raise self._cut
+                raise self._cut.fresh()
             self._wire_out += len(data)
 
     async def send_message(self, message: bytes | str) -> None:
         if self._closed is not None:
-            raise self._closed
+            raise self._closed.fresh()
         event = TextMessage(data=message) if isinstance(message, str) else BytesMessage(data=message)
         data = self._conn.send(event)
         self._messages_out += 1
@@ -395,7 +408,7 @@ class WebSocket:
         """Send a ping or pong received on the other side of a splice, payload unchanged.
         Raises WsClosed if this WebSocket is closed."""
         if self._closed is not None:
-            raise self._closed
+            raise self._closed.fresh()
         if self._conn.state is ConnectionState.OPEN:
             out = Ping(payload=event.payload) if isinstance(event, Ping) else Pong(payload=event.payload)
             await self._write(self._conn.send(out))
@@ -442,7 +455,7 @@ class WebSocket:
     async def _receive(self, *, relay: bool) -> bytes | str | Ping | Pong:
         while True:
             if self._closed is not None:
-                raise self._closed
+                raise self._closed.fresh()
             try:
                 for event in self._conn.events():
                     result = await self._handle(event, relay)
@@ -478,7 +491,7 @@ class WebSocket:
                 try:
                     data = await self._stream.receive_some(READ_BYTES)
                 except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
-                    raise self._lost(exc) from exc
+                    raise self._lost(exc).fresh() from exc
             if scope.cancelled_caught:
                 continue
             if not data:
@@ -486,7 +499,7 @@ class WebSocket:
                 self._broken = 1
                 self._closed = self._closed or WsClosed(1006, "connection closed without a close frame")
                 await self._close_stream()
-                raise self._closed
+                raise self._closed.fresh()
             self._wire_in += len(data)
             self._last_heard = trio.current_time()
             return bytes(data)
@@ -545,5 +558,5 @@ class WebSocket:
                     pass
             self._closed = WsClosed(event.code, event.reason or "")
             await self._close_stream()
-            raise self._closed
+            raise self._closed.fresh()
         return None

@@ -263,3 +263,114 @@ def test_hub_refuses_a_bad_model_or_cap_at_start(tmp_path, args, says):
                          capture_output=True, text=True, timeout=60, cwd=pathlib.Path(__file__).parents[1])
     assert out.returncode != 0 and says in out.stderr, out.stderr
     assert not (tmp_path / "hub.key").exists()  # refused before it made anything
+
+
+# -- the hub's own intake under hostile load ---------------------------------------------------
+
+BOUNDED_HUB = ("--keepalive", "600", "--max-sessions", "10", "--max-pending", "2",
+               "--max-buffered-bytes", str(34_000_000), "--message-deadline", "6")
+HELD_BYTES = 4_000_000  # eight fit in the budget above, a ninth does not
+
+
+async def _raw_session(port: int, *, hello: bool = True):  # type: ignore[no-untyped-def]
+    """A hand-driven worker WebSocket to the hub (tests/wsclient.py); with ``hello``, the
+    handshake done with a fresh wallet. Its ``status`` is the HTTP refusal, or None."""
+    from wsclient import connect
+
+    ws = await connect(port, "/v1/worker", ssl_context=None, subprotocols=[TUNNEL_SUBPROTOCOL])
+    if ws.status is None and hello:
+        hs = WorkerHandshake(Wallet.generate(), slices={0: range(2)}, weights_digest=bytes(32), device="cpu")
+        await ws.send(hs.receive_challenge(await ws.next_event()))
+        hs.receive_accept(await ws.next_event())
+    return ws
+
+
+async def _until_pong(ws, payload: bytes):  # type: ignore[no-untyped-def]
+    """Read until the pong for ``payload`` ("pong"), the hub's close (the CloseConnection) or
+    the end of the stream (None)."""
+    from wsproto.events import CloseConnection, Pong
+
+    while True:
+        for event in ws.conn.events():
+            if isinstance(event, Pong) and event.payload == payload:
+                return "pong"
+            if isinstance(event, CloseConnection):
+                return event
+        data = await ws.stream.receive_some(1 << 16)
+        if not data:
+            return None
+        ws.conn.receive_data(data)
+
+
+def test_the_hub_bounds_pending_connections_sessions_and_unfinished_messages(tmp_path):
+    """The gateway's probe, against the hub's own intake (LAN workers dial it directly):
+    connections that upgrade and never say hello hold at most --max-pending places (HTTP 503
+    beyond), sessions at most --max-sessions (503), unfinished messages at most
+    --max-buffered-bytes in all (1013) and --message-deadline each (1008); the hub's memory
+    follows what they hold and comes back; and a worker still gets a session afterwards."""
+    from wsproto.events import BytesMessage, Ping
+
+    out: dict[str, object] = {}
+    with LocalSwarm(tmp_path) as sw:
+        sw.start_hub(extra=BOUNDED_HUB)
+        pid = sw.procs["hub"].pid
+        port = sw.hub_ws_port
+
+        async def main() -> None:
+            with trio.fail_after(DEADLINE_S):
+                silent = [await _raw_session(port, hello=False) for _ in range(2)]
+                assert [ws.status for ws in silent] == [None, None]
+                out["third pending"] = (await _raw_session(port, hello=False)).status
+                for ws in silent:
+                    await ws.aclose()
+                while (probe := await _raw_session(port, hello=False)).status is not None:  # their places free
+                    await probe.aclose()
+                    await trio.sleep(0.05)
+                await probe.aclose()
+                sessions = [await _raw_session(port) for _ in range(10)]
+                out["eleventh"] = (await _raw_session(port)).status
+                before = _rss_bytes(pid)
+
+                async def hold(ws, i: int) -> None:  # type: ignore[no-untyped-def]
+                    # The ping follows the message's bytes: its pong says the hub has read them.
+                    await ws.stream.send_all(ws.conn.send(BytesMessage(bytes(HELD_BYTES), message_finished=False))
+                                             + ws.conn.send(Ping(b"%d" % i)))
+                    ended = await _until_pong(ws, b"%d" % i)
+                    assert ended == "pong", ended
+
+                started = trio.current_time()
+                async with trio.open_nursery() as nursery:
+                    for i, ws in enumerate(sessions[:8]):
+                        nursery.start_soon(hold, ws, i)
+                out["holding"] = _rss_bytes(pid) - before
+                ninth = sessions[8]
+                await ninth.stream.send_all(ninth.conn.send(BytesMessage(bytes(HELD_BYTES), message_finished=False)))
+                ended = await _until_pong(ninth, b"never")
+                out["ninth message"] = (ended.code, ended.reason)
+                cut = [await _until_pong(ws, b"never") for ws in sessions[:8]]
+                out["held for"] = trio.current_time() - started
+                out["cut"] = {(e.code, e.reason) for e in cut}
+                for ws in sessions:
+                    await ws.aclose()
+                while True:  # the hub's trimmer runs every second once bytes are dropped
+                    out["after"] = _rss_bytes(pid) - before
+                    if out["after"] < 4 << 20 or trio.current_time() - started > 20:
+                        break
+                    await trio.sleep(0.2)
+                for ws in sessions:
+                    await ws.aclose()
+                out["then"] = (await _raw_session(port)).status
+
+        trio.run(main)
+        sw._check_alive("hub")
+        log = (sw.logs / "hub.log").read_text()
+    print(f"\nhub RSS holding 8 unfinished messages of {HELD_BYTES} bytes: +{out['holding'] / 2**20:.1f} MiB "
+          f"({out['holding'] / 8 / 2**20:.2f} MiB each); after the deadline cut them: {out['after'] / 2**20:+.1f} MiB")
+    assert out["third pending"] == 503 and "connections are already waiting" in log
+    assert out["eleventh"] == 503 and "the hub holds its most sessions (10)" in log
+    assert out["ninth message"] == (1013, "the hub holds too many unfinished messages; try again later")
+    assert out["cut"] == {(1008, "message not finished within 6 s")} and out["held for"] < 7.5
+    # Each unfinished message is trio-websocket's list of 1 MiB reads: about its size.
+    assert 7 * HELD_BYTES <= out["holding"] <= 8 * HELD_BYTES * 1.5, out  # type: ignore[operator]
+    assert out["after"] < 4 << 20, out  # type: ignore[operator]
+    assert out["then"] is None  # a worker still gets a session
