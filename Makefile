@@ -2,12 +2,13 @@
 # make test  - set up .venv on first use, then lint the protos and run the tests
 # make test-fast - the tests without real processes, servers or models (seconds)
 # make fuzz  - the fuzz tier with FUZZ_EXAMPLES random examples per target (make test runs it short)
+# make soak  - 32 worker sessions through one gateway and hub for SOAK_SECONDS (make test runs it short)
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-fast fuzz bench profile proto lint venv clean system-deps bench-deps
+.PHONY: demo test test-fast fuzz soak bench profile proto lint venv clean system-deps bench-deps
 
 venv: $(STAMP)
 
@@ -32,6 +33,11 @@ test-fast: $(STAMP)
 FUZZ_EXAMPLES ?= 5000
 fuzz: $(STAMP)
 	KVASIR_FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) $(PY) -m pytest -q -m fuzz --hypothesis-show-statistics
+
+# The soak, long: prints its figures (sessions, tokens, calls, the relays' RSS at start and end).
+SOAK_SECONDS ?= 300
+soak: $(STAMP)
+	KVASIR_SOAK_SECONDS=$(SOAK_SECONDS) $(PY) -m pytest -q -s -m soak tests/test_soak.py
 
 # Benchmarks (not part of the tests): the edge path needs Debian's nginx.
 bench: $(STAMP) bench-deps

@@ -1,5 +1,5 @@
 """python -m worker (--hub ws://HOST:PORT | --gateway wss://HOST:PORT) --model DIR --experts SPEC --wallet PATH
-[--hub-key HEX] [--e2e auto|require] [--device auto|cpu|cuda|mps]"""
+[--hub-key HEX] [--e2e auto|require] [--device auto|cpu|cuda|mps] [--sessions N]"""
 
 from __future__ import annotations
 
@@ -55,6 +55,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda", "mps"])
     p.add_argument("--threads", type=int, default=int(os.environ.get("KVASIR_THREADS", "0")) or None,
                    help="torch intra-op threads (default: torch's choice)")
+    p.add_argument("--sessions", type=int, default=1,
+                   help="hold N sessions from this one process (one tunnel each, one gRPC server behind them), "
+                        "the slices of --experts split among them in order so each announces its own share; "
+                        "the hub's --max-sessions-per-wallet applies to them (default 1)")
     p.add_argument("--drain-timeout", type=float, default=10.0, help="seconds to finish in-flight calls on SIGTERM")
     p.add_argument("--direct-grpc", metavar="HOST:PORT",
                    help="also serve ExpertService on this TCP address, without the tunnel (benchmarks, "
@@ -71,6 +75,8 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--hub-key must be 64 lowercase hex characters (the hub's Ed25519 public key)")
     require_e2e = (args.e2e or ("require" if args.gateway else "auto")) == "require"
     configure_logging("worker", level=args.log_level)
+    if args.sessions < 1:
+        p.error("--sessions must be at least 1")
     if args.direct_grpc:
         try:
             check_listen(args.direct_grpc)  # now, not after minutes of loading experts
@@ -90,6 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         wallet = Wallet.load_or_create(args.wallet)
         experts = load_experts(args.model, args.experts, args.device)
+        shares = experts.shares(args.sessions)
     except (CheckpointError, SpecError, ValueError, OSError) as exc:
         print(f"worker: {exc}", file=sys.stderr)
         return 2
@@ -99,6 +106,7 @@ def main(argv: list[str] | None = None) -> int:
         slices=format_slices(experts.slices),
         device=str(experts.device),
         digest=experts.weights_digest.hex(),
+        sessions=args.sessions,
     )
 
     # The gRPC server listens on a Unix socket in a private folder: no TCP or UDP listener.
@@ -107,8 +115,10 @@ def main(argv: list[str] | None = None) -> int:
     uds_path = os.path.join(sock_dir, "expert.sock")
     servicer = ExpertServicer(experts, wallet.address)
     server = grpc.server(
-        # Carry --threads into the pool's threads (see threads_initializer).
-        futures.ThreadPoolExecutor(max_workers=8, thread_name_prefix="expert", initializer=threads_initializer()),
+        # Carry --threads into the pool's threads (see threads_initializer). A backbone keeps
+        # one Dispatch stream open per session, and each holds a thread for its life.
+        futures.ThreadPoolExecutor(max_workers=7 + args.sessions, thread_name_prefix="expert",
+                                   initializer=threads_initializer()),
         options=[("grpc.max_receive_message_length", 256 << 20), ("grpc.max_send_message_length", 256 << 20),
                  NO_PORT_SHARING],
     )
@@ -126,11 +136,11 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     server.start()
 
-    def make_handshake() -> WorkerHandshake:
+    def make_handshake(slices: dict[int, tuple[int, ...]], digest: bytes) -> WorkerHandshake:
         return WorkerHandshake(
             wallet,
-            slices=experts.slices,
-            weights_digest=experts.weights_digest,
+            slices=slices,
+            weights_digest=digest,
             device=str(experts.device),
             model_type=experts.model_type,
             worker_version=__version__,
@@ -138,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
             require_encryption=require_e2e,
         )
 
-    holder = TunnelHolder()
+    holders = [TunnelHolder() for _ in shares]
     if args.gateway:
         if not args.gateway.startswith(("wss://", "ws://")):
             print("worker: --gateway must be a wss:// URL", file=sys.stderr)
@@ -154,8 +164,9 @@ def main(argv: list[str] | None = None) -> int:
 
     async def run() -> None:
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(functools.partial(run_tunnel, url, make_handshake, uds_path, holder=holder,
-                                                 ssl_context=ssl_context))
+            for (slices, digest), holder in zip(shares, holders):
+                nursery.start_soon(functools.partial(run_tunnel, url, functools.partial(make_handshake, slices, digest),
+                                                     uds_path, holder=holder, ssl_context=ssl_context))
             with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
                 async for signum in signals:
                     log.info("draining", signal=signal.Signals(signum).name)
@@ -166,7 +177,9 @@ def main(argv: list[str] | None = None) -> int:
                     await trio.to_thread.run_sync(lambda: server.stop(grace=1.0).wait(3.0))
                     log.info("drained", in_time=drained, seconds=round(time.monotonic() - t0, 3),
                              calls=servicer.calls, rows=servicer.rows)
-                    await holder.close()
+                    async with trio.open_nursery() as closing:
+                        for holder in holders:
+                            closing.start_soon(holder.close)
                     nursery.cancel_scope.cancel()
                     break
 

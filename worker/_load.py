@@ -48,4 +48,5 @@ def load_experts(model: str | pathlib.Path, spec: str, device_name: str) -> Load
         device=device,
         model_type=info.model_type,
         weights_digest=slices_digest(digests),
+        expert_digests=digests,
     )

@@ -19,6 +19,7 @@ from kvasir_rpc import (
     expert_pb2,
     expert_pb2_grpc,
     get_logger,
+    slices_digest,
     slices_to_proto,
     validate_dispatch,
 )
@@ -43,8 +44,11 @@ class LoadedExperts:
         device: torch.device,
         model_type: str,
         weights_digest: bytes,
+        expert_digests: Mapping[tuple[int, int], bytes] | None = None,
     ) -> None:
         self.weights = dict(weights)
+        # Per (layer, expert): what a session announcing only some of the slices digests.
+        self.expert_digests = dict(expert_digests or {})
         self.act = act
         self.hidden_size = hidden_size
         self.dtype = dtype
@@ -58,6 +62,29 @@ class LoadedExperts:
         for layer, expert in sorted(self.weights):
             out.setdefault(layer, []).append(expert)
         return {k: tuple(v) for k, v in out.items()}
+
+    def shares(self, n: int) -> list[tuple[dict[int, tuple[int, ...]], bytes]]:
+        """The held (layer, expert) pairs, in order, split into ``n`` contiguous shares as
+        equal as possible: ``(slices, weights digest)`` per share, for ``n`` sessions that
+        each announce one share (so every pair is announced once and every session is routed
+        work). Raises ValueError when ``n`` is not from 1 to the number of pairs held, or
+        when the per-expert digests are unknown."""
+        keys = sorted(self.weights)
+        if not 1 <= n <= len(keys):
+            raise ValueError(f"{n} sessions for {len(keys)} held experts: each session needs at least one")
+        if n == 1:
+            return [(self.slices, self.weights_digest)]
+        if set(self.expert_digests) != set(keys):
+            raise ValueError("per-expert digests are needed to split the slices among sessions")
+        out = []
+        for i in range(n):
+            part = keys[i * len(keys) // n : (i + 1) * len(keys) // n]
+            slices: dict[int, list[int]] = {}
+            for layer, expert in part:
+                slices.setdefault(layer, []).append(expert)
+            out.append(({k: tuple(v) for k, v in slices.items()},
+                        slices_digest({k: self.expert_digests[k] for k in part})))
+        return out
 
 
 class ExpertServicer(expert_pb2_grpc.ExpertServiceServicer):

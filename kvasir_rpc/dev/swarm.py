@@ -377,14 +377,26 @@ http {{
         if proc is None or proc.poll() is not None:
             return proc.returncode if proc is not None else None
         proc.send_signal(sig)
+        return self._reap(proc, timeout)
+
+    @staticmethod
+    def _reap(proc: subprocess.Popen[bytes], timeout: float) -> int:
+        """Wait for a signalled process; SIGKILL it past ``timeout``."""
         try:
             return proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
             proc.kill()
             return proc.wait(timeout=5)
 
-    def stop(self) -> None:
-        # Workers first (they drain), then the hub, then the gateway.
+    def stop(self, timeout: float = 15.0) -> None:
+        # Workers first (they drain), then the hub, then the gateway. Processes of one rank
+        # (all the workers) are signalled together and drain at once: a swarm of dozens of
+        # workers stops in one worker's drain time, not in the sum of them.
         order = {"hub": 1, "edge": 2, "gateway": 3, "ledger": 4}
-        for name in sorted(self.procs, key=lambda n: order.get(n, 0)):
-            self.stop_process(name)
+        for rank in sorted({order.get(n, 0) for n in self.procs}):
+            names = [n for n in self.procs if order.get(n, 0) == rank and self.procs[n].poll() is None]
+            for name in names:
+                self.procs[name].send_signal(signal.SIGTERM)
+            deadline = time.monotonic() + timeout
+            for name in names:
+                self._reap(self.procs[name], max(0.1, deadline - time.monotonic()))
