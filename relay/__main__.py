@@ -15,33 +15,6 @@ import trio
 from kvasir_rpc import configure_logging, get_logger, hostport, install_fast_masking, write_ready_file
 
 
-# glibc's mallopt parameter M_MMAP_THRESHOLD, and its default value, kept fixed.
-_M_MMAP_THRESHOLD = -3
-MMAP_THRESHOLD_BYTES = 128 << 10
-
-
-def _fixed_mmap_threshold() -> None:
-    """Keep large transient buffers out of the heap (glibc only; elsewhere nothing).
-
-    The relays read their sockets up to 1 MiB at a time into a fresh buffer that is then
-    shrunk to what came. glibc raises its mmap threshold once such a buffer is freed, and
-    from then on carves them from the heap, where small objects allocated meanwhile pin the
-    space they leave: under a long soak the gateway's resident memory crept steadily while
-    malloc's bytes in use stayed flat (README, "Tests"). Setting the threshold turns that
-    adjustment off: a large buffer stays mmapped and goes back to the system when freed."""
-    import ctypes
-
-    if not sys.platform.startswith("linux"):
-        return
-    try:
-        libc = ctypes.CDLL(None)
-        if not hasattr(libc, "gnu_get_libc_version"):
-            return  # not glibc (musl's mallopt does nothing)
-        libc.mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES)
-    except (OSError, AttributeError):
-        return
-
-
 def _read_token(path: pathlib.Path) -> str:
     from kvasir_rpc import TokenError, load_token
 
@@ -123,7 +96,6 @@ def run_hub(args: argparse.Namespace) -> int:
 
     configure_logging("hub", level=args.log_level)
     install_fast_masking()
-    _fixed_mmap_threshold()
     log = get_logger("relay")
     shape = _model_shape(args)
     for flag, value in (("--max-sessions-per-wallet", args.max_sessions_per_wallet),
@@ -217,7 +189,6 @@ def run_gateway(args: argparse.Namespace) -> int:
 
     configure_logging("gateway", level=args.log_level)
     install_fast_masking()
-    _fixed_mmap_threshold()
     log = get_logger("relay")
     address = _address(*args.listen)
     _check_listen("gateway", address)
