@@ -121,6 +121,7 @@ if TYPE_CHECKING:  # the real names, for type checkers; at run time __getattr__ 
         open_websocket_url,
     )
     from kvasir_rpc._tunnel import (
+        SealedHeartbeat,
         keepalive,
         receive_message,
         send_whole,
@@ -212,6 +213,7 @@ _LAZY = {
     "threads_initializer": "kvasir_rpc._kernel",
     "TLSStream": "kvasir_rpc._tls",
     "keepalive": "kvasir_rpc._tunnel",
+    "SealedHeartbeat": "kvasir_rpc._tunnel",
     "send_whole": "kvasir_rpc._tunnel",
     "receive_message": "kvasir_rpc._tunnel",
     "TunnelCipher": "kvasir_rpc._channel",

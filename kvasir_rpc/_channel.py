@@ -12,13 +12,16 @@ ChaCha20-Poly1305 (the ``cryptography`` package does all the cryptography):
                                 plaintext = kind byte + payload, no associated data)
 
 Each direction counts its own messages from 0, so a message replayed, reordered, dropped or
-sent back the other way fails its tag. A relay between the two (the gateway, a CDN edge)
+sent back the other way fails its tag. Besides data and control, a sealed message may be a
+heartbeat (an 8-byte sequence number) or its ack (the same number): the session's liveness
+check, which a relay cannot answer for a peer that is gone (``HeartbeatMonitor``). A relay between the two (the gateway, a CDN edge)
 sees only the WebSocket framing and the sizes. docs/PROTOCOL.md ("End-to-end channel") is
 the normative text; tests/vectors/channel.json pins the bytes.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import struct
 
@@ -31,17 +34,36 @@ from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
 
 from kvasir_rpc._errors import CloseCode, LocalProtocolError, RemoteProtocolError
 from kvasir_rpc.protocol import (
+    HEARTBEAT_SEQ_BYTES,
     KX_PUBLIC_BYTES,
     SEAL_OVERHEAD,
     SEALED_CONTROL,
     SEALED_DATA,
+    SEALED_HEARTBEAT,
+    SEALED_HEARTBEAT_ACK,
     TUNNEL_KEYS_INFO,
 )
 
-__all__ = ["KeyExchange", "TunnelCipher", "derive_tunnel_keys", "transcript_hash"]
+__all__ = ["Heartbeat", "HeartbeatAck", "HeartbeatMonitor", "KeyExchange", "TunnelCipher", "derive_tunnel_keys",
+           "transcript_hash"]
 
 _NONCE_BYTES = 12
 _MAX_COUNTER = (1 << 64) - 1  # far beyond any session; past it a key would repeat a nonce
+_MAX_SEQ = (1 << (8 * HEARTBEAT_SEQ_BYTES)) - 1
+
+
+@dataclasses.dataclass(frozen=True)
+class Heartbeat:
+    """A sealed liveness probe from the peer (or to it): answer at once with HeartbeatAck(seq)."""
+
+    seq: int
+
+
+@dataclasses.dataclass(frozen=True)
+class HeartbeatAck:
+    """The answer to the Heartbeat numbered ``seq``."""
+
+    seq: int
 
 
 def transcript_hash(challenge: bytes, hello: bytes) -> bytes:
@@ -99,7 +121,8 @@ class TunnelCipher:
     def __init__(self, send_key: bytes, receive_key: bytes, *, peer: str) -> None:
         self._send = ChaCha20Poly1305(send_key)
         self._receive = ChaCha20Poly1305(receive_key)
-        self._peer = peer
+        # Who sent what ``open`` opens ("worker" in the hub's cipher): error messages name it.
+        self.peer = peer
         self.sent = 0
         self.received = 0
         self._broken = False
@@ -116,12 +139,19 @@ class TunnelCipher:
     def _nonce(counter: int) -> bytes:
         return counter.to_bytes(_NONCE_BYTES, "big")
 
-    def seal(self, message: bytes | str) -> bytes:
-        """One sealed binary message for ``message`` (data bytes or a control word)."""
+    def seal(self, message: bytes | str | Heartbeat | HeartbeatAck) -> bytes:
+        """One sealed binary message for ``message`` (data bytes, a control word, a heartbeat
+        or a heartbeat ack)."""
         if self.sent >= _MAX_COUNTER:
             raise LocalProtocolError("the tunnel's message counter is exhausted: reconnect for fresh keys")
         if isinstance(message, str):
             plain = bytes([SEALED_CONTROL]) + message.encode()
+        elif isinstance(message, (Heartbeat, HeartbeatAck)):
+            if not 0 <= message.seq <= _MAX_SEQ:
+                raise LocalProtocolError(f"a heartbeat sequence number is {HEARTBEAT_SEQ_BYTES} bytes, "
+                                         f"not {message.seq}")
+            kind = SEALED_HEARTBEAT if isinstance(message, Heartbeat) else SEALED_HEARTBEAT_ACK
+            plain = bytes([kind]) + message.seq.to_bytes(HEARTBEAT_SEQ_BYTES, "big")
         else:
             plain = bytes([SEALED_DATA]) + message
         sealed = self._send.encrypt(self._nonce(self.sent), plain, None)
@@ -132,19 +162,20 @@ class TunnelCipher:
         self._broken = True
         return RemoteProtocolError(why, close_code=CloseCode.POLICY_VIOLATION)
 
-    def open(self, message: bytes | str) -> bytes | str:
-        """What the peer sealed in ``message``: bytes of data, or a control word (str)."""
+    def open(self, message: bytes | str) -> bytes | str | Heartbeat | HeartbeatAck:
+        """What the peer sealed in ``message``: bytes of data, a control word (str), a
+        Heartbeat or a HeartbeatAck (whose payload must be exactly the sequence number)."""
         if self._broken:
             raise self._fail("the end-to-end channel already failed; nothing more is accepted")
         if isinstance(message, str):
-            raise self._fail(f"a text message on an encrypted tunnel: the {self._peer} or a relay sent clear text")
+            raise self._fail(f"a text message on an encrypted tunnel: the {self.peer} or a relay sent clear text")
         if len(message) < SEAL_OVERHEAD:
             raise self._fail(f"a sealed message of {len(message)} bytes is shorter than its "
                              f"{SEAL_OVERHEAD} bytes of overhead (truncated on the way)")
         try:
             plain = self._receive.decrypt(self._nonce(self.received), bytes(message), None)
         except InvalidTag:
-            raise self._fail(f"message {self.received} from the {self._peer} failed its authentication tag: "
+            raise self._fail(f"message {self.received} from the {self.peer} failed its authentication tag: "
                              "altered, replayed, reordered or dropped on the way") from None
         self.received += 1
         kind, payload = plain[0], plain[1:]
@@ -156,4 +187,50 @@ class TunnelCipher:
             except UnicodeDecodeError:
                 raise self._fail("a sealed control message is not UTF-8") from None
             return word  # an unknown word is the tunnel state machine's to refuse (1002)
-        raise self._fail(f"a sealed message of unknown kind {kind} (0: data, 1: control)")
+        if kind in (SEALED_HEARTBEAT, SEALED_HEARTBEAT_ACK):
+            name = "heartbeat" if kind == SEALED_HEARTBEAT else "heartbeat ack"
+            if len(payload) != HEARTBEAT_SEQ_BYTES:
+                raise self._fail(f"a sealed {name} carries {len(payload)} bytes, not its "
+                                 f"{HEARTBEAT_SEQ_BYTES}-byte sequence number")
+            seq = int.from_bytes(payload, "big")
+            return Heartbeat(seq) if kind == SEALED_HEARTBEAT else HeartbeatAck(seq)
+        raise self._fail(f"a sealed message of unknown kind {kind} (0: data, 1: control, 2: heartbeat, "
+                         "3: heartbeat ack)")
+
+
+class HeartbeatMonitor:
+    """The sending side of the sealed heartbeat, without I/O or clock: numbers the heartbeats
+    (0, 1, 2, ...) and checks each ack against the one heartbeat waiting for it.
+
+    ``beat`` gives the next Heartbeat to seal and send; ``receive_ack`` takes a HeartbeatAck
+    opened from the peer. At most one heartbeat waits at a time (the caller sends the next
+    only once this one is answered, or ends the session when the answer is late: the
+    deadline is the caller's). An ack when none is waiting, or for another number, raises
+    RemoteProtocolError (1008): an honest peer only echoes what it was sent."""
+
+    def __init__(self, *, peer: str = "worker") -> None:
+        self.peer = peer
+        self.sent = 0  # heartbeats sent so far; the next one's number
+        self.answered = 0
+        self.waiting: int | None = None  # the number of the heartbeat sent and not yet answered
+
+    def beat(self) -> Heartbeat:
+        """The next heartbeat. Raises LocalProtocolError while the last one is unanswered."""
+        if self.waiting is not None:
+            raise LocalProtocolError(f"heartbeat {self.waiting} is still waiting for its answer")
+        beat = Heartbeat(self.sent)
+        self.waiting = self.sent
+        self.sent += 1
+        return beat
+
+    def receive_ack(self, ack: HeartbeatAck) -> None:
+        """Take the peer's ack; raises RemoteProtocolError (1008) unless it answers the
+        heartbeat that is waiting."""
+        if self.waiting is None:
+            raise RemoteProtocolError(f"the {self.peer} acknowledged heartbeat {ack.seq}, but no heartbeat "
+                                      "is waiting for an answer", close_code=CloseCode.POLICY_VIOLATION)
+        if ack.seq != self.waiting:
+            raise RemoteProtocolError(f"the {self.peer} acknowledged heartbeat {ack.seq}, but heartbeat "
+                                      f"{self.waiting} is the one waiting", close_code=CloseCode.POLICY_VIOLATION)
+        self.waiting = None
+        self.answered += 1

@@ -3,7 +3,8 @@ carries, after the session handshake, the raw bytes of HTTP/2 connections betwee
 backbone (client, via the hub) and a worker's gRPC server.
 
 What may be sent when, and every wire constant, is in ``kvasir_rpc.protocol`` (sans-IO);
-this module only sends whole messages, pings and pumps bytes.
+this module only sends whole messages, pings (or, on an encrypted session, sealed
+heartbeats) and pumps bytes.
 """
 
 from __future__ import annotations
@@ -11,17 +12,18 @@ from __future__ import annotations
 import trio
 from trio_websocket import WebSocketConnection
 
-from kvasir_rpc._channel import TunnelCipher
-from kvasir_rpc._errors import CloseCode, RemoteProtocolError
+from kvasir_rpc._channel import Heartbeat, HeartbeatAck, HeartbeatMonitor, TunnelCipher
+from kvasir_rpc._errors import CloseCode, LocalProtocolError, RemoteProtocolError
 
-__all__ = ["keepalive", "receive_message", "send_whole"]
+__all__ = ["SealedHeartbeat", "keepalive", "receive_message", "send_whole"]
 
 # How long one message may take to leave once started (a peer that reads nothing for this
 # long is gone; the keepalive says the same sooner).
 SEND_TIMEOUT_S = 60.0
 
 
-async def send_whole(ws: WebSocketConnection, message: bytes | str, timeout_s: float = SEND_TIMEOUT_S, *,
+async def send_whole(ws: WebSocketConnection, message: bytes | str | Heartbeat | HeartbeatAck,
+                     timeout_s: float = SEND_TIMEOUT_S, *,
                      cipher: TunnelCipher | None = None) -> None:
     """Send one message on the tunnel so that a cancellation cannot cut it in half.
 
@@ -33,29 +35,96 @@ async def send_whole(ws: WebSocketConnection, message: bytes | str, timeout_s: f
     raises RemoteProtocolError (close 1001), as the stream is no longer usable.
 
     With ``cipher`` (an encrypted session) the message is sealed first; sealing and the send
-    are not separated by a checkpoint, so concurrent senders keep the counter's order."""
+    are not separated by a checkpoint, so concurrent senders keep the counter's order. A
+    heartbeat (or its ack) exists only sealed: without ``cipher`` it raises LocalProtocolError."""
+    if cipher is not None:
+        wire: bytes | str = cipher.seal(message)
+    elif isinstance(message, (Heartbeat, HeartbeatAck)):
+        raise LocalProtocolError("a heartbeat is sent only sealed, on an encrypted session")
+    else:
+        wire = message
     with trio.CancelScope(shield=True) as scope:
         scope.deadline = trio.current_time() + timeout_s
-        await ws.send_message(message if cipher is None else cipher.seal(message))
+        await ws.send_message(wire)
     if scope.cancelled_caught:
         raise RemoteProtocolError(f"a tunnel message could not be sent within {timeout_s:g} s",
                                   close_code=CloseCode.GOING_AWAY)
     await trio.lowlevel.checkpoint_if_cancelled()
 
 
-async def receive_message(ws: WebSocketConnection, cipher: TunnelCipher | None = None) -> bytes | str:
+class SealedHeartbeat:
+    """The liveness check of one encrypted session, from the side that sends it: a sealed
+    heartbeat the peer must answer. A relay (a gateway, a CDN edge) can answer WebSocket pings
+    for a peer that is gone, but cannot seal an ack without the session's keys.
+
+    ``check`` sends one heartbeat and waits for its ack; ``receive_message`` hands the acks it
+    opens to ``acknowledged``. The numbering and the checks are ``HeartbeatMonitor``'s."""
+
+    def __init__(self, ws: WebSocketConnection, cipher: TunnelCipher) -> None:
+        self._ws = ws
+        self._cipher = cipher
+        self.monitor = HeartbeatMonitor(peer=cipher.peer)
+        self._answered = trio.Event()
+        self.rtt_s: float | None = None  # the last heartbeat's round trip
+        self._sent_at = 0.0
+
+    def acknowledged(self, ack: HeartbeatAck) -> None:
+        """An ack from the peer; raises RemoteProtocolError (1008) unless it answers the
+        heartbeat waiting."""
+        self.monitor.receive_ack(ack)
+        self.rtt_s = trio.current_time() - self._sent_at
+        self._answered.set()
+
+    async def check(self, timeout_s: float) -> None:
+        """Send the next heartbeat and wait for its ack; raise RemoteProtocolError (1001) when
+        none comes within ``timeout_s`` (counted from before the send)."""
+        self._answered = trio.Event()
+        with trio.move_on_after(timeout_s):
+            self._sent_at = trio.current_time()
+            await send_whole(self._ws, self.monitor.beat(), cipher=self._cipher)
+            await self._answered.wait()
+        if not self._answered.is_set():
+            raise RemoteProtocolError(f"no sealed heartbeat answer within {timeout_s:g} s: the {self._cipher.peer} "
+                                      "is gone or a relay is answering for it", close_code=CloseCode.GOING_AWAY)
+
+
+async def receive_message(ws: WebSocketConnection, cipher: TunnelCipher | None = None,
+                          heartbeat: SealedHeartbeat | None = None) -> bytes | str:
     """The next tunnel message, opened with ``cipher`` when the session is encrypted (which
-    raises RemoteProtocolError, 1008, for anything not sealed by the peer in order)."""
-    message = await ws.get_message()
-    return message if cipher is None else cipher.open(message)
+    raises RemoteProtocolError, 1008, for anything not sealed by the peer in order).
+
+    On an encrypted session the sealed heartbeats are handled here, below the tunnel's
+    control state machine: a heartbeat is answered at once with its ack, and an ack goes to
+    ``heartbeat`` (an ack that answers nothing waiting raises RemoteProtocolError, 1008)."""
+    while True:
+        message = await ws.get_message()
+        if cipher is None:
+            return message
+        opened = cipher.open(message)
+        if isinstance(opened, Heartbeat):
+            await send_whole(ws, HeartbeatAck(opened.seq), cipher=cipher)
+        elif isinstance(opened, HeartbeatAck):
+            if heartbeat is None:
+                raise RemoteProtocolError(f"the {cipher.peer} acknowledged heartbeat {opened.seq}, but no heartbeat "
+                                          "was sent", close_code=CloseCode.POLICY_VIOLATION)
+            heartbeat.acknowledged(opened)
+        else:
+            return opened
 
 
-async def keepalive(ws: WebSocketConnection, interval_s: float, timeout_s: float) -> None:
-    """Ping the peer every ``interval_s``; raise RemoteProtocolError (close 1001) when a pong
-    does not come back within ``timeout_s``: the peer froze or its path silently broke, and
-    nothing else would notice while the tunnel is idle."""
+async def keepalive(ws: WebSocketConnection, interval_s: float, timeout_s: float,
+                    heartbeat: SealedHeartbeat | None = None) -> None:
+    """Check the peer every ``interval_s``; raise RemoteProtocolError (close 1001) when it does
+    not answer within ``timeout_s``: the peer froze or its path silently broke, and nothing
+    else would notice while the tunnel is idle.
+
+    With ``heartbeat`` (an encrypted session) the check is a sealed heartbeat, answered by the
+    peer itself; without, a WebSocket ping, which any relay on the way could answer."""
     while True:
         await trio.sleep(interval_s)
+        if heartbeat is not None:
+            await heartbeat.check(timeout_s)
+            continue
         with trio.move_on_after(timeout_s) as scope:
             await ws.ping()
         if scope.cancelled_caught:

@@ -48,6 +48,7 @@ __all__ = [
     "E2E_WORKER_MODES",
     "HUB_CONTROL_PATH",
     "HUB_DATA_PREFIX",
+    "HEARTBEAT_SEQ_BYTES",
     "HUB_HANDSHAKE_TIMEOUT_S",
     "KEEPALIVE_S",
     "KEEPALIVE_TIMEOUT_S",
@@ -58,6 +59,8 @@ __all__ = [
     "READ_BYTES",
     "SEALED_CONTROL",
     "SEALED_DATA",
+    "SEALED_HEARTBEAT",
+    "SEALED_HEARTBEAT_ACK",
     "SEAL_OVERHEAD",
     "TUNNEL_KEYS_INFO",
     "TUNNEL_SUBPROTOCOL",
@@ -104,7 +107,8 @@ MAX_MESSAGE_BYTES = 4 << 20
 # A tunnel data message carries at most this many bytes (reads of about 1 MiB beat small
 # reads for bulk, see PERF_NOTES).
 READ_BYTES = 1 << 20
-# Both ends ping this often; no pong within the timeout: the peer is gone (close 1001).
+# Both ends check the peer this often (a sealed heartbeat on an encrypted session, else a
+# WebSocket ping); no answer within the timeout: the peer is gone (close 1001).
 KEEPALIVE_S = 15.0
 KEEPALIVE_TIMEOUT_S = 10.0
 # The hub gives a worker this long from the upgrade to a verified hello (then close 1008).
@@ -139,6 +143,12 @@ TUNNEL_KEYS_INFO = b"kvasir.v1.tunnel keys"
 # The first plaintext byte of a sealed message: what the rest is.
 SEALED_DATA = 0  # HTTP/2 bytes
 SEALED_CONTROL = 1  # a control word in UTF-8 ("open", "eof", "close", "closed")
+# End-to-end liveness: a heartbeat carries a sequence number (HEARTBEAT_SEQ_BYTES, big-endian)
+# that the peer echoes at once in a heartbeat ack. Outside the tunnel control state machine:
+# valid in every tunnel state, either way. A relay cannot answer one (it has no key).
+SEALED_HEARTBEAT = 2
+SEALED_HEARTBEAT_ACK = 3
+HEARTBEAT_SEQ_BYTES = 8
 # A sealed message is this much longer than its payload: the kind byte and the 16-byte tag.
 SEAL_OVERHEAD = 1 + 16
 # The hub's --e2e: "auto" encrypts sessions that come through a gateway, and direct ones whose

@@ -266,9 +266,11 @@ def main(argv: list[str] | None = None) -> int:
     hub.add_argument("--contrib-db", type=pathlib.Path, default=pathlib.Path("hub-contrib.sqlite"),
                      help="SQLite file of per-session byte counters and receipts (survives restarts)")
     hub.add_argument("--receipt-interval", type=float, default=2.0, help="seconds between receipts")
-    hub.add_argument("--keepalive", type=float, default=15.0, help="ping each worker this often (seconds)")
+    hub.add_argument("--keepalive", type=float, default=15.0,
+                     help="check each worker this often (seconds): a sealed heartbeat on an encrypted session, "
+                          "a WebSocket ping otherwise")
     hub.add_argument("--keepalive-timeout", type=float, default=10.0,
-                     help="drop a session whose worker does not answer a ping within this many seconds")
+                     help="drop a session (close 1001) whose worker does not answer within this many seconds")
     hub.add_argument("--quarantine-seconds", type=float, default=24 * 3600.0,
                      help="how long a wallet caught delivering wrong work is refused")
     hub.add_argument("--e2e", choices=["auto", "on", "off"], default="auto",
@@ -298,7 +300,8 @@ def main(argv: list[str] | None = None) -> int:
     gw.add_argument("--keepalive", type=float, default=20.0, help="ping a silent peer after this many seconds")
     gw.add_argument("--idle-timeout", type=float, default=120.0,
                     help="close a peer silent this long (1001); once a worker is paired, only its own traffic and "
-                         "the hub's end-to-end pings count, so keep this above the hub's --keepalive")
+                         "the hub's end-to-end checks (pings, or sealed heartbeats) count, so keep this above the hub's "
+                         "--keepalive")
     gw.add_argument("--max-new-per-ip", type=float, default=50.0, help="new connections per source address per second")
     gw.add_argument("--ready-file", type=pathlib.Path, help="write {port} here once listening")
     gw.add_argument("--log-level", default="info")

@@ -25,6 +25,7 @@ from kvasir_rpc import (
     HubHandshake,
     ModelShape,
     RemoteProtocolError,
+    SealedHeartbeat,
     TunnelCipher,
     Wallet,
     get_logger,
@@ -83,8 +84,10 @@ class HubConfig:
     handshake_timeout_s: float = HUB_HANDSHAKE_TIMEOUT_S
     # How long a worker may take to acknowledge "close" before the session is dropped.
     close_timeout_s: float = CLOSE_TIMEOUT_S
-    # Ping each worker this often; a worker that does not answer within the timeout is gone
-    # (frozen, or its network path silently broke) and its session is dropped.
+    # Check each worker this often; a worker that does not answer within the timeout is gone
+    # (frozen, or its network path silently broke) and its session is dropped (1001). On an
+    # encrypted session the check is a sealed heartbeat, which no relay can answer for it;
+    # otherwise a WebSocket ping.
     keepalive_s: float = KEEPALIVE_S
     keepalive_timeout_s: float = KEEPALIVE_TIMEOUT_S
     # Public gateway to keep a control connection to (wss://HOST:PORT), with its hub token.
@@ -216,6 +219,8 @@ class _Session:
         self.ws = ws
         # Seals and opens every tunnel message of an encrypted session (None: in clear).
         self.cipher = cipher
+        # The encrypted session's liveness check (None: WebSocket pings).
+        self.heartbeat = SealedHeartbeat(ws, cipher) if cipher is not None else None
         self.session_id = session_id
         self.log = log.bind(session_id=session_id)
         self.tunnel = HubTunnel()
@@ -234,7 +239,8 @@ class _Session:
         port = listener.socket.getsockname()[1]
         async with listener, trio.open_nursery() as nursery:
             nursery.start_soon(self._read_ws)
-            nursery.start_soon(keepalive, self.ws, self.hub.config.keepalive_s, self.hub.config.keepalive_timeout_s)
+            nursery.start_soon(keepalive, self.ws, self.hub.config.keepalive_s, self.hub.config.keepalive_timeout_s,
+                               self.heartbeat)
             task_status.started(f"{self.hub.config.grpc_host}:{port}")
             while True:
                 stream = await listener.accept()
@@ -305,7 +311,7 @@ class _Session:
     async def _read_ws(self) -> None:
         async with self._inbox_send:
             while True:
-                event = self.tunnel.receive(await receive_message(self.ws, self.cipher))
+                event = self.tunnel.receive(await receive_message(self.ws, self.cipher, self.heartbeat))
                 await self._inbox_send.send(event)
 
     async def _splice(self, stream: trio.SocketStream, first: bytes) -> None:

@@ -9,6 +9,10 @@ MODE is one of:
   flip         as record, and flips one bit in the worker's N-th binary message after the
                accept (once per relay process)
   strip        as record, and clears ``encrypted`` in the hub's SessionAccept
+  mute         as record, but forwards nothing from the worker after its hello: the hub
+               keeps a WebSocket whose pings the relay answers itself (trio-websocket
+               answers them, as any WebSocket endpoint does) to a worker that is, for
+               the hub, gone
   impersonate  dials nowhere: answers the worker as a hub with its own key
 
 Events (one JSON object per line) go to DIR/events.jsonl: every close with its code and
@@ -38,6 +42,7 @@ class Relay:
         self.dir = pathlib.Path(args.workdir)
         self.flip_at = args.flip_at
         self.flipped = False
+        self.muted: set[int] = set()  # connections whose worker was silenced
         self.events = open(self.dir / "events.jsonl", "a", buffering=1)
         self.record = open(self.dir / "after_accept.bin", "ab", buffering=0)
         self.connections = 0
@@ -77,6 +82,11 @@ class Relay:
                 if n == 2 and sender == "hub" and self.mode == "strip" and isinstance(msg, bytes):
                     msg = self.strip(msg)
                     self.event(conn=conn, event="stripped encrypted from the accept")
+                if n > handshake and self.mode == "mute" and sender == "worker":
+                    if conn not in self.muted:
+                        self.muted.add(conn)
+                        self.event(conn=conn, event="muted the worker")
+                    continue
                 if n > handshake:
                     data = msg.encode() if isinstance(msg, str) else msg
                     if isinstance(msg, str):
@@ -135,7 +145,7 @@ async def main(args: argparse.Namespace) -> None:
 
 if __name__ == "__main__":
     p = argparse.ArgumentParser()
-    p.add_argument("mode", choices=["record", "flip", "strip", "impersonate"])
+    p.add_argument("mode", choices=["record", "flip", "strip", "impersonate", "mute"])
     p.add_argument("--upstream", default="")
     p.add_argument("--ca-file")
     p.add_argument("--workdir", required=True)

@@ -3,17 +3,27 @@ accept, the encryption policy of both sides, and the sealed tunnel messages.
 
 Each tampered field is refused with its close code (1008: the peer, or a relay between
 us, broke the channel's promises); the cipher refuses a flipped bit, a replay, a reorder, a
-truncation, a text message and the other direction's key with 1008 too.
+truncation, a text message and the other direction's key with 1008 too. The sealed
+heartbeat's format and its sender's bookkeeping are here; tests/test_heartbeat.py runs it
+over WebSockets.
 """
 
 import pytest
 
-from kvasir_rpc._channel import KeyExchange, TunnelCipher, derive_tunnel_keys, transcript_hash
-from kvasir_rpc._errors import CloseCode, RemoteProtocolError
+from kvasir_rpc._channel import (
+    Heartbeat,
+    HeartbeatAck,
+    HeartbeatMonitor,
+    KeyExchange,
+    TunnelCipher,
+    derive_tunnel_keys,
+    transcript_hash,
+)
+from kvasir_rpc._errors import CloseCode, LocalProtocolError, RemoteProtocolError
 from kvasir_rpc._gen.kvasir.v1 import session_pb2
 from kvasir_rpc._handshake import HubHandshake, WorkerHandshake, accept_signed_message
 from kvasir_rpc._wallet import Wallet
-from kvasir_rpc.protocol import HELLO_SIGNATURE_DOMAIN, SEAL_OVERHEAD
+from kvasir_rpc.protocol import HEARTBEAT_SEQ_BYTES, HELLO_SIGNATURE_DOMAIN, SEAL_OVERHEAD
 
 HUB = Wallet.generate()
 RELAY = Wallet.generate()
@@ -297,6 +307,78 @@ def test_an_unknown_kind_is_refused():
     forged = ChaCha20Poly1305(keys[0]).encrypt(bytes(12), b"\x07hello", None)
     _broken(worker, forged, "unknown kind")
     assert hub.seal(b"") != forged
+
+
+# --- the sealed heartbeat ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("hub_sends", [True, False])
+def test_heartbeats_and_acks_seal_and_open_both_ways(hub_sends):
+    hub, worker = ciphers()
+    tx, rx = (hub, worker) if hub_sends else (worker, hub)
+    for msg in (Heartbeat(0), HeartbeatAck(0), Heartbeat(1), b"data", HeartbeatAck((1 << 64) - 1), "open"):
+        sealed = tx.seal(msg)
+        if isinstance(msg, (Heartbeat, HeartbeatAck)):
+            assert len(sealed) == HEARTBEAT_SEQ_BYTES + SEAL_OVERHEAD
+        assert rx.open(sealed) == msg
+    # They count in the same sequence as everything else: a relay cannot drop one unseen.
+    assert (tx.sent, rx.received) == (6, 6)
+
+
+def test_a_dropped_heartbeat_is_noticed_at_the_next_message():
+    hub, worker = ciphers()
+    hub.seal(Heartbeat(0))  # dropped by a relay
+    _broken(worker, hub.seal(b"data"), "authentication tag")
+
+
+@pytest.mark.parametrize("kind", [2, 3])
+@pytest.mark.parametrize("payload", [b"", bytes(7), bytes(9)])
+def test_a_heartbeat_without_its_8_byte_number_is_refused(kind, payload):
+    keys = (bytes(range(32)), bytes(range(32, 64)))
+    worker = TunnelCipher.for_worker(keys)
+    from cryptography.hazmat.primitives.ciphers.aead import ChaCha20Poly1305
+
+    forged = ChaCha20Poly1305(keys[0]).encrypt(bytes(12), bytes([kind]) + payload, None)
+    _broken(worker, forged, "8-byte sequence number")
+
+
+@pytest.mark.parametrize("seq", [-1, 1 << 64])
+def test_a_sequence_number_outside_8_bytes_is_our_bug(seq):
+    hub, _ = ciphers()
+    with pytest.raises(LocalProtocolError):
+        hub.seal(Heartbeat(seq))
+    assert hub.sent == 0  # nothing was sealed, so the counters still agree
+
+
+def test_the_monitor_numbers_heartbeats_and_takes_each_answer_once():
+    mon = HeartbeatMonitor()
+    for n in range(3):
+        assert mon.beat() == Heartbeat(n) and mon.waiting == n
+        with pytest.raises(LocalProtocolError, match=f"heartbeat {n} is still waiting"):
+            mon.beat()  # one at a time
+        mon.receive_ack(HeartbeatAck(n))
+        assert mon.waiting is None
+    assert (mon.sent, mon.answered) == (3, 3)
+
+
+@pytest.mark.parametrize("waiting, ack, words", [
+    (False, 0, "no heartbeat is waiting"),  # unsolicited
+    (True, 1, "heartbeat 0 is the one waiting"),  # a number never sent
+    (True, (1 << 64) - 1, "heartbeat 0 is the one waiting"),
+])
+def test_an_ack_that_answers_nothing_waiting_is_a_violation(waiting, ack, words):
+    mon = HeartbeatMonitor(peer="worker")
+    if waiting:
+        mon.beat()
+    err = refused(mon.receive_ack, HeartbeatAck(ack), CloseCode.POLICY_VIOLATION, words)
+    assert err.reason.startswith("the worker acknowledged")
+
+
+def test_an_ack_answered_twice_is_a_violation():
+    mon = HeartbeatMonitor(peer="hub")
+    mon.beat()
+    mon.receive_ack(HeartbeatAck(0))
+    refused(mon.receive_ack, HeartbeatAck(0), CloseCode.POLICY_VIOLATION, "the hub acknowledged heartbeat 0")
 
 
 def test_key_schedule_is_the_documented_one():

@@ -62,6 +62,15 @@ def test_the_python_worker_passes_every_step(tiny_models, tmp_path):
     assert "PASS  keepalive" in out.stderr and "a worker should dial ws://127.0.0.1:" in out.stderr
 
 
+def test_an_encrypted_worker_passes_and_answers_the_sealed_heartbeat(tiny_models, tmp_path):
+    """A worker that requires encryption gets a sealed session (as from a hub under --e2e
+    auto): every step runs over the sealed channel, and keepalive asks for the sealed
+    heartbeat, the session's liveness check, besides the ping."""
+    steps = _check(tiny_models("qwen3_moe"), tmp_path, ["-m", "worker", "--e2e", "require"])
+    assert all(steps[s].status == PASS for s in STEPS), steps
+    assert "sealed heartbeat acknowledged after" in steps["keepalive"].detail, steps["keepalive"]
+
+
 @pytest.mark.parametrize(
     ("fault", "step", "says"),
     [

@@ -8,13 +8,17 @@ workers that dial tests/evil_relay.py instead of the gateway (or the hub), and a
 (c) a relay that answers as a hub with its own key: a pinned worker refuses it and never
     sends a hello;
 (d) a relay that clears ``encrypted`` in the accept: the hub's signature fails (1008).
-(c) and (d) share one test, so that their workers load at the same time.
+(c) and (d) share one test, so that their workers load at the same time;
+(e) a relay that keeps the hub's WebSocket up, answering its pings, for a worker it has made
+    silent: an encrypted session is dropped (1001) within the hub's keepalive bound by the
+    sealed heartbeat, which the relay cannot answer; a clear one, checked by pings, stays.
 """
 
 from __future__ import annotations
 
 import json
 import pathlib
+import time
 
 import grpc
 import pytest
@@ -150,3 +154,43 @@ def test_a_relay_impersonating_the_hub_or_stripping_the_encryption_is_refused(sw
     assert session_of(sw, "pinned") is None
     for name in ("pinned", "stripped", "relay_fake_hub", "relay_strip"):
         sw.stop_process(name)
+
+
+def test_a_relay_answering_pings_for_a_silent_worker_cannot_keep_its_encrypted_session(tiny_models, tmp_path):
+    # A hub of its own (direct, no gateway) with a short keepalive, so the bound is small.
+    keepalive, timeout = 1.0, 1.0
+    bound = keepalive + timeout
+    # Past the bound: the hub's close handshake (at most 2 s) and a loaded machine's scheduling.
+    slack = 5.0
+    with LocalSwarm(tmp_path) as swarm:
+        swarm.start_hub(extra=["--keepalive", str(keepalive), "--keepalive-timeout", str(timeout)])
+        model = tiny_models("qwen3_moe")
+        sealed_url, sealed_dir = start_relay(swarm, "mute_sealed", "mute", swarm.hub_ws_url)
+        clear_url, clear_dir = start_relay(swarm, "mute_clear", "mute", swarm.hub_ws_url)
+        # Direct to a hub under --e2e auto: sealed because this worker requires it; the other in clear.
+        swarm.start_worker("silent_sealed", model, "0:0", via="hub", hub_url=sealed_url, extra=["--e2e", "require"])
+        swarm.start_worker("silent_clear", model, "0:0", via="hub", hub_url=clear_url)
+
+        wait_until(lambda: session_of(swarm, "silent_sealed") is not None, 120, "the sealed session")
+        sealed = session_of(swarm, "silent_sealed")
+        seen_at = time.monotonic()
+        assert sealed.encrypted
+        wait_until(lambda: sealed.session_id not in {s.session_id for s in swarm.list_sessions()}, bound + slack,
+                   f"the silent worker's encrypted session to be dropped within {bound:g} s")
+        dropped_after = time.monotonic() - seen_at
+        closes = [e for e in events(sealed_dir) if e["event"] == "closed" and e["by"] == "hub"]
+        assert closes, events(sealed_dir)
+        assert closes[0]["code"] == 1001, closes
+        assert closes[0]["reason"] == (f"no sealed heartbeat answer within {timeout:g} s: the worker is gone or a "
+                                       "relay is answering for it"), closes
+        assert [e for e in events(sealed_dir) if e["event"] == "muted the worker"]  # its acks went nowhere
+
+        # The clear session's liveness is WebSocket pings, which the relay answers: it stays.
+        wait_until(lambda: session_of(swarm, "silent_clear") is not None, 120, "the clear session")
+        clear = session_of(swarm, "silent_clear")
+        assert not clear.encrypted
+        time.sleep(3 * bound)  # what is measured is that nothing happens in three keepalive rounds
+        assert clear.session_id in {s.session_id for s in swarm.list_sessions()}
+        assert not [e for e in events(clear_dir) if e["event"] == "closed"], events(clear_dir)
+        print(f"encrypted session of a silent worker dropped {dropped_after:.2f} s after it was first listed "
+              f"(keepalive {keepalive:g} s + timeout {timeout:g} s)")

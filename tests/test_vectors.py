@@ -42,9 +42,37 @@ from kvasir_rpc import (
     tensor_pb2,
 )
 
-from kvasir_rpc._channel import KeyExchange, derive_tunnel_keys, transcript_hash
+from kvasir_rpc._channel import Heartbeat, HeartbeatAck, KeyExchange, derive_tunnel_keys, transcript_hash
 from kvasir_rpc._handshake import accept_signed_message
-from kvasir_rpc.protocol import ACCEPT_SIGNATURE_DOMAIN, TUNNEL_KEYS_INFO
+from kvasir_rpc.protocol import (
+    ACCEPT_SIGNATURE_DOMAIN,
+    SEALED_CONTROL,
+    SEALED_DATA,
+    SEALED_HEARTBEAT,
+    SEALED_HEARTBEAT_ACK,
+    TUNNEL_KEYS_INFO,
+)
+
+# The sealed kinds of channel.json by name, with the plaintext byte and the payload's meaning.
+_KIND_BYTES = {"data": SEALED_DATA, "control": SEALED_CONTROL, "heartbeat": SEALED_HEARTBEAT,
+               "heartbeat_ack": SEALED_HEARTBEAT_ACK}
+
+
+def _kind(msg: object) -> str:
+    return {Heartbeat: "heartbeat", HeartbeatAck: "heartbeat_ack", str: "control"}.get(type(msg), "data")
+
+
+def _payload(msg: object) -> bytes:
+    if isinstance(msg, (Heartbeat, HeartbeatAck)):
+        return msg.seq.to_bytes(8, "big")
+    return msg.encode() if isinstance(msg, str) else bytes(msg)  # type: ignore[arg-type]
+
+
+def _message(kind: str, payload: bytes) -> object:
+    """What a cipher seals for a vector's kind and payload (and what it opens back)."""
+    if kind in ("heartbeat", "heartbeat_ack"):
+        return (Heartbeat if kind == "heartbeat" else HeartbeatAck)(int.from_bytes(payload, "big"))
+    return payload.decode() if kind == "control" else payload
 
 VECTORS = pathlib.Path(__file__).resolve().parent / "vectors"
 
@@ -257,16 +285,19 @@ def build_channel() -> dict:  # type: ignore[type-arg]
     keys = derive_tunnel_keys(shared, transcript)
     hub, worker = TunnelCipher.for_hub(keys), TunnelCipher.for_worker(keys)
     preface = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
-    sent = [("hub", "open"), ("hub", preface), ("worker", b"\x00\x00\x00\x04\x00\x00\x00\x00\x00"),
-            ("worker", "eof"), ("hub", "close"), ("worker", "closed")]
+    sent: list[tuple[str, object]] = [
+        ("hub", "open"), ("hub", preface), ("worker", b"\x00\x00\x00\x04\x00\x00\x00\x00\x00"),
+        ("worker", "eof"), ("hub", "close"), ("worker", "closed"),
+        # The liveness check, either way, in any tunnel state: sequence numbers from 0.
+        ("hub", Heartbeat(0)), ("worker", HeartbeatAck(0)), ("worker", Heartbeat(0)), ("hub", HeartbeatAck(0)),
+        ("hub", Heartbeat(1)), ("worker", HeartbeatAck(1))]
     messages = []
     for side, msg in sent:
         sealer = hub if side == "hub" else worker
         counter = sealer.sent
-        sealed = sealer.seal(msg)
-        (worker if side == "hub" else hub).open(sealed)
-        messages.append({"from": side, "counter": counter, "kind": "control" if isinstance(msg, str) else "data",
-                         "payload_hex": (msg.encode() if isinstance(msg, str) else msg).hex(),
+        sealed = sealer.seal(msg)  # type: ignore[arg-type]
+        assert (worker if side == "hub" else hub).open(sealed) == msg
+        messages.append({"from": side, "counter": counter, "kind": _kind(msg), "payload_hex": _payload(msg).hex(),
                          "sealed_hex": sealed.hex()})
     return {
         "description": (
@@ -275,8 +306,9 @@ def build_channel() -> dict:  # type: ignore[type-arg]
             "okm = HKDF-SHA256(ikm = shared, salt = transcript_hash, info = 'kvasir.v1.tunnel keys', 64 bytes); "
             "hub_to_worker_key = okm[:32], worker_to_hub_key = okm[32:]. Each message is one binary WebSocket "
             "message: ChaCha20-Poly1305(key of its direction, nonce = 'counter' as 12 bytes big-endian, "
-            "plaintext = kind byte (0 data, 1 control) + payload, no associated data); each direction counts "
-            "from 0. 'messages' are in the order sent."),
+            "plaintext = kind byte (0 data, 1 control, 2 heartbeat, 3 heartbeat_ack) + payload, no associated "
+            "data); each direction counts from 0. A heartbeat's payload is its 8-byte big-endian sequence number, "
+            "which the ack echoes. 'messages' are in the order sent."),
         "hub_kx_private_hex": _HUB_KX.hex(),
         "worker_kx_private_hex": _WORKER_KX.hex(),
         "hub_kx_public_hex": hs["hub_kx_public_hex"],
@@ -517,15 +549,16 @@ def test_channel_sealed_messages():
 
     keys = (bytes.fromhex(CHANNEL["hub_to_worker_key_hex"]), bytes.fromhex(CHANNEL["worker_to_hub_key_hex"]))
     hub, worker = TunnelCipher.for_hub(keys), TunnelCipher.for_worker(keys)
+    assert {m["kind"] for m in CHANNEL["messages"]} == set(_KIND_BYTES)
     for m in CHANNEL["messages"]:
         payload = bytes.fromhex(m["payload_hex"])
-        msg = payload.decode() if m["kind"] == "control" else payload
+        msg = _message(m["kind"], payload)
         sealer, opener = (hub, worker) if m["from"] == "hub" else (worker, hub)
         assert sealer.sent == m["counter"]
-        assert sealer.seal(msg).hex() == m["sealed_hex"]
+        assert sealer.seal(msg).hex() == m["sealed_hex"]  # type: ignore[arg-type]
         assert opener.open(bytes.fromhex(m["sealed_hex"])) == msg
         key = keys[0] if m["from"] == "hub" else keys[1]
-        plain = bytes([1 if m["kind"] == "control" else 0]) + payload
+        plain = bytes([_KIND_BYTES[m["kind"]]]) + payload
         assert ChaCha20Poly1305(key).encrypt(m["counter"].to_bytes(12, "big"), plain, None).hex() == m["sealed_hex"]
 
 

@@ -13,6 +13,7 @@ from trio_websocket import ConnectionClosed, HandshakeError, WebSocketConnection
 from kvasir_rpc import (
     CloseCode,
     RemoteProtocolError,
+    SealedHeartbeat,
     WorkerHandshake,
     get_logger,
     keepalive,
@@ -54,12 +55,15 @@ class _Conn:
 async def serve_session(ws: WebSocketConnection, uds_path: str, *, keepalive_s: float = KEEPALIVE_S,
                         keepalive_timeout_s: float = KEEPALIVE_TIMEOUT_S, cipher: TunnelCipher | None = None) -> None:
     """Follow the hub's control messages until the WebSocket closes (ConnectionClosed) or
-    the hub breaks the protocol or stops answering pings (RemoteProtocolError).
+    the hub breaks the protocol or stops answering (RemoteProtocolError).
 
     What may be sent when is ``WorkerTunnel``'s; this moves the bytes, sealed and opened
-    with ``cipher`` when the session is encrypted end to end."""
+    with ``cipher`` when the session is encrypted end to end. The hub's liveness is checked
+    as the hub checks ours: a sealed heartbeat on an encrypted session (its heartbeats are
+    answered in ``receive_message``), a WebSocket ping otherwise."""
     tunnel = WorkerTunnel()
     conn: _Conn | None = None
+    heartbeat = SealedHeartbeat(ws, cipher) if cipher is not None else None
 
     async def pump(c: _Conn) -> None:
         """The local gRPC server's bytes into the tunnel, then "eof" when it ends the connection."""
@@ -79,10 +83,10 @@ async def serve_session(ws: WebSocketConnection, uds_path: str, *, keepalive_s: 
             c.done.set()
 
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(keepalive, ws, keepalive_s, keepalive_timeout_s)
+        nursery.start_soon(keepalive, ws, keepalive_s, keepalive_timeout_s, heartbeat)
         try:
             while True:
-                event = tunnel.receive(await receive_message(ws, cipher))
+                event = tunnel.receive(await receive_message(ws, cipher, heartbeat))
                 if isinstance(event, Open):
                     conn = _Conn(await trio.open_unix_socket(uds_path))
                     nursery.start_soon(pump, conn)

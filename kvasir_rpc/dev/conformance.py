@@ -16,7 +16,8 @@ itself and stops it at the end. Over that one WebSocket it runs, in order:
     errors      malformed calls get the gRPC status the spec names; the connection stays up
     close       "close" is answered with "closed" within CLOSE_TIMEOUT_S
     reconnect   a second "open" gives a fresh HTTP/2 connection (Describe again), then closes
-    keepalive   a WebSocket ping is answered with a pong within KEEPALIVE_TIMEOUT_S
+    keepalive   a WebSocket ping is answered with a pong within KEEPALIVE_TIMEOUT_S, and on an
+                encrypted session a sealed heartbeat with its ack within the same time
 
 Every message the worker sends is fed to the hub side of the sans-IO tunnel protocol
 (``kvasir_rpc.protocol.HubTunnel``); the first violation fails the running step with the
@@ -47,7 +48,7 @@ if TYPE_CHECKING:
     import torch
     from trio_websocket import WebSocketConnection, WebSocketRequest
 
-    from kvasir_rpc import Activation, ExpertIndex, HelloInfo, TunnelCipher, expert_pb2
+    from kvasir_rpc import Activation, ExpertIndex, HelloInfo, SealedHeartbeat, TunnelCipher, expert_pb2
 
 __all__ = ["PASS", "FAIL", "SKIP", "StepResult", "add_parser", "judge_partials", "run", "run_check"]
 
@@ -226,6 +227,7 @@ class _Check:
         self.hello: HelloInfo | None = None
         self.ws: WebSocketConnection | None = None
         self.cipher: TunnelCipher | None = None  # the worker's session is sealed end to end
+        self.heartbeat: SealedHeartbeat | None = None  # and then its liveness is checked so
         self.tunnel = HubTunnel()
         self.fatal: str | None = None
         self.finishing = False
@@ -397,7 +399,7 @@ class _Check:
         return True
 
     async def _handshake(self) -> tuple[str, list[str]]:
-        from kvasir_rpc import HubHandshake, format_slices
+        from kvasir_rpc import HubHandshake, SealedHeartbeat, format_slices
         from kvasir_rpc.protocol import HUB_HANDSHAKE_TIMEOUT_S, CloseCode, RemoteProtocolError
 
         assert self.ws is not None
@@ -412,6 +414,7 @@ class _Check:
                 info = hs.receive_hello(data)
                 await self.ws.send_message(hs.accept("conformance-1"))
                 self.cipher = hs.cipher
+                self.heartbeat = SealedHeartbeat(self.ws, hs.cipher) if hs.cipher is not None else None
         except trio.TooSlowError:
             await self.end(f"no SessionHello within {HUB_HANDSHAKE_TIMEOUT_S:g} s of the challenge (a hub closes "
                            "1008 'handshake timed out')", CloseCode.POLICY_VIOLATION)
@@ -662,7 +665,7 @@ class _Check:
         return f"a second 'open' served Describe on a fresh HTTP/2 connection; {self._closed_detail()}", []
 
     async def _keepalive(self) -> tuple[str, list[str]]:
-        from kvasir_rpc.protocol import KEEPALIVE_TIMEOUT_S
+        from kvasir_rpc.protocol import KEEPALIVE_TIMEOUT_S, RemoteProtocolError
 
         assert self.ws is not None
         t0 = time.monotonic()
@@ -671,7 +674,16 @@ class _Check:
                 await self.ws.ping()
         except trio.TooSlowError:
             raise _StepFailed(f"no pong within {KEEPALIVE_TIMEOUT_S:g} s of a ping (a hub closes 1001)") from None
-        return f"pong after {(time.monotonic() - t0) * 1000:.1f} ms", []
+        detail = f"pong after {(time.monotonic() - t0) * 1000:.1f} ms"
+        if self.heartbeat is None:
+            return detail, []
+        try:
+            await self.heartbeat.check(KEEPALIVE_TIMEOUT_S)
+        except RemoteProtocolError as exc:
+            raise _StepFailed(f"{exc.reason} (a hub closes {exc.close_code}; an encrypted session's liveness is "
+                              "the sealed heartbeat, docs/PROTOCOL.md 4.5)") from None
+        assert self.heartbeat.rtt_s is not None
+        return f"{detail}; sealed heartbeat acknowledged after {self.heartbeat.rtt_s * 1000:.1f} ms", []
 
     # tasks
 
@@ -686,7 +698,7 @@ class _Check:
         assert self.ws is not None
         while True:
             try:
-                msg = await receive_message(self.ws, self.cipher)
+                msg = await receive_message(self.ws, self.cipher, self.heartbeat)
             except ConnectionClosed as exc:
                 if not self.finishing:
                     why = exc.reason
