@@ -40,6 +40,20 @@ def wait_until(predicate: Callable[[], bool], timeout: float, what: str) -> None
         time.sleep(0.05)
 
 
+def swarm_with_dishonest(sw, model, name: str, launcher: tuple[str, ...]):  # type: ignore[no-untyped-def]
+    """Ledger, hub, an honest worker on experts 4-7 and, started by ``launcher`` (a script of
+    tests/ and its options, then ``--``), a dishonest worker ``name`` on 0-3; returns their
+    sessions (dishonest, honest)."""
+    sw.start_ledger()
+    sw.start_hub(receipt_interval=0.5)
+    order = [("honest", "*:4-7", ("-m", "worker")), (name, "*:0-3", launcher)]
+    for i, (who, spec, how) in enumerate(order):
+        sw.start_worker(who, model, spec, launcher=how)
+        sw.wait_sessions(i + 1, watch=[who])
+    by_first_expert = {s.slices[0].experts[0]: s for s in sw.list_sessions()}
+    return by_first_expert[0], by_first_expert[4]
+
+
 class LedgerProcess:
     """``python -m ledger serve`` on 127.0.0.1, port 0; its log in ``workdir``."""
 

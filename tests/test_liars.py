@@ -7,7 +7,7 @@ from __future__ import annotations
 import pathlib
 
 import pytest
-from helpers import wait_until
+from helpers import swarm_with_dishonest, wait_until
 
 from kvasir_rpc.dev.swarm import LocalSwarm
 
@@ -24,15 +24,8 @@ def _credited(sw: LocalSwarm, session) -> int:  # type: ignore[no-untyped-def]
 
 
 def _swarm_with_liar(sw: LocalSwarm, model, lie: list[str]):  # type: ignore[no-untyped-def]
-    """Ledger, hub, an honest worker on experts 4-7 and a liar on 0-3; returns their sessions."""
-    sw.start_ledger()
-    sw.start_hub(receipt_interval=0.5)
-    order = [("honest", "*:4-7", ("-m", "worker")), ("liar", "*:0-3", (LIAR, *lie, "--"))]
-    for i, (name, spec, launcher) in enumerate(order):
-        sw.start_worker(name, model, spec, launcher=launcher)
-        sw.wait_sessions(i + 1, watch=[name])
-    by_first_expert = {s.slices[0].experts[0]: s for s in sw.list_sessions()}
-    return by_first_expert[0], by_first_expert[4]
+    """Ledger, hub, an honest worker on experts 4-7 and a liar on 0-3; their sessions."""
+    return swarm_with_dishonest(sw, model, "liar", (LIAR, *lie, "--"))
 
 
 @pytest.mark.parametrize("lie", [["offset"], ["zeros"], ["nan"], ["offset", "--after", "30"]],

@@ -8,6 +8,7 @@ import pathlib
 import signal
 
 import pytest
+from helpers import swarm_with_dishonest
 
 from kvasir_rpc.dev.swarm import LocalSwarm
 
@@ -24,14 +25,7 @@ CALL_TIMEOUT_S = 30.0
 
 def _swarm_with_staller(sw: LocalSwarm, model, stall: list[str]):  # type: ignore[no-untyped-def]
     """Ledger, hub, an honest worker on experts 4-7 and a staller on 0-3; their sessions."""
-    sw.start_ledger()
-    sw.start_hub(receipt_interval=0.5)
-    order = [("honest", "*:4-7", ("-m", "worker")), ("staller", "*:0-3", (STALLER, *stall, "--"))]
-    for i, (name, spec, launcher) in enumerate(order):
-        sw.start_worker(name, model, spec, launcher=launcher)
-        sw.wait_sessions(i + 1, watch=[name])
-    by_first_expert = {s.slices[0].experts[0]: s for s in sw.list_sessions()}
-    return by_first_expert[0], by_first_expert[4]
+    return swarm_with_dishonest(sw, model, "staller", (STALLER, *stall, "--"))
 
 
 @pytest.mark.parametrize("stall", [[], ["--after", "12", "--seconds", "4"]],
