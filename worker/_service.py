@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import grpc
 import torch
@@ -58,10 +58,7 @@ class LoadedExperts:
 
     @property
     def slices(self) -> dict[int, tuple[int, ...]]:
-        out: dict[int, list[int]] = {}
-        for layer, expert in sorted(self.weights):
-            out.setdefault(layer, []).append(expert)
-        return {k: tuple(v) for k, v in out.items()}
+        return _slices_of(sorted(self.weights))
 
     def shares(self, n: int) -> list[tuple[dict[int, tuple[int, ...]], bytes]]:
         """The held (layer, expert) pairs, in order, split into ``n`` contiguous shares as
@@ -79,12 +76,16 @@ class LoadedExperts:
         out = []
         for i in range(n):
             part = keys[i * len(keys) // n : (i + 1) * len(keys) // n]
-            slices: dict[int, list[int]] = {}
-            for layer, expert in part:
-                slices.setdefault(layer, []).append(expert)
-            out.append(({k: tuple(v) for k, v in slices.items()},
-                        slices_digest({k: self.expert_digests[k] for k in part})))
+            out.append((_slices_of(part), slices_digest({k: self.expert_digests[k] for k in part})))
         return out
+
+
+def _slices_of(pairs: Sequence[tuple[int, int]]) -> dict[int, tuple[int, ...]]:
+    """Sorted (layer, expert) pairs as {layer: experts}."""
+    out: dict[int, list[int]] = {}
+    for layer, expert in pairs:
+        out.setdefault(layer, []).append(expert)
+    return {k: tuple(v) for k, v in out.items()}
 
 
 class ExpertServicer(expert_pb2_grpc.ExpertServiceServicer):
