@@ -33,6 +33,8 @@ if TYPE_CHECKING:  # the real names, for type checkers; at run time __getattr__ 
         leaf_exception,
     )
     from kvasir_rpc._gen.kvasir.v1 import (
+        backbone_pb2,
+        backbone_pb2_grpc,
         expert_pb2,
         expert_pb2_grpc,
         ledger_pb2,
@@ -146,6 +148,8 @@ _LAZY = {
     "LocalProtocolError": "kvasir_rpc._errors",
     "RemoteProtocolError": "kvasir_rpc._errors",
     "leaf_exception": "kvasir_rpc._errors",
+    "backbone_pb2": _GEN,
+    "backbone_pb2_grpc": _GEN,
     "expert_pb2": _GEN,
     "expert_pb2_grpc": _GEN,
     "ledger_pb2": _GEN,
