@@ -14,6 +14,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
+from typing import Any
 
 from kvasir_rpc import configure_logging, get_logger
 from backbone._deadlines import DEFAULT_STRAGGLER_FACTOR, DEFAULT_STRAGGLER_FLOOR_S, StragglerPolicy
@@ -21,24 +22,12 @@ from backbone._deadlines import DEFAULT_STRAGGLER_FACTOR, DEFAULT_STRAGGLER_FLOO
 log = get_logger("backbone")
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m backbone")
-    sub = parser.add_subparsers(dest="command", required=True)
-    g = sub.add_parser("generate", help="greedy decode with experts on the swarm")
+def _experts_args(g: argparse.ArgumentParser) -> None:
+    """The options generate and serve share: the model, the hub, and how experts are called."""
     g.add_argument("--model", required=True, type=pathlib.Path)
     g.add_argument("--hub", help="HOST:PORT of the hub's SessionService; without it every expert is local")
     g.add_argument("--hub-token-file", type=pathlib.Path,
                    help="the hub's backbone token file (its --backbone-token-file); needed with --hub")
-    g.add_argument("--prompt", required=True)
-    g.add_argument("--max-new-tokens", type=int, default=16)
-    g.add_argument("--max-seconds", type=float, default=None,
-                   help="end the decode after this many seconds (the tokens so far; Ctrl-C does the same)")
-    g.add_argument("--batch", type=int, default=1, help="sequences decoded together")
-    g.add_argument("--compare-local", action="store_true", help="also decode with every expert local and compare")
-    g.add_argument("--groups", default="1",
-                   help="micro-batch pipelining: decode this many groups of sequences concurrently so one "
-                        "computes while others wait on the network; 'auto' picks from a measured remote "
-                        "step and a local one")
     g.add_argument("--wait-sessions", type=int, default=0, help="wait until the hub lists this many sessions")
     g.add_argument("--wait-timeout", type=float, default=60.0)
     g.add_argument("--call-timeout", type=float, default=30.0,
@@ -62,17 +51,39 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--audit-rate", type=float, default=None,
                    help="fraction of remote rows recomputed here to check the worker (default 0.02; "
                         "each session's first call is audited too; 0 turns sampling off)")
-    g.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     g.add_argument("--log-level", default="warning")
-    args = parser.parse_args(argv)
-    configure_logging("backbone", level=args.log_level)
+
+
+@dataclasses.dataclass
+class Setup:
+    """The model and its experts path, as generate and serve build them from the options."""
+
+    model: Any
+    tokenizer: Any
+    watcher: Any
+    dispatcher: Any
+    reporter: Any
+    on_demand: bool
+    wire_dtype: Any
+    model_dtype: Any
+    audit_rate: float
+
+    def close(self, result: dict[str, object]) -> None:
+        """Stop the experts path; the work reported to the hub goes into ``result``."""
+        self.dispatcher.close()
+        if self.watcher is not None:
+            self.watcher.close()
+        if self.reporter is not None:
+            result["work_reported"] = self.reporter.close()
+            result["work"] = {sid: dataclasses.asdict(t) for sid, t in self.reporter.statistics().items()}
+
+
+def build_setup(parser: argparse.ArgumentParser, args: argparse.Namespace, *, compare_local: bool = False) -> Setup | int:
+    """Load the model and build its experts path (the hub's sessions, the Dispatcher), or an
+    exit code after saying what is wrong."""
     if args.hub and args.hub_token_file is None:
         parser.error("--hub needs --hub-token-file: the file the hub reads with --backbone-token-file "
                      "(without it the hub splices no worker to this backbone)")
-    if args.max_new_tokens < 1 or args.batch < 1:
-        parser.error("--max-new-tokens and --batch must be at least 1")
-    if args.max_seconds is not None and args.max_seconds <= 0:
-        parser.error("--max-seconds must be positive")
     if args.audit_rate is not None and not 0.0 <= args.audit_rate <= 1.0:
         parser.error("--audit-rate is a fraction from 0 to 1")
     try:
@@ -94,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from backbone._audit import DEFAULT_AUDIT_RATE
     from backbone._experts import Dispatcher
-    from backbone._generate import compare, decode_grouped, load_model, prompts_for_batch
+    from backbone._generate import load_model
     from backbone._links import SessionWatcher
     from backbone._work import WorkReporter
     from kvasir_rpc import ExpertIndex
@@ -106,9 +117,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     on_demand = args.expert_weights == "on-demand" or (
-        args.expert_weights == "auto" and bool(args.hub) and not args.compare_local
+        args.expert_weights == "auto" and bool(args.hub) and not compare_local
     )
-    if on_demand and args.compare_local:
+    if on_demand and compare_local:
         parser.error("--compare-local runs transformers' eager experts, which need every expert: use --expert-weights all")
     try:
         model, tokenizer = load_model(args.model, experts="on-demand" if on_demand else "all")
@@ -132,6 +143,57 @@ def main(argv: list[str] | None = None) -> int:
     dispatcher = Dispatcher(model, watcher, call_timeout_s=args.call_timeout, wire_dtype=wire_dtype,
                             expert_source=source, audit_rate=audit_rate, reporter=reporter,
                             stragglers=stragglers)
+    return Setup(model, tokenizer, watcher, dispatcher, reporter, on_demand, wire_dtype, model_dtype, audit_rate)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m backbone")
+    sub = parser.add_subparsers(dest="command", required=True)
+    g = sub.add_parser("generate", help="greedy decode with experts on the swarm")
+    _experts_args(g)
+    g.add_argument("--prompt", required=True)
+    g.add_argument("--max-new-tokens", type=int, default=16)
+    g.add_argument("--max-seconds", type=float, default=None,
+                   help="end the decode after this many seconds (the tokens so far; Ctrl-C does the same)")
+    g.add_argument("--batch", type=int, default=1, help="sequences decoded together")
+    g.add_argument("--compare-local", action="store_true", help="also decode with every expert local and compare")
+    g.add_argument("--groups", default="1",
+                   help="micro-batch pipelining: decode this many groups of sequences concurrently so one "
+                        "computes while others wait on the network; 'auto' picks from a measured remote "
+                        "step and a local one")
+    g.add_argument("--json", action="store_true", help="print one JSON object as the last line")
+    sv = sub.add_parser("serve", help="serve kvasir.v1.BackboneService (gRPC) and the OpenAI-compatible HTTP API")
+    _experts_args(sv)
+    sv.add_argument("--listen", default="127.0.0.1:50061", help="HOST:PORT for gRPC (port 0 picks a free one)")
+    sv.add_argument("--http", help="HOST:PORT for the OpenAI-compatible HTTP API (off without it)")
+    sv.add_argument("--model-name", help="the model's id in ListModels and the HTTP API (default: the folder's name)")
+    sv.add_argument("--max-batch", type=int, default=32, help="requests decoded together at most")
+    sv.add_argument("--max-waiting", type=int, default=64,
+                    help="requests waiting for a slot at most; more get RESOURCE_EXHAUSTED (HTTP 429)")
+    sv.add_argument("--lanes", type=int, default=1,
+                    help="micro-batch pipelining: the batch is split into this many lanes, each its own thread, so "
+                         "one computes while another waits on remote experts")
+    sv.add_argument("--max-tokens-limit", type=int, default=None,
+                    help="max_tokens a request may ask for at most (default: the model's context)")
+    sv.add_argument("--ready-file", type=pathlib.Path,
+                    help="write {grpc_port, http_port, model} here (atomically) once serving")
+    args = parser.parse_args(argv)
+    configure_logging("backbone", level=args.log_level)
+    if args.command == "serve":
+        from backbone._cli_serve import run_serve
+
+        return run_serve(parser, args)
+    if args.max_new_tokens < 1 or args.batch < 1:
+        parser.error("--max-new-tokens and --batch must be at least 1")
+    if args.max_seconds is not None and args.max_seconds <= 0:
+        parser.error("--max-seconds must be positive")
+    setup = build_setup(parser, args, compare_local=args.compare_local)
+    if isinstance(setup, int):
+        return setup
+    from backbone._generate import compare, decode_grouped, prompts_for_batch
+
+    model, tokenizer, dispatcher = setup.model, setup.tokenizer, setup.dispatcher
+    wire_dtype, model_dtype, on_demand, audit_rate = setup.wire_dtype, setup.model_dtype, setup.on_demand, setup.audit_rate
     prompts = prompts_for_batch(args.prompt, args.batch)
     result: dict[str, object] = {}
     try:
@@ -172,12 +234,7 @@ def main(argv: list[str] | None = None) -> int:
             result["reference_max_abs_logit_diff"] = ref["max_abs_logit_diff"]
         result["audit_rate"] = audit_rate
     finally:
-        dispatcher.close()
-        if watcher is not None:
-            watcher.close()
-        if reporter is not None:
-            result["work_reported"] = reporter.close()
-            result["work"] = {sid: dataclasses.asdict(t) for sid, t in reporter.statistics().items()}
+        setup.close(result)
 
     if args.json:
         print(json.dumps(result))

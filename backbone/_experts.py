@@ -18,9 +18,11 @@ computed here (hedged) and its answer, if it still comes, is dropped and never p
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import dataclasses
 import threading
 import time
+from collections.abc import Iterator
 
 import torch
 from transformers.integrations.moe import ExpertsInterface
@@ -71,6 +73,21 @@ class DispatchStats:
     hedged_calls: int = 0  # late: computed here before their answer came
     hedged_rows: int = 0
     late_answers_dropped: int = 0  # answers of hedged calls that came after all: unused, unpaid
+
+
+class RowTally:
+    """Expert rows (a token through an expert) of one forward pass counted by the request
+    that owns each token: ``counts[kind, owner]`` with kind 0 remote (accepted), 1 local by
+    choice, 2 computed here after a lost, late or refused call."""
+
+    REMOTE, LOCAL, FALLBACK = 0, 1, 2
+
+    def __init__(self, owners: torch.Tensor, n: int) -> None:
+        self.owners = owners  # [T] the owner of each token row
+        self.counts = torch.zeros(3, n, dtype=torch.long)
+
+    def add(self, kind: int, token_idx: torch.Tensor) -> None:
+        self.counts[kind].index_add_(0, self.owners[token_idx], torch.ones_like(token_idx))
 
 
 class ReplayNeeded(RuntimeError):
@@ -125,6 +142,7 @@ class Dispatcher:
         # The call timeout caps every deadline: a call unanswered that long is lost.
         self.policy = dataclasses.replace(stragglers or StragglerPolicy(), cap_s=call_timeout_s)
         self._attempt = threading.local()  # sessions the current decode attempt of a thread used
+        self._tally = threading.local()  # the RowTally of this thread's forward pass, if any
         self._lock = threading.Lock()
         self.reset_counters()
 
@@ -151,6 +169,7 @@ class Dispatcher:
         partials = {r.expert: self._compute(layer, act, hidden, top_k_weights, r) for r in local}
         with self._lock:
             self.local_rows += sum(len(r.token_idx) for r in local)
+        self._count(RowTally.LOCAL, local)
         self._collect(layer, act, hidden, top_k_weights, inflight, partials)
         return _combine(hidden, routes, partials)
 
@@ -208,6 +227,7 @@ class Dispatcher:
                     self._accept(sent, out, hidden.dtype, partials)
             for sent in late:
                 self._late(layer, sent)
+                self._count(RowTally.FALLBACK, sent.routes)
                 for r in sent.routes:
                     partials[r.expert] = self._compute(layer, act, hidden, top_k_weights, r)
         if replay:
@@ -218,6 +238,7 @@ class Dispatcher:
         with self._lock:
             self.fallback_calls += 1
             self.fallback_rows += sent.record.rows
+        self._count(RowTally.FALLBACK, sent.routes)
         for r in sent.routes:
             partials[r.expert] = self._compute(layer, act, hidden, top_k_weights, r)
 
@@ -278,6 +299,7 @@ class Dispatcher:
             n = len(r.token_idx)
             partials[r.expert] = out[start : start + n]
             start += n
+        self._count(RowTally.REMOTE, sent.routes)
         sid = sent.link.session_id
         sent.link.note_on_time()
         with self._lock:
@@ -301,6 +323,27 @@ class Dispatcher:
             if self.reporter is not None:
                 self.reporter.quarantine(evidence)
         return link.session_id in self._attempt_sessions()
+
+    # -- rows by request ---------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def tally_rows(self, owners: torch.Tensor, n: int) -> Iterator[torch.Tensor]:
+        """Count this thread's expert rows by owner while the block runs: ``owners`` [T]
+        gives the owner (0 to n - 1) of each token row of the forward pass. Yields the
+        counts [3, n] (remote, local, fallback), filled in as the block runs."""
+        tally = RowTally(owners, n)
+        previous = getattr(self._tally, "value", None)
+        self._tally.value = tally
+        try:
+            yield tally.counts
+        finally:
+            self._tally.value = previous
+
+    def _count(self, kind: int, routes: list[Route]) -> None:
+        tally: RowTally | None = getattr(self._tally, "value", None)
+        if tally is not None:
+            for r in routes:
+                tally.add(kind, r.token_idx)
 
     # -- decode attempts (replays) -----------------------------------------------------
 

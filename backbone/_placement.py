@@ -70,6 +70,13 @@ class Placement:
             threading.Thread(target=dropped.close, name=f"close-{sid}", daemon=True).start()
         return first
 
+    def coverage(self) -> tuple[dict[int, set[int]], int]:
+        """``({layer: experts a live link serves}, live links)`` as routing sees them now."""
+        with self._lock:
+            self._refresh()
+            live = [link for link in self._links.values() if link.dead is None]
+            return {layer: set(table) for layer, table in self._routes.items()}, len(live)
+
     def rejected(self) -> tuple[str, ...]:
         """Sessions whose announced weights are not this model's, sorted."""
         with self._lock:

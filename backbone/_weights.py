@@ -56,6 +56,10 @@ class ExpertWeights:
     def __init__(self, modules: dict[int, torch.nn.Module]) -> None:
         self.modules = modules
 
+    def layers(self) -> list[int]:
+        """The MoE layers, ascending."""
+        return sorted(self.modules)
+
     def num_experts(self, layer: int) -> int | None:
         """Experts in ``layer``, or None when the layer has none."""
         module = self.modules.get(layer)

@@ -1,0 +1,87 @@
+"""``python -m backbone serve``: the backbone as a server (gRPC, and HTTP with ``--http``)."""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+import threading
+from types import FrameType
+
+from kvasir_rpc import ListenError, check_listen, get_logger, write_ready_file
+
+log = get_logger("backbone.serve")
+
+
+def run_serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    from backbone.__main__ import build_setup
+
+    if args.max_batch < 1 or args.max_waiting < 0 or args.lanes < 1:
+        parser.error("--max-batch and --lanes must be at least 1, --max-waiting at least 0")
+    if args.lanes > args.max_batch:
+        parser.error("--lanes cannot exceed --max-batch (each lane holds at least one request)")
+    if args.max_tokens_limit is not None and args.max_tokens_limit < 1:
+        parser.error("--max-tokens-limit must be at least 1")
+    for option, address in (("--listen", args.listen), ("--http", args.http)):
+        if address is None:
+            continue
+        try:
+            check_listen(address)  # before the model loads: a taken port fails at once
+        except ListenError as exc:
+            print(f"backbone: {option}: {exc}", file=sys.stderr)
+            return 1
+    stop = threading.Event()
+
+    def on_signal(signum: int, _frame: FrameType | None) -> None:
+        log.info("backbone stopping", signal=signal.Signals(signum).name)
+        stop.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+
+    setup = build_setup(parser, args)
+    if isinstance(setup, int):
+        return setup
+    from backbone._engine import Engine
+    from backbone._serve import Backbone, serve_backbone
+
+    result: dict[str, object] = {}
+    engine = Engine(setup.model, setup.tokenizer, setup.dispatcher, max_batch=args.max_batch,
+                    max_waiting=args.max_waiting, lanes=args.lanes, max_tokens_cap=args.max_tokens_limit)
+    backbone = Backbone(engine=engine, tokenizer=setup.tokenizer, dispatcher=setup.dispatcher,
+                        model_id=args.model_name or args.model.resolve().name)
+    http = None
+    try:
+        try:
+            server, port, health = serve_backbone(args.listen, backbone)
+        except ListenError as exc:
+            print(f"backbone: --listen: {exc}", file=sys.stderr)
+            return 1
+        http_port = None
+        if args.http:
+            from backbone._http import serve_http
+
+            try:
+                http = serve_http(backbone, args.http)
+            except ListenError as exc:
+                print(f"backbone: --http: {exc}", file=sys.stderr)
+                server.stop(0)
+                return 1
+            http_port = http.port
+        log.info("backbone serving", grpc=port, http=http_port, model=backbone.model_id,
+                 max_batch=args.max_batch, lanes=args.lanes, remote=setup.watcher is not None)
+        write_ready_file(args.ready_file, {"grpc_port": port, "http_port": http_port, "model": backbone.model_id})
+        while not stop.wait(1.0):
+            pass
+        health.enter_graceful_shutdown()
+        if http is not None:
+            http.close()
+        engine.close()  # running requests end with UNAVAILABLE
+        server.stop(grace=2.0).wait(5.0)
+    finally:
+        if http is not None:
+            http.close()
+        engine.close()
+        setup.close(result)
+    log.info("backbone stopped", work_reported=result.get("work_reported"))
+    return 0

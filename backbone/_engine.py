@@ -1,0 +1,684 @@
+"""Continuous batching: many callers' decodes in one running batch.
+
+Requests join the batch as they arrive and leave as they finish; a cancelled one leaves
+at the next step. Each request is prefilled alone (its prompt, its own cache), so its
+first token never waits for a longer prompt's; then its cache joins the running batch
+(left-padded to the batch's length) and every step decodes one token for every row.
+The batch is split into ``lanes`` (micro-batch pipelining): each lane is its own batch on
+its own thread, so one computes while another waits on remote experts.
+
+Every row's numbers are its own: the padding is masked, each row has its own position
+ids and its own random generator, so a greedy request returns the tokens it returns
+alone (tests/test_serve.py checks 32 at once). Expert rows are tallied by request, so
+each summary tells where its own rows ran.
+
+A worker caught delivering wrong work (ReplayNeeded) makes the lane recompute every row
+from its prompt without it, checking that the tokens already sent were right; a request
+whose sent tokens the liar had changed ends with an error (the text sent was wrong).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import math
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterator
+
+import torch
+
+from backbone._experts import IMPLEMENTATION, Dispatcher, ReplayNeeded
+from kvasir_rpc import get_logger, threads_initializer
+
+log = get_logger("backbone.engine")
+
+__all__ = ["Engine", "Finish", "InvalidRequest", "Overloaded", "Request", "RequestStream", "Sampling",
+           "StreamEvent", "Summary"]
+
+DEFAULT_MAX_TOKENS = 16
+MAX_STOPS = 8
+MAX_STOP_CHARS = 256
+MAX_TEMPERATURE = 100.0
+# Replays of one lane in a row before its requests are failed (each follows a new quarantine).
+MAX_REPLAYS = 16
+
+
+class InvalidRequest(ValueError):
+    """A request that cannot be served; ``field`` names the part at fault."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field
+
+
+class Overloaded(RuntimeError):
+    """Every slot and the waiting line are full."""
+
+
+class Finish(enum.Enum):
+    LENGTH = "length"
+    EOS = "eos"
+    STOP = "stop"
+
+
+@dataclasses.dataclass(frozen=True)
+class Sampling:
+    temperature: float = 0.0  # 0: greedy
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclasses.dataclass(frozen=True)
+class Request:
+    prompt_ids: tuple[int, ...]
+    max_tokens: int = DEFAULT_MAX_TOKENS
+    sampling: Sampling = Sampling()
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class Summary:
+    finish: Finish
+    stop: str
+    prompt_tokens: int
+    completion_tokens: int
+    queue_seconds: float
+    time_to_first_token_seconds: float
+    total_seconds: float
+    tokens_per_second: float
+    remote_rows: int
+    local_rows: int
+    fallback_rows: int
+    max_batch_size: int
+    seed: int | None
+
+
+@dataclasses.dataclass(frozen=True)
+class StreamEvent:
+    """New tokens and text; or the summary (last); or an error (last)."""
+
+    token_ids: tuple[int, ...] = ()
+    text: str = ""
+    summary: Summary | None = None
+    error: str | None = None  # what went wrong, for a person; the stream ends with it
+    # "aborted": a worker's wrong work changed tokens already sent; "unavailable": shutting
+    # down; "internal": the decode failed.
+    error_kind: str = ""
+
+    @property
+    def last(self) -> bool:
+        return self.summary is not None or self.error is not None
+
+
+class RequestStream:
+    """What one request produces, for the caller's thread: iterate it, or ``get`` with a
+    timeout. ``cancel`` frees the request's slot at the engine's next step."""
+
+    def __init__(self, engine: Engine, request: Request) -> None:
+        self.request = request
+        self._engine = engine
+        self._events: queue.SimpleQueue[StreamEvent] = queue.SimpleQueue()
+        self._listeners: list[Callable[[], None]] = []
+        self.cancelled = False
+        self.finished = False
+
+    def get(self, timeout: float | None = None) -> StreamEvent | None:
+        """The next event, or None after ``timeout`` seconds without one."""
+        try:
+            return self._events.get(timeout=timeout)
+        except queue.Empty:
+            return None
+
+    def __iter__(self) -> Iterator[StreamEvent]:
+        while True:
+            event = self._events.get()
+            yield event
+            if event.last:
+                return
+
+    def add_listener(self, wake: Callable[[], None]) -> None:
+        """``wake()`` is called (from the engine's thread, must not block) after each event."""
+        self._listeners.append(wake)
+        if not self._events.empty():
+            wake()
+
+    def cancel(self) -> None:
+        if not self.cancelled and not self.finished:
+            self.cancelled = True
+            self._engine._wake()
+
+    def _put(self, event: StreamEvent) -> None:
+        if event.last:
+            self.finished = True
+        self._events.put(event)
+        for wake in list(self._listeners):
+            try:
+                wake()
+            except Exception:  # a listener's failure (its loop closed) is the caller's business
+                log.debug("stream listener failed", exc_info=True)
+
+
+class _Seq:
+    """One request in a lane."""
+
+    def __init__(self, stream: RequestStream, eos: frozenset[int], arrived: float) -> None:
+        self.stream = stream
+        self.req = stream.request
+        self.eos = frozenset() if self.req.ignore_eos else eos
+        self.arrived = arrived
+        self.admitted = 0.0
+        self.first = 0.0
+        self.generated: list[int] = []
+        self.delivered: list[int] = []  # token ids sent to the caller
+        self.sent_chars = 0
+        self.next_token = 0  # the last token chosen, the next step's input
+        self.rows = [0, 0, 0]  # remote, local, fallback
+        self.max_batch = 1
+        seed = self.req.sampling.seed
+        if seed is None and not self.req.sampling.greedy:
+            seed = int(torch.randint(0, 2**63 - 1, (1,)).item())
+        self.seed = seed
+        self.generator = self._fresh_generator()
+
+    def _fresh_generator(self) -> torch.Generator | None:
+        if self.seed is None:
+            return None
+        g = torch.Generator()
+        g.manual_seed(self.seed)
+        return g
+
+    def restart(self) -> list[int]:
+        """Back to the prompt for a replay; the tokens sent so far."""
+        self.generated = []
+        self.generator = self._fresh_generator()
+        return list(self.delivered)
+
+
+class Engine:
+    """Serves ``Request``s on ``model`` through ``dispatcher`` (remote experts, or local
+    when the dispatcher has no hub). Thread-safe; ``close`` stops it."""
+
+    def __init__(self, model, tokenizer, dispatcher: Dispatcher, *, max_batch: int = 32,  # type: ignore[no-untyped-def]
+                 max_waiting: int = 64, lanes: int = 1, max_tokens_cap: int | None = None) -> None:
+        if max_batch < 1 or max_waiting < 0 or lanes < 1:
+            raise ValueError("max_batch and lanes must be at least 1, max_waiting at least 0")
+        self.model, self.tokenizer, self.dispatcher = model, tokenizer, dispatcher
+        model.set_experts_implementation(IMPLEMENTATION)
+        self.max_batch, self.max_waiting = max_batch, max_waiting
+        config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+        self.vocab_size = int(config.vocab_size)
+        self.context_length = int(getattr(config, "max_position_embeddings", 0) or 0) or 4096
+        self.max_tokens_cap = max_tokens_cap or self.context_length
+        eos = model.generation_config.eos_token_id if model.generation_config is not None else None
+        if eos is None:
+            eos = tokenizer.eos_token_id
+        self.eos: frozenset[int] = frozenset([eos] if isinstance(eos, int) else (eos or []))
+        self.batchable, why = _cache_is_batchable(model)
+        if not self.batchable:
+            log.warning("this model's cache cannot be batched across requests; each lane decodes one at a time",
+                        reason=why)
+        self._cond = threading.Condition()
+        self._waiting: list[_Seq] = []
+        self._closed = False
+        self._lanes = [_Lane(self, i) for i in range(lanes)]
+        for lane in self._lanes:
+            lane.thread.start()
+
+    # -- callers ---------------------------------------------------------------------
+
+    def submit(self, request: Request) -> RequestStream:
+        """Queue ``request``; raises InvalidRequest or Overloaded (nothing is queued then)."""
+        self.validate(request)
+        stream = RequestStream(self, request)
+        with self._cond:
+            if self._closed:
+                raise Overloaded("the backbone is shutting down")
+            running = sum(len(lane.rows) + len(lane.joining) for lane in self._lanes)
+            if running + len(self._waiting) >= self.max_batch + self.max_waiting:
+                raise Overloaded(f"all {self.max_batch} slots are busy and {len(self._waiting)} requests are "
+                                 "waiting; retry later")
+            self._waiting.append(_Seq(stream, self.eos, time.perf_counter()))
+            self._cond.notify_all()
+        return stream
+
+    def validate(self, request: Request) -> None:
+        n = len(request.prompt_ids)
+        if n == 0:
+            raise InvalidRequest("prompt", "is empty: give a prompt or prompt_token_ids")
+        bad = [t for t in request.prompt_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise InvalidRequest("prompt_token_ids", f"token id {bad[0]} is outside the vocabulary "
+                                                     f"(0 to {self.vocab_size - 1})")
+        if request.max_tokens < 1:
+            raise InvalidRequest("max_tokens", "must be at least 1")
+        if request.max_tokens > self.max_tokens_cap:
+            raise InvalidRequest("max_tokens", f"{request.max_tokens} is more than this backbone's limit of "
+                                               f"{self.max_tokens_cap}")
+        if n >= self.context_length:
+            raise InvalidRequest("prompt", f"is {n} tokens; the model's context is {self.context_length}")
+        if n + request.max_tokens > self.context_length:
+            raise InvalidRequest("max_tokens", f"the prompt ({n} tokens) plus max_tokens ({request.max_tokens}) "
+                                               f"is more than the model's context of {self.context_length}; "
+                                               f"at most {self.context_length - n}")
+        s = request.sampling
+        if not (math.isfinite(s.temperature) and 0.0 <= s.temperature <= MAX_TEMPERATURE):
+            raise InvalidRequest("sampling.temperature", f"must be from 0 (greedy) to {MAX_TEMPERATURE:g}, "
+                                                         f"got {s.temperature}")
+        if not (math.isfinite(s.top_p) and 0.0 <= s.top_p <= 1.0):
+            raise InvalidRequest("sampling.top_p", f"must be from 0 to 1, got {s.top_p}")
+        if s.top_k < 0:
+            raise InvalidRequest("sampling.top_k", f"must be 0 (off) or positive, got {s.top_k}")
+        if s.seed is not None and not 0 <= s.seed < 2**64:
+            raise InvalidRequest("sampling.seed", "must be from 0 to 2^64 - 1")
+        if len(request.stop) > MAX_STOPS:
+            raise InvalidRequest("stop", f"at most {MAX_STOPS} stop strings, got {len(request.stop)}")
+        for i, stop in enumerate(request.stop):
+            if not 1 <= len(stop) <= MAX_STOP_CHARS:
+                raise InvalidRequest(f"stop[{i}]", f"must be 1 to {MAX_STOP_CHARS} characters, got {len(stop)}")
+
+    def load(self) -> tuple[int, int]:
+        """``(running, waiting)``."""
+        with self._cond:
+            return sum(len(lane.rows) + len(lane.joining) for lane in self._lanes), len(self._waiting)
+
+    def close(self, timeout: float = 10.0) -> None:
+        with self._cond:
+            self._closed = True
+            waiting, self._waiting = self._waiting, []
+            self._cond.notify_all()
+        for seq in waiting:
+            seq.stream._put(StreamEvent(error="the backbone is shutting down", error_kind="unavailable"))
+        for lane in self._lanes:
+            lane.thread.join(timeout)
+
+    # -- lanes -----------------------------------------------------------------------
+
+    def _capacity(self, lane: _Lane) -> int:
+        per_lane = max(1, -(-self.max_batch // len(self._lanes)))
+        return per_lane if self.batchable else 1
+
+    def _wake(self) -> None:
+        with self._cond:
+            self._cond.notify_all()
+
+    def _take(self, lane: _Lane) -> list[_Seq]:
+        """The waiting requests ``lane`` admits now, after blocking while it has nothing to
+        do; empty when it should just step (or the engine closed). Lock held."""
+        while not self._closed:
+            self._waiting = [s for s in self._waiting if not self._drop_cancelled(s)]
+            room = self._capacity(lane) - len(lane.rows)
+            if room > 0 and self._waiting:
+                # The least-loaded lane with room takes first, so lanes stay balanced.
+                mine = len(lane.rows)
+                if all(mine <= len(o.rows) + len(o.joining) or len(o.rows) + len(o.joining) >= self._capacity(o)
+                       for o in self._lanes if o is not lane):
+                    taken, self._waiting = self._waiting[:room], self._waiting[room:]
+                    lane.joining = taken
+                    return taken
+            if lane.rows:
+                return []
+            self._cond.wait()
+        return []
+
+    @staticmethod
+    def _drop_cancelled(seq: _Seq) -> bool:
+        if seq.stream.cancelled:
+            seq.stream.finished = True
+            return True
+        return False
+
+
+class _Lane:
+    """One batch on its own thread."""
+
+    def __init__(self, engine: Engine, index: int) -> None:
+        self.engine = engine
+        self.index = index
+        self.rows: list[_Seq] = []
+        self.joining: list[_Seq] = []
+        self.cache = None  # the batch's cache, row i is self.rows[i]
+        self.mask: torch.Tensor | None = None  # [B, L] 1 for real positions, 0 for left padding
+        self.thread = threading.Thread(target=self._run, name=f"lane-{index}", daemon=True)
+
+    # -- the loop --------------------------------------------------------------------
+
+    def _run(self) -> None:
+        threads_initializer()()
+        engine = self.engine
+        engine.dispatcher.begin_attempt()
+        replays = 0
+        while True:
+            with engine._cond:
+                self._drop_cancelled()
+                engine._take(self)
+                if engine._closed:
+                    break
+            try:
+                with torch.inference_mode():
+                    while self.joining:
+                        if not self.joining[0].stream.cancelled:
+                            self._join(self.joining[0])
+                        self.joining = self.joining[1:]
+                    self._drop_cancelled()
+                    if self.rows:
+                        self._step()
+                replays = 0
+            except ReplayNeeded as exc:
+                replays += 1
+                engine.dispatcher.note_replay()
+                log.warning("replaying the lane's requests without a quarantined worker", lane=self.index,
+                            reason=str(exc), rows=len(self.rows) + len(self.joining))
+                if replays > MAX_REPLAYS:
+                    self._fail_all("the decode was replayed too many times, each after catching a worker "
+                                   "delivering wrong work", "aborted")
+                    replays = 0
+                else:
+                    self._replay()
+            except Exception as exc:  # a failure of one step ends its requests, not the service
+                log.exception("a decode step failed; ending its requests", lane=self.index)
+                self._fail_all(f"the decode failed: {type(exc).__name__}: {exc}", "internal")
+        self._fail_all("the backbone is shutting down", "unavailable")
+
+    def _fail_all(self, message: str, kind: str) -> None:
+        for seq in self.rows + self.joining:
+            if not seq.stream.finished:
+                seq.stream._put(StreamEvent(error=message, error_kind=kind))
+        self.rows, self.joining, self.cache, self.mask = [], [], None, None
+        self.engine._wake()
+
+    def _drop_cancelled(self) -> None:
+        keep = [i for i, seq in enumerate(self.rows) if not seq.stream.cancelled and not seq.stream.finished]
+        if len(keep) != len(self.rows):
+            for seq in self.rows:
+                if seq.stream.cancelled:
+                    seq.stream.finished = True
+            self._select(keep)
+            self.engine._wake()
+
+    # -- prefill, step, sampling -----------------------------------------------------
+
+    def _prefill(self, seq: _Seq):  # type: ignore[no-untyped-def]
+        """The prompt alone through the model: its cache and its last logits [V]."""
+        from transformers import DynamicCache
+
+        model = self.engine.model
+        ids = torch.tensor([seq.req.prompt_ids], dtype=torch.long)
+        cache = DynamicCache(config=model.config)
+        owners = torch.zeros(ids.shape[1], dtype=torch.long)
+        with self.engine.dispatcher.tally_rows(owners, 1) as tally:
+            out = model(input_ids=ids, attention_mask=torch.ones_like(ids), cache=cache, use_cache=True,
+                        logits_to_keep=1)
+        self._add_rows(tally, [seq])
+        return cache, out.logits[0, -1].float()
+
+    def _join(self, seq: _Seq) -> None:
+        if not seq.admitted:
+            seq.admitted = time.perf_counter()
+        cache, logits = self._prefill(seq)
+        token = self._choose(logits[None], [seq])[0]
+        if self._emit(seq, token):
+            return
+        self._append(seq, cache, token)
+
+    def _append(self, seq: _Seq, cache, token: int) -> None:  # type: ignore[no-untyped-def]
+        """``seq`` (prefilled, its next input ``token``) joins the batch."""
+        length = _cache_length(cache)
+        mask = torch.ones(1, length, dtype=torch.long)
+        if self.cache is None:
+            self.cache, self.mask = cache, mask
+        else:
+            assert self.mask is not None
+            self.cache, self.mask = _concat(self.cache, self.mask, cache, mask)
+        seq.next_token = token
+        self.rows.append(seq)
+        for s in self.rows:
+            s.max_batch = max(s.max_batch, len(self.rows))
+
+    def _step(self) -> None:
+        """One token for every row."""
+        assert self.mask is not None
+        rows = self.rows
+        ids = torch.tensor([[s.next_token] for s in rows], dtype=torch.long)
+        mask = torch.cat([self.mask, torch.ones(len(rows), 1, dtype=torch.long)], dim=1)
+        positions = (mask.sum(dim=1, keepdim=True) - 1)
+        with self.engine.dispatcher.tally_rows(torch.arange(len(rows)), len(rows)) as tally:
+            out = self.engine.model(input_ids=ids, attention_mask=mask, position_ids=positions,
+                                    cache=self.cache, use_cache=True)
+        self.mask = mask  # the cache grew in place
+        self._add_rows(tally, rows)
+        tokens = self._choose(out.logits[:, -1].float(), rows)
+        done = [self._emit(s, t) for s, t in zip(rows, tokens)]
+        for s, t in zip(rows, tokens):
+            s.next_token = t
+        if any(done):
+            self._select([i for i, d in enumerate(done) if not d])
+            self.engine._wake()
+
+    @staticmethod
+    def _add_rows(tally: torch.Tensor, rows: list[_Seq]) -> None:
+        counts = tally.tolist()
+        for i, seq in enumerate(rows):
+            for kind in range(3):
+                seq.rows[kind] += int(counts[kind][i])
+
+    @staticmethod
+    def _choose(logits: torch.Tensor, rows: list[_Seq]) -> list[int]:
+        """The next token of each row from its logits [B, V]: argmax for greedy rows, a
+        draw from the row's own generator otherwise."""
+        greedy = logits.argmax(dim=-1).tolist()
+        out = []
+        for i, seq in enumerate(rows):
+            s = seq.req.sampling
+            if s.greedy:
+                out.append(int(greedy[i]))
+                continue
+            out.append(_sample(logits[i], s, seq.generator))
+        return out
+
+    # -- text, stops, the end ----------------------------------------------------------
+
+    def _emit(self, seq: _Seq, token: int) -> bool:
+        """Record ``token`` for ``seq`` and send what is now certain; True when it finished."""
+        now = time.perf_counter()
+        if not seq.generated:
+            seq.first = now
+        seq.generated.append(token)
+        req = seq.req
+        finish: Finish | None = None
+        matched = ""
+        text = self.engine.tokenizer.decode(seq.generated, skip_special_tokens=True,
+                                            clean_up_tokenization_spaces=False)
+        end = len(text)
+        if token in seq.eos:
+            finish = Finish.EOS
+        if req.stop:
+            start = max(0, seq.sent_chars - MAX_STOP_CHARS)
+            hits = [(i, s) for s in req.stop if (i := text.find(s, start)) >= 0]
+            if hits:
+                end, matched = min(hits)
+                finish = Finish.STOP
+        if finish is None and len(seq.generated) >= req.max_tokens:
+            finish = Finish.LENGTH
+        if finish is None:
+            end = _certain_end(text, req.stop)
+        end = max(end, seq.sent_chars)
+        chunk_ids = tuple(seq.generated[len(seq.delivered):])
+        chunk_text = text[seq.sent_chars:end]
+        seq.delivered.extend(chunk_ids)
+        seq.sent_chars = end
+        if finish is None:
+            seq.stream._put(StreamEvent(token_ids=chunk_ids, text=chunk_text))
+            return False
+        n = len(seq.generated)
+        decode_s = now - seq.first
+        summary = Summary(
+            finish=finish, stop=matched, prompt_tokens=len(req.prompt_ids), completion_tokens=n,
+            queue_seconds=seq.admitted - seq.arrived, time_to_first_token_seconds=seq.first - seq.arrived,
+            total_seconds=now - seq.arrived, tokens_per_second=(n - 1) / decode_s if n > 1 and decode_s > 0 else 0.0,
+            remote_rows=seq.rows[0], local_rows=seq.rows[1], fallback_rows=seq.rows[2],
+            max_batch_size=seq.max_batch, seed=seq.seed)
+        seq.stream._put(StreamEvent(token_ids=chunk_ids, text=chunk_text, summary=summary))
+        return True
+
+    # -- replays ---------------------------------------------------------------------
+
+    def _replay(self) -> None:
+        """Recompute every row from its prompt (the quarantined worker is no longer used)
+        and rebuild the batch; a row whose sent tokens come out different ends with an
+        error. A new ReplayNeeded propagates: the loop replays again, from the tokens sent."""
+        self.engine.dispatcher.begin_attempt()
+        pending = [s for s in self.rows + self.joining if not s.stream.finished and not s.stream.cancelled]
+        self.rows, self.joining, self.cache, self.mask = [], pending, None, None
+        with torch.inference_mode():
+            for seq in pending:
+                sent = seq.restart()
+                if not sent:
+                    self._join(seq)
+                else:
+                    self._verify(seq, sent)
+                self.joining = self.joining[1:]
+
+    def _verify(self, seq: _Seq, sent: list[int]) -> None:
+        """Decode ``seq`` alone again up to the tokens it sent; back into the batch if they
+        come out the same, else ended with an error."""
+        cache, logits = self._prefill(seq)
+        for k, expected in enumerate(sent):
+            token = self._choose(logits[None], [seq])[0]
+            if token != expected:
+                seq.stream._put(StreamEvent(error=(
+                    f"a worker caught delivering wrong work had changed token {k} of this decode, so the "
+                    "tokens sent from there on were wrong; retry the request"), error_kind="aborted"))
+                return
+            seq.generated.append(token)
+            if k + 1 < len(sent):
+                cache, logits = self._forward_one(seq, cache, token)
+        self._append(seq, cache, sent[-1])
+
+    def _forward_one(self, seq: _Seq, cache, token: int):  # type: ignore[no-untyped-def]
+        length = _cache_length(cache)
+        ids = torch.tensor([[token]], dtype=torch.long)
+        with self.engine.dispatcher.tally_rows(torch.zeros(1, dtype=torch.long), 1) as tally:
+            out = self.engine.model(input_ids=ids, attention_mask=torch.ones(1, length + 1, dtype=torch.long),
+                                    position_ids=torch.tensor([[length]]), cache=cache, use_cache=True)
+        self._add_rows(tally, [seq])
+        return cache, out.logits[0, -1].float()
+
+    # -- the batch's cache -------------------------------------------------------------
+
+    def _select(self, keep: list[int]) -> None:
+        """Keep only rows ``keep`` (in order), trimming padding no row needs any more."""
+        self.rows = [self.rows[i] for i in keep]
+        if not keep:
+            self.cache, self.mask = None, None
+            return
+        assert self.mask is not None
+        index = torch.tensor(keep, dtype=torch.long)
+        mask = self.mask[index]
+        pad = int((mask.cumsum(dim=1) == 0).sum(dim=1).min().item())  # columns of padding in every row
+        _select_cache(self.cache, index, pad)
+        self.mask = mask[:, pad:]
+
+
+def _sample(logits: torch.Tensor, s: Sampling, generator: torch.Generator | None) -> int:
+    x = logits / s.temperature
+    if s.top_k and s.top_k < x.numel():
+        kth = torch.topk(x, s.top_k).values[-1]
+        x = x.masked_fill(x < kth, float("-inf"))
+    if 0.0 < s.top_p < 1.0:
+        sorted_x, order = torch.sort(x, descending=True)
+        probs = torch.softmax(sorted_x, dim=-1)
+        # Drop a token when the ones before it already reach top_p (the first always stays).
+        drop = (probs.cumsum(dim=-1) - probs) >= s.top_p
+        x = x.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), float("-inf"))
+    probs = torch.softmax(x, dim=-1)
+    return int(torch.multinomial(probs, 1, generator=generator).item())
+
+
+def _certain_end(text: str, stops: tuple[str, ...]) -> int:
+    """How much of ``text`` can be sent now: not a trailing replacement character (half a
+    character, the rest in the next token) nor a tail that may begin a stop string."""
+    end = len(text)
+    while end and text[end - 1] == "\ufffd":
+        end -= 1
+    hold = 0
+    for stop in stops:
+        for n in range(min(len(stop) - 1, end), 0, -1):
+            if text.endswith(stop[:n], 0, end):
+                hold = max(hold, n)
+                break
+    return end - hold
+
+
+# -- cache layout: transformers' DynamicCache, attention and linear-attention layers -------
+
+def _cache_is_batchable(model) -> tuple[bool, str]:  # type: ignore[no-untyped-def]
+    from transformers import DynamicCache
+
+    try:
+        cache = DynamicCache(config=model.config)
+    except Exception as exc:  # a model whose cache this code does not know
+        return False, f"cannot build its cache: {exc}"
+    for layer in cache.layers:
+        if getattr(layer, "is_sliding", False):
+            return False, "sliding-window attention layers"
+        if not (hasattr(layer, "keys") or hasattr(layer, "conv_states")):
+            return False, f"cache layer {type(layer).__name__}"
+    return True, ""
+
+
+def _cache_length(cache) -> int:  # type: ignore[no-untyped-def]
+    return int(cache.get_seq_length())
+
+
+def _kv(layer) -> bool:  # type: ignore[no-untyped-def]
+    keys = getattr(layer, "keys", None)
+    return isinstance(keys, torch.Tensor) and keys.dim() == 4 and bool(getattr(layer, "is_initialized", True))
+
+
+def _pad_left(t: torch.Tensor, n: int) -> torch.Tensor:
+    if n == 0:
+        return t
+    shape = list(t.shape)
+    shape[-2] = n
+    return torch.cat([t.new_zeros(shape), t], dim=-2)
+
+
+def _concat(a, a_mask: torch.Tensor, b, b_mask: torch.Tensor):  # type: ignore[no-untyped-def]
+    """Batch cache ``a`` with the rows of ``b`` appended; both left-padded to one length."""
+    la, lb = a_mask.shape[1], b_mask.shape[1]
+    length = max(la, lb)
+    for la_layer, lb_layer in zip(a.layers, b.layers):
+        if _kv(la_layer) and _kv(lb_layer):
+            la_layer.keys = torch.cat([_pad_left(la_layer.keys, length - la), _pad_left(lb_layer.keys, length - lb)])
+            la_layer.values = torch.cat([_pad_left(la_layer.values, length - la),
+                                         _pad_left(lb_layer.values, length - lb)])
+        for name in ("conv_states", "recurrent_states"):
+            states_a, states_b = getattr(la_layer, name, None), getattr(lb_layer, name, None)
+            if isinstance(states_a, dict) and isinstance(states_b, dict):
+                for k, v in states_a.items():
+                    if isinstance(v, torch.Tensor) and isinstance(states_b.get(k), torch.Tensor):
+                        states_a[k] = torch.cat([v, states_b[k]])
+    mask = torch.cat([torch.nn.functional.pad(a_mask, (length - la, 0)),
+                      torch.nn.functional.pad(b_mask, (length - lb, 0))])
+    return a, mask
+
+
+def _select_cache(cache, index: torch.Tensor, pad: int) -> None:  # type: ignore[no-untyped-def]
+    for layer in cache.layers:
+        if _kv(layer):
+            layer.keys = layer.keys[index, :, pad:]
+            layer.values = layer.values[index, :, pad:]
+        for name in ("conv_states", "recurrent_states"):
+            states = getattr(layer, name, None)
+            if isinstance(states, dict):
+                for k, v in states.items():
+                    if isinstance(v, torch.Tensor):
+                        states[k] = v[index]
