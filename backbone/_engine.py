@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import hashlib
 import math
 import queue
 import threading
@@ -82,6 +83,7 @@ class Request:
     sampling: Sampling = Sampling()
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
+    digest_logits: bool = False  # SHA-256 of every step's float32 logits, in the summary
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,6 +101,7 @@ class Summary:
     fallback_rows: int
     max_batch_size: int
     seed: int | None
+    logits_digest: bytes = b""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -187,6 +190,7 @@ class _Seq:
             seed = int(torch.randint(0, 2**63 - 1, (1,)).item())
         self.seed = seed
         self.generator = self._fresh_generator()
+        self.digest = hashlib.sha256() if self.req.digest_logits else None
 
     def _fresh_generator(self) -> torch.Generator | None:
         if self.seed is None:
@@ -199,6 +203,7 @@ class _Seq:
         """Back to the prompt for a replay; the tokens sent so far."""
         self.generated = []
         self.generator = self._fresh_generator()
+        self.digest = hashlib.sha256() if self.req.digest_logits else None
         return list(self.delivered)
 
 
@@ -226,6 +231,7 @@ class Engine:
             log.warning("this model's cache cannot be batched across requests; each lane decodes one at a time",
                         reason=why)
         self._cond = threading.Condition()
+        self.requests_finished = self.tokens_generated = 0
         self._waiting: list[_Seq] = []
         self._closed = False
         self._lanes = [_Lane(self, i) for i in range(lanes)]
@@ -283,6 +289,11 @@ class Engine:
         for i, stop in enumerate(request.stop):
             if not 1 <= len(stop) <= MAX_STOP_CHARS:
                 raise InvalidRequest(f"stop[{i}]", f"must be 1 to {MAX_STOP_CHARS} characters, got {len(stop)}")
+
+    def _finished(self, tokens: int) -> None:
+        with self._cond:
+            self.requests_finished += 1
+            self.tokens_generated += tokens
 
     def load(self) -> tuple[int, int]:
         """``(running, waiting)``."""
@@ -476,6 +487,8 @@ class _Lane:
         greedy = logits.argmax(dim=-1).tolist()
         out = []
         for i, seq in enumerate(rows):
+            if seq.digest is not None:
+                seq.digest.update(logits[i].to(torch.float32).numpy().astype("<f4").tobytes())
             s = seq.req.sampling
             if s.greedy:
                 out.append(int(greedy[i]))
@@ -524,7 +537,9 @@ class _Lane:
             queue_seconds=seq.admitted - seq.arrived, time_to_first_token_seconds=seq.first - seq.arrived,
             total_seconds=now - seq.arrived, tokens_per_second=(n - 1) / decode_s if n > 1 and decode_s > 0 else 0.0,
             remote_rows=seq.rows[0], local_rows=seq.rows[1], fallback_rows=seq.rows[2],
-            max_batch_size=seq.max_batch, seed=seq.seed)
+            max_batch_size=seq.max_batch, seed=seq.seed,
+            logits_digest=seq.digest.digest() if seq.digest is not None else b"")
+        self.engine._finished(n)
         seq.stream._put(StreamEvent(token_ids=chunk_ids, text=chunk_text, summary=summary))
         return True
 

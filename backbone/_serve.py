@@ -78,7 +78,16 @@ class Backbone:
         return backbone_pb2.BackboneServiceDescribeResponse(
             model=self.card(), layers=layers, coverage=hit / total if total else 0.0, live_sessions=live,
             running=running, waiting=waiting, max_batch_size=self.engine.max_batch,
-            max_waiting=self.engine.max_waiting, remote=placement is not None)
+            max_waiting=self.engine.max_waiting, remote=placement is not None, stats=self.stats())
+
+    def stats(self) -> backbone_pb2.ExpertPathStats:
+        d = self.dispatcher.statistics()
+        return backbone_pb2.ExpertPathStats(
+            remote_calls=d.remote_calls, remote_rows=d.remote_rows, local_rows=d.local_rows,
+            fallback_calls=d.fallback_calls, fallback_rows=d.fallback_rows, hedged_calls=d.hedged_calls,
+            audited_rows=d.audited_rows, audit_exact_rows=d.audit_exact_rows,
+            sessions_quarantined=d.sessions_quarantined, replays=d.replays,
+            requests_finished=self.engine.requests_finished, tokens_generated=self.engine.tokens_generated)
 
     def check_model(self, name: str) -> None:
         """InvalidRequest("model") unless ``name`` is empty or this model's id."""
@@ -89,13 +98,14 @@ class Backbone:
         return tuple(int(t) for t in self.tokenizer(prompt)["input_ids"])
 
     def request(self, *, prompt: str | None, prompt_ids: list[int] | tuple[int, ...] | None, max_tokens: int,
-                sampling: Sampling, stop: tuple[str, ...] = (), ignore_eos: bool = False) -> Request:
+                sampling: Sampling, stop: tuple[str, ...] = (), ignore_eos: bool = False,
+                digest_logits: bool = False) -> Request:
         """A checked engine Request (InvalidRequest names the field at fault)."""
         if prompt and prompt_ids:
             raise InvalidRequest("prompt", "give the prompt as text or as token ids, not both")
         ids = tuple(prompt_ids) if prompt_ids else self.tokenize(prompt or "")
         request = Request(prompt_ids=ids, max_tokens=max_tokens or DEFAULT_MAX_TOKENS, sampling=sampling,
-                          stop=stop, ignore_eos=ignore_eos)
+                          stop=stop, ignore_eos=ignore_eos, digest_logits=digest_logits)
         self.engine.validate(request)
         return request
 
@@ -106,7 +116,7 @@ def summary_message(s: Summary) -> backbone_pb2.GenerateSummary:
         completion_tokens=s.completion_tokens, queue_seconds=s.queue_seconds,
         time_to_first_token_seconds=s.time_to_first_token_seconds, total_seconds=s.total_seconds,
         tokens_per_second=s.tokens_per_second, remote_rows=s.remote_rows, local_rows=s.local_rows,
-        fallback_rows=s.fallback_rows, max_batch_size=s.max_batch_size)
+        fallback_rows=s.fallback_rows, max_batch_size=s.max_batch_size, logits_digest=s.logits_digest)
     if s.seed is not None:
         msg.seed = s.seed
     return msg
@@ -125,7 +135,7 @@ class BackboneServicer(backbone_pb2_grpc.BackboneServiceServicer):
                                 seed=s.seed if s.HasField("seed") else None)
             req = bb.request(prompt=request.prompt, prompt_ids=list(request.prompt_token_ids),
                              max_tokens=request.max_tokens, sampling=sampling, stop=tuple(request.stop),
-                             ignore_eos=request.ignore_eos)
+                             ignore_eos=request.ignore_eos, digest_logits=request.digest_logits)
             stream = bb.engine.submit(req)
         except InvalidRequest as exc:
             context.abort(grpc.StatusCode.NOT_FOUND if exc.field == "model" else grpc.StatusCode.INVALID_ARGUMENT,

