@@ -87,7 +87,8 @@ class Backbone:
             fallback_calls=d.fallback_calls, fallback_rows=d.fallback_rows, hedged_calls=d.hedged_calls,
             audited_rows=d.audited_rows, audit_exact_rows=d.audit_exact_rows,
             sessions_quarantined=d.sessions_quarantined, replays=d.replays,
-            requests_finished=self.engine.requests_finished, tokens_generated=self.engine.tokens_generated)
+            requests_finished=self.engine.requests_finished, tokens_generated=self.engine.tokens_generated,
+            sessions_used=d.sessions_used, shared_overlapped=d.shared_overlapped)
 
     def check_model(self, name: str) -> None:
         """InvalidRequest("model") unless ``name`` is empty or this model's id."""

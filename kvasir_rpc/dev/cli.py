@@ -32,8 +32,12 @@ def run_demo(arch: str, *, seed: int = 0, max_new_tokens: int = 12, batch: int =
              workdir: pathlib.Path | None = None) -> dict[str, object]:
     """Make the tiny model if absent, start a hub and two workers (half the experts each),
     with ``path="gateway"`` behind a TLS gateway that both the hub and the workers dial,
-    decode with --compare-local, and return the verdict as a dict. The swarm's files and
-    logs go to ``workdir`` (kept) or a temporary folder."""
+    and a backbone service (``python -m backbone serve``) whose experts are on them. Its
+    ``batch`` prompts are decoded by concurrent Generate calls (one running batch), then
+    each alone, and compared with a backbone service whose experts are all local (the
+    same logits, bit for bit: their digests) and with transformers' eager experts (the
+    same tokens). Returns the verdict as a dict. The swarm's files and logs go to
+    ``workdir`` (kept) or a temporary folder."""
     from kvasir_rpc import DEFAULT_RATE_NANO_PER_BYTE, format_kvr, format_units, read_model_info
     from kvasir_rpc.dev.swarm import LocalSwarm
     from kvasir_rpc.dev.tiny import make_tiny_checkpoint
@@ -46,6 +50,7 @@ def run_demo(arch: str, *, seed: int = 0, max_new_tokens: int = 12, batch: int =
     info = read_model_info(model_dir)
     half = info.num_experts // 2
     specs = [f"*:0-{half - 1}", f"*:{half}-{info.num_experts - 1}"]
+    prompts = [DEMO_PROMPT] + [f"{DEMO_PROMPT} ({i})" for i in range(1, batch)]
     with contextlib.ExitStack() as stack:
         work = str(workdir) if workdir is not None else stack.enter_context(
             tempfile.TemporaryDirectory(prefix="kvasir-demo-"))
@@ -62,10 +67,26 @@ def run_demo(arch: str, *, seed: int = 0, max_new_tokens: int = 12, batch: int =
             swarm.start_worker(f"worker{i + 1}", model_dir, spec, via=path)
         sessions = swarm.wait_sessions(len(specs), watch=[f"worker{i + 1}" for i in range(len(specs))])
         say(f"{len(sessions)} workers joined in {time.monotonic() - t0:.1f}s (experts {', '.join(specs)})")
-        say(f"decoding {max_new_tokens} tokens x {batch} sequences, remote then all-local then transformers eager")
-        result = swarm.run_backbone(["--model", str(model_dir), "--prompt", DEMO_PROMPT,
-                                     "--max-new-tokens", str(max_new_tokens), "--batch", str(batch),
-                                     "--compare-local", "--wait-sessions", str(len(specs))])
+        remote = _Service(swarm.start_backbone_service("backbone", model_dir, ["--wait-sessions", str(len(specs))]))
+        local = _Service(swarm.start_backbone_service("backbone-local", model_dir, hub=False))
+        say(f"backbone service: kvasir.v1.BackboneService on 127.0.0.1:{remote.port} (experts on the swarm); "
+            f"a reference with every expert local on 127.0.0.1:{local.port}")
+        say(f"{batch} concurrent Generate calls, {max_new_tokens} tokens each; then each alone, on both services")
+        result = _demo_decodes(remote, local, prompts, max_new_tokens, say)
+        reference = swarm.run_backbone(["--model", str(model_dir), "--prompt", DEMO_PROMPT, "--batch", str(batch),
+                                        "--groups", str(batch), "--max-new-tokens", str(max_new_tokens),
+                                        "--compare-local"], hub=False)
+        result["reference_tokens_identical"] = bool(reference["reference_tokens_identical"]) and (
+            reference["texts"] == result["texts"])
+        stats = remote.describe().stats
+        result.update(remote_calls=stats.remote_calls, remote_rows=stats.remote_rows,
+                      fallback_calls=stats.fallback_calls, audited_rows=stats.audited_rows,
+                      audit_exact_rows=stats.audit_exact_rows, sessions_quarantined=list(stats.sessions_quarantined),
+                      replays=stats.replays, sessions_used=list(stats.sessions_used),
+                      shared_overlapped=stats.shared_overlapped)
+        remote.close()
+        local.close()
+        swarm.stop_process("backbone")  # its last work report reaches the hub as it stops
         after = swarm.list_sessions()
         say("waiting for the hub's signed receipts to be credited")
         credited = swarm.wait_credited(after)
@@ -84,6 +105,69 @@ def run_demo(arch: str, *, seed: int = 0, max_new_tokens: int = 12, batch: int =
     result["ledger_total_nano_kvr"] = ledger_total
     result["rate_nano_per_byte"] = DEFAULT_RATE_NANO_PER_BYTE
     return result
+
+
+class _Service:
+    """A gRPC client of one backbone service."""
+
+    def __init__(self, ready: dict[str, object]) -> None:
+        import grpc
+
+        from kvasir_rpc import backbone_pb2_grpc
+
+        self.port = int(ready["grpc_port"])  # type: ignore[call-overload]
+        self.channel = grpc.insecure_channel(f"127.0.0.1:{self.port}")
+        self.stub = backbone_pb2_grpc.BackboneServiceStub(self.channel)
+
+    def generate(self, prompt: str, max_tokens: int) -> tuple[list[int], str, object]:
+        """A greedy Generate of ``max_tokens`` tokens with the logits' digest: (ids, text, summary)."""
+        from kvasir_rpc import backbone_pb2
+
+        request = backbone_pb2.GenerateRequest(prompt=prompt, max_tokens=max_tokens, ignore_eos=True,
+                                               digest_logits=True)
+        ids: list[int] = []
+        text = ""
+        summary = None
+        for msg in self.stub.Generate(request, timeout=600):
+            ids += msg.token_ids
+            text += msg.text
+            if msg.HasField("summary"):
+                summary = msg.summary
+        return ids, text, summary
+
+    def describe(self):  # type: ignore[no-untyped-def]
+        from kvasir_rpc import backbone_pb2
+
+        return self.stub.Describe(backbone_pb2.BackboneServiceDescribeRequest(), timeout=30)
+
+    def close(self) -> None:
+        self.channel.close()
+
+
+def _demo_decodes(remote: _Service, local: _Service, prompts: list[str], max_tokens: int,
+                  say) -> dict[str, object]:  # type: ignore[no-untyped-def]
+    """The demo's Generate calls and what they show: together (one batch) the same tokens
+    as alone; alone on the swarm the same logits, bit for bit, as alone with local experts."""
+    import concurrent.futures
+
+    t0 = time.perf_counter()
+    with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
+        together = list(pool.map(lambda p: remote.generate(p, max_tokens), prompts))
+    together_s = time.perf_counter() - t0
+    alone = [remote.generate(p, max_tokens) for p in prompts]
+    reference = [local.generate(p, max_tokens) for p in prompts]
+    n_tokens = sum(len(ids) for ids, _, _ in together)
+    summaries = [s for _, _, s in together]
+    return {
+        "texts": [text for _, text, _ in together],
+        "n_tokens": n_tokens,
+        "tokens_identical": all(a[0] == b[0] == c[0] for a, b, c in zip(together, alone, reference)),
+        "logits_identical": all(a[2].logits_digest == b[2].logits_digest  # type: ignore[attr-defined]
+                                for a, b in zip(alone, reference)),
+        "tokens_per_s": round(n_tokens / together_s, 2) if together_s > 0 else None,
+        "time_to_first_token_s": round(max(s.time_to_first_token_seconds for s in summaries), 4),  # type: ignore[attr-defined]
+        "max_batch_size": max(s.max_batch_size for s in summaries),  # type: ignore[attr-defined]
+    }
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
@@ -146,7 +230,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     paid = result["ledger_total_nano_kvr"] == sum(
         s["bytes"] * result["rate_nano_per_byte"] for s in result["sessions"]  # type: ignore[attr-defined]
     )
-    ok = bool(result.get("tokens_identical")) and result.get("max_abs_logit_diff") == 0.0 and paid
+    ok = bool(result.get("tokens_identical")) and bool(result.get("logits_identical")) and paid
     if args.json:
         print(json.dumps(result))
     else:
@@ -161,8 +245,11 @@ def _cmd_demo(args: argparse.Namespace) -> int:
                   f"(tunnel: in {s['bytes_in']:,}, out {s['bytes_out']:,})")
         print(f"ledger total {result['ledger_total_nano_kvr']:,} nano-KVR "
               f"({result['rate_nano_per_byte']} nano-KVR per byte)")
-        print(f"max |logit remote - logit local| = {result['max_abs_logit_diff']}, "
-              f"min cosine {result['min_logit_cosine']:.7f}, argmax agreement {result['argmax_agreement']:.3f}")
+        print(f"{result['n_tokens']} tokens in one batch of {result['max_batch_size']}: "
+              f"{result['tokens_per_s']} tokens/s, first token after {result['time_to_first_token_s']} s")
+        print(f"tokens identical together and alone, swarm and local: {result['tokens_identical']}; "
+              f"every logit of every step bitwise identical to local (SHA-256 of the logits): "
+              f"{result['logits_identical']}")
         print(f"tokens identical to transformers' eager experts: {result['reference_tokens_identical']}")
         print("VERDICT: " + ("remote decode is bitwise identical to local; every byte credited once"
                              if ok else "MISMATCH"))

@@ -163,7 +163,7 @@ class BackboneServiceDescribeResponse(_message.Message):
     def __init__(self, model: _Optional[_Union[ModelCard, _Mapping]] = ..., layers: _Optional[_Iterable[_Union[LayerCoverage, _Mapping]]] = ..., coverage: _Optional[float] = ..., live_sessions: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., max_batch_size: _Optional[int] = ..., max_waiting: _Optional[int] = ..., remote: _Optional[bool] = ..., stats: _Optional[_Union[ExpertPathStats, _Mapping]] = ...) -> None: ...
 
 class ExpertPathStats(_message.Message):
-    __slots__ = ("remote_calls", "remote_rows", "local_rows", "fallback_calls", "fallback_rows", "hedged_calls", "audited_rows", "audit_exact_rows", "sessions_quarantined", "replays", "requests_finished", "tokens_generated")
+    __slots__ = ("remote_calls", "remote_rows", "local_rows", "fallback_calls", "fallback_rows", "hedged_calls", "audited_rows", "audit_exact_rows", "sessions_quarantined", "replays", "requests_finished", "tokens_generated", "sessions_used", "shared_overlapped")
     REMOTE_CALLS_FIELD_NUMBER: _ClassVar[int]
     REMOTE_ROWS_FIELD_NUMBER: _ClassVar[int]
     LOCAL_ROWS_FIELD_NUMBER: _ClassVar[int]
@@ -176,6 +176,8 @@ class ExpertPathStats(_message.Message):
     REPLAYS_FIELD_NUMBER: _ClassVar[int]
     REQUESTS_FINISHED_FIELD_NUMBER: _ClassVar[int]
     TOKENS_GENERATED_FIELD_NUMBER: _ClassVar[int]
+    SESSIONS_USED_FIELD_NUMBER: _ClassVar[int]
+    SHARED_OVERLAPPED_FIELD_NUMBER: _ClassVar[int]
     remote_calls: int
     remote_rows: int
     local_rows: int
@@ -188,4 +190,6 @@ class ExpertPathStats(_message.Message):
     replays: int
     requests_finished: int
     tokens_generated: int
-    def __init__(self, remote_calls: _Optional[int] = ..., remote_rows: _Optional[int] = ..., local_rows: _Optional[int] = ..., fallback_calls: _Optional[int] = ..., fallback_rows: _Optional[int] = ..., hedged_calls: _Optional[int] = ..., audited_rows: _Optional[int] = ..., audit_exact_rows: _Optional[int] = ..., sessions_quarantined: _Optional[_Iterable[str]] = ..., replays: _Optional[int] = ..., requests_finished: _Optional[int] = ..., tokens_generated: _Optional[int] = ...) -> None: ...
+    sessions_used: _containers.RepeatedScalarFieldContainer[str]
+    shared_overlapped: int
+    def __init__(self, remote_calls: _Optional[int] = ..., remote_rows: _Optional[int] = ..., local_rows: _Optional[int] = ..., fallback_calls: _Optional[int] = ..., fallback_rows: _Optional[int] = ..., hedged_calls: _Optional[int] = ..., audited_rows: _Optional[int] = ..., audit_exact_rows: _Optional[int] = ..., sessions_quarantined: _Optional[_Iterable[str]] = ..., replays: _Optional[int] = ..., requests_finished: _Optional[int] = ..., tokens_generated: _Optional[int] = ..., sessions_used: _Optional[_Iterable[str]] = ..., shared_overlapped: _Optional[int] = ...) -> None: ...
