@@ -44,6 +44,8 @@ MAX_STOP_CHARS = 256
 MAX_TEMPERATURE = 100.0
 # Replays of one lane in a row before its requests are failed (each follows a new quarantine).
 MAX_REPLAYS = 16
+# Tokens (padding included) of one pass that prefills several prompts together.
+PREFILL_TOKENS = 4096
 
 
 class InvalidRequest(ValueError):
@@ -227,6 +229,11 @@ class Engine:
             eos = tokenizer.eos_token_id
         self.eos: frozenset[int] = frozenset([eos] if isinstance(eos, int) else (eos or []))
         self.batchable, why = _cache_is_batchable(model)
+        # Several prompts are prefilled in one pass, left-padded, unless the cache has
+        # linear-attention states (padding would run through them): those are prefilled alone.
+        self.pad_prefill = self.batchable and _kv_only(model)
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        self.pad_id = int(pad or 0)
         if not self.batchable:
             log.warning("this model's cache cannot be batched across requests; each lane decodes one at a time",
                         reason=why)
@@ -375,9 +382,9 @@ class _Lane:
             try:
                 with torch.inference_mode():
                     while self.joining:
-                        if not self.joining[0].stream.cancelled:
-                            self._join(self.joining[0])
-                        self.joining = self.joining[1:]
+                        n = self._prefill_count()
+                        self._join_many([s for s in self.joining[:n] if not s.stream.cancelled])
+                        self.joining = self.joining[n:]
                     self._drop_cancelled()
                     if self.rows:
                         self._step()
@@ -430,6 +437,56 @@ class _Lane:
         self._add_rows(tally, [seq])
         return cache, out.logits[0, -1].float()
 
+    def _prefill_count(self) -> int:
+        """How many of the joining requests to prefill in one forward pass: one where the
+        model's cache cannot take left padding, else as many as fit PREFILL_TOKENS padded."""
+        if not self.engine.pad_prefill:
+            return 1
+        longest = 0
+        for n, seq in enumerate(self.joining):
+            longest = max(longest, len(seq.req.prompt_ids))
+            if n and longest * (n + 1) > PREFILL_TOKENS:
+                return n
+        return len(self.joining)
+
+    def _join_many(self, seqs: list[_Seq]) -> None:
+        """Prefill ``seqs`` together, left-padded (their padding skips the experts), and
+        append the ones that go on to the batch."""
+        if len(seqs) <= 1:
+            for seq in seqs:
+                self._join(seq)
+            return
+        from transformers import DynamicCache
+
+        now = time.perf_counter()
+        for seq in seqs:
+            seq.admitted = seq.admitted or now
+        length = max(len(seq.req.prompt_ids) for seq in seqs)
+        ids = torch.full((len(seqs), length), self.engine.pad_id, dtype=torch.long)
+        mask = torch.zeros((len(seqs), length), dtype=torch.long)
+        for i, seq in enumerate(seqs):
+            n = len(seq.req.prompt_ids)
+            ids[i, length - n:] = torch.tensor(seq.req.prompt_ids, dtype=torch.long)
+            mask[i, length - n:] = 1
+        positions = (mask.cumsum(dim=1) - 1).clamp(min=0)
+        owners = torch.arange(len(seqs))[:, None].expand(-1, length).masked_fill(mask == 0, -1).reshape(-1)
+        cache = DynamicCache(config=self.engine.model.config)
+        with self.engine.dispatcher.tally_rows(owners, len(seqs)) as tally:
+            out = self.engine.model(input_ids=ids, attention_mask=mask, position_ids=positions, cache=cache,
+                                    use_cache=True, logits_to_keep=1)
+        self._add_rows(tally, seqs)
+        tokens = self._choose(out.logits[:, -1].float(), seqs)
+        going = [i for i, (seq, token) in enumerate(zip(seqs, tokens)) if not self._emit(seq, token)]
+        if not going:
+            return
+        if len(going) < len(seqs):
+            index = torch.tensor(going, dtype=torch.long)
+            mask = mask[index]
+            pad = _common_padding(mask)
+            _select_cache(cache, index, pad)
+            mask = mask[:, pad:]
+        self._append_rows([seqs[i] for i in going], cache, mask, [tokens[i] for i in going])
+
     def _join(self, seq: _Seq) -> None:
         if not seq.admitted:
             seq.admitted = time.perf_counter()
@@ -440,16 +497,19 @@ class _Lane:
         self._append(seq, cache, token)
 
     def _append(self, seq: _Seq, cache, token: int) -> None:  # type: ignore[no-untyped-def]
-        """``seq`` (prefilled, its next input ``token``) joins the batch."""
-        length = _cache_length(cache)
-        mask = torch.ones(1, length, dtype=torch.long)
+        """``seq`` (prefilled alone, its next input ``token``) joins the batch."""
+        self._append_rows([seq], cache, torch.ones(1, _cache_length(cache), dtype=torch.long), [token])
+
+    def _append_rows(self, seqs: list[_Seq], cache, mask: torch.Tensor, tokens: list[int]) -> None:  # type: ignore[no-untyped-def]
+        """Prefilled ``seqs`` (their cache and its mask, their next inputs) join the batch."""
         if self.cache is None:
             self.cache, self.mask = cache, mask
         else:
             assert self.mask is not None
             self.cache, self.mask = _concat(self.cache, self.mask, cache, mask)
-        seq.next_token = token
-        self.rows.append(seq)
+        for seq, token in zip(seqs, tokens):
+            seq.next_token = token
+        self.rows.extend(seqs)
         for s in self.rows:
             s.max_batch = max(s.max_batch, len(self.rows))
 
@@ -597,9 +657,14 @@ class _Lane:
         assert self.mask is not None
         index = torch.tensor(keep, dtype=torch.long)
         mask = self.mask[index]
-        pad = int((mask.cumsum(dim=1) == 0).sum(dim=1).min().item())  # columns of padding in every row
+        pad = _common_padding(mask)
         _select_cache(self.cache, index, pad)
         self.mask = mask[:, pad:]
+
+
+def _common_padding(mask: torch.Tensor) -> int:
+    """Leading columns that are padding in every row of ``mask`` [B, L]."""
+    return int((mask.cumsum(dim=1) == 0).sum(dim=1).min().item())
 
 
 def _sample(logits: torch.Tensor, s: Sampling, generator: torch.Generator | None) -> int:
@@ -647,6 +712,12 @@ def _cache_is_batchable(model) -> tuple[bool, str]:  # type: ignore[no-untyped-d
         if not (hasattr(layer, "keys") or hasattr(layer, "conv_states")):
             return False, f"cache layer {type(layer).__name__}"
     return True, ""
+
+
+def _kv_only(model) -> bool:  # type: ignore[no-untyped-def]
+    from transformers import DynamicCache
+
+    return not any(hasattr(layer, "conv_states") for layer in DynamicCache(config=model.config).layers)
 
 
 def _cache_length(cache) -> int:  # type: ignore[no-untyped-def]

@@ -83,8 +83,23 @@ class RowTally:
     REMOTE, LOCAL, FALLBACK = 0, 1, 2
 
     def __init__(self, owners: torch.Tensor, n: int) -> None:
-        self.owners = owners  # [T] the owner of each token row
+        self.owners = owners  # [T] the owner of each token row; -1: padding, no expert runs for it
         self.counts = torch.zeros(3, n, dtype=torch.long)
+        padding = owners < 0
+        self.padding: torch.Tensor | None = padding if bool(padding.any()) else None
+
+    def without_padding(self, routes: list[Route]) -> list[Route]:
+        """``routes`` with the padding rows left out (their experts' output stays zero)."""
+        if self.padding is None:
+            return routes
+        kept = []
+        for r in routes:
+            keep = ~self.padding[r.token_idx]
+            if bool(keep.all()):
+                kept.append(r)
+            elif bool(keep.any()):
+                kept.append(Route(expert=r.expert, token_idx=r.token_idx[keep], top_k_pos=r.top_k_pos[keep]))
+        return kept
 
     def add(self, kind: int, token_idx: torch.Tensor) -> None:
         self.counts[kind].index_add_(0, self.owners[token_idx], torch.ones_like(token_idx))
@@ -157,6 +172,9 @@ class Dispatcher:
         num_experts = self.weights.num_experts(layer)
         assert num_experts is not None
         routes = plan_routes(top_k_index, num_experts)
+        tally: RowTally | None = getattr(self._tally, "value", None)
+        if tally is not None:
+            routes = tally.without_padding(routes)
         if self.remote and self.placement is not None:
             placed, local = self.placement.split(layer, routes)
         else:

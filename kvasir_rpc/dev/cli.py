@@ -176,6 +176,13 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     def say(msg: str) -> None:
         print(msg, file=sys.stderr, flush=True)
 
+    if args.service:
+        from kvasir_rpc.dev.bench_service import run_service_bench
+
+        say("backbone service: 1, 8 and 32 concurrent Generate callers, experts local vs on workers via the gateway")
+        service = run_service_bench(quick=args.quick, say=say)
+        print(json.dumps(service if args.json else {"ratios": service["ratios"]}, indent=None if args.json else 2))
+        return 0
     result = run_bench(quick=args.quick, say=say)
     if args.json:
         print(json.dumps(result))
@@ -271,6 +278,8 @@ def main(argv: list[str] | None = None) -> int:
     bench = sub.add_parser("bench", help="benchmarks: the paths side by side in one run, as ratios")
     bench.add_argument("--quick", action="store_true", help="fewer calls per point")
     bench.add_argument("--json", action="store_true", help="print the whole result as one JSON object")
+    bench.add_argument("--service", action="store_true",
+                       help="only the backbone service: 1, 8 and 32 concurrent callers, local vs remote")
     bench.set_defaults(func=_cmd_bench)
     certs = sub.add_parser("certs", help="make a development CA and a gateway certificate")
     certs.add_argument("dir", type=pathlib.Path)
