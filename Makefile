@@ -79,7 +79,8 @@ proto: $(STAMP) node-deps
 	$(VENV)/bin/buf generate --template buf.gen.yaml
 
 # The TypeScript clients' packages (protoc-gen-es, Connect, tsx for the Node tests), exactly as
-# clients/ts/package-lock.json pins them; again only when the lock file changes.
+# clients/ts/package-lock.json pins them; again only when the lock file changes. No install
+# scripts run: the only one (esbuild's, under tsx) checks a binary npm already installed.
 node-deps: $(NODE_STAMP)
 
 $(NODE_STAMP): $(TS)/package-lock.json $(TS)/package.json
@@ -88,7 +89,7 @@ $(NODE_STAMP): $(TS)/package-lock.json $(TS)/package.json
 	       "install it (e.g. 'sudo apt-get install nodejs npm', or from https://nodejs.org)" >&2; exit 1; }
 	@node -e 'process.exit(Number(process.versions.node.split(".")[0]) >= 20 ? 0 : 1)' || { \
 	  echo "Node.js $$(node --version) is too old: the TypeScript clients need Node.js 20 or later" >&2; exit 1; }
-	npm ci --prefix $(TS) --no-audit --no-fund
+	npm ci --prefix $(TS) --no-audit --no-fund --ignore-scripts
 	touch $(NODE_STAMP)
 
 clean:
