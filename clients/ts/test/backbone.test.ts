@@ -69,3 +69,21 @@ test("Generate with a negative temperature is INVALID_ARGUMENT", async () => {
     return true;
   });
 });
+
+test("Generate cancelled by its client ends with CANCELED, and the service serves on", async () => {
+  const abort = new AbortController();
+  const stream = backbone.generate(
+    { prompt: "The swarm computes", maxTokens: 256, ignoreEos: true },
+    { signal: abort.signal, timeoutMs: CALL_TIMEOUT_MS },
+  );
+  const messages = stream[Symbol.asyncIterator]();
+  const first = await messages.next();
+  assert.ok(!first.done && first.value.summary === undefined, "the decode ended before it was cancelled");
+  abort.abort();
+  await assert.rejects(messages.next(), (err: unknown) => {
+    assert.equal(ConnectError.from(err).code, Code.Canceled);
+    return true;
+  });
+  const after = await generate({ prompt: "x", maxTokens: 2, ignoreEos: true });
+  assert.equal(after.summary.completionTokens, 2);
+});
