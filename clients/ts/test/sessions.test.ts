@@ -64,8 +64,17 @@ test("WatchSessions sees a worker's session come and go", { timeout: 180_000 }, 
     assert.equal(first.kind, SessionEvent_Kind.SYNCED);
 
     worker = startWorker();
-    let added = await next();
-    while (!(added.kind === SessionEvent_Kind.ADDED && added.session?.wallet === wallet)) added = await next();
+    // A worker that dies before its session arrives fails the test now, not at the deadline.
+    const died = new Promise<never>((_, reject) => {
+      worker?.once("exit", (code, sig) =>
+        reject(new Error(`the worker exited (${code ?? sig}) before its session arrived; see its log`)),
+      );
+    });
+    died.catch(() => undefined); // it exits later on purpose, after this race is over
+    let added = await Promise.race([next(), died]);
+    while (!(added.kind === SessionEvent_Kind.ADDED && added.session?.wallet === wallet)) {
+      added = await Promise.race([next(), died]);
+    }
     const session = added.session;
     assert.ok(session);
     assert.ok(session.sessionId.length > 0);
