@@ -2,13 +2,16 @@
 # make test  - set up .venv on first use, then lint the protos and run the tests
 # make test-fast - the tests without real processes, servers or models (seconds)
 # make fuzz  - the fuzz tier with FUZZ_EXAMPLES random examples per target (make test runs it short)
+# make proto - regenerate the Python (kvasir_rpc/_gen) and TypeScript (clients/ts/src/gen) code
 # make soak  - 32 worker sessions through one gateway and hub for SOAK_SECONDS (make test runs it short)
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+TS := clients/ts
+NODE_STAMP := $(TS)/node_modules/.installed
 
-.PHONY: demo test test-fast fuzz soak bench profile proto lint venv clean system-deps bench-deps
+.PHONY: demo test test-fast fuzz soak bench profile proto lint venv clean system-deps bench-deps node-deps
 
 venv: $(STAMP)
 
@@ -22,7 +25,7 @@ $(STAMP): pyproject.toml constraints.txt
 demo: $(STAMP)
 	$(VENV)/bin/kvasir demo
 
-test: $(STAMP) system-deps lint
+test: $(STAMP) system-deps node-deps lint
 	$(PY) -m pytest -q
 
 # Protocol cores, stores and in-memory streams only: no process, port, database server or model.
@@ -56,9 +59,10 @@ bench-deps:
 	    echo "nginx is missing: run 'sudo apt-get install nginx-light' (or kvasir bench skips the edge path)" >&2; \
 	  fi; }
 
-lint: $(STAMP)
+lint: $(STAMP) node-deps
 	$(VENV)/bin/buf lint
 	$(VENV)/bin/mypy kvasir_rpc relay worker backbone ledger
+	npm run --prefix $(TS) --silent typecheck
 
 # The ledger's tests start a throwaway PostgreSQL cluster: they need Debian's server binaries.
 system-deps:
@@ -70,8 +74,23 @@ system-deps:
 	  fi; \
 	fi
 
-proto: $(STAMP)
+proto: $(STAMP) node-deps
 	$(PY) tools/gen_proto.py
+	$(VENV)/bin/buf generate --template buf.gen.yaml
+
+# The TypeScript clients' packages (protoc-gen-es, Connect, tsx for the Node tests), exactly as
+# clients/ts/package-lock.json pins them; again only when the lock file changes. No install
+# scripts run: the only one (esbuild's, under tsx) checks a binary npm already installed.
+node-deps: $(NODE_STAMP)
+
+$(NODE_STAMP): $(TS)/package-lock.json $(TS)/package.json
+	@command -v npm >/dev/null 2>&1 || { \
+	  echo "npm is missing: the TypeScript clients (clients/ts) need Node.js 20 or later with npm;" \
+	       "install it (e.g. 'sudo apt-get install nodejs npm', or from https://nodejs.org)" >&2; exit 1; }
+	@node -e 'process.exit(Number(process.versions.node.split(".")[0]) >= 20 ? 0 : 1)' || { \
+	  echo "Node.js $$(node --version) is too old: the TypeScript clients need Node.js 20 or later" >&2; exit 1; }
+	npm ci --prefix $(TS) --no-audit --no-fund --ignore-scripts
+	touch $(NODE_STAMP)
 
 clean:
-	rm -rf $(VENV) .kvasir
+	rm -rf $(VENV) .kvasir $(TS)/node_modules
