@@ -112,7 +112,8 @@ _COMPLETION_NEUTRAL = {**_COMMON_NEUTRAL, "logprobs": _neutral(None), "echo": _n
 _CHAT = _COMMON | {"messages", "max_completion_tokens"}
 _CHAT_NEUTRAL = {**_COMMON_NEUTRAL, "logprobs": _neutral(None, False), "top_logprobs": _neutral(None, 0),
                  "tools": _neutral(None, []), "tool_choice": _neutral(None, "none", "auto"),
-                 "parallel_tool_calls": _neutral(None, True, False), "response_format": _neutral(None, {"type": "text"}),
+                 "parallel_tool_calls": _neutral(None, True, False),
+                 "response_format": _neutral(None, {"type": "text"}),
                  "store": _neutral(None, False), "metadata": _neutral(None, {})}
 
 
