@@ -344,7 +344,7 @@ def test_client_leaving_mid_stream_frees_its_slot(server: Server) -> None:
     for path, body in (("/v1/completions", long),
                        ("/v1/chat/completions", {**common, "messages": [{"role": "user", "content": "Hi"}]})):
         sock, _ = _start_stream(server, path, body)
-        assert server.running() == 1
+        wait_until(lambda: server.running() == 1, 15.0, f"one request running ({path})")
         sock.close()
         wait_until(lambda: server.running() == 0, 15.0, f"the slot of a client that left {path}")
     # A client that leaves before a whole (non-streamed) answer is ready frees its slot too.
