@@ -30,7 +30,9 @@ small built-in English text; ids 0/1/2 are ``<|endoftext|>`` (pad),
 ``<|im_start|>`` (bos) and ``<|im_end|>`` (eos).  So that greedy output decodes
 to readable text, the ``lm_head`` rows of pad, bos, non-printable byte tokens
 and ids past the tokenizer's end are zero (the eos row stays random, so
-generation can stop early on eos).
+generation can stop early on eos).  ``tokenizer_config.json`` carries a ChatML chat
+template (the ``<|im_start|>role ... <|im_end|>`` turns of Qwen's checkpoints), so the
+tiny models answer chat requests the way real chat checkpoints do.
 
 Importing this module is cheap: torch, transformers, safetensors and
 tokenizers are imported inside the function.
@@ -59,6 +61,14 @@ _TOP_K = 2
 _MOE_INTERMEDIATE = 32
 _PAD_ID, _BOS_ID, _EOS_ID = 0, 1, 2
 _SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")  # ids 0, 1, 2 = pad, bos, eos
+# ChatML, as Qwen's checkpoints write their turns; ends with the assistant's opening line
+# when asked for a generation prompt.
+_CHAT_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
 # Qwen2/3/3.5 byte-level BPE pre-tokenisation regex.
 _PRETOKENIZE_REGEX = (
     r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}"""
@@ -314,6 +324,7 @@ def _write_tokenizer(directory: pathlib.Path, max_vocab: int) -> Any:
     cfg_path = directory / "tokenizer_config.json"
     cfg = json.loads(cfg_path.read_text(encoding="utf-8"))
     cfg["tokenizer_class"] = "PreTrainedTokenizerFast"
+    cfg["chat_template"] = _CHAT_TEMPLATE
     cfg_path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n", encoding="utf-8")
     return tok
 
