@@ -10,7 +10,7 @@ import type { Message } from "@bufbuild/protobuf";
  * Describes the file kvasir/v1/backbone.proto.
  */
 export const file_kvasir_v1_backbone: GenFile = /*@__PURE__*/
-  fileDesc("ChhrdmFzaXIvdjEvYmFja2JvbmUucHJvdG8SCWt2YXNpci52MSJZCghTYW1wbGluZxITCgt0ZW1wZXJhdHVyZRgBIAEoAhINCgV0b3BfcBgCIAEoAhINCgV0b3BfaxgDIAEoDRIRCgRzZWVkGAQgASgESACIAQFCBwoFX3NlZWQipwEKD0dlbmVyYXRlUmVxdWVzdBINCgVtb2RlbBgBIAEoCRIOCgZwcm9tcHQYAiABKAkSGAoQcHJvbXB0X3Rva2VuX2lkcxgDIAMoDRISCgptYXhfdG9rZW5zGAQgASgNEiUKCHNhbXBsaW5nGAUgASgLMhMua3Zhc2lyLnYxLlNhbXBsaW5nEgwKBHN0b3AYBiADKAkSEgoKaWdub3JlX2VvcxgHIAEoCCLjAgoPR2VuZXJhdGVTdW1tYXJ5Ei4KDWZpbmlzaF9yZWFzb24YASABKA4yFy5rdmFzaXIudjEuRmluaXNoUmVhc29uEgwKBHN0b3AYAiABKAkSFQoNcHJvbXB0X3Rva2VucxgDIAEoDRIZChFjb21wbGV0aW9uX3Rva2VucxgEIAEoDRIVCg1xdWV1ZV9zZWNvbmRzGAUgASgBEiMKG3RpbWVfdG9fZmlyc3RfdG9rZW5fc2Vjb25kcxgGIAEoARIVCg10b3RhbF9zZWNvbmRzGAcgASgBEhkKEXRva2Vuc19wZXJfc2Vjb25kGAggASgBEhMKC3JlbW90ZV9yb3dzGAkgASgEEhIKCmxvY2FsX3Jvd3MYCiABKAQSFQoNZmFsbGJhY2tfcm93cxgLIAEoBBIWCg5tYXhfYmF0Y2hfc2l6ZRgMIAEoDRIRCgRzZWVkGA0gASgESACIAQFCBwoFX3NlZWQiYAoQR2VuZXJhdGVSZXNwb25zZRIRCgl0b2tlbl9pZHMYASADKA0SDAoEdGV4dBgCIAEoCRIrCgdzdW1tYXJ5GAMgASgLMhoua3Zhc2lyLnYxLkdlbmVyYXRlU3VtbWFyeSITChFMaXN0TW9kZWxzUmVxdWVzdCKrAQoJTW9kZWxDYXJkEgoKAmlkGAEgASgJEhQKDGFyY2hpdGVjdHVyZRgCIAEoCRIWCg5jb250ZXh0X2xlbmd0aBgDIAEoDRIOCgZsYXllcnMYBCABKA0SGQoRZXhwZXJ0c19wZXJfbGF5ZXIYBSABKA0SGQoRZXhwZXJ0c19wZXJfdG9rZW4YBiABKA0SDQoFZHR5cGUYByABKAkSDwoHY3JlYXRlZBgIIAEoAyI6ChJMaXN0TW9kZWxzUmVzcG9uc2USJAoGbW9kZWxzGAEgAygLMhQua3Zhc2lyLnYxLk1vZGVsQ2FyZCIvCh5CYWNrYm9uZVNlcnZpY2VEZXNjcmliZVJlcXVlc3QSDQoFbW9kZWwYASABKAkiQAoNTGF5ZXJDb3ZlcmFnZRINCgVsYXllchgBIAEoDRIPCgdleHBlcnRzGAIgASgNEg8KB2NvdmVyZWQYAyADKA0i+AEKH0JhY2tib25lU2VydmljZURlc2NyaWJlUmVzcG9uc2USIwoFbW9kZWwYASABKAsyFC5rdmFzaXIudjEuTW9kZWxDYXJkEigKBmxheWVycxgCIAMoCzIYLmt2YXNpci52MS5MYXllckNvdmVyYWdlEhAKCGNvdmVyYWdlGAMgASgBEhUKDWxpdmVfc2Vzc2lvbnMYBCABKA0SDwoHcnVubmluZxgFIAEoDRIPCgd3YWl0aW5nGAYgASgNEhYKDm1heF9iYXRjaF9zaXplGAcgASgNEhMKC21heF93YWl0aW5nGAggASgNEg4KBnJlbW90ZRgJIAEoCCp2CgxGaW5pc2hSZWFzb24SHQoZRklOSVNIX1JFQVNPTl9VTlNQRUNJRklFRBAAEhgKFEZJTklTSF9SRUFTT05fTEVOR1RIEAESFQoRRklOSVNIX1JFQVNPTl9FT1MQAhIWChJGSU5JU0hfUkVBU09OX1NUT1AQAzKGAgoPQmFja2JvbmVTZXJ2aWNlEkUKCEdlbmVyYXRlEhoua3Zhc2lyLnYxLkdlbmVyYXRlUmVxdWVzdBobLmt2YXNpci52MS5HZW5lcmF0ZVJlc3BvbnNlMAESSQoKTGlzdE1vZGVscxIcLmt2YXNpci52MS5MaXN0TW9kZWxzUmVxdWVzdBodLmt2YXNpci52MS5MaXN0TW9kZWxzUmVzcG9uc2USYQoIRGVzY3JpYmUSKS5rdmFzaXIudjEuQmFja2JvbmVTZXJ2aWNlRGVzY3JpYmVSZXF1ZXN0Gioua3Zhc2lyLnYxLkJhY2tib25lU2VydmljZURlc2NyaWJlUmVzcG9uc2ViBnByb3RvMw");
+  fileDesc("ChhrdmFzaXIvdjEvYmFja2JvbmUucHJvdG8SCWt2YXNpci52MSJZCghTYW1wbGluZxITCgt0ZW1wZXJhdHVyZRgBIAEoAhINCgV0b3BfcBgCIAEoAhINCgV0b3BfaxgDIAEoDRIRCgRzZWVkGAQgASgESACIAQFCBwoFX3NlZWQivgEKD0dlbmVyYXRlUmVxdWVzdBINCgVtb2RlbBgBIAEoCRIOCgZwcm9tcHQYAiABKAkSGAoQcHJvbXB0X3Rva2VuX2lkcxgDIAMoDRISCgptYXhfdG9rZW5zGAQgASgNEiUKCHNhbXBsaW5nGAUgASgLMhMua3Zhc2lyLnYxLlNhbXBsaW5nEgwKBHN0b3AYBiADKAkSEgoKaWdub3JlX2VvcxgHIAEoCBIVCg1kaWdlc3RfbG9naXRzGAggASgIIvoCCg9HZW5lcmF0ZVN1bW1hcnkSLgoNZmluaXNoX3JlYXNvbhgBIAEoDjIXLmt2YXNpci52MS5GaW5pc2hSZWFzb24SDAoEc3RvcBgCIAEoCRIVCg1wcm9tcHRfdG9rZW5zGAMgASgNEhkKEWNvbXBsZXRpb25fdG9rZW5zGAQgASgNEhUKDXF1ZXVlX3NlY29uZHMYBSABKAESIwobdGltZV90b19maXJzdF90b2tlbl9zZWNvbmRzGAYgASgBEhUKDXRvdGFsX3NlY29uZHMYByABKAESGQoRdG9rZW5zX3Blcl9zZWNvbmQYCCABKAESEwoLcmVtb3RlX3Jvd3MYCSABKAQSEgoKbG9jYWxfcm93cxgKIAEoBBIVCg1mYWxsYmFja19yb3dzGAsgASgEEhYKDm1heF9iYXRjaF9zaXplGAwgASgNEhEKBHNlZWQYDSABKARIAIgBARIVCg1sb2dpdHNfZGlnZXN0GA4gASgMQgcKBV9zZWVkImAKEEdlbmVyYXRlUmVzcG9uc2USEQoJdG9rZW5faWRzGAEgAygNEgwKBHRleHQYAiABKAkSKwoHc3VtbWFyeRgDIAEoCzIaLmt2YXNpci52MS5HZW5lcmF0ZVN1bW1hcnkiEwoRTGlzdE1vZGVsc1JlcXVlc3QiqwEKCU1vZGVsQ2FyZBIKCgJpZBgBIAEoCRIUCgxhcmNoaXRlY3R1cmUYAiABKAkSFgoOY29udGV4dF9sZW5ndGgYAyABKA0SDgoGbGF5ZXJzGAQgASgNEhkKEWV4cGVydHNfcGVyX2xheWVyGAUgASgNEhkKEWV4cGVydHNfcGVyX3Rva2VuGAYgASgNEg0KBWR0eXBlGAcgASgJEg8KB2NyZWF0ZWQYCCABKAMiOgoSTGlzdE1vZGVsc1Jlc3BvbnNlEiQKBm1vZGVscxgBIAMoCzIULmt2YXNpci52MS5Nb2RlbENhcmQiLwoeQmFja2JvbmVTZXJ2aWNlRGVzY3JpYmVSZXF1ZXN0Eg0KBW1vZGVsGAEgASgJIkAKDUxheWVyQ292ZXJhZ2USDQoFbGF5ZXIYASABKA0SDwoHZXhwZXJ0cxgCIAEoDRIPCgdjb3ZlcmVkGAMgAygNIqMCCh9CYWNrYm9uZVNlcnZpY2VEZXNjcmliZVJlc3BvbnNlEiMKBW1vZGVsGAEgASgLMhQua3Zhc2lyLnYxLk1vZGVsQ2FyZBIoCgZsYXllcnMYAiADKAsyGC5rdmFzaXIudjEuTGF5ZXJDb3ZlcmFnZRIQCghjb3ZlcmFnZRgDIAEoARIVCg1saXZlX3Nlc3Npb25zGAQgASgNEg8KB3J1bm5pbmcYBSABKA0SDwoHd2FpdGluZxgGIAEoDRIWCg5tYXhfYmF0Y2hfc2l6ZRgHIAEoDRITCgttYXhfd2FpdGluZxgIIAEoDRIOCgZyZW1vdGUYCSABKAgSKQoFc3RhdHMYCiABKAsyGi5rdmFzaXIudjEuRXhwZXJ0UGF0aFN0YXRzItsCCg9FeHBlcnRQYXRoU3RhdHMSFAoMcmVtb3RlX2NhbGxzGAEgASgEEhMKC3JlbW90ZV9yb3dzGAIgASgEEhIKCmxvY2FsX3Jvd3MYAyABKAQSFgoOZmFsbGJhY2tfY2FsbHMYBCABKAQSFQoNZmFsbGJhY2tfcm93cxgFIAEoBBIUCgxoZWRnZWRfY2FsbHMYBiABKAQSFAoMYXVkaXRlZF9yb3dzGAcgASgEEhgKEGF1ZGl0X2V4YWN0X3Jvd3MYCCABKAQSHAoUc2Vzc2lvbnNfcXVhcmFudGluZWQYCSADKAkSDwoHcmVwbGF5cxgKIAEoDRIZChFyZXF1ZXN0c19maW5pc2hlZBgLIAEoBBIYChB0b2tlbnNfZ2VuZXJhdGVkGAwgASgEEhUKDXNlc3Npb25zX3VzZWQYDSADKAkSGQoRc2hhcmVkX292ZXJsYXBwZWQYDiABKAQqdgoMRmluaXNoUmVhc29uEh0KGUZJTklTSF9SRUFTT05fVU5TUEVDSUZJRUQQABIYChRGSU5JU0hfUkVBU09OX0xFTkdUSBABEhUKEUZJTklTSF9SRUFTT05fRU9TEAISFgoSRklOSVNIX1JFQVNPTl9TVE9QEAMyhgIKD0JhY2tib25lU2VydmljZRJFCghHZW5lcmF0ZRIaLmt2YXNpci52MS5HZW5lcmF0ZVJlcXVlc3QaGy5rdmFzaXIudjEuR2VuZXJhdGVSZXNwb25zZTABEkkKCkxpc3RNb2RlbHMSHC5rdmFzaXIudjEuTGlzdE1vZGVsc1JlcXVlc3QaHS5rdmFzaXIudjEuTGlzdE1vZGVsc1Jlc3BvbnNlEmEKCERlc2NyaWJlEikua3Zhc2lyLnYxLkJhY2tib25lU2VydmljZURlc2NyaWJlUmVxdWVzdBoqLmt2YXNpci52MS5CYWNrYm9uZVNlcnZpY2VEZXNjcmliZVJlc3BvbnNlYgZwcm90bzM");
 
 /**
  * Sampling is how each next token is chosen. All defaults (zero) mean greedy:
@@ -111,6 +111,15 @@ export type GenerateRequest = Message<"kvasir.v1.GenerateRequest"> & {
    * @generated from field: bool ignore_eos = 7;
    */
   ignoreEos: boolean;
+
+  /**
+   * Return GenerateSummary.logits_digest: two runs are bitwise identical in
+   * every logit of every step exactly when their digests are equal (the check
+   * `kvasir demo` makes between the swarm and a local run).
+   *
+   * @generated from field: bool digest_logits = 8;
+   */
+  digestLogits: boolean;
 };
 
 /**
@@ -205,6 +214,14 @@ export type GenerateSummary = Message<"kvasir.v1.GenerateSummary"> & {
    * @generated from field: optional uint64 seed = 13;
    */
   seed?: bigint | undefined;
+
+  /**
+   * With GenerateRequest.digest_logits: SHA-256 over each step's logits as
+   * little-endian float32 [vocab], in order.
+   *
+   * @generated from field: bytes logits_digest = 14;
+   */
+  logitsDigest: Uint8Array;
 };
 
 /**
@@ -457,6 +474,13 @@ export type BackboneServiceDescribeResponse = Message<"kvasir.v1.BackboneService
    * @generated from field: bool remote = 9;
    */
   remote: boolean;
+
+  /**
+   * The experts path since the backbone started.
+   *
+   * @generated from field: kvasir.v1.ExpertPathStats stats = 10;
+   */
+  stats?: ExpertPathStats | undefined;
 };
 
 /**
@@ -465,6 +489,110 @@ export type BackboneServiceDescribeResponse = Message<"kvasir.v1.BackboneService
  */
 export const BackboneServiceDescribeResponseSchema: GenMessage<BackboneServiceDescribeResponse> = /*@__PURE__*/
   messageDesc(file_kvasir_v1_backbone, 9);
+
+/**
+ * ExpertPathStats counts the experts path's work since the backbone started.
+ *
+ * @generated from message kvasir.v1.ExpertPathStats
+ */
+export type ExpertPathStats = Message<"kvasir.v1.ExpertPathStats"> & {
+  /**
+   * Calls answered by a worker and accepted, and their rows (a token through
+   * an expert).
+   *
+   * @generated from field: uint64 remote_calls = 1;
+   */
+  remoteCalls: bigint;
+
+  /**
+   * @generated from field: uint64 remote_rows = 2;
+   */
+  remoteRows: bigint;
+
+  /**
+   * Rows computed here by choice (no live worker serves the expert).
+   *
+   * @generated from field: uint64 local_rows = 3;
+   */
+  localRows: bigint;
+
+  /**
+   * Calls lost or refused and computed here, and their rows.
+   *
+   * @generated from field: uint64 fallback_calls = 4;
+   */
+  fallbackCalls: bigint;
+
+  /**
+   * @generated from field: uint64 fallback_rows = 5;
+   */
+  fallbackRows: bigint;
+
+  /**
+   * Calls past their deadline, computed here (hedged).
+   *
+   * @generated from field: uint64 hedged_calls = 6;
+   */
+  hedgedCalls: bigint;
+
+  /**
+   * Remote rows recomputed here to check the worker, and how many matched
+   * bit for bit.
+   *
+   * @generated from field: uint64 audited_rows = 7;
+   */
+  auditedRows: bigint;
+
+  /**
+   * @generated from field: uint64 audit_exact_rows = 8;
+   */
+  auditExactRows: bigint;
+
+  /**
+   * Sessions caught delivering wrong work, and the replays that followed.
+   *
+   * @generated from field: repeated string sessions_quarantined = 9;
+   */
+  sessionsQuarantined: string[];
+
+  /**
+   * @generated from field: uint32 replays = 10;
+   */
+  replays: number;
+
+  /**
+   * Requests served to the end, since the backbone started.
+   *
+   * @generated from field: uint64 requests_finished = 11;
+   */
+  requestsFinished: bigint;
+
+  /**
+   * @generated from field: uint64 tokens_generated = 12;
+   */
+  tokensGenerated: bigint;
+
+  /**
+   * Worker sessions whose answers were accepted.
+   *
+   * @generated from field: repeated string sessions_used = 13;
+   */
+  sessionsUsed: string[];
+
+  /**
+   * Qwen3.5-style shared experts computed while remote calls flew.
+   *
+   * @generated from field: uint64 shared_overlapped = 14;
+   */
+  sharedOverlapped: bigint;
+};
+
+/**
+ * Describes the message kvasir.v1.ExpertPathStats.
+ * Use `create(ExpertPathStatsSchema)` to create a new message.
+ */
+export const ExpertPathStatsSchema: GenMessage<ExpertPathStats> = /*@__PURE__*/
+  messageDesc(file_kvasir_v1_backbone, 10);
 
 /**
  * FinishReason is why a decode ended.
