@@ -4,13 +4,15 @@ Two services side by side in one run, on the same model and prompts: every exper
 and every MoE layer's experts on two workers that reach the hub through the TLS gateway.
 For each number of concurrent callers: aggregate tokens/s (all the tokens over the wall
 time from the first call to the last answer), time to first token (median and worst, as
-the summaries report it) and each request's own decode rate. The ratios are what to read:
-32 callers over 1 (what continuous batching buys) and remote over local.
+the summaries report it) and each request's own decode rate. The local service is also
+called through its OpenAI-compatible ``/v1/completions`` (tokens/s only). The ratios are
+what to read: 32 callers over 1 (what continuous batching buys) and remote over local.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import json
 import pathlib
 import statistics
 import tempfile
@@ -50,6 +52,25 @@ def _point(stub, n: int, tokens: int, rounds: int) -> dict[str, float]:  # type:
             "max_batch_size": max(s.max_batch_size for s in summaries), "requests": len(summaries)}
 
 
+def _http_call(port: int, prompt: str, tokens: int) -> int:
+    import urllib.request
+
+    body = json.dumps({"prompt": prompt, "max_tokens": tokens, "temperature": 0, "ignore_eos": True}).encode()
+    req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=body,
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=600) as resp:
+        return int(json.load(resp)["usage"]["completion_tokens"])
+
+
+def _http_point(port: int, n: int, tokens: int, rounds: int) -> dict[str, float]:
+    prompts = [f"caller {i} asks about the experts" + " of the swarm" * (i % 3) for i in range(n * rounds)]
+    _http_call(port, "warm up", 2)
+    t0 = time.perf_counter()
+    with concurrent.futures.ThreadPoolExecutor(n) as pool:
+        total = sum(pool.map(lambda p: _http_call(port, p, tokens), prompts))
+    return {"tokens_per_s": round(total / (time.perf_counter() - t0), 2), "requests": len(prompts)}
+
+
 def run_service_bench(*, quick: bool = False, say: Callable[[str], None] = print) -> dict[str, object]:
     import grpc
 
@@ -75,7 +96,7 @@ def run_service_bench(*, quick: bool = False, say: Callable[[str], None] = print
         sw.start_worker("worker1", model, f"*:0-{half - 1}", via="gateway")
         sw.start_worker("worker2", model, f"*:{half}-{DECODE_MODEL['num_experts'] - 1}", via="gateway")
         sw.wait_sessions(2, watch=["gateway", "worker1", "worker2"])
-        services = {"local": sw.start_backbone_service("local", model, hub=False),
+        services = {"local": sw.start_backbone_service("local", model, hub=False, http=True),
                     "remote": sw.start_backbone_service("remote", model, ["--wait-sessions", "2", "--lanes", "2"])}
         for path, ready in services.items():
             with grpc.insecure_channel(f"127.0.0.1:{ready['grpc_port']}") as channel:
@@ -85,9 +106,14 @@ def run_service_bench(*, quick: bool = False, say: Callable[[str], None] = print
                     out[f"{path}_c{n}"] = point
                     say(f"  {path}, {n} concurrent: {point['tokens_per_s']} tokens/s, first token after "
                         f"{point['ttft_p50_s']} s (worst {point['ttft_max_s']} s), batch up to {point['max_batch_size']}")
+        for n in (1, 32):
+            point = _http_point(int(services["local"]["http_port"]), n, tokens, rounds)  # type: ignore[call-overload]
+            out[f"local_http_c{n}"] = point
+            say(f"  local through /v1/completions, {n} concurrent: {point['tokens_per_s']} tokens/s")
     ratios = {}
     for path in services:
         ratios[f"{path}_c32_over_c1"] = round(out[f"{path}_c32"]["tokens_per_s"] / out[f"{path}_c1"]["tokens_per_s"], 2)  # type: ignore[index]
+    ratios["local_http_c32_over_c1"] = round(out["local_http_c32"]["tokens_per_s"] / out["local_http_c1"]["tokens_per_s"], 2)  # type: ignore[index]
     for n in CONCURRENCY:
         ratios[f"remote_over_local_c{n}"] = round(out[f"remote_c{n}"]["tokens_per_s"] / out[f"local_c{n}"]["tokens_per_s"], 3)  # type: ignore[index]
     out["ratios"] = ratios
