@@ -23,7 +23,7 @@ from backbone._engine import (
     Summary,
 )
 from backbone._experts import Dispatcher
-from kvasir_rpc import NO_PORT_SHARING, backbone_pb2, backbone_pb2_grpc, bind_grpc, enable_reflection, get_logger
+from kvasir_rpc import NO_PORT_SHARING, backbone_pb2, backbone_pb2_grpc, get_logger, start_with_health
 
 log = get_logger("backbone.serve")
 
@@ -185,18 +185,10 @@ def serve_backbone(address: str, backbone: Backbone, *, extra_workers: int = 8) 
     ("HOST:PORT", port 0 picks one): ``(server, port, health servicer)``. Every streaming
     call holds a thread, so the pool has one per slot and per waiting request (and a few
     more for ListModels, Describe and health); past that grpcio answers RESOURCE_EXHAUSTED."""
-    from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-
     engine = backbone.engine
     workers = engine.max_batch + engine.max_waiting + extra_workers
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="backbone-svc"),
                          options=[NO_PORT_SHARING], maximum_concurrent_rpcs=workers)
     backbone_pb2_grpc.add_BackboneServiceServicer_to_server(BackboneServicer(backbone), server)
-    health_servicer = health.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    enable_reflection(server, [SERVICE_NAME, health.SERVICE_NAME])
-    port = bind_grpc(server, address)
-    server.start()
-    health_servicer.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
-    health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+    port, health_servicer = start_with_health(server, address, SERVICE_NAME)
     return server, port, health_servicer

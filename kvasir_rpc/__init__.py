@@ -53,7 +53,7 @@ if TYPE_CHECKING:  # the real names, for type checkers; at run time __getattr__ 
         slices_from_proto,
         slices_to_proto,
     )
-    from kvasir_rpc._reflection import enable_reflection
+    from kvasir_rpc._reflection import enable_reflection, start_with_health
     from kvasir_rpc._listen import (
         NO_PORT_SHARING,
         ListenError,
@@ -169,6 +169,7 @@ _LAZY = {
     "slices_from_proto": "kvasir_rpc._handshake",
     "slices_to_proto": "kvasir_rpc._handshake",
     "enable_reflection": "kvasir_rpc._reflection",
+    "start_with_health": "kvasir_rpc._reflection",
     "NO_PORT_SHARING": "kvasir_rpc._listen",
     "ListenError": "kvasir_rpc._listen",
     "as_listen_error": "kvasir_rpc._listen",

@@ -14,11 +14,12 @@ import functools
 import importlib
 import threading
 from collections.abc import Iterable
+from typing import Any
 
 import grpc
 from google.protobuf import descriptor, descriptor_pb2, descriptor_pool
 
-__all__ = ["REFLECTION_SERVICES", "enable_reflection", "reflection_v1_file"]
+__all__ = ["REFLECTION_SERVICES", "enable_reflection", "reflection_v1_file", "start_with_health"]
 
 _V1 = "grpc.reflection.v1"
 _V1ALPHA = "grpc.reflection.v1alpha"
@@ -121,3 +122,22 @@ def enable_reflection(server: grpc.Server, service_names: Iterable[str]) -> None
     for service in REFLECTION_SERVICES:
         server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service, handlers),))
         server.add_registered_method_handlers(service, handlers)
+
+
+def start_with_health(server: grpc.Server, address: str, service_name: str) -> tuple[int, Any]:
+    """Add the standard health service and reflection (v1, v1alpha) for ``service_name`` to
+    ``server`` (its servicer already added), bind ``address`` (see bind_grpc) and start it;
+    once started, health says SERVING for the service and the server. Returns ``(port,
+    health servicer)``: ``enter_graceful_shutdown()`` says NOT_SERVING before a stop."""
+    from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+    from kvasir_rpc._listen import bind_grpc
+
+    health_servicer = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    enable_reflection(server, [service_name, health.SERVICE_NAME])
+    port = bind_grpc(server, address)
+    server.start()
+    health_servicer.set(service_name, health_pb2.HealthCheckResponse.SERVING)
+    health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+    return port, health_servicer

@@ -13,14 +13,13 @@ import grpc
 
 from kvasir_rpc import (
     NO_PORT_SHARING,
-    bind_grpc,
-    enable_reflection,
     format_kvr,
     format_units,
     get_logger,
     is_address,
     ledger_pb2,
     ledger_pb2_grpc,
+    start_with_health,
 )
 from ledger._store import MAX_RATE_NANO_PER_BYTE, LedgerStore, StoreError, StoreUnavailable
 
@@ -167,8 +166,6 @@ def serve_ledger(
 ) -> tuple[grpc.Server, int, Any]:
     """create_server, also returning the health servicer, so that main() can report
     NOT_SERVING (``enter_graceful_shutdown()``) before it stops the server."""
-    from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-
     bad = [k for k in trusted_keys if not is_address(k)]
     if bad:
         raise ValueError(f"trusted hub keys must be 64 lowercase hex characters: {bad[:3]}")
@@ -179,11 +176,5 @@ def serve_ledger(
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="ledger-svc"),
                          options=[NO_PORT_SHARING])
     ledger_pb2_grpc.add_LedgerServiceServicer_to_server(LedgerServicer(store, trusted_keys, rate), server)
-    health_servicer = health.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    enable_reflection(server, [SERVICE_NAME, health.SERVICE_NAME])
-    port = bind_grpc(server, address)
-    server.start()
-    health_servicer.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
-    health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+    port, health_servicer = start_with_health(server, address, SERVICE_NAME)
     return server, port, health_servicer
