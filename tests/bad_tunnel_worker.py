@@ -13,6 +13,7 @@ FAULT is one of:
 from __future__ import annotations
 
 import contextlib
+import gc
 import sys
 from collections.abc import AsyncIterator
 from typing import Any
@@ -81,4 +82,6 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    gc.freeze()  # as python -m worker does: a quick exit, without the last collection's walk
+    sys.exit(code)

@@ -71,6 +71,23 @@ def tiny_models(tmp_path_factory: pytest.TempPathFactory):
     return get
 
 
+@pytest.fixture(scope="session")
+def two_worker_swarm(tiny_models, tmp_path_factory: pytest.TempPathFactory):
+    """A hub and two workers holding half the experts of the tiny qwen3_moe each (no ledger),
+    started once for the tests that only decode through it or read from it; ``.model`` is
+    the checkpoint. A test that stops, freezes or poisons a component starts its own swarm."""
+    from kvasir_rpc.dev.swarm import LocalSwarm
+
+    model = tiny_models("qwen3_moe")
+    with LocalSwarm(tmp_path_factory.mktemp("swarm")) as sw:
+        sw.start_hub()
+        sw.start_worker("worker1", model, "*:0-3")
+        sw.start_worker("worker2", model, "*:4-7")
+        sw.wait_sessions(2, watch=["worker1", "worker2"])
+        sw.model = model  # type: ignore[attr-defined]
+        yield sw
+
+
 @pytest.fixture
 def hub_store(tmp_path: pathlib.Path) -> Iterator[ContributionStore]:
     """The hub's contribution store in a fresh SQLite file, closed after the test."""

@@ -55,10 +55,11 @@ def swarm_with_dishonest(sw, model, name: str, launcher: tuple[str, ...]):  # ty
     sessions (dishonest, honest)."""
     sw.start_ledger()
     sw.start_hub(receipt_interval=0.5)
-    order = [("honest", "*:4-7", ("-m", "worker")), (name, "*:0-3", launcher)]
-    for i, (who, spec, how) in enumerate(order):
-        sw.start_worker(who, model, spec, launcher=how)
-        sw.wait_sessions(i + 1, watch=[who])
+    # Both start at once: each loads torch for seconds, and nothing here depends on which
+    # joins first (they hold disjoint experts; sessions are told apart by them below).
+    sw.start_worker("honest", model, "*:4-7")
+    sw.start_worker(name, model, "*:0-3", launcher=launcher)
+    sw.wait_sessions(2, watch=["honest", name])
     by_first_expert = {s.slices[0].experts[0]: s for s in sw.list_sessions()}
     return by_first_expert[0], by_first_expert[4]
 

@@ -11,6 +11,7 @@ stalled call holds up the ones behind it, as a stalled machine would.
 from __future__ import annotations
 
 import argparse
+import gc
 import sys
 import threading
 import time
@@ -46,4 +47,6 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    gc.freeze()  # as python -m worker does: a quick exit, without the last collection's walk
+    sys.exit(code)

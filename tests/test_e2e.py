@@ -158,7 +158,7 @@ def test_a_relay_impersonating_the_hub_or_stripping_the_encryption_is_refused(sw
 
 def test_a_relay_answering_pings_for_a_silent_worker_cannot_keep_its_encrypted_session(tiny_models, tmp_path):
     # A hub of its own (direct, no gateway) with a short keepalive, so the bound is small.
-    keepalive, timeout = 1.0, 1.0
+    keepalive, timeout = 0.5, 1.0
     bound = keepalive + timeout
     # Past the bound: the hub's close handshake (at most 2 s) and a loaded machine's scheduling.
     slack = 5.0

@@ -538,7 +538,11 @@ def test_one_address_hoarding_unfinished_messages_cannot_lock_out_a_worker(tiny_
             with trio.fail_after(420):
                 async with trio.open_nursery() as nursery:
                     nursery.start_soon(_hoard, sw, stop, tally, rss)
-                    await trio.sleep(6)  # the hoard is in place (and its first messages cut) before the worker comes
+                    # The hoard is in place (the address held to its sessions) and its first
+                    # messages cut at the deadline before the worker comes.
+                    with trio.fail_after(60):
+                        while not (tally.get("http_429") and tally.get("close_1008")):
+                            await trio.sleep(0.05)
                     started = trio.current_time()
                     try:
                         await trio.to_thread.run_sync(legit_worker)

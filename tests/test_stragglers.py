@@ -66,14 +66,9 @@ def test_a_straggler_is_hedged_and_its_late_answers_are_not_paid(stall, tiny_mod
             sw.stop_process("staller", sig=signal.SIGKILL)
 
 
-def test_honest_workers_are_never_hedged(tiny_models, tmp_path):
-    model = tiny_models("qwen3_moe")
-    with LocalSwarm(tmp_path) as sw:
-        sw.start_hub()
-        sw.start_worker("worker1", model, "*:0-3")
-        sw.start_worker("worker2", model, "*:4-7")
-        sw.wait_sessions(2, watch=["worker1", "worker2"])
-        result = sw.run_backbone(["--model", str(model), *DECODE, "--groups", "2"])
-        assert result["backbone_exit_code"] == 0 and result["max_abs_logit_diff"] == 0.0
-        assert result["hedged_calls"] == 0 and result["late_answers_dropped"] == 0
-        assert result["fallback_calls"] == 0 and len(result["sessions_used"]) == 2
+def test_honest_workers_are_never_hedged(two_worker_swarm):
+    sw = two_worker_swarm  # honest workers on experts 0-3 and 4-7, shared with test_swarm.py
+    result = sw.run_backbone(["--model", str(sw.model), *DECODE, "--groups", "2"])
+    assert result["backbone_exit_code"] == 0 and result["max_abs_logit_diff"] == 0.0
+    assert result["hedged_calls"] == 0 and result["late_answers_dropped"] == 0
+    assert result["fallback_calls"] == 0 and len(result["sessions_used"]) == 2

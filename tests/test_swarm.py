@@ -55,17 +55,11 @@ def test_demo_remote_equals_local_bitwise(arch, path, tiny_models, tmp_path):
     assert result["audited_rows"] > 0 and result["sessions_quarantined"] == [] and result["replays"] == 0
 
 
-@pytest.fixture(scope="module")
-def swarm(tiny_models, tmp_path_factory):
-    """A hub and two workers holding half the experts each, shared by the tests below."""
-    model = tiny_models("qwen3_moe")
-    with LocalSwarm(tmp_path_factory.mktemp("swarm")) as sw:
-        sw.start_hub()
-        sw.start_worker("worker1", model, "*:0-3")
-        sw.start_worker("worker2", model, "*:4-7")
-        sw.wait_sessions(2, watch=["worker1", "worker2"])
-        sw.model = model  # type: ignore[attr-defined]
-        yield sw
+@pytest.fixture
+def swarm(two_worker_swarm):
+    """A hub and two workers holding half the experts each, shared by the tests below (and
+    by test_stragglers' honest decode: conftest's session swarm)."""
+    return two_worker_swarm
 
 
 def test_worker_has_no_listening_tcp_or_udp_socket(swarm):

@@ -174,6 +174,15 @@ async def run_tunnel(
                          encrypted=hs.encrypted)
                 try:
                     await serve_session(ws, uds_path, cipher=hs.cipher)
+                except* ConnectionClosed as eg:
+                    if holder is None or not holder.closing:
+                        raise
+                    # TunnelHolder.close is closing this WebSocket and waits for the hub's
+                    # answer to its close frame. Leave the block without raising: an error
+                    # would cancel the connection's reader task before it reads that answer,
+                    # and close() would wait out its whole timeout on every shutdown.
+                    reason = leaf_exception(eg).reason  # type: ignore[attr-defined]
+                    log.info("tunnel closed", code=reason.code, reason=reason.reason)
                 except* RemoteProtocolError as eg:
                     perr = leaf_exception(eg)
                     assert isinstance(perr, RemoteProtocolError)
