@@ -173,7 +173,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="requests waiting for a slot at most; more get RESOURCE_EXHAUSTED (HTTP 429)")
     sv.add_argument("--lanes", type=int, default=1,
                     help="micro-batch pipelining: the batch is split into this many lanes, each its own thread, so "
-                         "one computes while another waits on remote experts")
+                         "one computes while another waits on remote experts (with a hub, 2 lanes gave 1.3 to 1.7 "
+                         "times the tokens/s of 1 at 32 callers in kvasir bench --service)")
     sv.add_argument("--max-tokens-limit", type=int, default=None,
                     help="max_tokens a request may ask for at most (default: the model's context)")
     sv.add_argument("--ready-file", type=pathlib.Path,
