@@ -177,6 +177,10 @@ def main(argv: list[str] | None = None) -> int:
                          "times the tokens/s of 1 at 32 callers in kvasir bench --service)")
     sv.add_argument("--max-tokens-limit", type=int, default=None,
                     help="max_tokens a request may ask for at most (default: the model's context)")
+    sv.add_argument("--api-key-file", type=pathlib.Path,
+                    help="callers must present the key in this file (created, mode 0600, if missing) as a bearer "
+                         "token: gRPC 'authorization: Bearer KEY' metadata, HTTP 'Authorization: Bearer KEY' (the "
+                         "openai package's api_key). Without it anyone who reaches --listen or --http may call")
     sv.add_argument("--ready-file", type=pathlib.Path,
                     help="write {grpc_port, http_port, model} here (atomically) once serving")
     args = parser.parse_args(argv)

@@ -30,6 +30,20 @@ def run_serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         except ListenError as exc:
             print(f"backbone: {option}: {exc}", file=sys.stderr)
             return 1
+    api_key = ""
+    if args.api_key_file is not None:
+        from kvasir_rpc import TokenError, load_or_create_token
+
+        try:
+            api_key = load_or_create_token(args.api_key_file)
+        except (TokenError, OSError) as exc:
+            print(f"backbone: --api-key-file: {exc}", file=sys.stderr)
+            return 2
+    else:
+        for address in (args.listen, args.http):
+            if address is not None and not _loopback(address):
+                log.warning("serving beyond this machine without --api-key-file: anyone who reaches it may call",
+                            address=address)
     stop = threading.Event()
 
     def on_signal(signum: int, _frame: FrameType | None) -> None:
@@ -49,7 +63,7 @@ def run_serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     engine = Engine(setup.model, setup.tokenizer, setup.dispatcher, max_batch=args.max_batch,
                     max_waiting=args.max_waiting, lanes=args.lanes, max_tokens_cap=args.max_tokens_limit)
     backbone = Backbone(engine=engine, tokenizer=setup.tokenizer, dispatcher=setup.dispatcher,
-                        model_id=args.model_name or args.model.resolve().name)
+                        model_id=args.model_name or args.model.resolve().name, api_key=api_key)
     http = None
     try:
         try:
@@ -85,3 +99,15 @@ def run_serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         setup.close(result)
     log.info("backbone stopped", work_reported=result.get("work_reported"))
     return 0
+
+
+def _loopback(address: str) -> bool:
+    import ipaddress
+
+    host = address.rpartition(":")[0].strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False

@@ -213,13 +213,22 @@ class _Api:
         self.bb = backbone
         self.watches = _Watches()
 
+    def _authorize(self, request: HTTPRequest) -> None:
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        if not self.bb.key_presented(token.strip() if scheme.lower() == "bearer" else None):
+            raise ApiError(401, "this backbone needs its API key: send 'Authorization: Bearer KEY' (the openai "
+                                "package's api_key; KEY is in the file given to --api-key-file)",
+                           code="invalid_api_key")
+
     def _model(self) -> dict[str, Any]:
         return {"id": self.bb.model_id, "object": "model", "created": self.bb.created, "owned_by": "kvasir"}
 
     async def models(self, request: HTTPRequest) -> Response:
+        self._authorize(request)
         return _JSON({"object": "list", "data": [self._model()]})
 
     async def model(self, request: HTTPRequest) -> Response:
+        self._authorize(request)
         try:
             self.bb.check_model(request.path_params["model"])
         except InvalidRequest as exc:
@@ -276,6 +285,7 @@ class _Api:
         return _Watch(streams, self.watches)
 
     async def completions(self, request: HTTPRequest) -> Response:
+        self._authorize(request)
         params = parse_completion(await _body(request))
         # Tokenizing is CPU work (up to a MiB of text): off the loop.
         requests = await trio.to_thread.run_sync(self._completion_requests, params)
@@ -287,6 +297,7 @@ class _Api:
         return _JSON(completion_object(ident, created, model, texts, summaries))
 
     async def chat(self, request: HTTPRequest) -> Response:
+        self._authorize(request)
         params = parse_chat(await _body(request))
         requests = await trio.to_thread.run_sync(self._chat_requests, params)
         watch = self._submit(params.model, requests)

@@ -5,6 +5,7 @@ with reflection (v1 and v1alpha) and health. The OpenAI-compatible HTTP API
 from __future__ import annotations
 
 import dataclasses
+import hmac
 import time
 from concurrent import futures
 from typing import Any
@@ -23,7 +24,7 @@ from backbone._engine import (
     Summary,
 )
 from backbone._experts import Dispatcher
-from kvasir_rpc import NO_PORT_SHARING, backbone_pb2, backbone_pb2_grpc, get_logger, start_with_health
+from kvasir_rpc import NO_PORT_SHARING, backbone_pb2, backbone_pb2_grpc, check_bearer, get_logger, start_with_health
 
 log = get_logger("backbone.serve")
 
@@ -49,6 +50,14 @@ class Backbone:
     dispatcher: Dispatcher
     model_id: str
     created: int = dataclasses.field(default_factory=lambda: int(time.time()))
+    # When set, callers present it as a bearer token (gRPC metadata, HTTP Authorization).
+    api_key: str = ""
+
+    def key_presented(self, presented: str | None) -> bool:
+        """Whether ``presented`` (the token after "Bearer ") opens the service, in constant time."""
+        if not self.api_key:
+            return True
+        return hmac.compare_digest((presented or "").encode(), self.api_key.encode())
 
     def card(self) -> backbone_pb2.ModelCard:
         model = self.engine.model
@@ -127,8 +136,16 @@ class BackboneServicer(backbone_pb2_grpc.BackboneServiceServicer):
     def __init__(self, backbone: Backbone) -> None:
         self.backbone = backbone
 
+    def _authorize(self, context: grpc.ServicerContext) -> None:
+        key = self.backbone.api_key
+        if key and not check_bearer(context.invocation_metadata(), key):
+            context.abort(grpc.StatusCode.UNAUTHENTICATED,
+                          "this backbone needs its API key: send 'authorization: Bearer KEY' metadata "
+                          "(KEY is in the file given to --api-key-file)")
+
     def Generate(self, request: backbone_pb2.GenerateRequest, context: grpc.ServicerContext):  # type: ignore[no-untyped-def]
         bb = self.backbone
+        self._authorize(context)
         try:
             bb.check_model(request.model)
             s = request.sampling
@@ -149,10 +166,12 @@ class BackboneServicer(backbone_pb2_grpc.BackboneServiceServicer):
 
     def ListModels(self, request: backbone_pb2.ListModelsRequest,
                    context: grpc.ServicerContext) -> backbone_pb2.ListModelsResponse:
+        self._authorize(context)
         return backbone_pb2.ListModelsResponse(models=[self.backbone.card()])
 
     def Describe(self, request: backbone_pb2.BackboneServiceDescribeRequest,
                  context: grpc.ServicerContext) -> backbone_pb2.BackboneServiceDescribeResponse:
+        self._authorize(context)
         try:
             self.backbone.check_model(request.model)
         except InvalidRequest as exc:

@@ -29,9 +29,10 @@ TOKENS = 10
 
 
 class Service:
-    def __init__(self, port: int, model: str) -> None:
+    def __init__(self, port: int, model: str, key: str = "") -> None:
         self.address = f"127.0.0.1:{port}"
         self.model = model
+        self.metadata = (("authorization", f"Bearer {key}"),) if key else ()
         self.channel = grpc.insecure_channel(self.address)
         self.stub = backbone_pb2_grpc.BackboneServiceStub(self.channel)
 
@@ -39,7 +40,8 @@ class Service:
         ids: list[int] = []
         text = ""
         summary = None
-        for msg in self.stub.Generate(backbone_pb2.GenerateRequest(**fields), timeout=timeout):
+        for msg in self.stub.Generate(backbone_pb2.GenerateRequest(**fields), timeout=timeout,
+                                      metadata=self.metadata):
             assert summary is None, "the summary comes on the last message only"
             ids += msg.token_ids
             text += msg.text
@@ -49,7 +51,7 @@ class Service:
         return ids, text, summary
 
     def describe(self) -> backbone_pb2.BackboneServiceDescribeResponse:
-        return self.stub.Describe(backbone_pb2.BackboneServiceDescribeRequest(), timeout=10)
+        return self.stub.Describe(backbone_pb2.BackboneServiceDescribeRequest(), timeout=10, metadata=self.metadata)
 
 
 def _greedy(prompt: str, **extra):  # type: ignore[no-untyped-def]
@@ -69,10 +71,14 @@ def services(tiny_models, tmp_path_factory):  # type: ignore[no-untyped-def]
             sw.start_worker(name, model, experts, via="gateway")
         sw.wait_sessions(2, watch=["w1", "w2"])
         remote = sw.start_backbone_service("remote", model, ["--lanes", "2", "--wait-sessions", "2"])
-        local = sw.start_backbone_service("local", model, ["--max-batch", "8", "--max-waiting", "24",
-                                                           "--lanes", "2"], hub=False)
-        yield sw, Service(int(remote["grpc_port"]), str(remote["model"])), Service(int(local["grpc_port"]),
-                                                                                  str(local["model"]))
+        # The local service wants an API key, and serves the HTTP API too.
+        local = sw.start_backbone_service("local", model, ["--max-batch", "8", "--max-waiting", "24", "--lanes", "2",
+                                                           "--api-key-file", str(work / "api.key")],
+                                          hub=False, http=True)
+        key = (work / "api.key").read_text().strip()
+        svc = Service(int(local["grpc_port"]), str(local["model"]), key)
+        svc.http_port = int(local["http_port"])  # type: ignore[attr-defined]
+        yield sw, Service(int(remote["grpc_port"]), str(remote["model"])), svc
 
 
 def test_32_concurrent_calls_each_return_what_they_return_alone_and_alone_the_swarm_is_bitwise_local(services):
@@ -102,6 +108,37 @@ def test_32_concurrent_calls_each_return_what_they_return_alone_and_alone_the_sw
     assert d.model.id == remote.model and d.model.experts_per_layer == 8 and d.model.experts_per_token == 2
     assert remote.stub.ListModels(backbone_pb2.ListModelsRequest(), timeout=5).models[0] == d.model
     assert not local.describe().remote and local.describe().coverage == 0.0
+
+
+def test_a_service_with_an_api_key_refuses_callers_without_it_on_grpc_and_http(services):
+    import openai
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    sw, _, local = services
+    key_file = sw.workdir / "api.key"
+    assert key_file.stat().st_mode & 0o777 == 0o600
+    stub = local.stub
+    for metadata in ((), (("authorization", "Bearer wrong"),), (("authorization", local.metadata[0][1][7:]),)):
+        for call in (lambda: stub.ListModels(backbone_pb2.ListModelsRequest(), timeout=10, metadata=metadata),
+                     lambda: stub.Describe(backbone_pb2.BackboneServiceDescribeRequest(), timeout=10,
+                                           metadata=metadata),
+                     lambda: list(stub.Generate(backbone_pb2.GenerateRequest(prompt="x", max_tokens=2), timeout=10,
+                                                metadata=metadata))):
+            with pytest.raises(grpc.RpcError) as err:
+                call()
+            assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED and "--api-key-file" in err.value.details()
+    # Health stays open (for probes); the key opens the rest.
+    health = health_pb2_grpc.HealthStub(local.channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
+    assert health.status == health_pb2.HealthCheckResponse.SERVING
+    base = f"http://127.0.0.1:{local.http_port}/v1"
+    with pytest.raises(openai.AuthenticationError) as refused:
+        openai.OpenAI(base_url=base, api_key="wrong", max_retries=0).completions.create(
+            model=local.model, prompt="x", max_tokens=2)
+    assert refused.value.status_code == 401 and refused.value.code == "invalid_api_key"
+    client = openai.OpenAI(base_url=base, api_key=local.metadata[0][1][len("Bearer "):], max_retries=0)
+    reply = client.completions.create(model=local.model, prompt=PROMPTS[1], max_tokens=TOKENS, temperature=0,
+                                      extra_body={"ignore_eos": True})
+    assert reply.choices[0].text == local.generate(**_greedy(PROMPTS[1]))[1]
 
 
 def test_sampling_is_the_requests_own_stop_strings_end_the_text(services):
@@ -143,14 +180,14 @@ def _long(prompt: str = "a long one") -> backbone_pb2.GenerateRequest:
 
 def test_a_caller_that_goes_away_frees_its_slot_and_a_full_service_says_resource_exhausted(services):
     _, _, local = services
-    call = local.stub.Generate(_long(), timeout=60)
+    call = local.stub.Generate(_long(), timeout=60, metadata=local.metadata)
     next(call)
     next(call)
     wait_until(lambda: local.describe().running == 1, 10, "the long call to run")
     call.cancel()
     wait_until(lambda: local.describe().running == 0, 10, "the cancelled call's slot to be freed")
     # Fill every slot (8) and the waiting line (24): the next call is refused at once.
-    calls = [local.stub.Generate(_long(f"long {i}"), timeout=60) for i in range(32)]
+    calls = [local.stub.Generate(_long(f"long {i}"), timeout=60, metadata=local.metadata) for i in range(32)]
     try:
         wait_until(lambda: local.describe().running + local.describe().waiting == 32, 20, "32 calls to be held")
         t0 = time.monotonic()
