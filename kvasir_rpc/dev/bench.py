@@ -292,6 +292,32 @@ def _core_split() -> tuple[frozenset[int], frozenset[int]] | None:
     return frozenset(cpus[:1]), frozenset(cpus[1:])
 
 
+def start_decode_swarm(sw, tmp: pathlib.Path, split: tuple[frozenset[int], frozenset[int]] | None,  # type: ignore[no-untyped-def]
+                       backbones: tuple[str, ...]) -> tuple[pathlib.Path, pathlib.Path]:
+    """The decode benches' swarm in ``sw``: the DECODE_MODEL checkpoint, a TLS gateway, a hub,
+    and two workers (half the experts each) that reach the gateway through a latency proxy
+    whose round trip is the number in the returned file (ms). With ``split``, the processes
+    named ``backbones`` and the hub get the first cores, the rest the others. Returns
+    ``(model, rtt_file)``."""
+    from kvasir_rpc.dev.tiny import make_tiny_checkpoint
+
+    if split is not None:
+        sw.default_cpus = split[1]
+        for name in (*backbones, "hub"):
+            sw.cpus[name] = split[0]
+    model = make_tiny_checkpoint(tmp / "model", arch="qwen3_moe", seed=0, overrides=DECODE_MODEL)
+    rtt_file = tmp / "rtt_ms"
+    sw.start_gateway()
+    sw.start_hub(gateway=True)
+    proxy = sw.start_latency_proxy("latency", sw.gateway_port, rtt_file)
+    half = DECODE_MODEL["num_experts"] // 2
+    url = f"wss://127.0.0.1:{proxy}"
+    sw.start_worker("worker1", model, f"*:0-{half - 1}", via="gateway", gateway_url=url)
+    sw.start_worker("worker2", model, f"*:{half}-{DECODE_MODEL['num_experts'] - 1}", via="gateway", gateway_url=url)
+    sw.wait_sessions(2, watch=["gateway", "latency", "worker1", "worker2"])
+    return model, rtt_file
+
+
 def run_decode_bench(*, quick: bool = False, say: Callable[[str], None] = print) -> dict[str, object]:
     """Aggregate tokens/s of many concurrent sequences: every expert local, against every MoE
     layer's experts on two workers that reach the hub through the TLS gateway over a link
@@ -299,7 +325,6 @@ def run_decode_bench(*, quick: bool = False, say: Callable[[str], None] = print)
     The remote runs pick their micro-batch groups from measured step times. Processes are
     pinned by :func:`_core_split` where the machine allows it."""
     from kvasir_rpc.dev.swarm import LocalSwarm
-    from kvasir_rpc.dev.tiny import make_tiny_checkpoint
 
     batch, tokens = (32, 6) if quick else (128, 16)
     args_common = ["--prompt", "the swarm", "--max-new-tokens", str(tokens), "--batch", str(batch)]
@@ -308,19 +333,7 @@ def run_decode_bench(*, quick: bool = False, say: Callable[[str], None] = print)
                               "cores": None if split is None else {"backbone_and_hub": sorted(split[0]),
                                                                    "gateway_proxy_workers": sorted(split[1])}}
     with tempfile.TemporaryDirectory(prefix="kvasir-bench-decode-") as tmp, LocalSwarm(tmp) as sw:
-        if split is not None:
-            sw.default_cpus = split[1]
-            sw.cpus["backbone"] = sw.cpus["hub"] = split[0]
-        model = make_tiny_checkpoint(pathlib.Path(tmp) / "model", arch="qwen3_moe", seed=0, overrides=DECODE_MODEL)
-        rtt_file = pathlib.Path(tmp) / "rtt_ms"
-        sw.start_gateway()
-        sw.start_hub(gateway=True)
-        proxy = sw.start_latency_proxy("latency", sw.gateway_port, rtt_file)
-        half = DECODE_MODEL["num_experts"] // 2
-        url = f"wss://127.0.0.1:{proxy}"
-        sw.start_worker("worker1", model, f"*:0-{half - 1}", via="gateway", gateway_url=url)
-        sw.start_worker("worker2", model, f"*:{half}-{DECODE_MODEL['num_experts'] - 1}", via="gateway", gateway_url=url)
-        sw.wait_sessions(2, watch=["gateway", "latency", "worker1", "worker2"])
+        model, rtt_file = start_decode_swarm(sw, pathlib.Path(tmp), split, ("backbone",))
         local = sw.run_backbone(["--model", str(model), *args_common], hub=False)
         out["local_tokens_per_s"] = local["decode_tokens_per_s"]
         out["local_tokens_per_s_with_prefill"] = local["tokens_per_s"]

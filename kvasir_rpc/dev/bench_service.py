@@ -81,9 +81,8 @@ def run_service_bench(*, quick: bool = False, say: Callable[[str], None] = print
     import grpc
 
     from kvasir_rpc import backbone_pb2_grpc
-    from kvasir_rpc.dev.bench import DECODE_MODEL, _core_split
+    from kvasir_rpc.dev.bench import DECODE_MODEL, _core_split, start_decode_swarm
     from kvasir_rpc.dev.swarm import LocalSwarm
-    from kvasir_rpc.dev.tiny import make_tiny_checkpoint
 
     tokens = 8 if quick else 16
     rounds = 1 if quick else 2
@@ -92,21 +91,9 @@ def run_service_bench(*, quick: bool = False, say: Callable[[str], None] = print
                               "cores": None if split is None else {"services_and_hub": sorted(split[0]),
                                                                    "gateway_workers": sorted(split[1])}}
     with tempfile.TemporaryDirectory(prefix="kvasir-bench-service-") as tmp, LocalSwarm(tmp) as sw:
-        if split is not None:
-            sw.default_cpus = split[1]
-            sw.cpus["remote"] = sw.cpus["remote2"] = sw.cpus["local"] = sw.cpus["hub"] = split[0]
-        model = make_tiny_checkpoint(pathlib.Path(tmp) / "model", arch="qwen3_moe", seed=0, overrides=DECODE_MODEL)
-        sw.start_gateway()
-        sw.start_hub(gateway=True)
-        # The workers reach the gateway through a latency proxy: RTT 0 for the main figures,
-        # then 50 ms to see what lanes hide.
-        rtt_file = pathlib.Path(tmp) / "rtt_ms"
-        proxy = sw.start_latency_proxy("latency", sw.gateway_port, rtt_file)
-        half = DECODE_MODEL["num_experts"] // 2
-        url = f"wss://127.0.0.1:{proxy}"
-        sw.start_worker("worker1", model, f"*:0-{half - 1}", via="gateway", gateway_url=url)
-        sw.start_worker("worker2", model, f"*:{half}-{DECODE_MODEL['num_experts'] - 1}", via="gateway", gateway_url=url)
-        sw.wait_sessions(2, watch=["gateway", "latency", "worker1", "worker2"])
+        # The workers' link goes through a latency proxy: RTT 0 for the main figures, then
+        # 50 ms to see what lanes hide.
+        model, rtt_file = start_decode_swarm(sw, pathlib.Path(tmp), split, ("remote", "remote2", "local"))
         services = {"local": sw.start_backbone_service("local", model, hub=False, http=True),
                     "remote": sw.start_backbone_service("remote", model, ["--wait-sessions", "2"]),
                     "remote_two_lanes": sw.start_backbone_service("remote2", model,
