@@ -1,4 +1,5 @@
-"""The ``kvasir`` command: ``kvasir model tiny DIR``, ``kvasir demo``, ``kvasir key show FILE``."""
+"""The ``kvasir`` command: ``kvasir model tiny DIR``, ``kvasir demo``, ``kvasir bench``, ``kvasir status``,
+``kvasir balance``, ``kvasir key show FILE``, ``kvasir conformance``."""
 
 from __future__ import annotations
 
@@ -200,6 +201,105 @@ def _cmd_certs(args: argparse.Namespace) -> int:
     return 0
 
 
+def _unreachable(what: str, address: str, exc: BaseException) -> str:
+    """One line for a peer that did not answer, naming the address and the flag."""
+    import grpc
+
+    if isinstance(exc, grpc.RpcError):
+        code = exc.code()  # type: ignore[attr-defined]
+        if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+            return f"cannot reach {what} at {address} ({code.name}): is it running, and is this its gRPC address?"
+        return f"{what} at {address} answered {code.name}: {exc.details()}"  # type: ignore[attr-defined]
+    return f"cannot reach {what} at {address}: {exc}"
+
+
+def _cmd_status(args: argparse.Namespace) -> int:
+    """The hub's live sessions, for a terminal (or one JSON object)."""
+    import grpc
+    from google.protobuf import json_format
+
+    from kvasir_rpc import session_pb2, session_pb2_grpc
+
+    try:
+        with grpc.insecure_channel(args.hub) as channel:
+            sessions = list(session_pb2_grpc.SessionServiceStub(channel).ListSessions(
+                session_pb2.ListSessionsRequest(), timeout=args.timeout).sessions)
+    except grpc.RpcError as exc:
+        print(f"kvasir status: {_unreachable('the hub', args.hub, exc)} (--hub takes the hub's --grpc address)",
+              file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps({"hub": args.hub, "sessions": [json_format.MessageToDict(
+            s, preserving_proto_field_name=True) for s in sessions]}))
+        return 0
+    now_ms = time.time() * 1000
+    print(f"hub {args.hub}: {len(sessions)} live session{'s' if len(sessions) != 1 else ''}")
+    covered: dict[int, set[int]] = {}
+    for s in sorted(sessions, key=lambda x: x.connected_since_unix_ms):
+        experts = sum(len(sl.experts) for sl in s.slices)
+        for sl in s.slices:
+            covered.setdefault(sl.layer, set()).update(sl.experts)
+        up = max(0.0, (now_ms - s.connected_since_unix_ms) / 1000)
+        print(f"  {s.session_id}  wallet {s.wallet[:16]}…  {s.device or '?'}  {s.model_type}  "
+              f"{experts} experts in {len(s.slices)} layers  up {up:.0f} s  "
+              f"work {int(s.work_bytes):,} bytes  tunnel in {int(s.bytes_to_worker):,} / out "
+              f"{int(s.bytes_from_worker):,}  {'encrypted' if s.encrypted else 'in clear'}")
+    for layer in sorted(covered):
+        print(f"  layer {layer}: experts {_ranges(sorted(covered[layer]))} served")
+    return 0
+
+
+def _ranges(xs: list[int]) -> str:
+    """Sorted [0, 1, 2, 5] -> "0-2, 5"."""
+    runs: list[list[int]] = []
+    for x in xs:
+        if runs and runs[-1][1] == x - 1:
+            runs[-1][1] = x
+        else:
+            runs.append([x, x])
+    return ", ".join(f"{a}-{b}" if a != b else str(a) for a, b in runs)
+
+
+def _cmd_balance(args: argparse.Namespace) -> int:
+    """A wallet's credited KVR at a ledger."""
+    import grpc
+
+    from kvasir_rpc import Wallet, WalletError, configure_logging, is_address, ledger_pb2, ledger_pb2_grpc
+
+    if args.wallet_file is not None:
+        configure_logging("kvasir", level="warning")  # a loose key file's warning goes to stderr
+        try:
+            wallet = Wallet.load(args.wallet_file).address
+        except FileNotFoundError:
+            print(f"kvasir balance: {args.wallet_file}: no such wallet file (a worker's is its --wallet)",
+                  file=sys.stderr)
+            return 2
+        except (WalletError, OSError) as exc:
+            print(f"kvasir balance: --wallet-file: {exc}", file=sys.stderr)
+            return 2
+    else:
+        wallet = args.wallet.strip().lower()
+        if not is_address(wallet):
+            print("kvasir balance: --wallet takes a wallet address, 64 hex characters "
+                  "(`kvasir key show WALLET_FILE` prints it)", file=sys.stderr)
+            return 2
+    try:
+        with grpc.insecure_channel(args.ledger) as channel:
+            b = ledger_pb2_grpc.LedgerServiceStub(channel).GetBalance(
+                ledger_pb2.GetBalanceRequest(wallet=wallet), timeout=args.timeout)
+    except grpc.RpcError as exc:
+        print(f"kvasir balance: {_unreachable('the ledger', args.ledger, exc)}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps({"wallet": wallet, "pending_kvr": b.pending_kvr, "pending_nano_kvr": int(b.pending_nano_kvr),
+                          "bytes_credited": int(b.bytes_credited), "units": b.units,
+                          "credit_count": int(b.credit_count)}))
+    else:
+        print(f"wallet {wallet}: {b.pending_kvr} KVR pending ({int(b.pending_nano_kvr):,} nano-KVR) for "
+              f"{int(b.bytes_credited):,} bytes of work ({b.units} units) in {int(b.credit_count)} credits")
+    return 0
+
+
 def _cmd_key_show(args: argparse.Namespace) -> int:
     from kvasir_rpc import Wallet, WalletError, configure_logging
 
@@ -285,6 +385,21 @@ def main(argv: list[str] | None = None) -> int:
     certs.add_argument("dir", type=pathlib.Path)
     certs.add_argument("--host", action="append", help="name or IP the certificate covers (repeatable)")
     certs.set_defaults(func=_cmd_certs)
+    status = sub.add_parser("status", help="a hub's live sessions and the experts they serve",
+                            formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    status.add_argument("--hub", required=True, help="HOST:PORT of the hub's SessionService (its --grpc)")
+    status.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for the hub")
+    status.add_argument("--json", action="store_true", help="print one JSON object")
+    status.set_defaults(func=_cmd_status)
+    balance = sub.add_parser("balance", help="a wallet's KVR credited at a ledger",
+                             formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    balance.add_argument("--ledger", required=True, help="HOST:PORT of the ledger's LedgerService")
+    who = balance.add_mutually_exclusive_group(required=True)
+    who.add_argument("--wallet", help="the wallet's address (64 hex characters)")
+    who.add_argument("--wallet-file", type=pathlib.Path, help="a wallet key file (a worker's --wallet)")
+    balance.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for the ledger")
+    balance.add_argument("--json", action="store_true", help="print one JSON object")
+    balance.set_defaults(func=_cmd_balance)
     key = sub.add_parser("key", help="key files of hubs and wallets")
     ksub = key.add_subparsers(dest="key_command", required=True)
     show = ksub.add_parser("show", help="print a key file's public address (what a ledger's --trust-key takes)")
