@@ -1,8 +1,10 @@
-"""The engine's pure parts: what text may be sent before a stop string is ruled out, and
-how a sampled token is drawn (top-k, top-p, the request's own generator)."""
+"""The engine: what text may be sent before a stop string is ruled out, how a sampled token
+is drawn (top-k, top-p, the request's own generator), and, in process on the tiny
+checkpoints, that a batch returns what each request returns alone on every cache layout."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from backbone._engine import Sampling, _certain_end, _sample
@@ -30,3 +32,38 @@ def test_top_k_and_top_p_keep_only_the_likely_tokens_and_a_seed_repeats_the_draw
     g1, g2 = torch.Generator().manual_seed(7), torch.Generator().manual_seed(7)
     assert [_sample(logits, Sampling(temperature=1.5), g1) for _ in range(20)] == \
            [_sample(logits, Sampling(temperature=1.5), g2) for _ in range(20)]
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral", "qwen3_5_moe"])
+def test_a_batch_of_requests_returns_what_each_returns_alone_on_every_cache_layout(arch, tiny_models):
+    """In process, experts local: 12 greedy requests of different lengths arriving together
+    (prefilled together where the cache allows, Qwen3.5's linear-attention states one at a
+    time) against each alone, and their padding keeps out of the experts path."""
+    from backbone._engine import Engine, Request
+    from backbone._experts import Dispatcher
+    from backbone._generate import load_model
+
+    model, tokenizer = load_model(tiny_models(arch))
+    engine = Engine(model, tokenizer, Dispatcher(model, None), max_batch=12)
+    try:
+        requests = [Request(prompt_ids=tuple(tokenizer(f"request {i}" + " of the swarm" * (i % 4))["input_ids"]),
+                            max_tokens=8, ignore_eos=True) for i in range(12)]
+
+        def run(streams):  # type: ignore[no-untyped-def]
+            out = []
+            for stream in streams:
+                events = list(stream)
+                assert events[-1].error is None, events[-1].error
+                out.append(([t for e in events for t in e.token_ids], events[-1].summary))
+            return out
+
+        alone = [run([engine.submit(r)])[0] for r in requests]
+        together = run([engine.submit(r) for r in requests])
+        assert [ids for ids, _ in together] == [ids for ids, _ in alone]
+        assert max(s.max_batch_size for _, s in together) > 1
+        # The same expert rows as alone: none for padding.
+        assert [s.local_rows for _, s in together] == [s.local_rows for _, s in alone]
+        assert engine.pad_prefill == (arch != "qwen3_5_moe")
+    finally:
+        engine.close()
