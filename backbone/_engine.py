@@ -181,7 +181,6 @@ class _Seq:
         self.arrived = arrived
         self.admitted = 0.0
         self.first = 0.0
-        self.generated: list[int] = []
         self.delivered: list[int] = []  # token ids sent to the caller
         self.sent_chars = 0
         self.next_token = 0  # the last token chosen, the next step's input
@@ -191,20 +190,13 @@ class _Seq:
         if seed is None and not self.req.sampling.greedy:
             seed = int(torch.randint(0, 2**63 - 1, (1,)).item())
         self.seed = seed
-        self.generator = self._fresh_generator()
-        self.digest = hashlib.sha256() if self.req.digest_logits else None
-
-    def _fresh_generator(self) -> torch.Generator | None:
-        if self.seed is None:
-            return None
-        g = torch.Generator()
-        g.manual_seed(self.seed)
-        return g
+        self.restart()
 
     def restart(self) -> list[int]:
-        """Back to the prompt for a replay; the tokens sent so far."""
-        self.generated = []
-        self.generator = self._fresh_generator()
+        """Back to the prompt (a fresh start, or a replay): no token generated, the generator
+        at its seed, the digest empty. Returns the tokens sent so far."""
+        self.generated: list[int] = []
+        self.generator = torch.Generator().manual_seed(self.seed) if self.seed is not None else None
         self.digest = hashlib.sha256() if self.req.digest_logits else None
         return list(self.delivered)
 
@@ -228,10 +220,9 @@ class Engine:
         if eos is None:
             eos = tokenizer.eos_token_id
         self.eos: frozenset[int] = frozenset([eos] if isinstance(eos, int) else (eos or []))
-        self.batchable, why = _cache_is_batchable(model)
         # Several prompts are prefilled in one pass, left-padded, unless the cache has
         # linear-attention states (padding would run through them): those are prefilled alone.
-        self.pad_prefill = self.batchable and _kv_only(model)
+        self.batchable, self.pad_prefill, why = _cache_layout(model)
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         self.pad_id = int(pad or 0)
         if not self.batchable:
@@ -254,8 +245,7 @@ class Engine:
         with self._cond:
             if self._closed:
                 raise Overloaded("the backbone is shutting down")
-            running = sum(len(lane.rows) + len(lane.joining) for lane in self._lanes)
-            if running + len(self._waiting) >= self.max_batch + self.max_waiting:
+            if self._running() + len(self._waiting) >= self.max_batch + self.max_waiting:
                 raise Overloaded(f"all {self.max_batch} slots are busy and {len(self._waiting)} requests are "
                                  "waiting; retry later")
             self._waiting.append(_Seq(stream, self.eos, time.perf_counter()))
@@ -302,10 +292,13 @@ class Engine:
             self.requests_finished += 1
             self.tokens_generated += tokens
 
+    def _running(self) -> int:
+        return sum(len(lane.rows) + len(lane.joining) for lane in self._lanes)
+
     def load(self) -> tuple[int, int]:
         """``(running, waiting)``."""
         with self._cond:
-            return sum(len(lane.rows) + len(lane.joining) for lane in self._lanes), len(self._waiting)
+            return self._running(), len(self._waiting)
 
     def close(self, timeout: float = 10.0) -> None:
         with self._cond:
@@ -423,20 +416,6 @@ class _Lane:
 
     # -- prefill, step, sampling -----------------------------------------------------
 
-    def _prefill(self, seq: _Seq):  # type: ignore[no-untyped-def]
-        """The prompt alone through the model: its cache and its last logits [V]."""
-        from transformers import DynamicCache
-
-        model = self.engine.model
-        ids = torch.tensor([seq.req.prompt_ids], dtype=torch.long)
-        cache = DynamicCache(config=model.config)
-        owners = torch.zeros(ids.shape[1], dtype=torch.long)
-        with self.engine.dispatcher.tally_rows(owners, 1) as tally:
-            out = model(input_ids=ids, attention_mask=torch.ones_like(ids), cache=cache, use_cache=True,
-                        logits_to_keep=1)
-        self._add_rows(tally, [seq])
-        return cache, out.logits[0, -1].float()
-
     def _prefill_count(self) -> int:
         """How many of the joining requests to prefill in one forward pass: one where the
         model's cache cannot take left padding, else as many as fit PREFILL_TOKENS padded."""
@@ -449,18 +428,11 @@ class _Lane:
                 return n
         return len(self.joining)
 
-    def _join_many(self, seqs: list[_Seq]) -> None:
-        """Prefill ``seqs`` together, left-padded (their padding skips the experts), and
-        append the ones that go on to the batch."""
-        if len(seqs) <= 1:
-            for seq in seqs:
-                self._join(seq)
-            return
+    def _prefill(self, seqs: list[_Seq]):  # type: ignore[no-untyped-def]
+        """The prompts of ``seqs`` through the model in one pass, left-padded to the longest
+        (the padding keeps out of the experts path): ``(cache, mask [B, L], last logits [B, V])``."""
         from transformers import DynamicCache
 
-        now = time.perf_counter()
-        for seq in seqs:
-            seq.admitted = seq.admitted or now
         length = max(len(seq.req.prompt_ids) for seq in seqs)
         ids = torch.full((len(seqs), length), self.engine.pad_id, dtype=torch.long)
         mask = torch.zeros((len(seqs), length), dtype=torch.long)
@@ -475,7 +447,18 @@ class _Lane:
             out = self.engine.model(input_ids=ids, attention_mask=mask, position_ids=positions, cache=cache,
                                     use_cache=True, logits_to_keep=1)
         self._add_rows(tally, seqs)
-        tokens = self._choose(out.logits[:, -1].float(), seqs)
+        return cache, mask, out.logits[:, -1].float()
+
+    def _join_many(self, seqs: list[_Seq]) -> None:
+        """Prefill ``seqs`` together, send each its first token, and append the ones that go
+        on to the batch."""
+        if not seqs:
+            return
+        now = time.perf_counter()
+        for seq in seqs:
+            seq.admitted = seq.admitted or now
+        cache, mask, logits = self._prefill(seqs)
+        tokens = self._choose(logits, seqs)
         going = [i for i, (seq, token) in enumerate(zip(seqs, tokens)) if not self._emit(seq, token)]
         if not going:
             return
@@ -486,19 +469,6 @@ class _Lane:
             _select_cache(cache, index, pad)
             mask = mask[:, pad:]
         self._append_rows([seqs[i] for i in going], cache, mask, [tokens[i] for i in going])
-
-    def _join(self, seq: _Seq) -> None:
-        if not seq.admitted:
-            seq.admitted = time.perf_counter()
-        cache, logits = self._prefill(seq)
-        token = self._choose(logits[None], [seq])[0]
-        if self._emit(seq, token):
-            return
-        self._append(seq, cache, token)
-
-    def _append(self, seq: _Seq, cache, token: int) -> None:  # type: ignore[no-untyped-def]
-        """``seq`` (prefilled alone, its next input ``token``) joins the batch."""
-        self._append_rows([seq], cache, torch.ones(1, _cache_length(cache), dtype=torch.long), [token])
 
     def _append_rows(self, seqs: list[_Seq], cache, mask: torch.Tensor, tokens: list[int]) -> None:  # type: ignore[no-untyped-def]
         """Prefilled ``seqs`` (their cache and its mask, their next inputs) join the batch."""
@@ -616,7 +586,7 @@ class _Lane:
             for seq in pending:
                 sent = seq.restart()
                 if not sent:
-                    self._join(seq)
+                    self._join_many([seq])
                 else:
                     self._verify(seq, sent)
                 self.joining = self.joining[1:]
@@ -624,9 +594,9 @@ class _Lane:
     def _verify(self, seq: _Seq, sent: list[int]) -> None:
         """Decode ``seq`` alone again up to the tokens it sent; back into the batch if they
         come out the same, else ended with an error."""
-        cache, logits = self._prefill(seq)
+        cache, mask, logits = self._prefill([seq])
         for k, expected in enumerate(sent):
-            token = self._choose(logits[None], [seq])[0]
+            token = self._choose(logits, [seq])[0]
             if token != expected:
                 seq.stream._put(StreamEvent(error=(
                     f"a worker caught delivering wrong work had changed token {k} of this decode, so the "
@@ -634,17 +604,17 @@ class _Lane:
                 return
             seq.generated.append(token)
             if k + 1 < len(sent):
-                cache, logits = self._forward_one(seq, cache, token)
-        self._append(seq, cache, sent[-1])
+                mask, logits = self._forward_one(seq, cache, mask, token)
+        self._append_rows([seq], cache, mask, [sent[-1]])
 
-    def _forward_one(self, seq: _Seq, cache, token: int):  # type: ignore[no-untyped-def]
-        length = _cache_length(cache)
-        ids = torch.tensor([[token]], dtype=torch.long)
+    def _forward_one(self, seq: _Seq, cache, mask: torch.Tensor, token: int):  # type: ignore[no-untyped-def]
+        """One more token of ``seq`` alone: its grown mask and next logits [1, V]."""
+        mask = torch.cat([mask, torch.ones(1, 1, dtype=torch.long)], dim=1)
         with self.engine.dispatcher.tally_rows(torch.zeros(1, dtype=torch.long), 1) as tally:
-            out = self.engine.model(input_ids=ids, attention_mask=torch.ones(1, length + 1, dtype=torch.long),
-                                    position_ids=torch.tensor([[length]]), cache=cache, use_cache=True)
+            out = self.engine.model(input_ids=torch.tensor([[token]], dtype=torch.long), attention_mask=mask,
+                                    position_ids=torch.tensor([[mask.shape[1] - 1]]), cache=cache, use_cache=True)
         self._add_rows(tally, [seq])
-        return cache, out.logits[0, -1].float()
+        return mask, out.logits[:, -1].float()
 
     # -- the batch's cache -------------------------------------------------------------
 
@@ -699,29 +669,22 @@ def _certain_end(text: str, stops: tuple[str, ...]) -> int:
 
 # -- cache layout: transformers' DynamicCache, attention and linear-attention layers -------
 
-def _cache_is_batchable(model) -> tuple[bool, str]:  # type: ignore[no-untyped-def]
+def _cache_layout(model) -> tuple[bool, bool, str]:  # type: ignore[no-untyped-def]
+    """``(batchable, kv_only, why not batchable)`` of the model's DynamicCache: whether its
+    layers can be left-padded and batched (attention keys/values, linear-attention states),
+    and whether they are attention keys/values only (so prompts can be prefilled padded)."""
     from transformers import DynamicCache
 
     try:
-        cache = DynamicCache(config=model.config)
+        layers = DynamicCache(config=model.config).layers
     except Exception as exc:  # a model whose cache this code does not know
-        return False, f"cannot build its cache: {exc}"
-    for layer in cache.layers:
+        return False, False, f"cannot build its cache: {exc}"
+    for layer in layers:
         if getattr(layer, "is_sliding", False):
-            return False, "sliding-window attention layers"
+            return False, False, "sliding-window attention layers"
         if not (hasattr(layer, "keys") or hasattr(layer, "conv_states")):
-            return False, f"cache layer {type(layer).__name__}"
-    return True, ""
-
-
-def _kv_only(model) -> bool:  # type: ignore[no-untyped-def]
-    from transformers import DynamicCache
-
-    return not any(hasattr(layer, "conv_states") for layer in DynamicCache(config=model.config).layers)
-
-
-def _cache_length(cache) -> int:  # type: ignore[no-untyped-def]
-    return int(cache.get_seq_length())
+            return False, False, f"cache layer {type(layer).__name__}"
+    return True, not any(hasattr(layer, "conv_states") for layer in layers), ""
 
 
 def _kv(layer) -> bool:  # type: ignore[no-untyped-def]
