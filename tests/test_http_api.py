@@ -7,13 +7,11 @@ from __future__ import annotations
 import concurrent.futures
 import http.client
 import json
-import os
 import pathlib
 import shutil
 import signal
 import socket
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -21,9 +19,10 @@ from typing import Any
 
 import grpc
 import pytest
-from helpers import ROOT, wait_until
+from helpers import wait_until
 
 from kvasir_rpc import backbone_pb2, backbone_pb2_grpc
+from kvasir_rpc.dev.swarm import LocalSwarm
 
 pytestmark = pytest.mark.integration
 
@@ -59,37 +58,15 @@ class Server:
 
 @pytest.fixture(scope="module")
 def server(tiny_models, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    work = tmp_path_factory.mktemp("http")
-    ready, log = work / "ready.json", work / "backbone.log"
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "backbone", "serve", "--model", str(tiny_models("qwen3_moe")),
-             "--model-name", MODEL, "--listen", "127.0.0.1:0", "--http", "127.0.0.1:0", "--ready-file", str(ready),
-             "--threads", "1", "--max-batch", str(MAX_BATCH), "--max-waiting", str(MAX_WAITING)],
-            stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=ROOT,
-            env=dict(os.environ, PYTHONUNBUFFERED="1"))
-    channel = None
-    try:
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while not ready.exists():
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise AssertionError(f"backbone did not start:\n{log.read_text(errors='replace')[-3000:]}")
-            time.sleep(0.05)
-        info = json.loads(ready.read_text())
+    with LocalSwarm(tmp_path_factory.mktemp("http")) as sw:
+        info = sw.start_backbone_service(
+            "backbone", tiny_models("qwen3_moe"), ["--model-name", MODEL, "--threads", "1", "--max-batch",
+                                                   str(MAX_BATCH), "--max-waiting", str(MAX_WAITING)],
+            hub=False, http=True, timeout=START_TIMEOUT_S)
         assert info["model"] == MODEL
-        channel = grpc.insecure_channel(f"127.0.0.1:{info['grpc_port']}")
-        yield Server(proc, int(info["http_port"]), int(info["grpc_port"]), log,
-                     backbone_pb2_grpc.BackboneServiceStub(channel))
-    finally:
-        if channel is not None:
-            channel.close()
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(10)
+        with grpc.insecure_channel(f"127.0.0.1:{info['grpc_port']}") as channel:
+            yield Server(sw.procs["backbone"], int(info["http_port"]), int(info["grpc_port"]),  # type: ignore[call-overload]
+                         sw.logs / "backbone.log", backbone_pb2_grpc.BackboneServiceStub(channel))
 
 
 def _client(server: Server) -> Any:

@@ -155,46 +155,10 @@ def test_node_watches_a_worker_come_and_go(tmp_path: pathlib.Path, tiny_models) 
 # -- BackboneService.Generate ---------------------------------------------------------------
 
 
-class BackboneServer:
-    """``python -m backbone serve`` on 127.0.0.1, port 0, all experts local; its log in ``work``."""
-
-    def __init__(self, work: pathlib.Path, model: pathlib.Path) -> None:
-        self.log = work / "backbone.log"
-        ready = work / "backbone.ready.json"
-        with open(self.log, "wb") as log:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "backbone", "serve", "--model", str(model), "--listen", "127.0.0.1:0",
-                 "--ready-file", str(ready)],
-                stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=ROOT,
-                env=dict(os.environ, PYTHONUNBUFFERED="1", KVASIR_THREADS="1"))
-        deadline = time.monotonic() + SERVER_START_TIMEOUT_S
-        while not ready.exists():
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                self.stop()
-                raise AssertionError(f"backbone serve did not start:\n{self.tail()}")
-            time.sleep(0.05)
-        info = json.loads(ready.read_text())
-        self.address = f"127.0.0.1:{int(info['grpc_port'])}"
-        self.model = str(info["model"])
-
-    def tail(self) -> str:
-        return self.log.read_text(errors="replace")[-3000:]
-
-    def stop(self, timeout: float = 15.0) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-        try:
-            self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(5)
-            raise AssertionError(f"backbone serve ignored SIGTERM for {timeout}s:\n{self.tail()}") from None
-
-
 def test_node_streams_generate(tmp_path: pathlib.Path, tiny_models) -> None:  # type: ignore[no-untyped-def]
-    server = BackboneServer(tmp_path, tiny_models("qwen3_moe"))
-    try:
-        _run_node("backbone", {"KVASIR_TS_BACKBONE": server.address, "KVASIR_TS_BACKBONE_MODEL": server.model},
-                  [server.log])
-    finally:
-        server.stop()
+    with LocalSwarm(tmp_path) as sw:
+        info = sw.start_backbone_service("backbone", tiny_models("qwen3_moe"), hub=False,
+                                         timeout=SERVER_START_TIMEOUT_S)
+        _run_node("backbone", {"KVASIR_TS_BACKBONE": f"127.0.0.1:{info['grpc_port']}",
+                               "KVASIR_TS_BACKBONE_MODEL": str(info["model"])}, [sw.logs / "backbone.log"])
+        assert sw.stop_process("backbone") == 0, "backbone serve did not stop cleanly on SIGTERM"
