@@ -64,7 +64,7 @@ def run_serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
                     max_waiting=args.max_waiting, lanes=args.lanes, max_tokens_cap=args.max_tokens_limit)
     backbone = Backbone(engine=engine, tokenizer=setup.tokenizer, dispatcher=setup.dispatcher,
                         model_id=args.model_name or args.model.resolve().name, api_key=api_key)
-    http = None
+    http = server = None
     try:
         try:
             server, port, health = serve_backbone(args.listen, backbone)
@@ -79,7 +79,6 @@ def run_serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
                 http = serve_http(backbone, args.http)
             except ListenError as exc:
                 print(f"backbone: --http: {exc}", file=sys.stderr)
-                server.stop(0)
                 return 1
             http_port = http.port
         log.info("backbone serving", grpc=port, http=http_port, model=backbone.model_id,
@@ -88,14 +87,14 @@ def run_serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         while not stop.wait(1.0):
             pass
         health.enter_graceful_shutdown()
-        if http is not None:
-            http.close()
-        engine.close()  # running requests end with UNAVAILABLE
-        server.stop(grace=2.0).wait(5.0)
     finally:
+        # In this order: no new HTTP requests, running requests end with UNAVAILABLE, gRPC
+        # stops, then the experts path reports its work to the hub.
         if http is not None:
             http.close()
         engine.close()
+        if server is not None:
+            server.stop(grace=2.0).wait(5.0)
         setup.close(result)
     log.info("backbone stopped", work_reported=result.get("work_reported"))
     return 0
