@@ -64,13 +64,18 @@ lint: $(STAMP) node-deps
 	$(VENV)/bin/mypy kvasir_rpc relay worker backbone ledger
 	npm run --prefix $(TS) --silent typecheck
 
-# The ledger's tests start a throwaway PostgreSQL cluster: they need Debian's server binaries.
+# The ledger's tests start a throwaway PostgreSQL cluster (Debian's server binaries); the status
+# page's test loads it in headless Chromium (Debian's chromium).
 system-deps:
-	@if ! ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1; then \
+	@missing=""; \
+	ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 || missing="$$missing postgresql"; \
+	command -v chromium >/dev/null 2>&1 || missing="$$missing chromium"; \
+	if [ -n "$$missing" ]; then \
 	  if [ "$$(id -u)" = 0 ]; then \
-	    apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends postgresql; \
+	    echo "installing Debian packages:$$missing" >&2; \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $$missing >/dev/null; \
 	  else \
-	    echo "PostgreSQL server binaries are missing: run 'sudo apt-get install postgresql' (Debian/Ubuntu)" >&2; exit 1; \
+	    echo "missing Debian packages:$$missing: run 'sudo apt-get install$$missing' (Debian/Ubuntu)" >&2; exit 1; \
 	  fi; \
 	fi
 

@@ -86,7 +86,14 @@ if TYPE_CHECKING:  # the real names, for type checkers; at run time __getattr__ 
         verify_signature,
     )
     from kvasir_rpc._cliargs import (
+        EXIT_INTERRUPTED,
+        EXIT_USAGE,
+        LOG_LEVELS,
+        HelpFormatter,
+        add_log_level,
+        fail,
         hostport,
+        run_main,
         write_ready_file,
     )
     from kvasir_rpc._codec import (
@@ -192,6 +199,13 @@ _LAZY = {
     "is_address": "kvasir_rpc._wallet",
     "verify_signature": "kvasir_rpc._wallet",
     "hostport": "kvasir_rpc._cliargs",
+    "EXIT_INTERRUPTED": "kvasir_rpc._cliargs",
+    "EXIT_USAGE": "kvasir_rpc._cliargs",
+    "LOG_LEVELS": "kvasir_rpc._cliargs",
+    "HelpFormatter": "kvasir_rpc._cliargs",
+    "add_log_level": "kvasir_rpc._cliargs",
+    "fail": "kvasir_rpc._cliargs",
+    "run_main": "kvasir_rpc._cliargs",
     "write_ready_file": "kvasir_rpc._cliargs",
     "install_fast_masking": "kvasir_rpc._fastmask",
     "DTYPE_TO_WIRE": "kvasir_rpc._codec",

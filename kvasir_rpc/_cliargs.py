@@ -1,13 +1,70 @@
-"""Small pieces the component command lines share: HOST:PORT arguments and ready files."""
+"""Small pieces the component command lines share: HOST:PORT arguments, ready files, help
+that shows defaults, and the one-line ends (a configuration error: exit 2; Ctrl-C: exit 130)."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import pathlib
+import sys
 from collections.abc import Callable
+from typing import NoReturn
 
-__all__ = ["hostport", "write_ready_file"]
+__all__ = [
+    "LOG_LEVELS",
+    "EXIT_INTERRUPTED",
+    "EXIT_USAGE",
+    "HelpFormatter",
+    "add_log_level",
+    "fail",
+    "hostport",
+    "run_main",
+    "write_ready_file",
+]
+
+#: Exit status of a usage or configuration error (argparse's own), everywhere.
+EXIT_USAGE = 2
+#: Exit status after Ctrl-C (128 + SIGINT), as a shell reports it.
+EXIT_INTERRUPTED = 130
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """``--help`` that shows each argument's default (argparse's own formatter shows none)."""
+
+
+def add_log_level(parser: argparse.ArgumentParser, default: str = "info") -> None:
+    """``--log-level`` with its choices checked (``--log-level bogus`` is a usage error)."""
+    parser.add_argument("--log-level", default=default, choices=LOG_LEVELS, type=str.lower,
+                        help="least severe log lines shown")
+
+
+def fail(message: str, status: int = EXIT_USAGE) -> NoReturn:
+    """End the program with one line on stderr (no traceback): by default exit 2, for a usage
+    or configuration error the person running it can fix. ``message`` names the flag and the fix."""
+    print(message, file=sys.stderr, flush=True)
+    raise SystemExit(status)
+
+
+def _only_interrupts(exc: BaseException) -> bool:
+    if isinstance(exc, KeyboardInterrupt):
+        return True
+    if isinstance(exc, BaseExceptionGroup):
+        return all(_only_interrupts(e) for e in exc.exceptions)
+    return False
+
+
+def run_main(prog: str, main: Callable[[], int]) -> NoReturn:
+    """Run a command's ``main`` and exit with its status. Ctrl-C (a KeyboardInterrupt, also
+    inside trio's exception groups) prints one line and exits 130, with no traceback."""
+    try:
+        status = main()
+    except BaseException as exc:
+        if not _only_interrupts(exc):
+            raise
+        print(f"{prog}: interrupted", file=sys.stderr, flush=True)
+        raise SystemExit(EXIT_INTERRUPTED) from None
+    raise SystemExit(status)
 
 
 def hostport(default_port: int | None = None) -> Callable[[str], tuple[str, int]]:
