@@ -166,7 +166,9 @@ def main(argv: list[str] | None = None) -> int:
     sv = sub.add_parser("serve", help="serve kvasir.v1.BackboneService (gRPC) and the OpenAI-compatible HTTP API")
     _experts_args(sv)
     sv.add_argument("--listen", default="127.0.0.1:50061", help="HOST:PORT for gRPC (port 0 picks a free one)")
-    sv.add_argument("--http", help="HOST:PORT for the OpenAI-compatible HTTP API (off without it)")
+    sv.add_argument("--http", help="HOST:PORT for the OpenAI-compatible HTTP API and Prometheus metrics at "
+                                   "/metrics (off without it). /metrics and /health need no API key: they "
+                                   "hold counters only, never a prompt or a token")
     sv.add_argument("--model-name", help="the model's id in ListModels and the HTTP API (default: the folder's name)")
     sv.add_argument("--max-batch", type=int, default=32, help="requests decoded together at most")
     sv.add_argument("--max-waiting", type=int, default=64,

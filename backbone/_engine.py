@@ -158,10 +158,14 @@ class RequestStream:
     def cancel(self) -> None:
         if not self.cancelled and not self.finished:
             self.cancelled = True
+            self._engine._ended("cancelled")
             self._engine._wake()
 
     def _put(self, event: StreamEvent) -> None:
         if event.last:
+            if not self.finished and not self.cancelled:
+                self._engine._ended(event.summary.finish.value if event.summary is not None
+                                    else event.error_kind or "internal")
             self.finished = True
         self._events.put(event)
         for wake in list(self._listeners):
@@ -230,6 +234,11 @@ class Engine:
                         reason=why)
         self._cond = threading.Condition()
         self.requests_finished = self.tokens_generated = 0
+        # Requests by how they ended (a Finish value, "cancelled", an error kind, "overloaded")
+        # and decode steps with the rows they stepped, for metrics.
+        self._counts_lock = threading.Lock()
+        self._outcomes: dict[str, int] = {}
+        self.decode_steps = self.decode_rows = 0
         self._waiting: list[_Seq] = []
         self._closed = False
         self._lanes = [_Lane(self, i) for i in range(lanes)]
@@ -246,6 +255,7 @@ class Engine:
             if self._closed:
                 raise Overloaded("the backbone is shutting down")
             if self._running() + len(self._waiting) >= self.max_batch + self.max_waiting:
+                self._ended("overloaded")
                 raise Overloaded(f"all {self.max_batch} slots are busy and {len(self._waiting)} requests are "
                                  "waiting; retry later")
             self._waiting.append(_Seq(stream, self.eos, time.perf_counter()))
@@ -291,6 +301,22 @@ class Engine:
         with self._cond:
             self.requests_finished += 1
             self.tokens_generated += tokens
+
+    def _ended(self, outcome: str) -> None:
+        with self._counts_lock:
+            self._outcomes[outcome] = self._outcomes.get(outcome, 0) + 1
+
+    def _stepped(self, rows: int) -> None:
+        with self._counts_lock:
+            self.decode_steps += 1
+            self.decode_rows += rows
+
+    def outcomes(self) -> dict[str, int]:
+        """Requests so far by how they ended: "length", "eos", "stop" (finished), "cancelled"
+        (the caller went away), "aborted", "unavailable", "internal" (failed), "overloaded"
+        (refused at submit)."""
+        with self._counts_lock:
+            return dict(self._outcomes)
 
     def _running(self) -> int:
         return sum(len(lane.rows) + len(lane.joining) for lane in self._lanes)
@@ -494,6 +520,7 @@ class _Lane:
             out = self.engine.model(input_ids=ids, attention_mask=mask, position_ids=positions,
                                     cache=self.cache, use_cache=True)
         self.mask = mask  # the cache grew in place
+        self.engine._stepped(len(rows))
         self._add_rows(tally, rows)
         tokens = self._choose(out.logits[:, -1].float(), rows)
         done = [self._emit(s, t) for s, t in zip(rows, tokens)]

@@ -22,7 +22,7 @@ import contextlib
 import dataclasses
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 from transformers.integrations.moe import ExpertsInterface
@@ -73,6 +73,9 @@ class DispatchStats:
     hedged_calls: int = 0  # late: computed here before their answer came
     hedged_rows: int = 0
     late_answers_dropped: int = 0  # answers of hedged calls that came after all: unused, unpaid
+    sent_bytes: int = 0  # serialized requests of every remote call sent
+    received_bytes: int = 0  # serialized partials of every answer that came in time
+    answers_refused: int = 0  # answers that failed their check or audit (their session quarantined)
 
 
 class RowTally:
@@ -159,6 +162,8 @@ class Dispatcher:
         self._attempt = threading.local()  # sessions the current decode attempt of a thread used
         self._tally = threading.local()  # the RowTally of this thread's forward pass, if any
         self._lock = threading.Lock()
+        # Called with each accepted call's round trip in seconds (metrics' latency histogram).
+        self.observe_call: Callable[[float], None] | None = None
         self.reset_counters()
 
     # -- the experts path ------------------------------------------------------------
@@ -210,6 +215,8 @@ class Dispatcher:
             row_index=index.tolist() if dedupe else (),
         )
         rec = link.submit(layer, req, self.policy)
+        with self._lock:
+            self.sent_bytes += rec.request_bytes
         return SentCall(rec, routes, link, rows, weights, index if dedupe else None, rec.request_bytes)
 
     def _compute(self, layer: int, act: Activation, hidden: torch.Tensor, top_k_weights: torch.Tensor,
@@ -305,7 +312,10 @@ class Dispatcher:
             assert self.placement is not None
             self.placement.drop(sent.link, exc)
             return None, None
-        return self.checker.check(layer, act, sent, rec.future.result(), width)
+        answer = rec.future.result()
+        with self._lock:
+            self.received_bytes += answer.ByteSize()
+        return self.checker.check(layer, act, sent, answer, width)
 
     def _accept(self, sent: SentCall, out: torch.Tensor, dtype: torch.dtype, partials: dict[int, torch.Tensor]) -> None:
         # Paid: the request as sent and the partials at exactly their expected size.
@@ -325,6 +335,8 @@ class Dispatcher:
             self.remote_rows += sent.record.rows
             self._used.add(sid)
         self._attempt_sessions().add(sid)
+        if self.observe_call is not None and sent.record.answered_ns:
+            self.observe_call((sent.record.answered_ns - sent.record.sent_ns) / 1e9)
         if self.reporter is not None:
             self.reporter.accepted(sid, work, sent.record.rows)
 
@@ -332,6 +344,8 @@ class Dispatcher:
         """Stop using a session that delivered wrong work and report it with the evidence.
         True when the current decode attempt used it (its results must be replayed)."""
         assert self.placement is not None
+        with self._lock:
+            self.answers_refused += 1
         if self.placement.quarantine(link):
             evidence.audited_rows = self.checker.audited_rows
             log.error("worker delivered wrong work: quarantined", session_id=link.session_id, wallet=link.wallet,
@@ -394,6 +408,7 @@ class Dispatcher:
             self.fallback_calls = self.fallback_rows = 0
             self.replays = 0
             self.hedged_calls = self.hedged_rows = self.late_answers_dropped = 0
+            self.sent_bytes = self.received_bytes = self.answers_refused = 0
             self._used: set[str] = set()
         self.shared.overlapped = 0
         self.checker.reset_counters()
@@ -422,6 +437,9 @@ class Dispatcher:
                 hedged_calls=self.hedged_calls,
                 hedged_rows=self.hedged_rows,
                 late_answers_dropped=self.late_answers_dropped,
+                sent_bytes=self.sent_bytes,
+                received_bytes=self.received_bytes,
+                answers_refused=self.answers_refused,
             )
 
     def close(self) -> None:

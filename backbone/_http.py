@@ -1,6 +1,7 @@
 """The OpenAI-compatible HTTP API: ``/v1/completions``, ``/v1/chat/completions`` (through the
-checkpoint's chat template), ``/v1/models``, and ``/health``; streaming as server-sent
-events. A Starlette app served by Hypercorn's trio worker on a thread of its own, feeding
+checkpoint's chat template), ``/v1/models``, ``/health`` and ``/metrics`` (Prometheus: counters
+only, no prompt or text, so open without the API key, as ``/health`` is); streaming as
+server-sent events. A Starlette app served by Hypercorn's trio worker on a thread of its own, feeding
 the same ``Engine`` as the gRPC service, so HTTP and gRPC requests share one batch.
 
 The engine is thread-based; a request waits on it without a thread of its own: each
@@ -25,6 +26,7 @@ from typing import Any
 import trio
 from hypercorn.config import Config
 from hypercorn.trio import serve
+from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request as HTTPRequest
@@ -49,8 +51,9 @@ from backbone._openai import (
     parse_completion,
     usage,
 )
+from backbone._metrics import BackboneMetrics
 from backbone._serve import Backbone
-from kvasir_rpc import as_listen_error, check_listen, get_logger
+from kvasir_rpc import METRICS_PATH, as_listen_error, check_listen, get_logger
 
 log = get_logger("backbone.http")
 
@@ -212,6 +215,7 @@ class _Api:
     def __init__(self, backbone: Backbone) -> None:
         self.bb = backbone
         self.watches = _Watches()
+        self.metrics = BackboneMetrics(backbone)
 
     def _authorize(self, request: HTTPRequest) -> None:
         scheme, _, token = request.headers.get("authorization", "").partition(" ")
@@ -238,6 +242,11 @@ class _Api:
     async def health(self, request: HTTPRequest) -> Response:
         running, waiting = self.bb.engine.load()
         return _JSON({"status": "ok", "running": running, "waiting": waiting})
+
+    async def prometheus(self, request: HTTPRequest) -> Response:
+        # Off the loop: a scrape takes the engine's and the dispatcher's locks.
+        body = await trio.to_thread.run_sync(self.metrics.exposition)
+        return Response(body, media_type=CONTENT_TYPE_LATEST)
 
     # -- generation ----------------------------------------------------------------------
 
@@ -380,7 +389,7 @@ async def _http_error(request: HTTPRequest, exc: Exception) -> Response:
     assert isinstance(exc, HTTPException)
     if exc.status_code == 404:
         err = ApiError(404, f"no route {request.method} {request.url.path}; this server has /v1/completions, "
-                            "/v1/chat/completions, /v1/models and /health", code="not_found")
+                            "/v1/chat/completions, /v1/models, /health and /metrics", code="not_found")
     elif exc.status_code == 405:
         err = ApiError(405, f"{request.method} is not allowed on {request.url.path}", code="method_not_allowed")
     else:
@@ -407,6 +416,7 @@ def _make_app(backbone: Backbone) -> tuple[Starlette, _Watches]:
         Route("/v1/models", api.models, methods=["GET"]),
         Route("/v1/models/{model:path}", api.model, methods=["GET"]),
         Route("/health", api.health, methods=["GET"]),
+        Route(METRICS_PATH, api.prometheus, methods=["GET"]),
     ]
     app = Starlette(routes=routes, exception_handlers={ApiError: _api_error, HTTPException: _http_error,
                                                        Exception: _server_error})

@@ -136,6 +136,15 @@ if TYPE_CHECKING:  # the real names, for type checkers; at run time __getattr__ 
         send_whole,
     )
     from kvasir_rpc._channel import TunnelCipher
+    from kvasir_rpc._metrics import (
+        LATENCY_BUCKETS_S,
+        METRICS_PATH,
+        StatsCollector,
+        counter_family,
+        gauge_family,
+        latency_histogram,
+        serve_metrics,
+    )
 
 __version__ = "0.1.0"
 
@@ -237,6 +246,13 @@ _LAZY = {
     "receive_message": "kvasir_rpc._tunnel",
     "TunnelCipher": "kvasir_rpc._channel",
     "open_websocket_url": "kvasir_rpc._tls",
+    "LATENCY_BUCKETS_S": "kvasir_rpc._metrics",
+    "METRICS_PATH": "kvasir_rpc._metrics",
+    "StatsCollector": "kvasir_rpc._metrics",
+    "counter_family": "kvasir_rpc._metrics",
+    "gauge_family": "kvasir_rpc._metrics",
+    "latency_histogram": "kvasir_rpc._metrics",
+    "serve_metrics": "kvasir_rpc._metrics",
 }
 
 __all__ = ["__version__", *_LAZY]

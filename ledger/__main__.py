@@ -17,7 +17,11 @@ from kvasir_rpc import configure_logging, get_logger, hostport, write_ready_file
 
 
 def _listen(text: str) -> str:
-    host, port = hostport()(text)
+    return _listen_text(hostport()(text))
+
+
+def _listen_text(address: tuple[str, int]) -> str:
+    host, port = address
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
@@ -39,6 +43,8 @@ def run_serve(args: argparse.Namespace) -> int:
     log = get_logger("ledger")
     try:
         check_listen(args.listen)  # before the database: a second ledger must not touch it
+        if args.http is not None:
+            check_listen(_listen_text(args.http))
     except ListenError as exc:
         print(f"ledger: {exc}", file=sys.stderr)
         return 1
@@ -57,9 +63,20 @@ def run_serve(args: argparse.Namespace) -> int:
         log.error("cannot open the ledger database", db=_redact(args.db), error=str(exc))
         return 2
     try:
+        metrics = stop_metrics = http_port = None
+        if args.http is not None:
+            from kvasir_rpc import as_listen_error, serve_metrics
+            from ledger._metrics import LedgerMetrics
+
+            metrics = LedgerMetrics(store)
+            try:
+                stop_metrics, http_port = serve_metrics(metrics.registry, *args.http)
+            except OSError as exc:  # taken since check_listen
+                print(f"ledger: --http: {as_listen_error(_listen_text(args.http), exc) or exc}", file=sys.stderr)
+                return 1
         try:
             server, port, health = serve_ledger(args.listen, store, args.trust_key, args.rate_nano_per_byte,
-                                                max_workers=args.workers)
+                                                max_workers=args.workers, metrics=metrics)
         except ListenError as exc:
             print(f"ledger: {exc}", file=sys.stderr)
             return 1
@@ -67,8 +84,9 @@ def run_serve(args: argparse.Namespace) -> int:
             log.error("cannot serve", error=str(exc))
             return 2
         log.info("ledger listening", address=args.listen, port=port, db=_redact(args.db),
-                 trusted_hubs=len(set(args.trust_key)), rate_nano_per_byte=args.rate_nano_per_byte)
-        write_ready_file(args.ready_file, {"port": port})
+                 trusted_hubs=len(set(args.trust_key)), rate_nano_per_byte=args.rate_nano_per_byte,
+                 metrics=f"http://{_listen_text((args.http[0], http_port))}/metrics" if http_port else None)
+        write_ready_file(args.ready_file, {"port": port, "http_port": http_port})
         while not stop.wait(1.0):
             pass
         health.enter_graceful_shutdown()
@@ -76,6 +94,8 @@ def run_serve(args: argparse.Namespace) -> int:
         server.stop(grace=3.0).wait(5.0)
         log.info("ledger stopped", **dataclasses.asdict(store.statistics()))
     finally:
+        if stop_metrics is not None:
+            stop_metrics()
         store.close()
     return 0
 
@@ -109,7 +129,11 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--trust-key", type=_hub_key, action="append", required=True,
                        help="a hub's Ed25519 public key (64 hex) whose receipts count; repeat for more hubs")
     serve.add_argument("--rate-nano-per-byte", type=int, default=7, help="nano-KVR per byte (7 = 0.007 KVR per 10^6 bytes)")
-    serve.add_argument("--ready-file", type=pathlib.Path, help="write {port} here (atomically) once listening")
+    serve.add_argument("--http", type=hostport(), metavar="HOST:PORT",
+                       help="serve Prometheus metrics at http://HOST:PORT/metrics (port 0: any free port, written "
+                            "to --ready-file as http_port); off without it. Totals only, no wallet addresses")
+    serve.add_argument("--ready-file", type=pathlib.Path,
+                       help="write {port, http_port} here (atomically) once listening")
     serve.add_argument("--workers", type=int, default=8, help="concurrent calls, and database connections")
     serve.add_argument("--log-level", default="info")
     serve.set_defaults(func=run_serve)

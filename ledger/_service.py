@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import base64
 import binascii
+import time
 from collections.abc import Collection
 from concurrent import futures
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import grpc
 
@@ -22,6 +23,9 @@ from kvasir_rpc import (
     start_with_health,
 )
 from ledger._store import MAX_RATE_NANO_PER_BYTE, LedgerStore, StoreError, StoreUnavailable
+
+if TYPE_CHECKING:
+    from ledger._metrics import LedgerMetrics
 
 __all__ = ["DEFAULT_PAGE_SIZE", "MAX_BATCH", "MAX_PAGE_SIZE", "LedgerServicer", "create_server", "serve_ledger"]
 
@@ -66,12 +70,15 @@ def _decode_token(wallet: str, token: str) -> int | None:
 class LedgerServicer(ledger_pb2_grpc.LedgerServiceServicer):
     """LedgerService on a LedgerStore, crediting receipts of ``trusted_keys`` at ``rate``
     nano-KVR per byte. Database trouble answers UNAVAILABLE (retry the same request),
-    bad requests INVALID_ARGUMENT, anything unexpected INTERNAL; never UNKNOWN."""
+    bad requests INVALID_ARGUMENT, anything unexpected INTERNAL; never UNKNOWN. With
+    ``metrics``, each answered SubmitReceipts is counted there."""
 
-    def __init__(self, store: LedgerStore, trusted_keys: Collection[str], rate: int) -> None:
+    def __init__(self, store: LedgerStore, trusted_keys: Collection[str], rate: int, *,
+                 metrics: LedgerMetrics | None = None) -> None:
         self._store = store
         self._trusted = frozenset(trusted_keys)
         self._rate = rate
+        self._metrics = metrics
 
     def _store_call(self, context: grpc.ServicerContext, what: str, fn: Any, *args: Any, **kw: Any) -> Any:
         try:
@@ -90,6 +97,7 @@ class LedgerServicer(ledger_pb2_grpc.LedgerServiceServicer):
     def SubmitReceipts(
         self, request: ledger_pb2.SubmitReceiptsRequest, context: grpc.ServicerContext
     ) -> ledger_pb2.SubmitReceiptsResponse:
+        started = time.perf_counter()
         n = len(request.receipts)
         if n > MAX_BATCH:
             _abort(context, grpc.StatusCode.INVALID_ARGUMENT, f"{n} receipts in one batch; send at most {MAX_BATCH}")
@@ -104,6 +112,8 @@ class LedgerServicer(ledger_pb2_grpc.LedgerServiceServicer):
         if rejected:
             reasons = sorted({ledger_pb2.RejectReason.Name(o.reason) for o in outcomes if o.reason})
             log.info("receipts rejected", batch=n, rejected=rejected, reasons=reasons, peer=context.peer())
+        if self._metrics is not None:
+            self._metrics.submitted(time.perf_counter() - started, outcomes)
         return ledger_pb2.SubmitReceiptsResponse(results=[o.to_proto() for o in outcomes])
 
     def GetBalance(
@@ -163,9 +173,11 @@ def serve_ledger(
     rate: int,
     *,
     max_workers: int = 8,
+    metrics: LedgerMetrics | None = None,
 ) -> tuple[grpc.Server, int, Any]:
     """create_server, also returning the health servicer, so that main() can report
-    NOT_SERVING (``enter_graceful_shutdown()``) before it stops the server."""
+    NOT_SERVING (``enter_graceful_shutdown()``) before it stops the server; ``metrics``
+    counts the service's calls (``ledger._metrics``)."""
     bad = [k for k in trusted_keys if not is_address(k)]
     if bad:
         raise ValueError(f"trusted hub keys must be 64 lowercase hex characters: {bad[:3]}")
@@ -175,6 +187,7 @@ def serve_ledger(
         raise ValueError(f"rate must be 1 to {MAX_RATE_NANO_PER_BYTE} nano-KVR per byte, got {rate}")
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="ledger-svc"),
                          options=[NO_PORT_SHARING])
-    ledger_pb2_grpc.add_LedgerServiceServicer_to_server(LedgerServicer(store, trusted_keys, rate), server)
+    ledger_pb2_grpc.add_LedgerServiceServicer_to_server(LedgerServicer(store, trusted_keys, rate, metrics=metrics),
+                                                      server)
     port, health_servicer = start_with_health(server, address, SERVICE_NAME)
     return server, port, health_servicer

@@ -667,6 +667,15 @@ class LedgerStore:
 
         return self._transaction(read, write=False)
 
+    def wallet_count(self) -> int:
+        """How many wallets hold a pending-rewards account (were ever credited)."""
+
+        def read(cur: Any) -> int:
+            cur.execute(self._q("SELECT COUNT(*) FROM accounts WHERE account LIKE ?"), (pending_account("%"),))
+            return int(cur.fetchone()[0])
+
+        return self._transaction(read, write=False)
+
     def list_credits(self, wallet: str, *, after_id: int = 0, limit: int = 100) -> list[CreditRecord]:
         """Up to ``limit`` credits of ``wallet`` with ``credit_id > after_id``, oldest first."""
 

@@ -9,10 +9,15 @@ import pathlib
 import signal
 import ssl
 import sys
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import trio
 
 from kvasir_rpc import configure_logging, get_logger, hostport, install_fast_masking, write_ready_file
+
+if TYPE_CHECKING:
+    from relay._gateway import Gateway
 
 
 def _read_token(path: pathlib.Path) -> str:
@@ -183,6 +188,25 @@ def run_hub(args: argparse.Namespace) -> int:
     return 0
 
 
+def _start_gateway_metrics(gw: Gateway, http: tuple[str, int], stops: list[Callable[[], None]],
+                           failed: list[str]) -> int | None:
+    """Serve the gateway's /metrics on ``http``; the bound port, or None (the line to show
+    in ``failed``). Called on the loop: each scrape reads the statistics there."""
+    from kvasir_rpc import as_listen_error, serve_metrics
+    from relay._gateway_metrics import gateway_registry
+
+    token = trio.lowlevel.current_trio_token()
+    registry = gateway_registry(lambda: trio.from_thread.run_sync(gw.statistics, trio_token=token))
+    try:
+        stop, port = serve_metrics(registry, *http)
+    except OSError as exc:  # taken since _check_listen
+        err = as_listen_error(_address(*http), exc)
+        failed.append(f"gateway: --http: {err or exc}")
+        return None
+    stops.append(stop)
+    return port
+
+
 def run_gateway(args: argparse.Namespace) -> int:
     from kvasir_rpc import check_secret_mode
     from relay._gateway import GatewayConfig, serve_gateway
@@ -192,6 +216,8 @@ def run_gateway(args: argparse.Namespace) -> int:
     log = get_logger("relay")
     address = _address(*args.listen)
     _check_listen("gateway", address)
+    if args.http is not None:
+        _check_listen("gateway", _address(*args.http))
     token = _read_token(args.hub_token_file)
     ctx = None
     if args.cert:
@@ -217,12 +243,24 @@ def run_gateway(args: argparse.Namespace) -> int:
             started = await _start_listening(nursery, failed, "gateway", address, serve_gateway, config)
             if started is None:
                 return
-            port, _gw = started
-            log.info("gateway listening", address=f"{config.host}:{port}", tls=ctx is not None)
-            write_ready_file(args.ready_file, {"port": port})
+            port, gw = started
+            http_port = None
+            if args.http is not None:
+                http_port = _start_gateway_metrics(gw, args.http, stops, failed)
+                if http_port is None:
+                    nursery.cancel_scope.cancel()
+                    return
+            log.info("gateway listening", address=f"{config.host}:{port}", tls=ctx is not None,
+                     metrics=f"http://{_address(args.http[0], http_port)}/metrics" if http_port else None)
+            write_ready_file(args.ready_file, {"port": port, "http_port": http_port})
             await _until_signal(nursery, log, "gateway")
 
-    trio.run(run)
+    stops: list[Callable[[], None]] = []
+    try:
+        trio.run(run)
+    finally:
+        for stop in stops:
+            stop()
     if failed:
         raise SystemExit(failed[0])
     return 0
@@ -303,7 +341,11 @@ def main(argv: list[str] | None = None) -> int:
                          "the hub's end-to-end checks (pings, or sealed heartbeats) count, so keep this above the hub's "
                          "--keepalive")
     gw.add_argument("--max-new-per-ip", type=float, default=50.0, help="new connections per source address per second")
-    gw.add_argument("--ready-file", type=pathlib.Path, help="write {port} here once listening")
+    gw.add_argument("--http", type=hostport(), metavar="HOST:PORT",
+                    help="serve Prometheus metrics at http://HOST:PORT/metrics (port 0: any free port, written to "
+                         "--ready-file as http_port); off without it. Counters only, no addresses: still, keep it "
+                         "on a private network")
+    gw.add_argument("--ready-file", type=pathlib.Path, help="write {port, http_port} here once listening")
     gw.add_argument("--log-level", default="info")
     gw.set_defaults(func=run_gateway)
     args = parser.parse_args(argv)

@@ -61,6 +61,10 @@ __all__ = ["GatewayConfig", "GatewayStats", "serve_gateway"]
 
 log = get_logger("relay.gateway")
 
+# Index 0: the worker's messages, to the hub; 1: the hub's, to the worker.
+_DIRECTIONS = ("to_hub", "to_worker")
+_SIDES = ("worker", "hub")  # who sent what the pump of that index reads
+
 
 @dataclasses.dataclass(frozen=True)
 class GatewayConfig:
@@ -93,6 +97,12 @@ class GatewayStats:
     relayed_bytes: int
     buffered_bytes: int
     sessions_by_address: dict[str, int]
+    sessions_spliced: int = 0  # since start
+    # Since start, by direction ("to_hub": the worker's messages, "to_worker": the hub's).
+    relayed_bytes_by_direction: dict[str, int] = dataclasses.field(default_factory=dict)
+    relayed_messages_by_direction: dict[str, int] = dataclasses.field(default_factory=dict)
+    # Spliced sessions ended, by (the side that closed first, its close code).
+    sessions_closed: dict[tuple[str, int], int] = dataclasses.field(default_factory=dict)
 
 
 class _RateLimiter:
@@ -151,8 +161,12 @@ class Gateway:
         self._control: WebSocket | None = None
         self._pending: dict[str, _Pending] = {}
         self._sessions = 0
+        self._spliced = 0
         self._connections = 0
-        self._relayed = 0
+        # Plain ints on the relay path, read at scrape time: [to_hub, to_worker].
+        self._relayed_bytes = [0, 0]
+        self._relayed_messages = [0, 0]
+        self._closed: dict[tuple[str, int], int] = {}
         self._admitting = 0  # workers between the capacity check and their _pending entry
         # Every refusal is counted here and logged one line each, rate-limited per reason.
         self.refusals = RefusalLog(log)
@@ -164,9 +178,13 @@ class Gateway:
             unpaired=sum(1 for p in self._pending.values() if p.hub_ws is None),
             sessions=self._sessions,
             refused=self._refusals(),
-            relayed_bytes=self._relayed,
+            relayed_bytes=sum(self._relayed_bytes),
             buffered_bytes=self._budget.statistics().buffered,
             sessions_by_address=dict(self._by_address),
+            sessions_spliced=self._spliced,
+            relayed_bytes_by_direction=dict(zip(_DIRECTIONS, self._relayed_bytes)),
+            relayed_messages_by_direction=dict(zip(_DIRECTIONS, self._relayed_messages)),
+            sessions_closed=dict(self._closed),
         )
 
     def _refusals(self) -> dict[str, int]:
@@ -374,6 +392,7 @@ class Gateway:
                 await worker.close(CloseCode.TRY_AGAIN_LATER, "no hub took the session in time")
                 return
             self._sessions += 1
+            self._spliced += 1
             try:
                 await self._splice(worker, pending.hub_ws)
             finally:
@@ -392,10 +411,12 @@ class Gateway:
         await pending.done.wait()
 
     async def _splice(self, a: WebSocket, b: WebSocket) -> None:
-        """Relay messages, pings and pongs both ways; when one side closes, close the other
-        with its code."""
+        """Relay messages, pings and pongs both ways (``a`` the worker, ``b`` the hub); when
+        one side closes, close the other with its code."""
+        relayed_bytes, relayed_messages = self._relayed_bytes, self._relayed_messages
+        ended: list[tuple[str, int]] = []  # (who closed first, the code it closed with)
 
-        async def pump(src: WebSocket, dst: WebSocket, cancel: trio.CancelScope) -> None:
+        async def pump(src: WebSocket, dst: WebSocket, cancel: trio.CancelScope, way: int) -> None:
             try:
                 while True:
                     msg = await src.receive_relayed()
@@ -404,17 +425,24 @@ class Gateway:
                         continue
                     await dst.send_message(msg)
                     # bytes, as the name says: a text message's length is in characters
-                    self._relayed += len(msg) if isinstance(msg, bytes) else len(msg.encode())
+                    relayed_bytes[way] += len(msg) if isinstance(msg, bytes) else len(msg.encode())
+                    relayed_messages[way] += 1
             except WsClosed as closed:
+                if not ended:
+                    ended.append((_SIDES[way], closed.code))
                 code = closed.code if closed.code not in (1005, 1006, 1015) else CloseCode.GOING_AWAY
                 with trio.CancelScope(shield=True), trio.move_on_after(2):
                     await dst.close(code, closed.reason or "peer went away")
                     await src.close(code, closed.reason)
             cancel.cancel()
 
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(pump, a, b, nursery.cancel_scope)
-            nursery.start_soon(pump, b, a, nursery.cancel_scope)
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(pump, a, b, nursery.cancel_scope, 0)
+                nursery.start_soon(pump, b, a, nursery.cancel_scope, 1)
+        finally:
+            key = ended[0] if ended else ("gateway", int(CloseCode.GOING_AWAY))
+            self._closed[key] = self._closed.get(key, 0) + 1
 
 
 async def serve_gateway(config: GatewayConfig, *, task_status=trio.TASK_STATUS_IGNORED) -> None:  # type: ignore[no-untyped-def]

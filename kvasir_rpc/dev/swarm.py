@@ -55,6 +55,8 @@ class LocalSwarm:
         self.gateway_port = 0
         self.gateway_tls = True
         self.ledger_port = 0
+        # The --http port of each component started with it, by process name ("gateway", ...).
+        self.http_ports: dict[str, int] = {}
         # Every process of a local swarm shares this machine's cores: one torch thread each.
         # Idle OpenMP threads spin, and four processes spinning on two cores made remote
         # calls ~5x slower (measured: 64 tokens in 5.6 s with default threads, 0.9 s with one).
@@ -125,9 +127,10 @@ class LocalSwarm:
     def gateway_url(self) -> str:
         return f"{'wss' if self.gateway_tls else 'ws'}://127.0.0.1:{self.gateway_port}"
 
-    def start_gateway(self, *, port: int = 0, tls: bool = True, extra: Sequence[str] = (),
+    def start_gateway(self, *, port: int = 0, tls: bool = True, http: bool = False, extra: Sequence[str] = (),
                       timeout: float = 30.0) -> None:
-        """Start the public gateway (dev certificates and a hub token made on first use)."""
+        """Start the public gateway (dev certificates and a hub token made on first use); with
+        ``http`` its metrics on a free port (``http_ports["gateway"]``)."""
         from kvasir_rpc.dev.certs import make_dev_certs
 
         if not self.ca_file.exists():
@@ -143,9 +146,12 @@ class LocalSwarm:
         certs = self.workdir / "certs"
         tls_args = ["--cert", str(certs / "gateway.pem"), "--key", str(certs / "gateway.key")] if tls else ["--insecure-plain-ws"]
         self._spawn("gateway", ["-m", "relay", "gateway", "--listen", f"127.0.0.1:{port}", *tls_args,
-                                "--hub-token-file", str(self.token_file), "--ready-file", str(ready), *extra])
+                                "--hub-token-file", str(self.token_file), "--ready-file", str(ready),
+                                *(["--http", "127.0.0.1:0"] if http else []), *extra])
         self.gateway_tls = tls
-        self.gateway_port = int(self._wait_ready("gateway", ready, timeout)["port"])  # type: ignore[call-overload]
+        info = self._wait_ready("gateway", ready, timeout)
+        self.gateway_port = int(info["port"])  # type: ignore[call-overload]
+        self._keep_http_port("gateway", info)
 
     @property
     def hub_key_file(self) -> pathlib.Path:
@@ -167,8 +173,14 @@ class LocalSwarm:
     def ledger_address(self) -> str:
         return f"127.0.0.1:{self.ledger_port}"
 
-    def start_ledger(self, *, db: str | None = None, port: int = 0, timeout: float = 30.0) -> None:
-        """Start the ledger, trusting this swarm's hub key (made now if missing)."""
+    def _keep_http_port(self, name: str, info: dict[str, object]) -> None:
+        if info.get("http_port") is not None:
+            self.http_ports[name] = int(info["http_port"])  # type: ignore[call-overload]
+
+    def start_ledger(self, *, db: str | None = None, port: int = 0, http: bool = False,
+                     timeout: float = 30.0) -> None:
+        """Start the ledger, trusting this swarm's hub key (made now if missing); with ``http``
+        its metrics on a free port (``http_ports["ledger"]``)."""
         from kvasir_rpc import Wallet
 
         hub_key = Wallet.load_or_create(self.hub_key_file).address
@@ -176,8 +188,11 @@ class LocalSwarm:
         ready.unlink(missing_ok=True)
         url = db or f"sqlite:///{self.workdir / 'ledger.sqlite'}"
         self._spawn("ledger", ["-m", "ledger", "serve", "--listen", f"127.0.0.1:{port}", "--db", url,
-                               "--trust-key", hub_key, "--ready-file", str(ready)])
-        self.ledger_port = int(self._wait_ready("ledger", ready, timeout)["port"])  # type: ignore[call-overload]
+                               "--trust-key", hub_key, "--ready-file", str(ready),
+                               *(["--http", "127.0.0.1:0"] if http else [])])
+        info = self._wait_ready("ledger", ready, timeout)
+        self.ledger_port = int(info["port"])  # type: ignore[call-overload]
+        self._keep_http_port("ledger", info)
 
     def start_hub(self, *, gateway: bool = False, listen_port: int = 0, receipt_interval: float = 1.0,
                   extra: Sequence[str] = (), timeout: float = 30.0) -> None:
@@ -355,13 +370,16 @@ http {{
                                hub: bool = True, http: bool = False, timeout: float = 120.0) -> dict[str, object]:
         """Start ``python -m backbone serve`` (named ``name``, gRPC and with ``http`` the HTTP
         API on free ports; with ``hub`` its experts on our hub's workers); its ready info
-        ``{grpc_port, http_port, model}``. It runs until stopped (stop_process or stop)."""
+        ``{grpc_port, http_port, model}`` (the HTTP port also in ``http_ports[name]``: its
+        ``/metrics`` too). It runs until stopped (stop_process or stop)."""
         where = ["--hub", self.hub_grpc_address, "--hub-token-file", str(self.backbone_token_file)] if hub else []
         ready = self.workdir / f"{name}.ready.json"
         ready.unlink(missing_ok=True)
         self._spawn(name, ["-m", "backbone", "serve", "--model", str(model), *where, "--listen", "127.0.0.1:0",
                            *(["--http", "127.0.0.1:0"] if http else []), "--ready-file", str(ready), *args])
-        return self._wait_ready(name, ready, timeout)
+        info = self._wait_ready(name, ready, timeout)
+        self._keep_http_port(name, info)
+        return info
 
     def backbone_result(self, proc: subprocess.Popen[bytes], *, timeout: float = 600.0) -> dict[str, object]:
         """Wait for a started backbone (killing it past ``timeout``); its JSON result, with
@@ -383,6 +401,13 @@ http {{
     def run_backbone(self, args: Sequence[str], *, hub: bool = True, timeout: float = 600.0) -> dict[str, object]:
         """Run ``python -m backbone generate ... --json`` to completion; its JSON result."""
         return self.backbone_result(self.start_backbone(args, hub=hub), timeout=timeout)
+
+    def scrape(self, name: str, timeout: float = 10.0) -> str:
+        """The text of ``/metrics`` of process ``name`` (started with its HTTP port)."""
+        import urllib.request
+
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.http_ports[name]}/metrics", timeout=timeout) as resp:
+            return str(resp.read().decode())
 
     def stop_process(self, name: str, *, sig: int = signal.SIGTERM, timeout: float = 15.0) -> int | None:
         proc = self.procs.get(name)
