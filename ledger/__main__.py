@@ -41,13 +41,14 @@ def run_serve(args: argparse.Namespace) -> int:
 
     configure_logging("ledger", level=args.log_level)
     log = get_logger("ledger")
-    try:
-        check_listen(args.listen)  # before the database: a second ledger must not touch it
-        if args.http is not None:
-            check_listen(_listen_text(args.http))
-    except ListenError as exc:
-        print(f"ledger: {exc}", file=sys.stderr)
-        return 1
+    for who, address in (("ledger", args.listen), ("ledger: --http", _listen_text(args.http) if args.http else None)):
+        if address is None:
+            continue
+        try:
+            check_listen(address)  # before the database: a second ledger must not touch it
+        except ListenError as exc:
+            print(f"{who}: {exc}", file=sys.stderr)
+            return 1
     stop = threading.Event()
 
     def on_signal(signum: int, _frame: FrameType | None) -> None:

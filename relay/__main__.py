@@ -217,7 +217,7 @@ def run_gateway(args: argparse.Namespace) -> int:
     address = _address(*args.listen)
     _check_listen("gateway", address)
     if args.http is not None:
-        _check_listen("gateway", _address(*args.http))
+        _check_listen("gateway: --http", _address(*args.http))
     token = _read_token(args.hub_token_file)
     ctx = None
     if args.cert:

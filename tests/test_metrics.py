@@ -240,3 +240,32 @@ def test_a_swarms_metrics_agree_with_describe_the_ledger_and_each_other(tiny_mod
             with pytest.raises(urllib.error.HTTPError) as err:
                 _get(f"http://127.0.0.1:{sw.http_ports[name]}/status")
             assert err.value.code == 404
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("component", ["gateway", "ledger"])
+def test_a_taken_http_port_stops_the_component_with_one_line_naming_the_flag(component, tmp_path):
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    from kvasir_rpc import Wallet, write_secret
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        address = f"127.0.0.1:{taken.getsockname()[1]}"
+        if component == "gateway":
+            token = tmp_path / "hub.token"
+            write_secret(token, "t" * 40 + "\n")
+            args = ["-m", "relay", "gateway", "--listen", "127.0.0.1:0", "--insecure-plain-ws",
+                    "--hub-token-file", str(token)]
+        else:
+            args = ["-m", "ledger", "serve", "--listen", "127.0.0.1:0", "--db", f"sqlite:///{tmp_path / 'l.sqlite'}",
+                    "--trust-key", Wallet.generate().address]
+        out = subprocess.run([sys.executable, *args, "--http", address], capture_output=True, text=True, timeout=60,
+                             stdin=subprocess.DEVNULL, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    text = out.stdout + out.stderr
+    assert out.returncode != 0 and "Traceback" not in text
+    assert text.strip().splitlines() == [f"{component}: --http: cannot listen on {address}: address in use"], text
