@@ -33,7 +33,6 @@ from kvasir_rpc import (
     TokenError,
     address_key,
     check_bearer,
-    keepalive,
     leaf_exception,
     receive_message,
     remote_host,
@@ -74,6 +73,9 @@ log = get_logger("relay.hub")
 
 # How long a refused target connection may stay open for its caller to read the answer.
 REFUSED_LINGER_S = 5.0
+# The first keepalive check of a session comes this soon (at most), so that its round trip
+# is known early; the rest follow every HubConfig.keepalive_s.
+FIRST_CHECK_S = 1.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -239,8 +241,7 @@ class _Session:
         port = listener.socket.getsockname()[1]
         async with listener, trio.open_nursery() as nursery:
             nursery.start_soon(self._read_ws)
-            nursery.start_soon(keepalive, self.ws, self.hub.config.keepalive_s, self.hub.config.keepalive_timeout_s,
-                               self.heartbeat)
+            nursery.start_soon(self._keepalive)
             task_status.started(f"{self.hub.config.grpc_host}:{port}")
             while True:
                 stream = await listener.accept()
@@ -307,6 +308,32 @@ class _Session:
         # No checkpoint between this check and tunnel.open() in _splice; were one added, a
         # second splice would meet LocalProtocolError there rather than mix two connections.
         await self._splice(stream, verdict.forward)
+
+    async def _keepalive(self) -> None:
+        """Check the worker every keepalive_s (the first time sooner) and record each round
+        trip in the registry; raise RemoteProtocolError (close 1001) when it does not answer
+        within keepalive_timeout_s: it froze or its path silently broke, and nothing else would
+        notice while the tunnel is idle. On an encrypted session the check is a sealed
+        heartbeat, answered by the worker itself; otherwise a WebSocket ping, which any relay
+        on the way could answer (so its round trip may stop at a gateway)."""
+        config = self.hub.config
+        delay = min(FIRST_CHECK_S, config.keepalive_s)
+        while True:
+            await trio.sleep(delay)
+            delay = config.keepalive_s
+            if self.heartbeat is not None:
+                await self.heartbeat.check(config.keepalive_timeout_s)
+                rtt = self.heartbeat.rtt_s
+            else:
+                sent = trio.current_time()
+                with trio.move_on_after(config.keepalive_timeout_s) as scope:
+                    await self.ws.ping()
+                if scope.cancelled_caught:
+                    raise RemoteProtocolError(f"keepalive: no pong within {config.keepalive_timeout_s:g} s",
+                                              close_code=CloseCode.GOING_AWAY)
+                rtt = trio.current_time() - sent
+            if rtt is not None:
+                self.hub.registry.set_rtt(self.session_id, rtt)
 
     async def _read_ws(self) -> None:
         async with self._inbox_send:
@@ -517,6 +544,7 @@ class _Hub:
         slog = log.bind(session_id=session_id, wallet=info.wallet)
         kicked: list[str] = []
         trio_token = trio.lowlevel.current_trio_token()
+        ended = "error"  # what metrics count the end under (see the handlers and the finally)
         try:
             async with trio.open_nursery() as nursery:
 
@@ -529,24 +557,31 @@ class _Hub:
 
                 target = await nursery.start(session.run)
                 self.registry.add(session_id, info, target=target, remote=remote, kick=kick,
-                                  encrypted=cipher is not None)
+                                  encrypted=cipher is not None, via_gateway=via_gateway)
                 slog.info("session open", target=target, device=info.device, layers=len(info.slices),
                           encrypted=cipher is not None)
         except* ConnectionClosed as eg:
             reason = leaf_exception(eg).reason  # type: ignore[attr-defined]
+            ended = "worker_closed"
             slog.info("session closed by worker", code=reason.code, reason=reason.reason)
         except* RemoteProtocolError as eg:
             perr = leaf_exception(eg)
             assert isinstance(perr, RemoteProtocolError)
+            ended = "keepalive" if perr.close_code == CloseCode.GOING_AWAY else "protocol_error"
             slog.warning("session ended", reason=perr.reason)
             with trio.move_on_after(2):  # the peer may be gone: do not wait on it
                 await ws.aclose(perr.close_code, perr.reason[:120])
         except* trio.TooSlowError:
+            ended = "close_timeout"
             slog.warning("worker did not acknowledge close in time")
             with trio.move_on_after(2):
                 await ws.aclose(CloseCode.POLICY_VIOLATION, "close not acknowledged")
         finally:
-            self.registry.remove(session_id)
+            if kicked:
+                ended = "kicked"
+            elif ended == "error" and trio.current_effective_deadline() == float("-inf"):
+                ended = "hub_stopped"  # cancelled from outside: the hub is stopping
+            self.registry.remove(session_id, ended)
             slog.info("session removed")
         if kicked:
             slog.warning("session ended by the hub", reason=kicked[0])
