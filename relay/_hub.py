@@ -33,6 +33,7 @@ from kvasir_rpc import (
     TokenError,
     address_key,
     check_bearer,
+    keepalive,
     leaf_exception,
     receive_message,
     remote_host,
@@ -73,9 +74,6 @@ log = get_logger("relay.hub")
 
 # How long a refused target connection may stay open for its caller to read the answer.
 REFUSED_LINGER_S = 5.0
-# The first keepalive check of a session comes this soon (at most), so that its round trip
-# is known early; the rest follow every HubConfig.keepalive_s.
-FIRST_CHECK_S = 1.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -241,7 +239,10 @@ class _Session:
         port = listener.socket.getsockname()[1]
         async with listener, trio.open_nursery() as nursery:
             nursery.start_soon(self._read_ws)
-            nursery.start_soon(self._keepalive)
+            # Each round trip goes to the registry: the status page and metrics show it.
+            nursery.start_soon(functools.partial(
+                keepalive, self.ws, self.hub.config.keepalive_s, self.hub.config.keepalive_timeout_s, self.heartbeat,
+                on_rtt=functools.partial(self.hub.registry.set_rtt, self.session_id)))
             task_status.started(f"{self.hub.config.grpc_host}:{port}")
             while True:
                 stream = await listener.accept()
@@ -308,32 +309,6 @@ class _Session:
         # No checkpoint between this check and tunnel.open() in _splice; were one added, a
         # second splice would meet LocalProtocolError there rather than mix two connections.
         await self._splice(stream, verdict.forward)
-
-    async def _keepalive(self) -> None:
-        """Check the worker every keepalive_s (the first time sooner) and record each round
-        trip in the registry; raise RemoteProtocolError (close 1001) when it does not answer
-        within keepalive_timeout_s: it froze or its path silently broke, and nothing else would
-        notice while the tunnel is idle. On an encrypted session the check is a sealed
-        heartbeat, answered by the worker itself; otherwise a WebSocket ping, which any relay
-        on the way could answer (so its round trip may stop at a gateway)."""
-        config = self.hub.config
-        delay = min(FIRST_CHECK_S, config.keepalive_s)
-        while True:
-            await trio.sleep(delay)
-            delay = config.keepalive_s
-            if self.heartbeat is not None:
-                await self.heartbeat.check(config.keepalive_timeout_s)
-                rtt = self.heartbeat.rtt_s
-            else:
-                sent = trio.current_time()
-                with trio.move_on_after(config.keepalive_timeout_s) as scope:
-                    await self.ws.ping()
-                if scope.cancelled_caught:
-                    raise RemoteProtocolError(f"keepalive: no pong within {config.keepalive_timeout_s:g} s",
-                                              close_code=CloseCode.GOING_AWAY)
-                rtt = trio.current_time() - sent
-            if rtt is not None:
-                self.hub.registry.set_rtt(self.session_id, rtt)
 
     async def _read_ws(self) -> None:
         async with self._inbox_send:

@@ -157,3 +157,50 @@ def test_status_page_shows_the_swarm(tiny_models, tmp_path: pathlib.Path) -> Non
         assert sum(closed.values()) == 1, closed
 
         _screenshot(tmp_path, url, "status-page-local-only.png")
+
+
+def test_demo_stay_keeps_the_swarm_up_for_its_status_page_until_ctrl_c(tiny_models, tmp_path: pathlib.Path) -> None:
+    import signal
+    import sys
+    import threading
+
+    from helpers import ROOT
+
+    proc = subprocess.Popen([sys.executable, "-m", "kvasir_rpc", "demo", "--stay", "--path", "hub",
+                             "--model", str(tiny_models("qwen3_moe")), "--max-new-tokens", "4"],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            stdin=subprocess.DEVNULL)
+    lines: list[str] = []
+    staying = threading.Event()
+
+    def read() -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            lines.append(line)
+            if "Ctrl-C stops it" in line:
+                staying.set()
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    try:
+        assert staying.wait(300), "".join(lines[-40:])
+        text = "".join(lines)
+        urls = re.findall(r"status page: (http://127\.0\.0\.1:\d+/)", text)
+        assert urls, text
+        # Printed early: before the decode's verdict.
+        assert text.index("status page:") < text.index("VERDICT")
+        assert "VERDICT: remote decode is bitwise identical to local" in text
+        # The ledger's answer may reach the hub a moment after the ledger shows the credit.
+        status = _wait("credits on the page", lambda: (st := _status(urls[0]))["totals"]["credited_nano_kvr"] > 0
+                       and st, timeout=30)
+        assert len(status["sessions"]) == 2
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(60) == 0, "".join(lines[-20:])
+        reader.join(10)
+        assert "stopping the swarm" in "".join(lines)
+        with pytest.raises(OSError):
+            _get(urls[0], timeout=2)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
