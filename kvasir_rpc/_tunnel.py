@@ -9,6 +9,8 @@ heartbeats) and pumps bytes.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import trio
 from trio_websocket import WebSocketConnection
 
@@ -113,19 +115,26 @@ async def receive_message(ws: WebSocketConnection, cipher: TunnelCipher | None =
 
 
 async def keepalive(ws: WebSocketConnection, interval_s: float, timeout_s: float,
-                    heartbeat: SealedHeartbeat | None = None) -> None:
+                    heartbeat: SealedHeartbeat | None = None, *,
+                    on_rtt: Callable[[float], None] | None = None) -> None:
     """Check the peer every ``interval_s``; raise RemoteProtocolError (close 1001) when it does
     not answer within ``timeout_s``: the peer froze or its path silently broke, and nothing
     else would notice while the tunnel is idle.
 
     With ``heartbeat`` (an encrypted session) the check is a sealed heartbeat, answered by the
-    peer itself; without, a WebSocket ping, which any relay on the way could answer."""
+    peer itself; without, a WebSocket ping, which any relay on the way could answer (so its
+    round trip may end at a relay). ``on_rtt`` gets each check's round trip in seconds."""
     while True:
         await trio.sleep(interval_s)
+        sent = trio.current_time()
         if heartbeat is not None:
             await heartbeat.check(timeout_s)
-            continue
-        with trio.move_on_after(timeout_s) as scope:
-            await ws.ping()
-        if scope.cancelled_caught:
-            raise RemoteProtocolError(f"keepalive: no pong within {timeout_s:g} s", close_code=CloseCode.GOING_AWAY)
+        else:
+            with trio.move_on_after(timeout_s) as scope:
+                await ws.ping()
+            if scope.cancelled_caught:
+                raise RemoteProtocolError(f"keepalive: no pong within {timeout_s:g} s",
+                                          close_code=CloseCode.GOING_AWAY)
+        if on_rtt is not None:
+            on_rtt(heartbeat.rtt_s if heartbeat is not None and heartbeat.rtt_s is not None
+                   else trio.current_time() - sent)

@@ -113,7 +113,8 @@ def run_hub(args: argparse.Namespace) -> int:
         raise SystemExit("--message-deadline must be more than 0 seconds")
     grpc_host, grpc_port = args.grpc
     ws_address, grpc_address = _address(*args.listen), _address(grpc_host, grpc_port)
-    _check_listen("hub", grpc_address, ws_address)
+    http_address = _address(*args.http) if args.http else None
+    _check_listen("hub", grpc_address, ws_address, *([http_address] if http_address else []))
     key = Wallet.load_or_create(args.key)
     try:
         backbone_token = load_or_create_token(args.backbone_token_file)
@@ -167,10 +168,24 @@ def run_hub(args: argparse.Namespace) -> int:
             ws_port = await _start_listening(nursery, failed, "hub", ws_address, serve_hub, config, key, registry)
             if ws_port is None:
                 return
+            http_port = None
+            if http_address is not None:
+                from relay._hub_http import HubCollector, hub_metrics, serve_hub_http
+                from relay._status import StatusBoard
+
+                board = StatusBoard(registry, hub_key=key.address, shape=shape, desk=desk.statistics,
+                                    sender=sender.statistics)
+                metrics = hub_metrics(registry, HubCollector(registry, desk=desk.statistics,
+                                                             sender=sender.statistics))
+                http_port = await _start_listening(nursery, failed, "hub", http_address, serve_hub_http,
+                                                   http_address, board, metrics)
+                if http_port is None:
+                    return
             log.info("hub listening", ws=f"{config.listen_host}:{ws_port}", grpc=f"{grpc_host}:{bound_grpc}",
-                     hub_key=key.address, gateway=args.gateway, e2e=args.e2e,
+                     hub_key=key.address, gateway=args.gateway, e2e=args.e2e, http=http_port,
                      model=f"{shape.layers} layers x {shape.experts} experts" if shape else "any (protocol bounds)")
-            write_ready_file(args.ready_file, {"ws_port": ws_port, "grpc_port": bound_grpc, "hub_key": key.address})
+            write_ready_file(args.ready_file, {"ws_port": ws_port, "grpc_port": bound_grpc, "hub_key": key.address,
+                                               "http_port": http_port})
             await _until_signal(nursery, log, "hub")
 
     try:
@@ -315,7 +330,11 @@ def main(argv: list[str] | None = None) -> int:
                      help="encrypt hub <-> worker tunnels end to end, so a gateway (or an edge in front of it) "
                           "relays only ciphertext: auto (default) for every session through a gateway and for "
                           "direct workers that require it; on: every session; off: none")
-    hub.add_argument("--ready-file", type=pathlib.Path, help="write {ws_port, grpc_port, hub_key} here once listening")
+    hub.add_argument("--http", type=hostport(), metavar="HOST:PORT",
+                     help="serve the live status page (/), its JSON (/api/status) and Prometheus metrics (/metrics) "
+                          "here, read-only (port 0 picks one); off without it")
+    hub.add_argument("--ready-file", type=pathlib.Path,
+                     help="write {ws_port, grpc_port, hub_key, http_port} here once listening")
     hub.add_argument("--log-level", default="info")
     hub.set_defaults(func=run_hub)
     gw = sub.add_parser("gateway", help="the public gateway: workers and hubs both dial out to it")

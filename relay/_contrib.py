@@ -101,6 +101,8 @@ class Settlement:
     state: str
     reason: str = ""
     detail: str = ""
+    # The ledger's Credit for an acked receipt (made now, or earlier for a duplicate).
+    credit: ledger_pb2.Credit | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -233,6 +235,16 @@ class ContributionStore:
                 "SELECT COALESCE(SUM(cumulative_bytes), 0) FROM work WHERE session_id = ?", (session_id,)
             ).fetchone()
         return int(total)
+
+    def work_totals(self, session_id: str) -> tuple[int, int, int]:
+        """The work accepted from ``session_id`` summed over backbone runs: (bytes, calls,
+        rows); zeros for a session without work."""
+        with self._lock:
+            row = self._db.execute(
+                "SELECT COALESCE(SUM(cumulative_bytes), 0), COALESCE(SUM(calls), 0), COALESCE(SUM(rows), 0)"
+                " FROM work WHERE session_id = ?", (session_id,)
+            ).fetchone()
+        return int(row[0]), int(row[1]), int(row[2])
 
     # -- receipts ----------------------------------------------------------------------
 

@@ -239,8 +239,10 @@ class _Session:
         port = listener.socket.getsockname()[1]
         async with listener, trio.open_nursery() as nursery:
             nursery.start_soon(self._read_ws)
-            nursery.start_soon(keepalive, self.ws, self.hub.config.keepalive_s, self.hub.config.keepalive_timeout_s,
-                               self.heartbeat)
+            # Each round trip goes to the registry: the status page and metrics show it.
+            nursery.start_soon(functools.partial(
+                keepalive, self.ws, self.hub.config.keepalive_s, self.hub.config.keepalive_timeout_s, self.heartbeat,
+                on_rtt=functools.partial(self.hub.registry.set_rtt, self.session_id)))
             task_status.started(f"{self.hub.config.grpc_host}:{port}")
             while True:
                 stream = await listener.accept()
@@ -517,6 +519,7 @@ class _Hub:
         slog = log.bind(session_id=session_id, wallet=info.wallet)
         kicked: list[str] = []
         trio_token = trio.lowlevel.current_trio_token()
+        ended = "error"  # what metrics count the end under (see the handlers and the finally)
         try:
             async with trio.open_nursery() as nursery:
 
@@ -529,24 +532,31 @@ class _Hub:
 
                 target = await nursery.start(session.run)
                 self.registry.add(session_id, info, target=target, remote=remote, kick=kick,
-                                  encrypted=cipher is not None)
+                                  encrypted=cipher is not None, via_gateway=via_gateway)
                 slog.info("session open", target=target, device=info.device, layers=len(info.slices),
                           encrypted=cipher is not None)
         except* ConnectionClosed as eg:
             reason = leaf_exception(eg).reason  # type: ignore[attr-defined]
+            ended = "worker_closed"
             slog.info("session closed by worker", code=reason.code, reason=reason.reason)
         except* RemoteProtocolError as eg:
             perr = leaf_exception(eg)
             assert isinstance(perr, RemoteProtocolError)
+            ended = "keepalive" if perr.close_code == CloseCode.GOING_AWAY else "protocol_error"
             slog.warning("session ended", reason=perr.reason)
             with trio.move_on_after(2):  # the peer may be gone: do not wait on it
                 await ws.aclose(perr.close_code, perr.reason[:120])
         except* trio.TooSlowError:
+            ended = "close_timeout"
             slog.warning("worker did not acknowledge close in time")
             with trio.move_on_after(2):
                 await ws.aclose(CloseCode.POLICY_VIOLATION, "close not acknowledged")
         finally:
-            self.registry.remove(session_id)
+            if kicked:
+                ended = "kicked"
+            elif ended == "error" and trio.current_effective_deadline() == float("-inf"):
+                ended = "hub_stopped"  # cancelled from outside: the hub is stopping
+            self.registry.remove(session_id, ended)
             slog.info("session removed")
         if kicked:
             slog.warning("session ended by the hub", reason=kicked[0])

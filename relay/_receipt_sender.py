@@ -45,6 +45,7 @@ _FINAL: dict[int, str] = {
     _R.REJECT_REASON_LEDGER_LIMIT: "its count would take the ledger's total credited past its bound (a hub bug)",
 }
 _ANSWERED = (_R.RECEIPT_STATUS_CREDITED, _R.RECEIPT_STATUS_DUPLICATE, _R.RECEIPT_STATUS_STALE)
+_CREDITED = _R.ReceiptStatus.Name(_R.RECEIPT_STATUS_CREDITED)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,6 +67,9 @@ class ReceiptSenderStats:
     ledger_errors: int
     ended_recorded: int
     ended_queued: int
+    # What the ledger credited for receipts it newly credited while this hub ran.
+    credited_bytes: int = 0
+    credited_nano_kvr: int = 0
 
 
 class ReceiptSender:
@@ -95,6 +99,8 @@ class ReceiptSender:
         self._flushes = 0
         self._ledger_errors = 0
         self._ended_recorded = 0
+        self._credited_bytes = 0
+        self._credited_nano_kvr = 0
 
     def statistics(self) -> ReceiptSenderStats:
         """A frozen snapshot of the loop's counters."""
@@ -102,7 +108,8 @@ class ReceiptSender:
             queued = len(self._ended)
         return ReceiptSenderStats(submitted=self._acked + self._rejected, acked=self._acked, rejected=self._rejected,
                                   refused=self._refused, flushes=self._flushes, ledger_errors=self._ledger_errors,
-                                  ended_recorded=self._ended_recorded, ended_queued=queued)
+                                  ended_recorded=self._ended_recorded, ended_queued=queued,
+                                  credited_bytes=self._credited_bytes, credited_nano_kvr=self._credited_nano_kvr)
 
     def session_ended(self, stats: SessionStats) -> None:
         """Registry hook (trio thread): queue the session's final counters and wake the loop,
@@ -180,6 +187,13 @@ class ReceiptSender:
         self._acked += sum(s.state == "acked" for s in results)
         self._rejected += sum(s.state == "rejected" for s in results)
         self._refused += sum(s.state == "pending" for s in results)
+        for s in results:
+            if s.credit is None:
+                continue
+            if s.detail == _CREDITED:
+                self._credited_bytes += s.credit.bytes
+                self._credited_nano_kvr += s.credit.nano_kvr
+            self.registry.credit(s.receipt.session_id, s.credit.seq, s.credit.cumulative_bytes, s.credit.nano_kvr)
         await trio.to_thread.run_sync(self.store.settle, results)
         return all(s.state != "pending" for s in results)
 
@@ -193,7 +207,8 @@ class ReceiptSender:
         refused: dict[int, list[ledger_pb2.ReceiptResult]] = {}
         for p, r in zip(pending, resp.results, strict=True):
             if r.status in _ANSWERED:
-                out.append(Settlement(p, "acked", detail=_R.ReceiptStatus.Name(r.status)))
+                out.append(Settlement(p, "acked", detail=_R.ReceiptStatus.Name(r.status),
+                                      credit=r.credit if r.HasField("credit") else None))
                 continue
             reason = _R.RejectReason.Name(r.reason) if r.reason in _R.RejectReason.values() else str(r.reason)
             if r.status == _R.RECEIPT_STATUS_REJECTED and r.reason in _FINAL:

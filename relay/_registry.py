@@ -15,7 +15,7 @@ from collections.abc import Callable
 
 from kvasir_rpc import ExpertSet, HelloInfo, session_pb2, slices_to_proto
 
-__all__ = ["SessionChange", "SessionRegistry", "SessionStats"]
+__all__ = ["RegistryTotals", "SessionChange", "SessionRegistry", "SessionStats"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,6 +33,18 @@ class SessionStats:
     remote_address: str
     work_bytes: int = 0
     encrypted: bool = False
+    # Through a gateway (False: the worker dialled the hub directly).
+    via_gateway: bool = False
+    # The last keepalive round trip (a sealed heartbeat's, or a WebSocket ping's); None
+    # until the first is measured.
+    rtt_ms: float | None = None
+    # Accepted calls and rows behind work_bytes (the backbone's work reports, over its runs).
+    work_calls: int = 0
+    work_rows: int = 0
+    # What the ledger credited for this session's receipts: the cumulative bytes of its
+    # latest credited receipt, and the nano-KVR of all of them.
+    credited_bytes: int = 0
+    credited_nano_kvr: int = 0
 
     def to_proto(self) -> session_pb2.Session:
         return session_pb2.Session(
@@ -49,7 +61,27 @@ class SessionStats:
             remote_address=self.remote_address,
             work_bytes=self.work_bytes,
             encrypted=self.encrypted,
+            via_gateway=self.via_gateway,
+            rtt_ms=self.rtt_ms or 0.0,
+            work_calls=self.work_calls,
+            work_rows=self.work_rows,
+            credited_bytes=self.credited_bytes,
+            credited_nano_kvr=self.credited_nano_kvr,
         )
+
+
+@dataclasses.dataclass(frozen=True)
+class RegistryTotals:
+    """Counters over the hub's life (live and ended sessions), for metrics:
+    ``closed`` is by the reason the session ended (see ``SessionRegistry.remove``)."""
+
+    opened: int
+    closed: dict[str, int]
+    bytes_to_worker: int
+    bytes_from_worker: int
+    # Bumped on every add and remove: a cache of what depends on the live set (the expert
+    # map) is good while it is unchanged.
+    generation: int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,7 +107,14 @@ class _Entry:
     to_worker: int = 0
     from_worker: int = 0
     work_bytes: int = 0
+    work_calls: int = 0
+    work_rows: int = 0
     encrypted: bool = False
+    via_gateway: bool = False
+    rtt_ms: float | None = None
+    credited_bytes: int = 0
+    credited_nano_kvr: int = 0
+    credited_seq: int = 0  # the latest credited receipt's seq: an older or repeated one adds nothing
     # Ends the session from any thread, with a reason for the worker (see _Session).
     kick: Callable[[str], None] | None = None
 
@@ -91,6 +130,13 @@ class SessionRegistry:
         self._bans: dict[str, int] = {}
         # Called with the final SessionStats of each session that ends (outside the lock).
         self.on_removed: list[Callable[[SessionStats], None]] = []
+        # Called with each keepalive round trip measured, in seconds (outside the lock).
+        self.on_rtt: list[Callable[[float], None]] = []
+        self._opened = 0
+        self._closed: dict[str, int] = {}
+        self._ended_to = 0
+        self._ended_from = 0
+        self._generation = 0
 
     def _stats(self, sid: str, e: _Entry) -> SessionStats:
         h = e.hello
@@ -108,6 +154,12 @@ class SessionRegistry:
             remote_address=e.remote,
             work_bytes=e.work_bytes,
             encrypted=e.encrypted,
+            via_gateway=e.via_gateway,
+            rtt_ms=e.rtt_ms,
+            work_calls=e.work_calls,
+            work_rows=e.work_rows,
+            credited_bytes=e.credited_bytes,
+            credited_nano_kvr=e.credited_nano_kvr,
         )
 
     def _notify(self, kind: session_pb2.SessionEvent.Kind, stats: SessionStats) -> None:
@@ -116,19 +168,27 @@ class SessionRegistry:
             w.put(change)
 
     def add(self, session_id: str, hello: HelloInfo, *, target: str, remote: str,
-            kick: Callable[[str], None] | None = None, encrypted: bool = False) -> None:
+            kick: Callable[[str], None] | None = None, encrypted: bool = False, via_gateway: bool = False) -> None:
         with self._lock:
             entry = _Entry(hello=hello, since_ms=time.time_ns() // 1_000_000, target=target, remote=remote,
-                           kick=kick, encrypted=encrypted)
+                           kick=kick, encrypted=encrypted, via_gateway=via_gateway)
             self._sessions[session_id] = entry
+            self._opened += 1
+            self._generation += 1
             self._notify(session_pb2.SessionEvent.KIND_ADDED, self._stats(session_id, entry))
 
-    def remove(self, session_id: str) -> None:
+    def remove(self, session_id: str, reason: str = "unknown") -> None:
+        """End a live session; ``reason`` (a short word: "worker", "keepalive", "kicked"...)
+        is what metrics count it under. Nothing happens for a session not live."""
         with self._lock:
             entry = self._sessions.pop(session_id, None)
             if entry is None:
                 return
             stats = self._stats(session_id, entry)
+            self._closed[reason] = self._closed.get(reason, 0) + 1
+            self._ended_to += entry.to_worker
+            self._ended_from += entry.from_worker
+            self._generation += 1
             self._notify(session_pb2.SessionEvent.KIND_REMOVED, stats)
         for hook in self.on_removed:
             hook(stats)
@@ -146,12 +206,46 @@ class SessionRegistry:
             e = self._sessions.get(session_id)
             return None if e is None else self._stats(session_id, e)
 
-    def set_work(self, session_id: str, work_bytes: int) -> None:
-        """The session's accepted work so far (what its receipts pay)."""
+    def set_work(self, session_id: str, work_bytes: int, calls: int = 0, rows: int = 0) -> None:
+        """The session's accepted work so far (what its receipts pay): its bytes, and the
+        calls and rows behind them. Counts never go down."""
         with self._lock:
             e = self._sessions.get(session_id)
             if e is not None:
                 e.work_bytes = max(e.work_bytes, work_bytes)
+                e.work_calls = max(e.work_calls, calls)
+                e.work_rows = max(e.work_rows, rows)
+
+    def set_rtt(self, session_id: str, rtt_s: float) -> None:
+        """The session's latest keepalive round trip, in seconds (also handed to ``on_rtt``)."""
+        with self._lock:
+            e = self._sessions.get(session_id)
+            if e is None:
+                return
+            e.rtt_ms = rtt_s * 1000.0
+        for hook in self.on_rtt:
+            hook(rtt_s)
+
+    def credit(self, session_id: str, seq: int, cumulative_bytes: int, nano_kvr: int) -> None:
+        """The ledger credited receipt ``seq`` of a live session: ``cumulative_bytes`` in all
+        so far, ``nano_kvr`` for this receipt. A seq not above the last one counted adds
+        nothing (the ledger answers a receipt sent again with the same credit)."""
+        with self._lock:
+            e = self._sessions.get(session_id)
+            if e is None or seq <= e.credited_seq:
+                return
+            e.credited_seq = seq
+            e.credited_bytes = max(e.credited_bytes, cumulative_bytes)
+            e.credited_nano_kvr += nano_kvr
+
+    def totals(self) -> RegistryTotals:
+        """Counters over the hub's life: sessions opened and closed (by reason), tunnel bytes
+        of live and ended sessions."""
+        with self._lock:
+            to = self._ended_to + sum(e.to_worker for e in self._sessions.values())
+            frm = self._ended_from + sum(e.from_worker for e in self._sessions.values())
+            return RegistryTotals(opened=self._opened, closed=dict(self._closed), bytes_to_worker=to,
+                                  bytes_from_worker=frm, generation=self._generation)
 
     def kick(self, session_id: str, reason: str) -> bool:
         """End a live session (its worker is told ``reason``). False if it is not live."""

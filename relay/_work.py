@@ -9,7 +9,9 @@ nothing more for it) and refuses the wallet for ``quarantine_s``.
 
 from __future__ import annotations
 
+import dataclasses
 import re
+import threading
 import time
 
 import grpc
@@ -18,7 +20,7 @@ from kvasir_rpc import MAX_CUMULATIVE_BYTES, Wallet, get_logger, session_pb2
 from relay._contrib import ContributionStore
 from relay._registry import SessionRegistry
 
-__all__ = ["DeskError", "WorkDesk"]
+__all__ = ["DeskError", "WorkDesk", "WorkDeskStats"]
 
 log = get_logger("relay.work")
 
@@ -35,6 +37,21 @@ class DeskError(Exception):
         self.message = message
 
 
+@dataclasses.dataclass(frozen=True)
+class WorkDeskStats:
+    """The desk's counters since the hub started (``WorkDesk.statistics``): work the backbone
+    reported and the hub counted (bytes, calls, rows: what the counts grew by), reports
+    refused (unknown or quarantined sessions), and quarantines by violation name. Audits
+    themselves are the backbone's; the hub hears only of the ones that failed."""
+
+    reports: int
+    work_bytes: int
+    work_calls: int
+    work_rows: int
+    refused: int
+    quarantines: dict[str, int]
+
+
 class WorkDesk:
     def __init__(self, registry: SessionRegistry, store: ContributionStore, key: Wallet, *,
                  quarantine_s: float) -> None:
@@ -42,9 +59,22 @@ class WorkDesk:
         self.store = store
         self.key = key
         self.quarantine_s = quarantine_s
+        # Counters bumped by the gRPC threads, read by metrics.
+        self._lock = threading.Lock()
+        self._reports = 0
+        self._grown = [0, 0, 0]  # bytes, calls, rows
+        self._refused = 0
+        self._quarantines: dict[str, int] = {}
         # Bans outlive the hub: a restart frees no quarantined wallet.
         for wallet, until in store.active_bans(time.time_ns() // 1_000_000).items():
             registry.ban(wallet, until)
+
+    def statistics(self) -> WorkDeskStats:
+        """A frozen snapshot of the desk's counters."""
+        with self._lock:
+            return WorkDeskStats(reports=self._reports, work_bytes=self._grown[0], work_calls=self._grown[1],
+                                 work_rows=self._grown[2], refused=self._refused,
+                                 quarantines=dict(self._quarantines))
 
     def report(self, request: session_pb2.ReportWorkRequest) -> session_pb2.ReportWorkResponse:
         if not _RUN_ID.fullmatch(request.run_id):
@@ -58,6 +88,7 @@ class WorkDesk:
                 raise DeskError(grpc.StatusCode.INVALID_ARGUMENT,
                                 f"session {r.session_id[:64]!r}: cumulative_bytes above {MAX_CUMULATIVE_BYTES}")
             live = self.registry.get(r.session_id)
+            before = self.store.work_totals(r.session_id)
             counted = self.store.add_work(
                 request.run_id, r.session_id, r.cumulative_bytes, r.calls, r.rows,
                 wallet=live.wallet if live else None,
@@ -66,8 +97,15 @@ class WorkDesk:
             if not counted:
                 refused.append(r.session_id)
                 continue
+            after = self.store.work_totals(r.session_id)
+            with self._lock:
+                for i in range(3):
+                    self._grown[i] += after[i] - before[i]
             if live is not None:
-                self.registry.set_work(r.session_id, self.store.work_bytes(r.session_id))
+                self.registry.set_work(r.session_id, *after)
+        with self._lock:
+            self._reports += 1
+            self._refused += len(refused)
         if refused:
             log.warning("work refused for unknown or quarantined sessions", sessions=refused[:8], count=len(refused))
         return session_pb2.ReportWorkResponse(refused_session_ids=refused)
@@ -91,5 +129,7 @@ class WorkDesk:
                   max_abs_diff=request.max_abs_diff, tolerance=request.tolerance,
                   audited_rows=request.audited_rows, detail=request.detail[:300], receipt_seq=seq,
                   refused_until_unix_ms=until)
+        with self._lock:
+            self._quarantines[violation] = self._quarantines.get(violation, 0) + 1
         self.registry.kick(sid, f"quarantined: {violation}")
         return session_pb2.QuarantineResponse(refused_until_unix_ms=until)

@@ -32,6 +32,7 @@ def test_status_lists_the_hubs_sessions_and_the_experts_they_serve(two_worker_sw
     for s in sw.list_sessions():
         line = next(x for x in shown.stdout.splitlines() if s.session_id in x)
         assert s.wallet[:16] in line and "4 experts in 4 layers" not in line and "16 experts in 4 layers" in line
+        assert " direct " in line and " rows)" in line and "credited 0.000000000 KVR" in line  # no ledger here
     assert [x.strip() for x in shown.stdout.splitlines() if x.strip().startswith("layer")] == \
            [f"layer {i}: experts 0-7 served" for i in range(4)]
     as_json = json.loads(kvasir("status", "--hub", sw.hub_grpc_address, "--json").stdout)

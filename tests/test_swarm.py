@@ -39,6 +39,7 @@ def test_demo_remote_equals_local_bitwise(arch, path, tiny_models, tmp_path):
     assert result["remote_calls"] > 0 and result["remote_rows"] > 0
     assert result["fallback_calls"] == 0
     assert result["path"] == path
+    assert str(result["status_url"]).startswith("http://127.0.0.1:")
     # Qwen3.5's shared expert was computed while the remote calls flew, bitwise as above.
     assert (result["shared_overlapped"] > 0) == (arch == "qwen3_5_moe")
     sessions = result["sessions"]

@@ -10,6 +10,7 @@ import pathlib
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 
 __all__ = ["main"]
 
@@ -30,7 +31,8 @@ def _default_model_dir(arch: str, seed: int) -> pathlib.Path:
 
 def run_demo(arch: str, *, seed: int = 0, max_new_tokens: int = 12, batch: int = 2,
              model: pathlib.Path | None = None, path: str = "gateway", say=print,  # type: ignore[no-untyped-def]
-             workdir: pathlib.Path | None = None) -> dict[str, object]:
+             workdir: pathlib.Path | None = None,
+             stay: Callable[[dict[str, object]], None] | None = None) -> dict[str, object]:
     """Make the tiny model if absent, start a hub and two workers (half the experts each),
     with ``path="gateway"`` behind a TLS gateway that both the hub and the workers dial,
     and a backbone service (``python -m backbone serve``) whose experts are on them. Its
@@ -38,7 +40,9 @@ def run_demo(arch: str, *, seed: int = 0, max_new_tokens: int = 12, batch: int =
     each alone, and compared with a backbone service whose experts are all local (the
     same logits, bit for bit: their digests) and with transformers' eager experts (the
     same tokens). Returns the verdict as a dict. The swarm's files and logs go to
-    ``workdir`` (kept) or a temporary folder."""
+    ``workdir`` (kept) or a temporary folder. The hub serves its status page (``status_url``
+    in the result). With ``stay``, it is called with the verdict while the swarm still runs
+    (the workers and the hub, the backbones stopped); the swarm stops once it returns."""
     from kvasir_rpc import DEFAULT_RATE_NANO_PER_BYTE, format_kvr, format_units, read_model_info
     from kvasir_rpc.dev.swarm import LocalSwarm
     from kvasir_rpc.dev.tiny import make_tiny_checkpoint
@@ -62,8 +66,9 @@ def run_demo(arch: str, *, seed: int = 0, max_new_tokens: int = 12, batch: int =
         if path == "gateway":
             swarm.start_gateway()
             say(f"gateway: {swarm.gateway_url} (TLS, dev CA); the hub and the workers both dial out to it")
-        swarm.start_hub(gateway=path == "gateway")
+        swarm.start_hub(gateway=path == "gateway", http=True)
         say(f"hub: SessionService on {swarm.hub_grpc_address}")
+        say(f"status page: {swarm.status_url}")
         for i, spec in enumerate(specs):
             swarm.start_worker(f"worker{i + 1}", model_dir, spec, via=path)
         sessions = swarm.wait_sessions(len(specs), watch=[f"worker{i + 1}" for i in range(len(specs))])
@@ -100,11 +105,14 @@ def run_demo(arch: str, *, seed: int = 0, max_new_tokens: int = 12, batch: int =
                          "units": format_units(total), "credited_bytes": credited[s.session_id],
                          "credited_nano_kvr": nano, "credited_kvr": format_kvr(nano)})
         ledger_total = sum(int(swarm.ledger_balance(w).pending_nano_kvr) for w in {s.wallet for s in after})
-    result["arch"] = arch
-    result["path"] = path
-    result["sessions"] = rows
-    result["ledger_total_nano_kvr"] = ledger_total
-    result["rate_nano_per_byte"] = DEFAULT_RATE_NANO_PER_BYTE
+        result["arch"] = arch
+        result["path"] = path
+        result["sessions"] = rows
+        result["ledger_total_nano_kvr"] = ledger_total
+        result["rate_nano_per_byte"] = DEFAULT_RATE_NANO_PER_BYTE
+        result["status_url"] = swarm.status_url
+        if stay is not None:
+            stay(result)
     return result
 
 
@@ -218,7 +226,7 @@ def _cmd_status(args: argparse.Namespace) -> int:
     import grpc
     from google.protobuf import json_format
 
-    from kvasir_rpc import session_pb2, session_pb2_grpc
+    from kvasir_rpc import format_kvr, session_pb2, session_pb2_grpc
 
     try:
         with grpc.insecure_channel(args.hub) as channel:
@@ -242,7 +250,10 @@ def _cmd_status(args: argparse.Namespace) -> int:
         up = max(0.0, (now_ms - s.connected_since_unix_ms) / 1000)
         print(f"  {s.session_id}  wallet {s.wallet[:16]}…  {s.device or '?'}  {s.model_type}  "
               f"{experts} experts in {len(s.slices)} layers  up {up:.0f} s  "
-              f"work {int(s.work_bytes):,} bytes  tunnel in {int(s.bytes_to_worker):,} / out "
+              f"{'via gateway' if s.via_gateway else 'direct'}  "
+              f"rtt {f'{s.rtt_ms:.1f} ms' if s.rtt_ms else '?'}  "
+              f"work {int(s.work_bytes):,} bytes ({int(s.work_calls):,} calls, {int(s.work_rows):,} rows)  "
+              f"credited {format_kvr(int(s.credited_nano_kvr))} KVR  tunnel in {int(s.bytes_to_worker):,} / out "
               f"{int(s.bytes_from_worker):,}  {'encrypted' if s.encrypted else 'in clear'}")
     for layer in sorted(covered):
         print(f"  layer {layer}: experts {_ranges(sorted(covered[layer]))} served")
@@ -328,12 +339,28 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     def say(msg: str) -> None:
         print(msg, file=sys.stderr if quiet else sys.stdout, flush=True)
 
+    shown: list[int] = []
+
+    def stay(result: dict[str, object]) -> None:
+        shown.append(_show_verdict(args, result))
+        say(f"the swarm keeps running: its status page is {result['status_url']}; Ctrl-C stops it")
+        try:
+            while True:
+                time.sleep(3600)
+        except KeyboardInterrupt:
+            say("stopping the swarm")
+
     try:
         result = run_demo(args.arch, seed=args.seed, max_new_tokens=args.max_new_tokens, batch=args.batch,
-                          model=args.model, path=args.path, say=say)
+                          model=args.model, path=args.path, say=say, stay=stay if args.stay else None)
     except SwarmError as exc:
         print(f"demo failed: {exc}", file=sys.stderr)
         return 2
+    return shown[0] if shown else _show_verdict(args, result)
+
+
+def _show_verdict(args: argparse.Namespace, result: dict[str, object]) -> int:
+    """Print the demo's verdict (one JSON line with --json); 0 when it holds, else 1."""
     paid = result["ledger_total_nano_kvr"] == sum(
         s["bytes"] * result["rate_nano_per_byte"] for s in result["sessions"]  # type: ignore[attr-defined]
     )
@@ -414,6 +441,8 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--path", choices=["gateway", "hub"], default="gateway",
                       help="workers reach the hub through the TLS gateway (default) or directly")
     demo.add_argument("--json", action="store_true", help="last line of stdout: one JSON object")
+    demo.add_argument("--stay", action="store_true",
+                      help="after the verdict, keep the swarm running (see its status page) until Ctrl-C")
     demo.set_defaults(func=_cmd_demo)
     from kvasir_rpc.dev import conformance
 

@@ -52,6 +52,7 @@ class LocalSwarm:
         self.hub_ws_port = 0
         self.hub_grpc_port = 0
         self.hub_key = ""
+        self.hub_http_port = 0
         self.gateway_port = 0
         self.gateway_tls = True
         self.ledger_port = 0
@@ -100,6 +101,13 @@ class LocalSwarm:
     @property
     def hub_ws_url(self) -> str:
         return f"ws://127.0.0.1:{self.hub_ws_port}"
+
+    @property
+    def status_url(self) -> str:
+        """The hub's status page (the hub started with ``http=True``)."""
+        if not self.hub_http_port:
+            raise SwarmError("the hub serves no status page: start it with start_hub(http=True)")
+        return f"http://127.0.0.1:{self.hub_http_port}/"
 
     @property
     def hub_grpc_address(self) -> str:
@@ -195,9 +203,10 @@ class LocalSwarm:
         self._keep_http_port("ledger", info)
 
     def start_hub(self, *, gateway: bool = False, listen_port: int = 0, receipt_interval: float = 1.0,
-                  extra: Sequence[str] = (), timeout: float = 30.0) -> None:
+                  http: bool = False, extra: Sequence[str] = (), timeout: float = 30.0) -> None:
         """Start the hub; with ``gateway`` it also keeps a control connection to our gateway, and
-        when a ledger runs it delivers receipts there."""
+        when a ledger runs it delivers receipts there. With ``http`` it serves its status page
+        and metrics on 127.0.0.1 (``status_url``)."""
         ready = self.workdir / "hub.ready.json"
         ready.unlink(missing_ok=True)
         from kvasir_rpc import load_or_create_token
@@ -209,6 +218,8 @@ class LocalSwarm:
                 "--receipt-interval", str(receipt_interval)]
         if self.ledger_port:
             args += ["--ledger", self.ledger_address]
+        if http:
+            args += ["--http", "127.0.0.1:0"]
         args += list(extra)
         if gateway:
             args += ["--gateway", self.gateway_url, "--gateway-token-file", str(self.token_file),
@@ -217,6 +228,7 @@ class LocalSwarm:
         info = self._wait_ready("hub", ready, timeout)
         self.hub_ws_port, self.hub_grpc_port = int(info["ws_port"]), int(info["grpc_port"])  # type: ignore[call-overload]
         self.hub_key = str(info["hub_key"])
+        self.hub_http_port = int(info.get("http_port") or 0)  # type: ignore[call-overload]
 
     def start_worker(self, name: str, model: str | os.PathLike[str], experts: str, *, via: str = "hub",
                      gateway_url: str | None = None, hub_url: str | None = None, extra: Sequence[str] = (),

@@ -1,0 +1,203 @@
+"""What the hub's status page and ``/api/status`` show: a plain object fed snapshots of the
+registry, the work desk and the receipt loop, with an injectable clock (no trio, no I/O).
+
+``sample()`` runs every ``SAMPLE_S`` (the HTTP server's own task): it records the swarm's
+throughput in a bounded ring (``HISTORY_POINTS``, about five minutes) and each live session's
+rows so far, from which its recent rate comes. ``snapshot()`` builds the JSON document; the
+layers x experts map of holders is recomputed only when the live set changed (the registry's
+generation), so a poll costs a copy of the session list, not a pass over every expert.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import time
+from collections.abc import Callable
+
+import numpy as np
+
+from kvasir_rpc import ModelShape, format_kvr
+from relay._receipt_sender import ReceiptSenderStats
+from relay._registry import SessionRegistry, SessionStats
+from relay._work import WorkDeskStats
+
+__all__ = ["HISTORY_POINTS", "RATE_WINDOW", "SAMPLE_S", "StatusBoard"]
+
+SAMPLE_S = 2.0
+# About five minutes of throughput at SAMPLE_S.
+HISTORY_POINTS = 150
+# A session's rows/s is its rows' growth over its last RATE_WINDOW samples (about 10 s):
+# the backbone reports work about once a second, so a single sample's rate jumps.
+RATE_WINDOW = 6
+
+
+@dataclasses.dataclass(frozen=True)
+class _Point:
+    t: float  # the wall clock (unix seconds)
+    mono: float  # the monotonic clock, for rates
+    rows: int
+    tunnel_bytes: int
+    work_bytes: int
+
+
+class StatusBoard:
+    """The hub's status, for people: see the module's docstring.
+
+    ``desk`` and ``sender`` return the work desk's and the receipt loop's counters (None: the
+    hub keeps no work records). ``clock`` is monotonic seconds, ``wall`` unix seconds; tests
+    pass fakes. Not thread-safe: call ``sample`` and ``snapshot`` from one thread (the hub's
+    event loop); the registry they read is thread-safe."""
+
+    def __init__(self, registry: SessionRegistry, *, hub_key: str, shape: ModelShape | None = None,
+                 desk: Callable[[], WorkDeskStats] | None = None,
+                 sender: Callable[[], ReceiptSenderStats] | None = None,
+                 clock: Callable[[], float] = time.monotonic, wall: Callable[[], float] = time.time) -> None:
+        self.registry = registry
+        self.hub_key = hub_key
+        self.shape = shape
+        self._desk = desk
+        self._sender = sender
+        self._clock = clock
+        self._wall = wall
+        self._started = clock()
+        self._history: collections.deque[_Point] = collections.deque(maxlen=HISTORY_POINTS + 1)
+        # session id -> its last RATE_WINDOW (monotonic time, rows) samples; live sessions only.
+        self._rows: dict[str, collections.deque[tuple[float, int]]] = {}
+        self._map_generation = -1
+        self._seen = (0, 0)  # the largest grid sessions' slices have shown (layers, experts)
+        self._map: dict[str, object] = {}
+
+    # -- sampling ----------------------------------------------------------------------
+
+    def sample(self) -> None:
+        """Record the swarm's throughput now, and each live session's rows."""
+        now = self._clock()
+        totals = self.registry.totals()
+        desk = self._desk() if self._desk is not None else None
+        self._history.append(_Point(t=self._wall(), mono=now, rows=desk.work_rows if desk else 0,
+                                    tunnel_bytes=totals.bytes_to_worker + totals.bytes_from_worker,
+                                    work_bytes=desk.work_bytes if desk else 0))
+        live = self.registry.statistics()
+        for s in live:
+            self._rows.setdefault(s.session_id, collections.deque(maxlen=RATE_WINDOW)).append((now, s.work_rows))
+        ids = {s.session_id for s in live}
+        for sid in [sid for sid in self._rows if sid not in ids]:
+            del self._rows[sid]
+
+    def rows_per_s(self, session_id: str) -> float:
+        """The session's rows per second over its recent samples; 0 before two samples."""
+        samples = self._rows.get(session_id)
+        if not samples or len(samples) < 2:
+            return 0.0
+        (t0, r0), (t1, r1) = samples[0], samples[-1]
+        return (r1 - r0) / (t1 - t0) if t1 > t0 else 0.0
+
+    def history(self) -> list[dict[str, float]]:
+        """Throughput between consecutive samples, oldest first: rows/s of accepted work,
+        tunnel bytes/s (both directions), work bytes/s; at most HISTORY_POINTS points."""
+        points = list(self._history)
+        out = []
+        for a, b in zip(points, points[1:], strict=False):
+            dt = b.mono - a.mono
+            if dt <= 0:
+                continue
+            out.append({"t": round(b.t, 3), "rows_per_s": (b.rows - a.rows) / dt,
+                        "bytes_per_s": (b.tunnel_bytes - a.tunnel_bytes) / dt,
+                        "work_bytes_per_s": (b.work_bytes - a.work_bytes) / dt})
+        return out
+
+    # -- the document ------------------------------------------------------------------
+
+    def model(self, sessions: list[SessionStats]) -> dict[str, object]:
+        """The model's grid: from the hub's --model/--layers/--experts ("config"), else the
+        smallest that holds every slice a session has held while this board ran ("sessions":
+        a worker that leaves does not shrink the map, its experts show as local-only), else
+        none."""
+        if self.shape is not None:
+            return {"layers": self.shape.layers, "experts": self.shape.experts, "source": "config"}
+        layers, experts = self._seen
+        for s in sessions:
+            for layer, ids in s.slices.items():
+                if len(ids):
+                    layers = max(layers, layer + 1)
+                    experts = max(experts, int(ids.to_array().max()) + 1)
+        self._seen = (layers, experts)
+        return {"layers": layers, "experts": experts, "source": "sessions" if layers else "none"}
+
+    def expert_map(self, sessions: list[SessionStats], generation: int) -> dict[str, object]:
+        """For each layer x expert, how many live sessions hold it (0: none does, so the
+        backbone computes it itself). Recomputed only when ``generation`` changed."""
+        if generation == self._map_generation:
+            return self._map
+        model = self.model(sessions)
+        layers, experts = int(model["layers"]), int(model["experts"])  # type: ignore[call-overload]
+        holders = np.zeros((layers, experts), dtype=np.int64)
+        for s in sessions:
+            for layer, ids in s.slices.items():
+                if layer < layers and len(ids):
+                    arr = ids.to_array()
+                    holders[layer, arr[arr < experts]] += 1  # a set: each id once
+        self._map = {"generation": generation, "layers": layers, "experts": experts, "source": model["source"],
+                     "holders": holders.tolist()}
+        self._map_generation = generation
+        return self._map
+
+    def _session(self, s: SessionStats) -> dict[str, object]:
+        return {
+            "session_id": s.session_id,
+            "wallet": s.wallet,
+            "device": s.device,
+            "model_type": s.model_type,
+            "encrypted": s.encrypted,
+            "via": "gateway" if s.via_gateway else "direct",
+            "connected_since_unix_ms": s.connected_since_unix_ms,
+            "rtt_ms": None if s.rtt_ms is None else round(s.rtt_ms, 3),
+            "calls": s.work_calls,
+            "rows": s.work_rows,
+            "rows_per_s": round(self.rows_per_s(s.session_id), 3),
+            "bytes_to_worker": s.bytes_to_worker,
+            "bytes_from_worker": s.bytes_from_worker,
+            "work_bytes": s.work_bytes,
+            "credited_bytes": s.credited_bytes,
+            "credited_nano_kvr": s.credited_nano_kvr,
+            "credited_kvr": format_kvr(s.credited_nano_kvr),
+            "layers": len(s.slices),
+            "experts": sum(len(ids) for ids in s.slices.values()),
+        }
+
+    def snapshot(self) -> dict[str, object]:
+        """The status document (``/api/status``): plain JSON types, no secrets (addresses of
+        wallets and of the hub's key are public; tokens, targets and remote addresses are
+        left out)."""
+        totals = self.registry.totals()  # its generation read before the sessions: never newer than them
+        sessions = self.registry.statistics()
+        generation = totals.generation
+        desk = self._desk() if self._desk is not None else None
+        sender = self._sender() if self._sender is not None else None
+        history = self.history()
+        return {
+            "now_unix_ms": int(self._wall() * 1000),
+            "hub": {"key": self.hub_key, "uptime_s": round(self._clock() - self._started, 3)},
+            "model": self.model(sessions),
+            "totals": {
+                "sessions": len(sessions),
+                "sessions_opened": totals.opened,
+                "sessions_closed": sum(totals.closed.values()),
+                "bytes_to_worker": totals.bytes_to_worker,
+                "bytes_from_worker": totals.bytes_from_worker,
+                "work_bytes": desk.work_bytes if desk else 0,
+                "work_calls": desk.work_calls if desk else 0,
+                "work_rows": desk.work_rows if desk else 0,
+                "quarantines": sum(desk.quarantines.values()) if desk else 0,
+                "receipts_acked": sender.acked if sender else 0,
+                "credited_bytes": sender.credited_bytes if sender else 0,
+                "credited_nano_kvr": sender.credited_nano_kvr if sender else 0,
+                "credited_kvr": format_kvr(sender.credited_nano_kvr if sender else 0),
+                "rows_per_s": history[-1]["rows_per_s"] if history else 0.0,
+                "bytes_per_s": history[-1]["bytes_per_s"] if history else 0.0,
+            },
+            "sessions": [self._session(s) for s in sessions],
+            "expert_map": self.expert_map(sessions, generation),
+            "history": {"interval_s": SAMPLE_S, "points": history},
+        }

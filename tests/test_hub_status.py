@@ -1,0 +1,182 @@
+"""The hub's status document and metrics, in process with a fake clock: the expert map (holders
+per layer x expert, 0 = local only), the rates and their bounded history, per-session credits
+counted once per receipt, close reasons, and the Prometheus text a scrape gets."""
+
+from __future__ import annotations
+
+import pathlib
+
+import pytest
+from prometheus_client import generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from kvasir_rpc import ExpertSet, HelloInfo, ModelShape, Wallet, session_pb2
+from relay._contrib import ContributionStore
+from relay._hub_http import HubCollector, hub_metrics
+from relay._registry import SessionRegistry
+from relay._status import HISTORY_POINTS, RATE_WINDOW, SAMPLE_S, StatusBoard
+from relay._work import WorkDesk
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def hello(wallet: str, slices: dict[int, range]) -> HelloInfo:
+    return HelloInfo(wallet=wallet, slices={layer: ExpertSet.of(ids) for layer, ids in slices.items()},
+                     weights_digest=b"d" * 32, device="cpu", model_type="qwen3_moe", worker_version="test")
+
+
+def add(registry: SessionRegistry, sid: str, slices: dict[int, range], **kw) -> str:  # type: ignore[no-untyped-def]
+    wallet = Wallet.generate().address
+    registry.add(sid, hello(wallet, slices), target="127.0.0.1:1", remote="127.0.0.1:2", **kw)
+    return wallet
+
+
+@pytest.fixture
+def desk(tmp_path: pathlib.Path):  # type: ignore[no-untyped-def]
+    registry = SessionRegistry()
+    store = ContributionStore(tmp_path / "hub.sqlite")
+    yield WorkDesk(registry, store, Wallet.generate(), quarantine_s=60.0)
+    store.close()
+
+
+def report(desk: WorkDesk, sid: str, nbytes: int, calls: int, rows: int, run: str = "r" * 16) -> None:
+    desk.report(session_pb2.ReportWorkRequest(run_id=run, reports=[
+        session_pb2.WorkReport(session_id=sid, cumulative_bytes=nbytes, calls=calls, rows=rows)]))
+
+
+def test_the_expert_map_counts_holders_and_shows_local_only_experts() -> None:
+    registry = SessionRegistry()
+    board = StatusBoard(registry, hub_key="k", shape=ModelShape(layers=3, experts=4))
+    add(registry, "a", {0: range(0, 2), 1: range(0, 4)})
+    add(registry, "b", {0: range(1, 3), 1: range(2, 4)})
+    holders = board.snapshot()["expert_map"]["holders"]  # type: ignore[index]
+    assert holders == [[1, 2, 1, 0], [1, 1, 2, 2], [0, 0, 0, 0]]
+    registry.remove("b", "worker_closed")
+    holders = board.snapshot()["expert_map"]["holders"]  # type: ignore[index]
+    assert holders == [[1, 1, 0, 0], [1, 1, 1, 1], [0, 0, 0, 0]]
+
+
+def test_without_a_configured_shape_the_map_is_what_sessions_have_shown_and_never_shrinks() -> None:
+    registry = SessionRegistry()
+    board = StatusBoard(registry, hub_key="k")
+    assert board.snapshot()["model"] == {"layers": 0, "experts": 0, "source": "none"}
+    add(registry, "a", {0: range(0, 4)})
+    add(registry, "b", {1: range(4, 8)})
+    assert board.snapshot()["model"] == {"layers": 2, "experts": 8, "source": "sessions"}
+    registry.remove("b")
+    st = board.snapshot()
+    assert st["model"] == {"layers": 2, "experts": 8, "source": "sessions"}
+    assert st["expert_map"]["holders"] == [[1, 1, 1, 1, 0, 0, 0, 0], [0] * 8]  # type: ignore[index]
+
+
+def test_the_map_is_recomputed_only_when_the_live_set_changes() -> None:
+    registry = SessionRegistry()
+    board = StatusBoard(registry, hub_key="k", shape=ModelShape(layers=1, experts=2))
+    add(registry, "a", {0: range(0, 1)})
+    first = board.snapshot()["expert_map"]
+    registry.count_bytes("a", to_worker=10)
+    assert board.snapshot()["expert_map"] is first  # bytes moved: same map object
+    add(registry, "b", {0: range(0, 2)})
+    assert board.snapshot()["expert_map"]["holders"] == [[2, 1]]  # type: ignore[index]
+
+
+def test_rates_come_from_recent_samples_and_the_history_is_bounded(desk: WorkDesk) -> None:
+    clock, wall = FakeClock(), FakeClock()
+    registry = desk.registry
+    board = StatusBoard(registry, hub_key="k", desk=desk.statistics, clock=clock, wall=wall)
+    add(registry, "a", {0: range(0, 2)})
+    board.sample()
+    assert board.rows_per_s("a") == 0.0  # one sample: no rate yet
+    rows = 0
+    for _ in range(3):
+        clock.t += SAMPLE_S
+        wall.t += SAMPLE_S
+        rows += 100
+        report(desk, "a", rows * 10, rows // 10, rows)
+        registry.count_bytes("a", to_worker=1000, from_worker=500)
+        board.sample()
+    assert board.rows_per_s("a") == pytest.approx(100 / SAMPLE_S)
+    st = board.snapshot()
+    (session,) = st["sessions"]  # type: ignore[misc]
+    assert session["rows"] == 300 and session["calls"] == 30 and session["rows_per_s"] == pytest.approx(50.0)
+    points = st["history"]["points"]  # type: ignore[index]
+    assert len(points) == 3
+    assert points[-1]["rows_per_s"] == pytest.approx(50.0)
+    assert points[-1]["bytes_per_s"] == pytest.approx(1500 / SAMPLE_S)
+    assert points[-1]["work_bytes_per_s"] == pytest.approx(500.0)
+    # The rate forgets what is older than its window; the history keeps HISTORY_POINTS.
+    for _ in range(HISTORY_POINTS + RATE_WINDOW):
+        clock.t += SAMPLE_S
+        wall.t += SAMPLE_S
+        board.sample()
+    assert board.rows_per_s("a") == 0.0
+    assert len(board.history()) == HISTORY_POINTS
+    # An ended session's samples go with it.
+    registry.remove("a")
+    board.sample()
+    assert board.rows_per_s("a") == 0.0 and not board._rows
+
+
+def test_a_receipt_is_credited_to_its_session_once() -> None:
+    registry = SessionRegistry()
+    add(registry, "a", {0: range(1)})
+    registry.credit("a", 1, 1000, 7000)
+    registry.credit("a", 1, 1000, 7000)  # the ledger's DUPLICATE answer to a resend
+    registry.credit("a", 2, 1500, 3500)
+    registry.credit("gone", 1, 10, 70)  # not live: nothing
+    (s,) = registry.statistics()
+    assert (s.credited_bytes, s.credited_nano_kvr) == (1500, 10500)
+    proto = s.to_proto()
+    assert (proto.credited_bytes, proto.credited_nano_kvr) == (1500, 10500)
+    st = StatusBoard(registry, hub_key="k").snapshot()
+    assert st["sessions"][0]["credited_kvr"] == "0.000010500"  # type: ignore[index]
+
+
+def test_the_status_document_holds_no_secret_and_names_the_path() -> None:
+    registry = SessionRegistry()
+    add(registry, "a", {0: range(1)}, via_gateway=True, encrypted=True)
+    registry.set_rtt("a", 0.0125)
+    (session,) = StatusBoard(registry, hub_key="hubkey").snapshot()["sessions"]  # type: ignore[misc]
+    assert session["via"] == "gateway" and session["encrypted"] is True
+    assert session["rtt_ms"] == pytest.approx(12.5)
+    assert "target" not in session and "remote_address" not in session
+    assert "127.0.0.1" not in repr(session)
+
+
+def test_metrics_parse_and_count_what_the_hub_saw(desk: WorkDesk) -> None:
+    registry = desk.registry
+    metrics = hub_metrics(registry, HubCollector(registry, desk=desk.statistics))
+    add(registry, "a", {0: range(2)})
+    add(registry, "b", {0: range(2)}, via_gateway=True, encrypted=True)
+    registry.count_bytes("a", to_worker=100, from_worker=40)
+    registry.count_bytes("b", to_worker=5, from_worker=6)
+    registry.set_rtt("a", 0.003)
+    report(desk, "a", 900, 3, 12)
+    report(desk, "missing", 900, 3, 12)
+    registry.remove("b", "keepalive")
+    families = {f.name: f for f in text_string_to_metric_families(generate_latest(metrics).decode())}
+
+    def value(name: str, suffix: str = "_total", **labels: str) -> float:
+        return next(s.value for s in families[name].samples
+                    if s.name == name + suffix and all(s.labels.get(k) == v for k, v in labels.items()))
+
+    assert value("kvasir_hub_sessions", "", encrypted="false", via="direct") == 1
+    assert value("kvasir_hub_sessions", "", encrypted="true", via="gateway") == 0
+    assert value("kvasir_hub_sessions_opened") == 2
+    assert value("kvasir_hub_sessions_closed", reason="keepalive") == 1
+    # Ended sessions' bytes stay counted.
+    assert value("kvasir_hub_tunnel_bytes", direction="to_worker") == 105
+    assert value("kvasir_hub_tunnel_bytes", direction="from_worker") == 46
+    assert value("kvasir_hub_work_bytes") == 900 and value("kvasir_hub_work_rows") == 12
+    assert value("kvasir_hub_work_refused") == 1
+    assert value("kvasir_hub_worker_rtt_seconds", "_count") == 1
+    assert value("kvasir_hub_worker_rtt_seconds", "_bucket", le="0.005") == 1
+    # A repeated report adds nothing.
+    report(desk, "a", 900, 3, 12)
+    assert desk.statistics().work_bytes == 900
