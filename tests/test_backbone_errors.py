@@ -97,6 +97,35 @@ def test_generate_prints_the_text_while_it_decodes(tiny_models, tmp_path: pathli
     assert int(lines[-1].split()[0]) >= 1
 
 
+def test_the_stream_prints_what_the_decode_says_and_starts_again_on_a_replay(
+        tiny_models, capsys: pytest.CaptureFixture[str]) -> None:
+    import io
+
+    import torch
+    from transformers import AutoTokenizer
+
+    from backbone.__main__ import _TextStream
+
+    tokenizer = AutoTokenizer.from_pretrained(str(tiny_models("qwen3_moe")))
+    ids = tokenizer("a stream of text\nover two lines, déjà vu", add_special_tokens=False)["input_ids"]
+
+    def steps(stream: _TextStream, n: int) -> None:
+        for i in range(1, n + 1):
+            stream.step(range(0, 4, 2), torch.tensor([ids[:i], ids[:i]]))
+            stream.step(range(1, 4, 2), torch.tensor([ids[:i]]))  # another group: not shown
+
+    out = io.StringIO()
+    with _TextStream(tokenizer, out) as stream:
+        steps(stream, len(ids))
+    assert out.getvalue() == tokenizer.decode(ids) + "\n"
+    out = io.StringIO()
+    with _TextStream(tokenizer, out) as stream:
+        steps(stream, 3)
+        steps(stream, len(ids))  # replayed from the prompt
+    assert out.getvalue() == tokenizer.decode(ids[:3]) + "\n" + tokenizer.decode(ids) + "\n"
+    assert "the text above is void" in capsys.readouterr().err
+
+
 def test_generate_json_keeps_stdout_one_object(tiny_models) -> None:
     out = _run(["-m", "backbone", "generate", "--model", str(tiny_models("qwen3_moe")), "--prompt", "json",
                 "--max-new-tokens", "3", "--batch", "3", "--groups", "2", "--json"], timeout=300)
@@ -166,15 +195,20 @@ def _not_checkpoints(tiny: pathlib.Path, base: pathlib.Path) -> dict[str, tuple[
     no_tokenizer.mkdir()
     for name in ("config.json", "model.safetensors"):
         shutil.copy(tiny / name, no_tokenizer / name)
+    unknown = base / "unknown-type"
+    shutil.copytree(tiny, unknown)
+    config = json.loads((unknown / "config.json").read_text())
+    (unknown / "config.json").write_text(json.dumps({**config, "model_type": "no_such_moe"}))
     return {
         "missing": (base / "nowhere", "does not exist"),
+        "unknown-type": (unknown, "model_type 'no_such_moe' is not one transformers"),
         "no-config": (empty, "has no config.json"),
         "not-moe": (dense, "not a Mixture-of-Experts config"),
         "no-tokenizer": (no_tokenizer, "has no tokenizer"),
     }
 
 
-@pytest.mark.parametrize("case", ["missing", "no-config", "not-moe", "no-tokenizer"])
+@pytest.mark.parametrize("case", ["missing", "no-config", "not-moe", "no-tokenizer", "unknown-type"])
 def test_a_model_that_is_no_checkpoint_fails_in_one_line(tiny_models, tmp_path: pathlib.Path, case: str) -> None:
     model, says = _not_checkpoints(tiny_models("qwen3_moe"), tmp_path)[case]
     out = _run(["-m", "backbone", "generate", "--model", str(model), "--prompt", "x"])
