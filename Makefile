@@ -15,12 +15,18 @@ NODE_STAMP := $(TS)/node_modules/.installed
 
 venv: $(STAMP)
 
+# One line before each slow step, and pip's progress bar for the big download (torch).
 $(STAMP): pyproject.toml constraints.txt
-	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -c constraints.txt torch==2.13.0
-	$(PY) -m pip install --quiet -c constraints.txt -e '.[dev]'
-	touch $(STAMP)
+	@echo "setting up $(VENV) (first run: installs torch and the rest, a few minutes)..."
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	@echo "[1/3] pip"
+	@$(PY) -m pip install --quiet --upgrade pip
+	@echo "[2/3] torch 2.13.0 (the largest download)"
+	@$(PY) -m pip install --progress-bar on -c constraints.txt torch==2.13.0
+	@echo "[3/3] kvasir-rpc and its dependencies (transformers, grpcio, trio, ...)"
+	@$(PY) -m pip install --quiet -c constraints.txt -e '.[dev]'
+	@touch $(STAMP)
+	@echo "$(VENV) is ready"
 
 demo: $(STAMP)
 	$(VENV)/bin/kvasir demo

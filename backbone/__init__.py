@@ -1,8 +1,30 @@
-"""The backbone: dense layers and the router on this machine, experts anywhere."""
+"""The backbone: dense layers and the router on this machine, experts anywhere.
 
-from backbone._experts import IMPLEMENTATION, Dispatcher, DispatchStats, install
-from backbone._generate import Decode, compare, decode, load_model
-from backbone._links import SessionWatcher, WorkerLink
+The names below load on first use (PEP 562), so ``python -m backbone`` can check its
+arguments, its files and its hub, and fail in one line, before torch and transformers load."""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from backbone._experts import IMPLEMENTATION, Dispatcher, DispatchStats, install
+    from backbone._generate import Decode, compare, decode, load_model
+    from backbone._links import SessionWatcher, WorkerLink
+
+_LAZY = {
+    "IMPLEMENTATION": "backbone._experts",
+    "Dispatcher": "backbone._experts",
+    "DispatchStats": "backbone._experts",
+    "install": "backbone._experts",
+    "Decode": "backbone._generate",
+    "compare": "backbone._generate",
+    "decode": "backbone._generate",
+    "load_model": "backbone._generate",
+    "SessionWatcher": "backbone._links",
+    "WorkerLink": "backbone._links",
+}
 
 __all__ = [
     "IMPLEMENTATION",
@@ -16,3 +38,12 @@ __all__ = [
     "install",
     "load_model",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'backbone' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value

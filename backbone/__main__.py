@@ -17,33 +17,42 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-from kvasir_rpc import configure_logging, get_logger
+from kvasir_rpc import HelpFormatter, add_log_level, configure_logging, fail, get_logger, run_main
 from backbone._deadlines import DEFAULT_STRAGGLER_FACTOR, DEFAULT_STRAGGLER_FLOOR_S, StragglerPolicy
 
 log = get_logger("backbone")
 
+# How long a one-shot check of the hub (is anything answering at --hub?) may take.
+HUB_PROBE_TIMEOUT_S = 5.0
+# How often a wait for --wait-sessions says where it stands.
+WAIT_PROGRESS_EVERY_S = 5.0
+
 
 def _experts_args(g: argparse.ArgumentParser) -> None:
     """The options generate and serve share: the model, the hub, and how experts are called."""
-    g.add_argument("--model", required=True, type=pathlib.Path)
-    g.add_argument("--hub", help="HOST:PORT of the hub's SessionService; without it every expert is local")
+    g.add_argument("--model", required=True, type=pathlib.Path,
+                   help="a Hugging Face MoE checkpoint folder (config.json, *.safetensors, tokenizer); "
+                        "`kvasir model tiny DIR` makes a small one")
+    g.add_argument("--hub", metavar="HOST:PORT",
+                   help="the hub's SessionService (its --grpc address); without it every expert is local")
     g.add_argument("--hub-token-file", type=pathlib.Path,
                    help="the hub's backbone token file (its --backbone-token-file); needed with --hub")
     g.add_argument("--wait-sessions", type=int, default=0, help="wait until the hub lists this many sessions")
-    g.add_argument("--wait-timeout", type=float, default=60.0)
+    g.add_argument("--wait-timeout", type=float, default=60.0,
+                   help="seconds to wait for --wait-sessions sessions before giving up")
     g.add_argument("--call-timeout", type=float, default=30.0,
                    help="seconds after which an unanswered remote call is lost: recomputed here and its worker "
                         "no longer used (a late call is recomputed sooner, see --straggler-factor)")
     g.add_argument("--straggler-factor", type=float, default=DEFAULT_STRAGGLER_FACTOR,
                    help="a call is late, and computed here with its answer dropped unpaid, after this many times "
                         "its worker's measured round trip (srtt + 4 rttvar, scaled by rows); 0 waits the call "
-                        f"timeout (default {DEFAULT_STRAGGLER_FACTOR})")
+                        "timeout")
     g.add_argument("--straggler-floor", type=float, default=DEFAULT_STRAGGLER_FLOOR_S,
-                   help="seconds a call is always given before it counts as late "
-                        f"(default {DEFAULT_STRAGGLER_FLOOR_S})")
-    g.add_argument("--threads", type=int, default=int(os.environ.get("KVASIR_THREADS", "0")) or None)
+                   help="seconds a call is always given before it counts as late")
+    g.add_argument("--threads", type=int, default=int(os.environ.get("KVASIR_THREADS", "0")) or None,
+                   help="torch's CPU threads (default: $KVASIR_THREADS, else torch's own choice)")
     g.add_argument("--wire-dtype", choices=["model", "bfloat16", "float16"], default="model",
-                   help="dtype activations travel in: the model's (bit-exact, default) or, for a float32 "
+                   help="dtype activations travel in: the model's (bit-exact) or, for a float32 "
                         "model, bfloat16/float16 (half the bytes, not bit-exact)")
     g.add_argument("--expert-weights", choices=["auto", "all", "on-demand"], default="auto",
                    help="'all': load and hold every expert; 'on-demand': load only the dense part and read an "
@@ -52,7 +61,7 @@ def _experts_args(g: argparse.ArgumentParser) -> None:
     g.add_argument("--audit-rate", type=float, default=None,
                    help="fraction of remote rows recomputed here to check the worker (default 0.02; "
                         "each session's first call is audited too; 0 turns sampling off)")
-    g.add_argument("--log-level", default="warning")
+    add_log_level(g, "warning")
 
 
 @dataclasses.dataclass
@@ -81,12 +90,17 @@ class Setup:
 
 def build_setup(parser: argparse.ArgumentParser, args: argparse.Namespace, *, compare_local: bool = False) -> Setup | int:
     """Load the model and build its experts path (the hub's sessions, the Dispatcher), or an
-    exit code after saying what is wrong."""
+    exit code after saying what is wrong. What the person must fix (a flag, a file, a hub that
+    is not there) ends the program with one line (exit 2) before anything heavy loads."""
     if args.hub and args.hub_token_file is None:
         parser.error("--hub needs --hub-token-file: the file the hub reads with --backbone-token-file "
                      "(without it the hub splices no worker to this backbone)")
+    if args.hub:
+        _check_hub_address(args.hub)
     if args.audit_rate is not None and not 0.0 <= args.audit_rate <= 1.0:
         parser.error("--audit-rate is a fraction from 0 to 1")
+    if args.wait_sessions < 0 or args.wait_timeout < 0:
+        parser.error("--wait-sessions and --wait-timeout cannot be negative")
     try:
         stragglers = StragglerPolicy(factor=args.straggler_factor, floor_s=args.straggler_floor,
                                      cap_s=args.call_timeout)
@@ -99,8 +113,14 @@ def build_setup(parser: argparse.ArgumentParser, args: argparse.Namespace, *, co
         try:
             hub_token = load_token(args.hub_token_file)
         except TokenError as exc:
-            print(f"backbone: --hub-token-file: {exc}", file=sys.stderr)
-            return 2
+            fail(f"backbone: --hub-token-file: {exc}")
+        _probe_hub(args.hub, hub_token)  # before torch loads: a wrong address fails in a second
+    from kvasir_rpc import CHECKPOINT_HINT, CheckpointError, check_checkpoint
+
+    try:
+        check_checkpoint(args.model)
+    except CheckpointError as exc:
+        fail(f"backbone: --model {args.model}: {exc}; {CHECKPOINT_HINT}")
 
     import torch
 
@@ -113,6 +133,7 @@ def build_setup(parser: argparse.ArgumentParser, args: argparse.Namespace, *, co
 
     import transformers
 
+    _check_model_type(args.model, CHECKPOINT_HINT)
     transformers.utils.logging.disable_progress_bar()
     transformers.utils.logging.set_verbosity_error()
     if args.threads:
@@ -124,16 +145,16 @@ def build_setup(parser: argparse.ArgumentParser, args: argparse.Namespace, *, co
         parser.error("--compare-local runs transformers' eager experts, which need every expert: use --expert-weights all")
     try:
         model, tokenizer = load_model(args.model, experts="on-demand" if on_demand else "all")
-    except (OSError, ValueError) as exc:
-        print(f"backbone: cannot load {args.model}: {exc}", file=sys.stderr)
-        return 2
+    except (OSError, ValueError, KeyError) as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        fail(f"backbone: --model {args.model}: cannot load it ({first}); {CHECKPOINT_HINT}")
 
     watcher = SessionWatcher(args.hub, token=hub_token) if args.hub else None
-    if watcher is not None and not watcher.wait(lambda s: len(s) >= args.wait_sessions, args.wait_timeout):
-        print(f"backbone: the hub at {args.hub} did not list {args.wait_sessions} sessions within "
-              f"{args.wait_timeout}s", file=sys.stderr)
+    if watcher is not None and not _wait_sessions(watcher, args.hub, args.wait_sessions, args.wait_timeout):
         watcher.close()
-        return 3
+        fail(f"backbone: the hub at {args.hub} listed {len(watcher.sessions())} of the {args.wait_sessions} "
+             f"sessions asked for (--wait-sessions) within {args.wait_timeout:g} s (--wait-timeout): start more "
+             "workers, ask for fewer sessions, or wait longer", status=3)
     wire_dtype = None if args.wire_dtype == "model" else getattr(torch, args.wire_dtype)
     model_dtype = next(model.parameters()).dtype
     if wire_dtype is not None and (model_dtype != torch.float32 or wire_dtype == model_dtype):
@@ -147,13 +168,85 @@ def build_setup(parser: argparse.ArgumentParser, args: argparse.Namespace, *, co
     return Setup(model, tokenizer, watcher, dispatcher, reporter, on_demand, wire_dtype, model_dtype, audit_rate)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m backbone")
+def _check_hub_address(hub: str) -> None:
+    """--hub is HOST:PORT of the hub's gRPC SessionService: a URL is someone else's address."""
+    from kvasir_rpc import hostport
+
+    if "://" in hub:
+        fail(f"backbone: --hub {hub}: the hub's address here is HOST:PORT, its --grpc address, with no scheme "
+             "(ws:// and wss:// URLs are where workers dial)")
+    try:
+        hostport()(hub)
+    except argparse.ArgumentTypeError:
+        fail(f"backbone: --hub {hub}: expected HOST:PORT, the hub's --grpc address")
+
+
+def _probe_hub(hub: str, token: str) -> None:
+    """Ask the hub for its sessions once, before anything loads: a hub that refuses or does
+    not answer ends the program at once (retrying a wrong address helps nobody)."""
+    import grpc
+
+    from kvasir_rpc import bearer, session_pb2, session_pb2_grpc
+
+    with grpc.insecure_channel(hub) as channel:
+        try:
+            session_pb2_grpc.SessionServiceStub(channel).ListSessions(
+                session_pb2.ListSessionsRequest(), timeout=HUB_PROBE_TIMEOUT_S, metadata=bearer(token))
+            return
+        except grpc.RpcError as exc:
+            code, details = exc.code(), exc.details() or ""  # type: ignore[attr-defined]
+    if code == grpc.StatusCode.UNAVAILABLE:
+        low = details.lower()
+        why = ("connection refused" if "refused" in low else "name not found" if "dns" in low
+               else details.rpartition(": ")[2] or "unavailable")
+        fail(f"backbone: cannot reach the hub at {hub} (--hub): {why} — is the hub running, and is this its "
+             "--grpc address?")
+    if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+        fail(f"backbone: the hub at {hub} (--hub) did not answer within {HUB_PROBE_TIMEOUT_S:g} s — is this its "
+             "--grpc address, and does a firewall let it through?")
+    fail(f"backbone: {hub} (--hub) answered {code.name}: {details} — is this the hub's --grpc address?")
+
+
+def _check_model_type(model: pathlib.Path, hint: str) -> None:
+    """A config transformers has no class for fails here, in one line, not inside transformers."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+    from kvasir_rpc import read_model_info
+
+    model_type = read_model_info(model).model_type
+    if model_type not in CONFIG_MAPPING_NAMES:
+        import transformers
+
+        fail(f"backbone: --model {model}: model_type {model_type!r} is not one transformers "
+             f"{transformers.__version__} knows; {hint}")
+
+
+def _wait_sessions(watcher: Any, hub: str, wanted: int, timeout_s: float) -> bool:
+    """Wait until the hub lists ``wanted`` sessions, saying every few seconds how many it has."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        left = deadline - time.monotonic()
+        if watcher.wait(lambda s: len(s) >= wanted, max(0.0, min(WAIT_PROGRESS_EVERY_S, left))):
+            return True
+        if left <= WAIT_PROGRESS_EVERY_S:
+            return False
+        print(f"backbone: waiting for the hub at {hub} to list {wanted} sessions (--wait-sessions): "
+              f"{len(watcher.sessions())} so far, {deadline - time.monotonic():.0f} s left of --wait-timeout",
+              file=sys.stderr, flush=True)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The command line of ``python -m backbone`` (generate and serve)."""
+    parser = argparse.ArgumentParser(prog="python -m backbone", formatter_class=HelpFormatter,
+                                     description="The backbone: dense layers and the router here, experts on a "
+                                                 "hub's workers.")
     sub = parser.add_subparsers(dest="command", required=True)
-    g = sub.add_parser("generate", help="greedy decode with experts on the swarm")
+    g = sub.add_parser("generate", help="greedy decode with experts on the swarm", formatter_class=HelpFormatter,
+                       description="Greedy decode of --prompt, the text printed as it comes (with --json: one JSON "
+                                   "object as the last line of stdout, a progress bar on a terminal's stderr).")
     _experts_args(g)
-    g.add_argument("--prompt", required=True)
-    g.add_argument("--max-new-tokens", type=int, default=16)
+    g.add_argument("--prompt", required=True, help="the text to continue")
+    g.add_argument("--max-new-tokens", type=int, default=16, help="tokens decoded per sequence")
     g.add_argument("--max-seconds", type=float, default=None,
                    help="end the decode after this many seconds (the tokens so far; Ctrl-C does the same)")
     g.add_argument("--batch", type=int, default=1, help="sequences decoded together")
@@ -163,13 +256,14 @@ def main(argv: list[str] | None = None) -> int:
                         "computes while others wait on the network; 'auto' picks from a measured remote "
                         "step and a local one")
     g.add_argument("--json", action="store_true", help="print one JSON object as the last line")
-    sv = sub.add_parser("serve", help="serve kvasir.v1.BackboneService (gRPC) and the OpenAI-compatible HTTP API")
+    sv = sub.add_parser("serve", help="serve kvasir.v1.BackboneService (gRPC) and the OpenAI-compatible HTTP API",
+                        formatter_class=HelpFormatter)
     _experts_args(sv)
     sv.add_argument("--listen", default="127.0.0.1:50061", help="HOST:PORT for gRPC (port 0 picks a free one)")
     sv.add_argument("--http", help="HOST:PORT for the OpenAI-compatible HTTP API and Prometheus metrics at "
                                    "/metrics (off without it). /metrics and /health need no API key: they "
                                    "hold counters only, never a prompt or a token")
-    sv.add_argument("--model-name", help="the model's id in ListModels and the HTTP API (default: the folder's name)")
+    sv.add_argument("--model-name", help="the model's id in ListModels and the HTTP API (default: the --model folder's name)")
     sv.add_argument("--max-batch", type=int, default=32, help="requests decoded together at most")
     sv.add_argument("--max-waiting", type=int, default=64,
                     help="requests waiting for a slot at most; more get RESOURCE_EXHAUSTED (HTTP 429)")
@@ -185,6 +279,11 @@ def main(argv: list[str] | None = None) -> int:
                          "openai package's api_key). Without it anyone who reaches --listen or --http may call")
     sv.add_argument("--ready-file", type=pathlib.Path,
                     help="write {grpc_port, http_port, model} here (atomically) once serving")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
     configure_logging("backbone", level=args.log_level)
     if args.command == "serve":
@@ -208,9 +307,11 @@ def main(argv: list[str] | None = None) -> int:
         groups, why = _choose_groups(args.groups, dispatcher, model, tokenizer, prompts, decode_grouped)
         dispatcher.reset_counters()
         t0 = time.perf_counter()
-        with _stop_on_interrupt(args.max_seconds) as stop:
+        show = _Progress(len(prompts) * args.max_new_tokens) if args.json else _TextStream(tokenizer)
+        with _stop_on_interrupt(args.max_seconds) as stop, show:
             log.info("decoding", sequences=len(prompts), max_new_tokens=args.max_new_tokens, groups=groups)
-            run = decode_grouped(model, tokenizer, prompts, args.max_new_tokens, groups, stop=stop)
+            run = decode_grouped(model, tokenizer, prompts, args.max_new_tokens, groups, stop=stop,
+                                 on_step=show.step)
         elapsed = time.perf_counter() - t0
         steps = int(run.new_tokens.shape[1])
         stats = dispatcher.statistics()
@@ -247,7 +348,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         print(json.dumps(result))
     else:
-        for text in result["texts"]:  # type: ignore[attr-defined]
+        # The first sequence's text is on the screen already, streamed; the others follow it.
+        for text in result["texts"][1:]:  # type: ignore[index]
             print(text)
         print(f"{result['n_tokens']} tokens in {result['seconds']} s; remote calls {result['remote_calls']}, "
               f"rows {result['remote_rows']}, fallbacks {result['fallback_calls']}")
@@ -288,6 +390,89 @@ def _stop_on_interrupt(max_seconds: float | None) -> Iterator[threading.Event]:
             timer.cancel()
         if main_thread:
             signal.signal(signal.SIGINT, previous if previous is not None else signal.SIG_DFL)
+
+
+class _TextStream:
+    """Prints the first sequence's new text on stdout as each step decodes it (flushed per
+    token), then a line end when the decode ends. Text is decoded from the tokens since the
+    last line end, and held back while it ends in half a character, so what is printed is
+    what the whole decode says. A decode replayed from the prompt (a worker was caught
+    sending wrong work) restarts the text on a new line, after a note on stderr."""
+
+    def __init__(self, tokenizer: Any, out: Any = None) -> None:
+        self.tokenizer = tokenizer
+        self.out = out if out is not None else sys.stdout
+        self.steps = 0  # of the decode attempt being shown
+        self.start = 0  # first token of the current line
+        self.printed = 0  # characters of the current line already printed
+
+    def step(self, rows: Any, new_tokens: Any) -> None:
+        """``rows``: the prompt indices of ``new_tokens`` [len(rows), steps] (a decode's group)."""
+        if rows[0] != 0:
+            return
+        steps = int(new_tokens.shape[1])
+        if steps <= self.steps:
+            print("\nbackbone: a worker was caught sending wrong work; the decode restarts without it "
+                  "(the text above is void)", file=sys.stderr, flush=True)
+            self.out.write("\n")
+            self.start = self.printed = 0
+        self.steps = steps
+        text = self.tokenizer.decode(new_tokens[0, self.start:].tolist(), skip_special_tokens=True)
+        if text.endswith("\ufffd"):
+            return  # half a character: the rest comes with the next token
+        if len(text) > self.printed:
+            self.out.write(text[self.printed:])
+            self.out.flush()
+        if text.endswith("\n"):
+            self.start, self.printed = steps, 0
+        else:
+            self.printed = max(self.printed, len(text))
+
+    def __enter__(self) -> _TextStream:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.out.write("\n")
+        self.out.flush()
+
+
+class _Progress:
+    """A progress bar on stderr (tokens done of all asked for, tokens/s) while --json keeps
+    stdout for its one object; only when stderr is a terminal."""
+
+    def __init__(self, total: int) -> None:
+        self.total = total
+        self.done: dict[int, int] = {}  # tokens so far, by the first prompt index of a group
+        self.lock = threading.Lock()
+        self.bar: Any = None
+        self.task: Any = None
+        self.t0 = time.perf_counter()
+
+    def __enter__(self) -> _Progress:
+        if sys.stderr.isatty():
+            from rich.console import Console
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+            self.bar = Progress(TextColumn("decoding"), BarColumn(), MofNCompleteColumn(),
+                                TextColumn("tokens, {task.fields[rate]} tokens/s"), TimeElapsedColumn(),
+                                console=Console(stderr=True), transient=True)
+            self.task = self.bar.add_task("decode", total=self.total, rate="-")
+            self.bar.start()
+        self.t0 = time.perf_counter()
+        return self
+
+    def step(self, rows: Any, new_tokens: Any) -> None:
+        if self.bar is None:
+            return
+        with self.lock:
+            self.done[rows[0]] = int(new_tokens.numel())
+            done = sum(self.done.values())
+            elapsed = time.perf_counter() - self.t0
+            self.bar.update(self.task, completed=done, rate=f"{done / elapsed:.1f}" if elapsed > 0 else "-")
+
+    def __exit__(self, *exc: object) -> None:
+        if self.bar is not None:
+            self.bar.stop()
 
 
 def _rss_bytes() -> int:
@@ -347,10 +532,14 @@ def _choose_groups(spec: str, dispatcher, model, tokenizer, prompts, decode_grou
     return best, "measured tokens/s by groups: " + ", ".join(f"{g}: {v:.0f}" for g, v in measured.items())
 
 
-if __name__ == "__main__":
+def _main_then_freeze() -> int:
     code = main()
     # On the way out: the interpreter's last collection walks every object torch and
     # transformers made, for seconds, to free memory the OS takes back at exit anyway.
     # Frozen objects are skipped; the rest of shutdown (atexit, flushing) is as usual.
     gc.freeze()
-    sys.exit(code)
+    return code
+
+
+if __name__ == "__main__":
+    run_main("backbone", _main_then_freeze)

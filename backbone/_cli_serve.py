@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import argparse
 import signal
-import sys
 import threading
 from types import FrameType
 
-from kvasir_rpc import ListenError, check_listen, get_logger, write_ready_file
+from kvasir_rpc import ListenError, check_listen, fail, get_logger, write_ready_file
 
 log = get_logger("backbone.serve")
 
@@ -28,8 +27,7 @@ def run_serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         try:
             check_listen(address)  # before the model loads: a taken port fails at once
         except ListenError as exc:
-            print(f"backbone: {option}: {exc}", file=sys.stderr)
-            return 1
+            fail(f"backbone: {option}: {exc}")
     api_key = ""
     if args.api_key_file is not None:
         from kvasir_rpc import TokenError, load_or_create_token
@@ -37,8 +35,7 @@ def run_serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         try:
             api_key = load_or_create_token(args.api_key_file)
         except (TokenError, OSError) as exc:
-            print(f"backbone: --api-key-file: {exc}", file=sys.stderr)
-            return 2
+            fail(f"backbone: --api-key-file: {exc}")
     else:
         for address in (args.listen, args.http):
             if address is not None and not _loopback(address):
@@ -69,8 +66,7 @@ def run_serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         try:
             server, port, health = serve_backbone(args.listen, backbone)
         except ListenError as exc:
-            print(f"backbone: --listen: {exc}", file=sys.stderr)
-            return 1
+            fail(f"backbone: --listen: {exc}")
         http_port = None
         if args.http:
             from backbone._http import serve_http
@@ -78,8 +74,7 @@ def run_serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
             try:
                 http = serve_http(backbone, args.http)
             except ListenError as exc:
-                print(f"backbone: --http: {exc}", file=sys.stderr)
-                return 1
+                fail(f"backbone: --http: {exc}")
             http_port = http.port
         log.info("backbone serving", grpc=port, http=http_port, model=backbone.model_id,
                  max_batch=args.max_batch, lanes=args.lanes, remote=setup.watcher is not None)

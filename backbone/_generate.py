@@ -6,6 +6,7 @@ import dataclasses
 import pathlib
 import threading
 import time
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -15,11 +16,15 @@ from kvasir_rpc import get_logger, threads_initializer
 
 log = get_logger("backbone.generate")
 
+#: Called after each decode step with the prompt indices of a decode's rows and their new
+#: tokens so far, ``[rows, steps]``. A replayed decode starts again at one step.
+OnStep = Callable[[Sequence[int], torch.Tensor], None]
+
 # Each replay follows a new quarantine of a session the decode used; a swarm that keeps
 # sending fresh liars gets this many before the decode gives up.
 MAX_REPLAYS = 16
 
-__all__ = ["Decode", "compare", "decode", "load_model"]
+__all__ = ["Decode", "OnStep", "compare", "decode", "load_model"]
 
 
 def load_model(model_dir: str | pathlib.Path, *, experts: str = "all"):  # type: ignore[no-untyped-def]
@@ -98,10 +103,25 @@ class _StopWhenSet:
         return torch.full((input_ids.shape[0],), self.event.is_set(), dtype=torch.bool, device=input_ids.device)
 
 
+class _StepTap:
+    """A stopping criterion that stops nothing: it hands each step's new tokens to ``on_step``
+    (criteria run once the step's token is appended)."""
+
+    def __init__(self, prompt_len: int, rows: Sequence[int], on_step: OnStep) -> None:
+        self.prompt_len = prompt_len
+        self.rows = rows
+        self.on_step = on_step
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor, **kwargs: object) -> torch.Tensor:
+        self.on_step(self.rows, input_ids[:, self.prompt_len:])
+        return torch.zeros((input_ids.shape[0],), dtype=torch.bool, device=input_ids.device)
+
+
 def decode(model, tokenizer, prompts: list[str], max_new_tokens: int, implementation: str = IMPLEMENTATION,  # type: ignore[no-untyped-def]
-           stop: threading.Event | None = None) -> Decode:
+           stop: threading.Event | None = None, on_step: OnStep | None = None) -> Decode:
     """Greedy decode of exactly ``max_new_tokens`` per prompt with the given experts
-    implementation; fewer (at least one) when ``stop`` is set during the decode."""
+    implementation; fewer (at least one) when ``stop`` is set during the decode.
+    ``on_step(range(len(prompts)), new_tokens)`` runs after every step, in this thread."""
     model.set_experts_implementation(implementation)
     tokenizer.padding_side = "left"
     if tokenizer.pad_token is None:
@@ -110,6 +130,9 @@ def decode(model, tokenizer, prompts: list[str], max_new_tokens: int, implementa
     from transformers import LogitsProcessorList, StoppingCriteriaList
 
     dispatcher = _dispatcher_of(model) if implementation == IMPLEMENTATION else None
+    criteria: list[object] = [_StopWhenSet(stop)] if stop is not None else []
+    if on_step is not None:
+        criteria.append(_StepTap(enc["input_ids"].shape[1], range(len(prompts)), on_step))
     for attempt in range(MAX_REPLAYS + 1):
         clock = _StepClock()
         if dispatcher is not None:
@@ -119,7 +142,7 @@ def decode(model, tokenizer, prompts: list[str], max_new_tokens: int, implementa
                 out = model.generate(
                     **enc,
                     logits_processor=LogitsProcessorList([clock]),
-                    stopping_criteria=StoppingCriteriaList([_StopWhenSet(stop)] if stop is not None else []),
+                    stopping_criteria=StoppingCriteriaList(criteria),
                     do_sample=False,
                     max_new_tokens=max_new_tokens,
                     min_new_tokens=max_new_tokens,
@@ -147,7 +170,8 @@ def decode(model, tokenizer, prompts: list[str], max_new_tokens: int, implementa
 
 
 def decode_grouped(model, tokenizer, prompts: list[str], max_new_tokens: int, groups: int,  # type: ignore[no-untyped-def]
-                   implementation: str = IMPLEMENTATION, stop: threading.Event | None = None) -> Decode:
+                   implementation: str = IMPLEMENTATION, stop: threading.Event | None = None,
+                   on_step: OnStep | None = None) -> Decode:
     """Micro-batch pipelining: split ``prompts`` into ``groups`` (prompt i goes to group
     i % groups) and decode the groups concurrently, one thread each, so one group computes
     while others wait on remote experts. torch releases the GIL inside its kernels and the
@@ -157,29 +181,46 @@ def decode_grouped(model, tokenizer, prompts: list[str], max_new_tokens: int, gr
     grouping (the local reference does exactly that).
 
     When ``stop`` is set the groups end at different steps; each is cut to the shortest, so
-    the result is the decode of that many tokens.
+    the result is the decode of that many tokens. An exception here (Ctrl-C) ends every group
+    after its current step before it propagates.
+
+    ``on_step(prompt_indices, new_tokens)`` runs after every step of every group, in that
+    group's thread (so it must be thread-safe), with the prompt indices of the group's rows.
     """
     groups = max(1, min(groups, len(prompts)))
     if groups == 1:
-        return decode(model, tokenizer, prompts, max_new_tokens, implementation, stop)
+        return decode(model, tokenizer, prompts, max_new_tokens, implementation, stop, on_step)
     model.set_experts_implementation(implementation)
     parts: list[Decode | None] = [None] * groups
     errors: list[BaseException] = []
 
     same_threads = threads_initializer()
 
+    # The groups' own stop: the caller's, or one set here if the caller's thread is interrupted.
+    stop = stop if stop is not None else threading.Event()
+
     def run(g: int) -> None:
         same_threads()  # or OpenMP gives this thread every core
+        rows = range(g, len(prompts), groups)
+        tap: OnStep | None = None
+        if on_step is not None:
+            tap = lambda _, new_tokens: on_step(rows, new_tokens)  # noqa: E731
         try:
-            parts[g] = decode(model, tokenizer, prompts[g::groups], max_new_tokens, implementation, stop)
+            parts[g] = decode(model, tokenizer, prompts[g::groups], max_new_tokens, implementation, stop, tap)
         except BaseException as exc:  # re-raised in the caller's thread
             errors.append(exc)
 
     threads = [threading.Thread(target=run, args=(g,), name=f"group-{g}") for g in range(groups)]
     for t in threads:
         t.start()
-    for t in threads:
-        t.join()
+    try:
+        for t in threads:
+            t.join()
+    except BaseException:
+        # Ctrl-C lands in this thread: the groups end after their current step, not after
+        # every token asked for, so the program can exit.
+        stop.set()
+        raise
     if errors:
         raise errors[0]
     done = [p for p in parts if p is not None]

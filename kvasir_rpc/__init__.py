@@ -104,10 +104,12 @@ if TYPE_CHECKING:  # the real names, for type checkers; at run time __getattr__ 
     )
     from kvasir_rpc._fastmask import install_fast_masking
     from kvasir_rpc._checkpoint import (
+        CHECKPOINT_HINT,
         CheckpointError,
         ExpertIndex,
         ModelInfo,
         SpecError,
+        check_checkpoint,
         expert_digest,
         format_slices,
         parse_expert_spec,
@@ -221,7 +223,9 @@ _LAZY = {
     "TensorCodecError": "kvasir_rpc._codec",
     "encode_tensor": "kvasir_rpc._codec",
     "decode_tensor": "kvasir_rpc._codec",
+    "CHECKPOINT_HINT": "kvasir_rpc._checkpoint",
     "CheckpointError": "kvasir_rpc._checkpoint",
+    "check_checkpoint": "kvasir_rpc._checkpoint",
     "ExpertIndex": "kvasir_rpc._checkpoint",
     "ModelInfo": "kvasir_rpc._checkpoint",
     "SpecError": "kvasir_rpc._checkpoint",

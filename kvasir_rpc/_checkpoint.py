@@ -26,10 +26,12 @@ from safetensors import safe_open
 from kvasir_rpc.protocol import WEIGHTS_DIGEST_DOMAIN
 
 __all__ = [
+    "CHECKPOINT_HINT",
     "CheckpointError",
     "ExpertIndex",
     "ModelInfo",
     "SpecError",
+    "check_checkpoint",
     "format_slices",
     "parse_expert_spec",
     "slices_digest",
@@ -71,29 +73,77 @@ def _text_config(cfg: dict) -> dict:  # type: ignore[type-arg]
 
 
 def read_model_info(model_dir: str | os.PathLike[str]) -> ModelInfo:
+    """The experts' shape facts from ``model_dir/config.json``. Raises CheckpointError (what
+    is missing or wrong, naming the file) for a missing or unreadable config or one that is not
+    a Mixture-of-Experts model's."""
     path = pathlib.Path(model_dir) / "config.json"
     try:
         cfg = json.loads(path.read_text())
     except FileNotFoundError as exc:
         raise CheckpointError(f"{path} not found: --model must be a Hugging Face checkpoint folder") from exc
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CheckpointError(f"{path} is not readable JSON: {exc}") from exc
+    if not isinstance(cfg, dict):
+        raise CheckpointError(f"{path} is not a model config (a JSON object)")
     text = _text_config(cfg)
     num_experts = text.get("num_experts", text.get("num_local_experts"))
     inter = text.get("moe_intermediate_size", text.get("intermediate_size"))
     if num_experts is None or inter is None:
         raise CheckpointError(f"{path}: not a Mixture-of-Experts config (no num_experts / num_local_experts)")
+    missing = [k for k in ("num_hidden_layers", "hidden_size") if k not in text]
+    if missing:
+        raise CheckpointError(f"{path}: not a model config this project reads (no {', '.join(missing)})")
     dtype_name = text.get("dtype") or text.get("torch_dtype") or cfg.get("dtype") or cfg.get("torch_dtype") or "float32"
     dtype = getattr(torch, str(dtype_name).replace("torch.", ""), None)
     if not isinstance(dtype, torch.dtype):
         raise CheckpointError(f"{path}: unknown dtype {dtype_name!r}")
-    return ModelInfo(
-        model_type=str(text.get("model_type", cfg.get("model_type", ""))),
-        num_layers=int(text["num_hidden_layers"]),
-        num_experts=int(num_experts),
-        hidden_size=int(text["hidden_size"]),
-        intermediate_size=int(inter),
-        hidden_act=str(text.get("hidden_act", "silu")),
-        dtype=dtype,
-    )
+    try:
+        return ModelInfo(
+            model_type=str(text.get("model_type", cfg.get("model_type", ""))),
+            num_layers=int(text["num_hidden_layers"]),
+            num_experts=int(num_experts),
+            hidden_size=int(text["hidden_size"]),
+            intermediate_size=int(inter),
+            hidden_act=str(text.get("hidden_act", "silu")),
+            dtype=dtype,
+        )
+    except (TypeError, ValueError) as exc:
+        raise CheckpointError(f"{path}: a size is not a number: {exc}") from exc
+
+
+#: What to do about a folder check_checkpoint refuses; callers put their flag's name before it.
+CHECKPOINT_HINT = ("point --model at a Hugging Face checkpoint folder (config.json, *.safetensors, tokenizer); "
+                   "`kvasir model tiny DIR` makes a small one")
+
+# Any one of these lets transformers' AutoTokenizer load without sentencepiece or a download.
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt")
+
+
+def check_checkpoint(model_dir: str | os.PathLike[str], *, tokenizer: bool = True) -> ModelInfo:
+    """Check, from file names and ``config.json`` alone (no weights read, nothing imported),
+    that ``model_dir`` is a checkpoint folder this project can load: a folder with a
+    Mixture-of-Experts ``config.json`` (see read_model_info), safetensors weights and, with
+    ``tokenizer`` (the backbone's case; a worker needs none), a tokenizer file.
+
+    Returns its ModelInfo. Raises CheckpointError saying what is missing; its message names
+    the folder, not the flag (callers add theirs and CHECKPOINT_HINT)."""
+    path = pathlib.Path(model_dir)
+    if not path.exists():
+        raise CheckpointError(f"{path} does not exist")
+    if not path.is_dir():
+        raise CheckpointError(f"{path} is a file, not a checkpoint folder")
+    if not (path / "config.json").is_file():
+        raise CheckpointError(f"{path} has no config.json")
+    info = read_model_info(path)
+    if not info.model_type:
+        raise CheckpointError(f"{path / 'config.json'} names no model_type")
+    if not (path / "model.safetensors.index.json").is_file() and not any(path.glob("*.safetensors")):
+        bins = any(path.glob("*.bin"))
+        raise CheckpointError(f"{path} has no *.safetensors weights"
+                              + (" (PyTorch *.bin files are not read: convert them to safetensors)" if bins else ""))
+    if tokenizer and not any((path / name).is_file() for name in _TOKENIZER_FILES):
+        raise CheckpointError(f"{path} has no tokenizer ({' or '.join(_TOKENIZER_FILES[:2])})")
+    return info
 
 
 @dataclasses.dataclass(frozen=True)

@@ -30,7 +30,14 @@ LOG_LEVELS = ("debug", "info", "warning", "error")
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """``--help`` that shows each argument's default (argparse's own formatter shows none)."""
+    """``--help`` that shows each argument's default (argparse's own formatter shows none),
+    leaving out the empty ones: ``(default: None)`` of an option that has none, and
+    ``(default: False)`` of a switch."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default is None or action.default is False:
+            return action.help
+        return super()._get_help_string(action)
 
 
 def add_log_level(parser: argparse.ArgumentParser, default: str = "info") -> None:

@@ -12,9 +12,13 @@ import tempfile
 import time
 from collections.abc import Callable
 
-__all__ = ["main"]
+__all__ = ["build_parser", "entry", "main"]
 
 DEMO_PROMPT = "The swarm computes every expert"
+#: Where ``kvasir certs`` writes by default: under the git-ignored .kvasir/, so ca.key stays
+#: out of the project's files.
+DEFAULT_CERTS_DIR = pathlib.Path(".kvasir") / "certs"
+DEFAULT_CERT_HOSTS = ("localhost", "127.0.0.1", "::1")
 
 
 def _cmd_model_tiny(args: argparse.Namespace) -> int:
@@ -73,12 +77,14 @@ def run_demo(arch: str, *, seed: int = 0, max_new_tokens: int = 12, batch: int =
             swarm.start_worker(f"worker{i + 1}", model_dir, spec, via=path)
         sessions = swarm.wait_sessions(len(specs), watch=[f"worker{i + 1}" for i in range(len(specs))])
         say(f"{len(sessions)} workers joined in {time.monotonic() - t0:.1f}s (experts {', '.join(specs)})")
+        say("starting two backbone services (each loads the model): one with its experts on the swarm, one all local")
         remote = _Service(swarm.start_backbone_service("backbone", model_dir, ["--wait-sessions", str(len(specs))]))
         local = _Service(swarm.start_backbone_service("backbone-local", model_dir, hub=False))
         say(f"backbone service: kvasir.v1.BackboneService on 127.0.0.1:{remote.port} (experts on the swarm); "
             f"a reference with every expert local on 127.0.0.1:{local.port}")
         say(f"{batch} concurrent Generate calls, {max_new_tokens} tokens each; then each alone, on both services")
         result = _demo_decodes(remote, local, prompts, max_new_tokens, say)
+        say("checking the tokens against transformers' own eager experts (python -m backbone generate --compare-local)")
         reference = swarm.run_backbone(["--model", str(model_dir), "--prompt", DEMO_PROMPT, "--batch", str(batch),
                                         "--groups", str(batch), "--max-new-tokens", str(max_new_tokens),
                                         "--compare-local"], hub=False)
@@ -203,7 +209,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 def _cmd_certs(args: argparse.Namespace) -> int:
     from kvasir_rpc.dev.certs import make_dev_certs
 
-    paths = make_dev_certs(args.dir, args.host or ["localhost", "127.0.0.1", "::1"])
+    paths = make_dev_certs(args.dir, args.host or list(DEFAULT_CERT_HOSTS))
     for name, p in paths.items():
         print(f"{name}: {p}")
     return 0
@@ -332,8 +338,17 @@ def _cmd_key_show(args: argparse.Namespace) -> int:
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
+    from kvasir_rpc import CHECKPOINT_HINT, CheckpointError, check_checkpoint, fail
     from kvasir_rpc.dev.swarm import SwarmError
 
+    if args.max_new_tokens < 1 or args.batch < 1:
+        fail("kvasir demo: --max-new-tokens and --batch must be at least 1")
+    if args.model is not None:
+        # Before anything starts; and a folder that is not a checkpoint is never written into.
+        try:
+            check_checkpoint(args.model)
+        except CheckpointError as exc:
+            fail(f"kvasir demo: --model {args.model}: {exc}; {CHECKPOINT_HINT}")
     quiet = args.json
 
     def say(msg: str) -> None:
@@ -354,7 +369,8 @@ def _cmd_demo(args: argparse.Namespace) -> int:
         result = run_demo(args.arch, seed=args.seed, max_new_tokens=args.max_new_tokens, batch=args.batch,
                           model=args.model, path=args.path, say=say, stay=stay if args.stay else None)
     except SwarmError as exc:
-        print(f"demo failed: {exc}", file=sys.stderr)
+        # Several lines on purpose: the failing component's log tail says what went wrong.
+        print(f"kvasir demo: failed: {exc}", file=sys.stderr)
         return 2
     return shown[0] if shown else _show_verdict(args, result)
 
@@ -390,36 +406,44 @@ def _show_verdict(args: argparse.Namespace, result: dict[str, object]) -> int:
     return 0 if ok else 1
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The ``kvasir`` command line, every sub-command included."""
+    from kvasir_rpc import HelpFormatter
     from kvasir_rpc.dev.tiny import ARCHES
 
-    parser = argparse.ArgumentParser(prog="kvasir", description="Kvasir RPC: MoE experts on whatever hardware shows up.")
+    def add(sub, name: str, **kwargs):  # type: ignore[no-untyped-def]
+        return sub.add_parser(name, formatter_class=HelpFormatter, **kwargs)
+
+    parser = argparse.ArgumentParser(prog="kvasir", description="Kvasir RPC: MoE experts on whatever hardware shows up.",
+                                     formatter_class=HelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
-    model = sub.add_parser("model", help="checkpoint tools")
+    model = add(sub, "model", help="checkpoint tools")
     msub = model.add_subparsers(dest="model_command", required=True)
-    tiny = msub.add_parser("tiny", help="write a small random MoE checkpoint in the Hugging Face layout")
-    tiny.add_argument("dir", type=pathlib.Path)
-    tiny.add_argument("--arch", choices=ARCHES, default="qwen3_moe")
-    tiny.add_argument("--seed", type=int, default=0)
+    tiny = add(msub, "tiny", help="write a small random MoE checkpoint in the Hugging Face layout")
+    tiny.add_argument("dir", type=pathlib.Path, help="the folder to write (config.json, model.safetensors, tokenizer)")
+    tiny.add_argument("--arch", choices=ARCHES, default="qwen3_moe", help="which transformers model class")
+    tiny.add_argument("--seed", type=int, default=0, help="seed of the random weights (same seed, same bytes)")
     tiny.set_defaults(func=_cmd_model_tiny)
-    bench = sub.add_parser("bench", help="benchmarks: the paths side by side in one run, as ratios")
+    bench = add(sub, "bench", help="benchmarks: the paths side by side in one run, as ratios")
     bench.add_argument("--quick", action="store_true", help="fewer calls per point")
     bench.add_argument("--json", action="store_true", help="print the whole result as one JSON object")
     bench.add_argument("--service", action="store_true",
                        help="only the backbone service: 1, 8 and 32 concurrent callers, local vs remote")
     bench.set_defaults(func=_cmd_bench)
-    certs = sub.add_parser("certs", help="make a development CA and a gateway certificate")
-    certs.add_argument("dir", type=pathlib.Path)
-    certs.add_argument("--host", action="append", help="name or IP the certificate covers (repeatable)")
+    certs = add(sub, "certs", help="make a development CA and a gateway certificate")
+    certs.add_argument("dir", type=pathlib.Path, nargs="?", default=DEFAULT_CERTS_DIR,
+                       help="the folder for ca.pem, ca.key, gateway.pem and gateway.key (keys mode 0600)")
+    certs.add_argument("--host", action="append",
+                       help="name or IP the gateway certificate covers (repeatable; default: "
+                            f"{', '.join(DEFAULT_CERT_HOSTS)}, this machine only): a real deployment must name "
+                            "the host workers dial, e.g. --host gateway.example.org")
     certs.set_defaults(func=_cmd_certs)
-    status = sub.add_parser("status", help="a hub's live sessions and the experts they serve",
-                            formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    status = add(sub, "status", help="a hub's live sessions and the experts they serve")
     status.add_argument("--hub", required=True, help="HOST:PORT of the hub's SessionService (its --grpc)")
     status.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for the hub")
     status.add_argument("--json", action="store_true", help="print one JSON object")
     status.set_defaults(func=_cmd_status)
-    balance = sub.add_parser("balance", help="a wallet's KVR credited at a ledger",
-                             formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    balance = add(sub, "balance", help="a wallet's KVR credited at a ledger")
     balance.add_argument("--ledger", required=True, help="HOST:PORT of the ledger's LedgerService")
     who = balance.add_mutually_exclusive_group(required=True)
     who.add_argument("--wallet", help="the wallet's address (64 hex characters)")
@@ -427,19 +451,21 @@ def main(argv: list[str] | None = None) -> int:
     balance.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for the ledger")
     balance.add_argument("--json", action="store_true", help="print one JSON object")
     balance.set_defaults(func=_cmd_balance)
-    key = sub.add_parser("key", help="key files of hubs and wallets")
+    key = add(sub, "key", help="key files of hubs and wallets")
     ksub = key.add_subparsers(dest="key_command", required=True)
-    show = ksub.add_parser("show", help="print a key file's public address (what a ledger's --trust-key takes)")
+    show = add(ksub, "show", help="print a key file's public address (what a ledger's --trust-key takes)")
     show.add_argument("file", type=pathlib.Path, help="the key file; it stays private, only the address is printed")
     show.set_defaults(func=_cmd_key_show)
-    demo = sub.add_parser("demo", help="the whole swarm on this machine: hub, two workers, a live decode, the verdict")
-    demo.add_argument("--arch", choices=ARCHES, default="qwen3_moe")
-    demo.add_argument("--seed", type=int, default=0)
-    demo.add_argument("--model", type=pathlib.Path, help="checkpoint folder (default: a tiny one under .kvasir/)")
-    demo.add_argument("--max-new-tokens", type=int, default=12)
-    demo.add_argument("--batch", type=int, default=2)
+    demo = add(sub, "demo", help="the whole swarm on this machine: hub, two workers, a live decode, the verdict")
+    demo.add_argument("--arch", choices=ARCHES, default="qwen3_moe",
+                      help="architecture of the tiny checkpoint made when --model is not given")
+    demo.add_argument("--seed", type=int, default=0, help="seed of that tiny checkpoint's weights")
+    demo.add_argument("--model", type=pathlib.Path,
+                      help="a checkpoint folder (default: a tiny one, made under .kvasir/models/ on first use)")
+    demo.add_argument("--max-new-tokens", type=int, default=12, help="tokens decoded per prompt")
+    demo.add_argument("--batch", type=int, default=2, help="prompts decoded together, as concurrent Generate calls")
     demo.add_argument("--path", choices=["gateway", "hub"], default="gateway",
-                      help="workers reach the hub through the TLS gateway (default) or directly")
+                      help="workers reach the hub through the TLS gateway or directly")
     demo.add_argument("--json", action="store_true", help="last line of stdout: one JSON object")
     demo.add_argument("--stay", action="store_true",
                       help="after the verdict, keep the swarm running (see its status page) until Ctrl-C")
@@ -447,9 +473,28 @@ def main(argv: list[str] | None = None) -> int:
     from kvasir_rpc.dev import conformance
 
     conformance.add_parser(sub)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run one ``kvasir`` command; its exit status. Errors a person can fix end in one line
+    on stderr (exit 2); Ctrl-C is left to the caller (see entry)."""
+    args = build_parser().parse_args(argv)
     return int(args.func(args))
 
 
+def _prog(argv: list[str]) -> str:
+    """``kvasir COMMAND`` for the one-line ends (``kvasir demo: interrupted``)."""
+    command = next((a for a in argv if not a.startswith("-")), None)
+    return f"kvasir {command}" if command else "kvasir"
+
+
+def entry() -> None:
+    """The ``kvasir`` console script: main, with Ctrl-C ending in one line and exit 130."""
+    from kvasir_rpc import run_main
+
+    run_main(_prog(sys.argv[1:]), main)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()

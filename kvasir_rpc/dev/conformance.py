@@ -882,23 +882,23 @@ def _stop(proc: subprocess.Popen[bytes] | None) -> None:
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Add ``conformance`` to the ``kvasir`` command's subparsers."""
-    from kvasir_rpc import hostport
+    from kvasir_rpc import HelpFormatter, hostport
 
     p: argparse.ArgumentParser = subparsers.add_parser(
-        "conformance", help="act as a hub and check a worker implementation step by step",
+        "conformance", help="act as a hub and check a worker implementation step by step", formatter_class=HelpFormatter,
         description="Act as a hub (a ws:// server) that one worker dials, and check it against the tunnel "
                     "protocol: upgrade, handshake, digest, control sequence, Describe, Dispatch (numbers "
                     "against the reference kernel), errors, close, reconnect, keepalive. Exit 0 only if every "
                     "step passes.")
     p.add_argument("--model", required=True, type=pathlib.Path, help="the checkpoint folder the worker serves")
-    p.add_argument("--listen", type=hostport(), default=("127.0.0.1", 0), metavar="HOST:PORT",
-                   help="where the worker dials (default 127.0.0.1 on a free port; the URL is printed)")
+    p.add_argument("--listen", type=hostport(), default="127.0.0.1:0", metavar="HOST:PORT",
+                   help="where the worker dials (port 0: a free one; the URL is printed)")
     p.add_argument("--worker-cmd", metavar="CMD",
                    help="start the worker with this command line, {url} replaced by the URL to dial; it is "
                         "stopped at the end (e.g. 'python -m worker --hub {url} --model M --wallet w.key')")
     p.add_argument("--worker-log", type=pathlib.Path, help="file for the started worker's output")
     p.add_argument("--timeout", type=float, default=120.0,
-                   help="seconds to wait for the worker to dial (its start-up included; default 120)")
+                   help="seconds to wait for the worker to dial (its start-up included)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random Dispatch inputs")
     p.add_argument("--json", action="store_true", help="print the report as one JSON object")
     p.set_defaults(func=run)
