@@ -1,6 +1,9 @@
 """python -m ledger serve --listen HOST:PORT --db URL --trust-key HEX [--trust-key HEX ...]
                          [--rate-nano-per-byte 7] [--ready-file PATH]
-python -m ledger bench --db URL [-n N] [--batch B] [--submitters S]"""
+python -m ledger bench --db URL [-n N] [--batch B] [--submitters S]
+
+A mistake the operator must fix before starting again (a port in use, a database that cannot
+be opened) ends the command with one line naming the flag and the fix, and exit status 2."""
 
 from __future__ import annotations
 
@@ -9,11 +12,23 @@ import dataclasses
 import json
 import pathlib
 import signal
-import sys
 import threading
 from types import FrameType
 
-from kvasir_rpc import configure_logging, get_logger, hostport, write_ready_file
+from kvasir_rpc import (
+    STATE_DIR,
+    HelpFormatter,
+    add_log_level,
+    configure_logging,
+    fail,
+    get_logger,
+    hostport,
+    make_state_parent,
+    run_main,
+    write_ready_file,
+)
+
+DEFAULT_DB = f"sqlite:///{STATE_DIR / 'ledger.db'}"
 
 
 def _listen(text: str) -> str:
@@ -40,8 +55,13 @@ def run_serve(args: argparse.Namespace) -> int:
     try:
         check_listen(args.listen)  # before the database: a second ledger must not touch it
     except ListenError as exc:
-        print(f"ledger: {exc}", file=sys.stderr)
-        return 1
+        fail(exc.line("ledger", "--listen"))
+    if args.db == DEFAULT_DB:
+        try:
+            make_state_parent(pathlib.Path(DEFAULT_DB.removeprefix("sqlite:///")))
+        except OSError as exc:
+            fail(f"ledger: --db {args.db}: cannot make its folder ({exc.strerror or exc}): run from a writable "
+                 "folder or give --db")
     stop = threading.Event()
 
     def on_signal(signum: int, _frame: FrameType | None) -> None:
@@ -54,18 +74,16 @@ def run_serve(args: argparse.Namespace) -> int:
     try:
         store = open_store(args.db, pool_size=args.workers)
     except StoreError as exc:
-        log.error("cannot open the ledger database", db=_redact(args.db), error=str(exc))
-        return 2
+        fail(f"ledger: --db {_redact(args.db)}: {exc}: check the URL (sqlite:///PATH or postgresql://...) and "
+             "that the database is reachable and this ledger's")
     try:
         try:
             server, port, health = serve_ledger(args.listen, store, args.trust_key, args.rate_nano_per_byte,
                                                 max_workers=args.workers)
-        except ListenError as exc:
-            print(f"ledger: {exc}", file=sys.stderr)
-            return 1
+        except ListenError as exc:  # taken since check_listen
+            fail(exc.line("ledger", "--listen"))
         except (OSError, ValueError) as exc:
-            log.error("cannot serve", error=str(exc))
-            return 2
+            fail(f"ledger: cannot serve on --listen {args.listen}: {exc}")
         log.info("ledger listening", address=args.listen, port=port, db=_redact(args.db),
                  trusted_hubs=len(set(args.trust_key)), rate_nano_per_byte=args.rate_nano_per_byte)
         write_ready_file(args.ready_file, {"port": port})
@@ -100,20 +118,23 @@ def run_bench(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m ledger")
-    sub = parser.add_subparsers(dest="command", required=True)
-    serve = sub.add_parser("serve", help="serve LedgerService (gRPC, reflection, health)")
-    serve.add_argument("--listen", type=_listen, default="127.0.0.1:8767", help="HOST:PORT (port 0: any free port)")
-    serve.add_argument("--db", default="sqlite:///ledger.db",
-                       help="sqlite:///PATH (default sqlite:///ledger.db) or postgresql://USER@HOST:PORT/DB")
+    parser = argparse.ArgumentParser(prog="python -m ledger", formatter_class=HelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True, help="what to run")
+    serve = sub.add_parser("serve", help="serve LedgerService (gRPC, reflection, health)", formatter_class=HelpFormatter)
+    serve.add_argument("--listen", type=_listen, default="127.0.0.1:8767", metavar="HOST:PORT",
+                       help="gRPC address (port 0: any free port)")
+    serve.add_argument("--db", default=DEFAULT_DB,
+                       help="sqlite:///PATH (a relative PATH; sqlite:////PATH for an absolute one) or "
+                            "postgresql://USER@HOST:PORT/DB")
     serve.add_argument("--trust-key", type=_hub_key, action="append", required=True,
                        help="a hub's Ed25519 public key (64 hex) whose receipts count; repeat for more hubs")
     serve.add_argument("--rate-nano-per-byte", type=int, default=7, help="nano-KVR per byte (7 = 0.007 KVR per 10^6 bytes)")
     serve.add_argument("--ready-file", type=pathlib.Path, help="write {port} here (atomically) once listening")
     serve.add_argument("--workers", type=int, default=8, help="concurrent calls, and database connections")
-    serve.add_argument("--log-level", default="info")
+    add_log_level(serve, "info")
     serve.set_defaults(func=run_serve)
-    bench = sub.add_parser("bench", help="durable credited receipts per second through the gRPC service")
+    bench = sub.add_parser("bench", help="durable credited receipts per second through the gRPC service",
+                           formatter_class=HelpFormatter)
     bench.add_argument("--db", required=True, help="a scratch database URL (the benchmark adds credits to it)")
     bench.add_argument("-n", type=int, default=5000, help="receipts in all")
     bench.add_argument("--batch", type=int, default=100, help="receipts per SubmitReceipts call")
@@ -126,4 +147,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_main("ledger", main)
