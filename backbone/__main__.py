@@ -17,7 +17,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-from kvasir_rpc import configure_logging, get_logger
+from kvasir_rpc import BACKBONE_TOKEN_FILE, configure_logging, get_logger
 from backbone._deadlines import DEFAULT_STRAGGLER_FACTOR, DEFAULT_STRAGGLER_FLOOR_S, StragglerPolicy
 
 log = get_logger("backbone")
@@ -27,7 +27,7 @@ def _experts_args(g: argparse.ArgumentParser) -> None:
     """The options generate and serve share: the model, the hub, and how experts are called."""
     g.add_argument("--model", required=True, type=pathlib.Path)
     g.add_argument("--hub", help="HOST:PORT of the hub's SessionService; without it every expert is local")
-    g.add_argument("--hub-token-file", type=pathlib.Path,
+    g.add_argument("--hub-token-file", type=pathlib.Path, default=BACKBONE_TOKEN_FILE,
                    help="the hub's backbone token file (its --backbone-token-file); needed with --hub")
     g.add_argument("--wait-sessions", type=int, default=0, help="wait until the hub lists this many sessions")
     g.add_argument("--wait-timeout", type=float, default=60.0)

@@ -39,7 +39,13 @@ BACKBONE_TOKEN_FILE = STATE_DIR / "hub-backbone.token"
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """``--help`` that shows each argument's default (argparse's own formatter shows none)."""
+    """``--help`` that shows each argument's default (argparse's own formatter shows none);
+    not for an option without one (None) nor for a switch (store_true's False)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default is None or action.default is False:
+            return action.help
+        return super()._get_help_string(action)
 
 
 def add_log_level(parser: argparse.ArgumentParser, default: str = "info") -> None:

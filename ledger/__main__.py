@@ -117,7 +117,8 @@ def run_bench(args: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The command line, every sub-command's arguments with their help and defaults."""
     parser = argparse.ArgumentParser(prog="python -m ledger", formatter_class=HelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True, help="what to run")
     serve = sub.add_parser("serve", help="serve LedgerService (gRPC, reflection, health)", formatter_class=HelpFormatter)
@@ -140,6 +141,11 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--batch", type=int, default=100, help="receipts per SubmitReceipts call")
     bench.add_argument("--submitters", type=int, default=1, help="concurrent hubs")
     bench.set_defaults(func=run_bench)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
     if args.command == "serve" and not 1 <= args.rate_nano_per_byte <= 1000:
         parser.error("--rate-nano-per-byte must be 1 to 1000")

@@ -303,7 +303,8 @@ def run_gateway(args: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The command line, every sub-command's arguments with their help and defaults."""
     parser = argparse.ArgumentParser(prog="python -m relay", formatter_class=HelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True, help="which service to run")
     hub = sub.add_parser("hub", help="the LAN hub: worker tunnels in, backbone gRPC targets out",
@@ -387,6 +388,11 @@ def main(argv: list[str] | None = None) -> int:
     gw.add_argument("--ready-file", type=pathlib.Path, help="write {port} here once listening")
     add_log_level(gw, "info")
     gw.set_defaults(func=run_gateway)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
     if args.command == "gateway" and bool(args.cert) != bool(args.key):
         parser.error("--cert and --key go together")
