@@ -44,12 +44,20 @@ class GatewayRefused(Exception):
 
 
 def _chain(exc: BaseException) -> list[BaseException]:
-    """``exc`` and its causes and contexts, innermost last (cycles cut)."""
+    """``exc``, its causes and contexts, and the members of any group among them (trio's
+    "all attempts to connect failed" holds one OSError per address), outermost first."""
     seen: list[BaseException] = []
-    cur: BaseException | None = exc
-    while cur is not None and not any(cur is s for s in seen):
+    todo: list[BaseException] = [exc]
+    while todo and len(seen) < 64:
+        cur = todo.pop(0)
+        if any(cur is s for s in seen):
+            continue
         seen.append(cur)
-        cur = cur.__cause__ or cur.__context__
+        if isinstance(cur, BaseExceptionGroup):
+            todo.extend(cur.exceptions)
+        nxt = cur.__cause__ or cur.__context__
+        if nxt is not None:
+            todo.append(nxt)
     return seen
 
 
@@ -82,10 +90,11 @@ def describe(exc: BaseException) -> str:
         if reason is None:
             return "closed"
         return f"closed ({reason.code}{' ' + reason.reason if reason.reason else ''})"
-    for link in _chain(exc):
-        if isinstance(link, OSError):
-            return (link.strerror or str(link) or type(link).__name__)[:200]
-    return (str(exc) or type(exc).__name__)[:200]
+    errors = [link for link in _chain(exc) if isinstance(link, OSError)]
+    for link in errors:
+        if link.strerror:  # "Connection refused", not "all attempts to connect to ... failed"
+            return link.strerror[:200]
+    return (str(errors[0] if errors else exc) or type(exc).__name__)[:200]
 
 ServeConnection = Callable[[WebSocketConnection, str], Awaitable[None]]
 
