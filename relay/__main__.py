@@ -222,6 +222,9 @@ def run_hub(args: argparse.Namespace) -> int:
 
     async def run() -> None:
         async with trio.open_nursery() as nursery:
+            # Watching for SIGTERM/SIGINT from the start: listening may wait on a gateway's first
+            # answer (up to its connect timeout), and a stop meanwhile is still a clean one.
+            nursery.start_soon(_until_signal, nursery, log, "hub")
             nursery.start_soon(sender.run)
             ws_port = await _start_listening(nursery, failed, "hub", "--listen", ws_address, serve_hub, config, key,
                                              registry)
@@ -231,7 +234,6 @@ def run_hub(args: argparse.Namespace) -> int:
                      hub_key=key.address, gateway=args.gateway, e2e=args.e2e,
                      model=f"{shape.layers} layers x {shape.experts} experts" if shape else "any (protocol bounds)")
             write_ready_file(args.ready_file, {"ws_port": ws_port, "grpc_port": bound_grpc, "hub_key": key.address})
-            await _until_signal(nursery, log, "hub")
 
     try:
         try:

@@ -69,7 +69,7 @@ def refusal_line(gateway: str, exc: BaseException) -> str | None:
                 "--gateway-token-file must hold the token the gateway reads from its --hub-token-file")
     for link in _chain(exc):
         if isinstance(link, ssl.SSLCertVerificationError):
-            why = link.verify_message or str(link)
+            why = (link.verify_message or str(link)).rstrip(".")
             if "mismatch" in why.lower():
                 host = urllib.parse.urlsplit(gateway).hostname or gateway
                 return (f"hub: the gateway at {gateway} presented a certificate that is not for {host} ({why}): "

@@ -25,6 +25,7 @@ import stat
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -138,6 +139,25 @@ def test_a_gateway_not_running_is_retried_with_a_warning_naming_it(tmp_path: pat
     finally:
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=30) == 0, log.read_text()
+
+
+@pytest.mark.integration
+def test_a_hub_stopped_while_a_silent_gateway_has_not_answered_stops_cleanly(tmp_path: pathlib.Path) -> None:
+    # The hub says "listening" after its first attempt at the gateway (so that a refusal comes
+    # first); a gateway that accepts and never answers holds that attempt for its timeout.
+    with _taken_port() as port:  # listening, never accepting: the TCP handshake completes, then silence
+        proc = subprocess.Popen([sys.executable, *_hub(tmp_path, "--gateway", f"ws://127.0.0.1:{port}",
+                                                       "--gateway-token-file", str(_token_file(tmp_path / "t")))],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, cwd=ROOT,
+                                env=_env())
+        try:
+            wait_until(lambda: (tmp_path / "contrib.sqlite").exists() or proc.poll() is not None, 30, "the hub starting")
+            time.sleep(1.0)  # into the first attempt (its connect timeout is 10 s)
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 0 and b"Traceback" not in err, err.decode(errors="replace")
+    assert b"hub stopping" in err
 
 
 # -- files and flags ---------------------------------------------------------------------------
