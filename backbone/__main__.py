@@ -17,7 +17,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-from kvasir_rpc import HelpFormatter, add_log_level, configure_logging, fail, get_logger, run_main
+from kvasir_rpc import BACKBONE_TOKEN_FILE, HelpFormatter, add_log_level, configure_logging, fail, get_logger, run_main
 from backbone._deadlines import DEFAULT_STRAGGLER_FACTOR, DEFAULT_STRAGGLER_FLOOR_S, StragglerPolicy
 
 log = get_logger("backbone")
@@ -35,7 +35,7 @@ def _experts_args(g: argparse.ArgumentParser) -> None:
                         "`kvasir model tiny DIR` makes a small one")
     g.add_argument("--hub", metavar="HOST:PORT",
                    help="the hub's SessionService (its --grpc address); without it every expert is local")
-    g.add_argument("--hub-token-file", type=pathlib.Path,
+    g.add_argument("--hub-token-file", type=pathlib.Path, default=BACKBONE_TOKEN_FILE,
                    help="the hub's backbone token file (its --backbone-token-file); needed with --hub")
     g.add_argument("--wait-sessions", type=int, default=0, help="wait until the hub lists this many sessions")
     g.add_argument("--wait-timeout", type=float, default=60.0,

@@ -86,13 +86,16 @@ if TYPE_CHECKING:  # the real names, for type checkers; at run time __getattr__ 
         verify_signature,
     )
     from kvasir_rpc._cliargs import (
+        BACKBONE_TOKEN_FILE,
         EXIT_INTERRUPTED,
         EXIT_USAGE,
         LOG_LEVELS,
+        STATE_DIR,
         HelpFormatter,
         add_log_level,
         fail,
         hostport,
+        make_state_parent,
         run_main,
         write_ready_file,
     )
@@ -210,6 +213,9 @@ _LAZY = {
     "is_address": "kvasir_rpc._wallet",
     "verify_signature": "kvasir_rpc._wallet",
     "hostport": "kvasir_rpc._cliargs",
+    "BACKBONE_TOKEN_FILE": "kvasir_rpc._cliargs",
+    "STATE_DIR": "kvasir_rpc._cliargs",
+    "make_state_parent": "kvasir_rpc._cliargs",
     "EXIT_INTERRUPTED": "kvasir_rpc._cliargs",
     "EXIT_USAGE": "kvasir_rpc._cliargs",
     "LOG_LEVELS": "kvasir_rpc._cliargs",

@@ -11,13 +11,16 @@ from collections.abc import Callable
 from typing import NoReturn
 
 __all__ = [
+    "BACKBONE_TOKEN_FILE",
     "LOG_LEVELS",
+    "STATE_DIR",
     "EXIT_INTERRUPTED",
     "EXIT_USAGE",
     "HelpFormatter",
     "add_log_level",
     "fail",
     "hostport",
+    "make_state_parent",
     "run_main",
     "write_ready_file",
 ]
@@ -27,6 +30,12 @@ EXIT_USAGE = 2
 #: Exit status after Ctrl-C (128 + SIGINT), as a shell reports it.
 EXIT_INTERRUPTED = 130
 LOG_LEVELS = ("debug", "info", "warning", "error")
+#: Where state files (keys, tokens, databases) go unless a flag says otherwise: a folder of
+#: the working directory, git-ignored, created mode 0700 on first use.
+STATE_DIR = pathlib.Path(".kvasir")
+#: The backbone token the hub creates (its --backbone-token-file) and the backbone presents
+#: (its --hub-token-file): one default for both, so "the same file" needs no flag.
+BACKBONE_TOKEN_FILE = STATE_DIR / "hub-backbone.token"
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -72,6 +81,13 @@ def run_main(prog: str, main: Callable[[], int]) -> NoReturn:
         print(f"{prog}: interrupted", file=sys.stderr, flush=True)
         raise SystemExit(EXIT_INTERRUPTED) from None
     raise SystemExit(status)
+
+
+def make_state_parent(path: pathlib.Path) -> None:
+    """Create the folder ``path`` goes in when it is missing, mode 0700 (its parents too, with
+    the usual mode): secrets and databases under it are then the owner's alone. Raises
+    OSError when it cannot be made."""
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
 
 
 def hostport(default_port: int | None = None) -> Callable[[str], tuple[str, int]]:

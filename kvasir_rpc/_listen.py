@@ -3,8 +3,10 @@
 grpcio sets SO_REUSEPORT on its listening sockets unless told not to, so a second server on
 a busy port starts "fine" and the kernel then spreads connections over both. Every gRPC
 server here takes ``NO_PORT_SHARING`` among its options and binds with ``bind_grpc``; a
-component that cannot listen stops with ``ListenError``'s one line (``cannot listen on
-ADDRESS: REASON``) and exit status 1.
+component that cannot listen stops with one line: ``ListenError``'s own (``cannot listen on
+ADDRESS: REASON``), or ``ListenError.line(component, flag)``, which names the flag and the
+fix (another program on the port, a port that needs privileges, an address not on this
+machine).
 """
 
 from __future__ import annotations
@@ -25,12 +27,33 @@ _REASONS = {
 
 
 class ListenError(OSError):
-    """An address this process cannot listen on; ``str()`` is the line to show."""
+    """An address this process cannot listen on; ``str()`` is the line to show, ``line()``
+    the same with the flag and the fix. ``errno`` is the failed bind's (None when the
+    address did not resolve or gRPC gave no reason)."""
 
-    def __init__(self, address: str, reason: str) -> None:
+    def __init__(self, address: str, reason: str, code: int | None = None) -> None:
         super().__init__(f"cannot listen on {address}: {reason}")
+        self.errno = code
         self.address = address
         self.reason = reason
+
+    def line(self, component: str, flag: str) -> str:
+        """One line for a person: ``COMPONENT: FLAG ADDRESS`` then what is wrong and what to do."""
+        where = f"{component}: {flag} {self.address}"
+        if self.errno == errno.EADDRINUSE:
+            return (f"{where} is in use by another program: stop it or choose another port "
+                    "(port 0 picks a free one)")
+        if self.errno == errno.EACCES:
+            parts = _split(self.address)
+            port = parts[1] if parts else 0
+            higher = ("listen on a higher port such as 8443 behind a proxy that forwards 443" if port == 443
+                      else "choose a port above 1023")
+            return (f"{where} needs privileges: run as root, grant CAP_NET_BIND_SERVICE "
+                    f"(setcap 'cap_net_bind_service=+ep' on the python binary), or {higher}")
+        if self.errno == errno.EADDRNOTAVAIL:
+            return (f"{where}: no such address on this machine: give one of its own addresses "
+                    "(0.0.0.0 for all of them, 127.0.0.1 for this machine only)")
+        return f"{where}: {self.reason}"
 
 
 def _split(address: str) -> tuple[str, int] | None:
@@ -59,14 +82,15 @@ def check_listen(address: str) -> None:
     try:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     except socket.gaierror as exc:
-        raise ListenError(address, f"cannot resolve {host!r}: {exc.strerror}") from None
+        raise ListenError(address, f"cannot resolve {host!r} ({exc.strerror}): give an IP address "
+                                   "or a name this machine resolves") from None
     for family, kind, proto, _name, sockaddr in infos:
         with socket.socket(family, kind, proto) as sock:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             try:
                 sock.bind(sockaddr)
             except OSError as exc:
-                raise ListenError(address, _reason(exc)) from None
+                raise ListenError(address, _reason(exc), exc.errno) from None
 
 
 def bind_grpc(server: Any, address: str, credentials: Any = None) -> int:
@@ -95,7 +119,7 @@ def as_listen_error(address: str, exc: BaseException) -> ListenError | None:
     if isinstance(exc, ListenError):
         return exc
     if isinstance(exc, OSError) and exc.errno is not None:
-        return ListenError(address, _reason(exc))
+        return ListenError(address, _reason(exc), exc.errno)
     if isinstance(exc, (OSError, RuntimeError)):
         try:
             check_listen(address)

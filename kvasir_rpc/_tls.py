@@ -245,7 +245,9 @@ async def open_websocket_url(
                     await ws.aclose()
     except BaseExceptionGroup as group:
         # As trio-websocket does: one error (a rejection from the reader task, say) comes
-        # out as itself, not wrapped in the nursery's group.
+        # out as itself, not wrapped in the nursery's group, its cause kept (the
+        # SSLCertVerificationError behind a failed handshake says what to fix).
         if len(group.exceptions) == 1:
-            raise group.exceptions[0] from None
+            only = group.exceptions[0]
+            raise only from only.__cause__
         raise

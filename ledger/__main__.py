@@ -1,6 +1,9 @@
 """python -m ledger serve --listen HOST:PORT --db URL --trust-key HEX [--trust-key HEX ...]
                          [--rate-nano-per-byte 7] [--ready-file PATH]
-python -m ledger bench --db URL [-n N] [--batch B] [--submitters S]"""
+python -m ledger bench --db URL [-n N] [--batch B] [--submitters S]
+
+A mistake the operator must fix before starting again (a port in use, a database that cannot
+be opened) ends the command with one line naming the flag and the fix, and exit status 2."""
 
 from __future__ import annotations
 
@@ -9,11 +12,23 @@ import dataclasses
 import json
 import pathlib
 import signal
-import sys
 import threading
 from types import FrameType
 
-from kvasir_rpc import configure_logging, get_logger, hostport, write_ready_file
+from kvasir_rpc import (
+    STATE_DIR,
+    HelpFormatter,
+    add_log_level,
+    configure_logging,
+    fail,
+    get_logger,
+    hostport,
+    make_state_parent,
+    run_main,
+    write_ready_file,
+)
+
+DEFAULT_DB = f"sqlite:///{STATE_DIR / 'ledger.db'}"
 
 
 def _listen(text: str) -> str:
@@ -41,14 +56,19 @@ def run_serve(args: argparse.Namespace) -> int:
 
     configure_logging("ledger", level=args.log_level)
     log = get_logger("ledger")
-    for who, address in (("ledger", args.listen), ("ledger: --http", _listen_text(args.http) if args.http else None)):
+    for flag, address in (("--listen", args.listen), ("--http", _listen_text(args.http) if args.http else None)):
         if address is None:
             continue
         try:
             check_listen(address)  # before the database: a second ledger must not touch it
         except ListenError as exc:
-            print(f"{who}: {exc}", file=sys.stderr)
-            return 1
+            fail(exc.line("ledger", flag))
+    if args.db == DEFAULT_DB:
+        try:
+            make_state_parent(pathlib.Path(DEFAULT_DB.removeprefix("sqlite:///")))
+        except OSError as exc:
+            fail(f"ledger: --db {args.db}: cannot make its folder ({exc.strerror or exc}): run from a writable "
+                 "folder or give --db")
     stop = threading.Event()
 
     def on_signal(signum: int, _frame: FrameType | None) -> None:
@@ -61,8 +81,8 @@ def run_serve(args: argparse.Namespace) -> int:
     try:
         store = open_store(args.db, pool_size=args.workers)
     except StoreError as exc:
-        log.error("cannot open the ledger database", db=_redact(args.db), error=str(exc))
-        return 2
+        fail(f"ledger: --db {_redact(args.db)}: {exc}: check the URL (sqlite:///PATH or postgresql://...) and "
+             "that the database is reachable and this ledger's")
     try:
         metrics = stop_metrics = http_port = None
         if args.http is not None:
@@ -73,17 +93,15 @@ def run_serve(args: argparse.Namespace) -> int:
             try:
                 stop_metrics, http_port = serve_metrics(metrics.registry, *args.http)
             except OSError as exc:  # taken since check_listen
-                print(f"ledger: --http: {as_listen_error(_listen_text(args.http), exc) or exc}", file=sys.stderr)
-                return 1
+                err = as_listen_error(_listen_text(args.http), exc)
+                fail(err.line("ledger", "--http") if err is not None else f"ledger: --http: {exc}")
         try:
             server, port, health = serve_ledger(args.listen, store, args.trust_key, args.rate_nano_per_byte,
                                                 max_workers=args.workers, metrics=metrics)
-        except ListenError as exc:
-            print(f"ledger: {exc}", file=sys.stderr)
-            return 1
+        except ListenError as exc:  # taken since check_listen
+            fail(exc.line("ledger", "--listen"))
         except (OSError, ValueError) as exc:
-            log.error("cannot serve", error=str(exc))
-            return 2
+            fail(f"ledger: cannot serve on --listen {args.listen}: {exc}")
         log.info("ledger listening", address=args.listen, port=port, db=_redact(args.db),
                  trusted_hubs=len(set(args.trust_key)), rate_nano_per_byte=args.rate_nano_per_byte,
                  metrics=f"http://{_listen_text((args.http[0], http_port))}/metrics" if http_port else None)
@@ -120,13 +138,16 @@ def run_bench(args: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m ledger")
-    sub = parser.add_subparsers(dest="command", required=True)
-    serve = sub.add_parser("serve", help="serve LedgerService (gRPC, reflection, health)")
-    serve.add_argument("--listen", type=_listen, default="127.0.0.1:8767", help="HOST:PORT (port 0: any free port)")
-    serve.add_argument("--db", default="sqlite:///ledger.db",
-                       help="sqlite:///PATH (default sqlite:///ledger.db) or postgresql://USER@HOST:PORT/DB")
+def build_parser() -> argparse.ArgumentParser:
+    """The command line, every sub-command's arguments with their help and defaults."""
+    parser = argparse.ArgumentParser(prog="python -m ledger", formatter_class=HelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True, help="what to run")
+    serve = sub.add_parser("serve", help="serve LedgerService (gRPC, reflection, health)", formatter_class=HelpFormatter)
+    serve.add_argument("--listen", type=_listen, default="127.0.0.1:8767", metavar="HOST:PORT",
+                       help="gRPC address (port 0: any free port)")
+    serve.add_argument("--db", default=DEFAULT_DB,
+                       help="sqlite:///PATH (a relative PATH; sqlite:////PATH for an absolute one) or "
+                            "postgresql://USER@HOST:PORT/DB")
     serve.add_argument("--trust-key", type=_hub_key, action="append", required=True,
                        help="a hub's Ed25519 public key (64 hex) whose receipts count; repeat for more hubs")
     serve.add_argument("--rate-nano-per-byte", type=int, default=7, help="nano-KVR per byte (7 = 0.007 KVR per 10^6 bytes)")
@@ -136,14 +157,20 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--ready-file", type=pathlib.Path,
                        help="write {port, http_port} here (atomically) once listening")
     serve.add_argument("--workers", type=int, default=8, help="concurrent calls, and database connections")
-    serve.add_argument("--log-level", default="info")
+    add_log_level(serve, "info")
     serve.set_defaults(func=run_serve)
-    bench = sub.add_parser("bench", help="durable credited receipts per second through the gRPC service")
+    bench = sub.add_parser("bench", help="durable credited receipts per second through the gRPC service",
+                           formatter_class=HelpFormatter)
     bench.add_argument("--db", required=True, help="a scratch database URL (the benchmark adds credits to it)")
     bench.add_argument("-n", type=int, default=5000, help="receipts in all")
     bench.add_argument("--batch", type=int, default=100, help="receipts per SubmitReceipts call")
     bench.add_argument("--submitters", type=int, default=1, help="concurrent hubs")
     bench.set_defaults(func=run_bench)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
     if args.command == "serve" and not 1 <= args.rate_nano_per_byte <= 1000:
         parser.error("--rate-nano-per-byte must be 1 to 1000")
@@ -151,4 +178,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_main("ledger", main)

@@ -1,6 +1,11 @@
 """python -m relay hub --listen HOST:PORT --grpc HOST:PORT [--key PATH] [--backbone-token-file PATH]
     [--model DIR | --layers N --experts M] [--gateway wss://HOST:PORT ...]
-python -m relay gateway --listen HOST:PORT --cert PEM --key PEM --hub-token-file FILE"""
+python -m relay gateway --listen HOST:PORT --cert PEM --key PEM --hub-token-file FILE
+
+A mistake the operator must fix before starting again (a flag, a missing or unreadable file,
+a port in use or needing privileges, a gateway that refuses the hub's token or whose
+certificate is not trusted) ends the command with one line naming the flag and the fix, and
+exit status 2 (kvasir_rpc.fail)."""
 
 from __future__ import annotations
 
@@ -14,42 +19,61 @@ from typing import TYPE_CHECKING
 
 import trio
 
-from kvasir_rpc import configure_logging, get_logger, hostport, install_fast_masking, write_ready_file
+from kvasir_rpc import (
+    BACKBONE_TOKEN_FILE,
+    STATE_DIR,
+    HelpFormatter,
+    add_log_level,
+    configure_logging,
+    fail,
+    get_logger,
+    hostport,
+    install_fast_masking,
+    make_state_parent,
+    run_main,
+    write_ready_file,
+)
 
 if TYPE_CHECKING:
     from relay._gateway import Gateway
 
 
-def _read_token(path: pathlib.Path) -> str:
+def _new_token_hint(path: pathlib.Path) -> str:
+    return f"(umask 077; head -c 32 /dev/urandom | base64 > {path})"
+
+
+def _read_token(component: str, flag: str, path: pathlib.Path, fix: str) -> str:
+    """The token in ``path``, or the end of the program with one line naming ``flag`` and ``fix``."""
     from kvasir_rpc import TokenError, load_token
 
     try:
         return load_token(path)
     except TokenError as exc:
-        raise SystemExit(str(exc)) from None
+        fail(f"{component}: {flag}: {exc}: {fix}")
 
 
 def _address(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
-def _check_listen(component: str, *addresses: str) -> None:
-    """Stop with one line (exit 1) when an address is taken: before any file or database is
-    touched, so a second copy started by mistake changes nothing of the first's."""
+def _check_listen(component: str, *flag_addresses: tuple[str, str]) -> None:
+    """Stop with one line naming the flag (exit 2) when an address cannot be listened on (in
+    use, needing privileges, not on this machine): before any file or database is touched,
+    so a second copy started by mistake changes nothing of the first's."""
     from kvasir_rpc import ListenError, check_listen
 
-    for address in addresses:
+    for flag, address in flag_addresses:
         try:
             check_listen(address)
         except ListenError as exc:
-            raise SystemExit(f"{component}: {exc}") from None
+            fail(exc.line(component, flag))
 
 
-async def _start_listening(nursery: trio.Nursery, failed: list[str], component: str, address: str,
+async def _start_listening(nursery: trio.Nursery, failed: list[str], component: str, flag: str, address: str,
                            serve, *args):  # type: ignore[no-untyped-def]
     """``await nursery.start(serve, *args)``. When ``address`` cannot be bound (taken since
     ``_check_listen``) the line to show goes to ``failed``, the nursery is cancelled and
-    None returned: the caller exits 1 once trio.run is over (an exception would leave trio
+    None returned: the caller exits 2 once trio.run is over (an exception would leave trio
     wrapped in an exception group, and print a traceback)."""
     from kvasir_rpc import as_listen_error
 
@@ -59,7 +83,7 @@ async def _start_listening(nursery: trio.Nursery, failed: list[str], component: 
         err = as_listen_error(address, exc)
         if err is None:
             raise
-        failed.append(f"{component}: {err}")
+        failed.append(err.line(component, flag))
         nursery.cancel_scope.cancel()
         return None
 
@@ -79,24 +103,72 @@ def _model_shape(args: argparse.Namespace):  # type: ignore[no-untyped-def]
 
     if args.model is not None:
         if args.layers is not None or args.experts is not None:
-            raise SystemExit("--model and --layers/--experts are exclusive: give one")
+            fail("hub: --model and --layers/--experts are exclusive: give one")
         try:
             return read_model_shape(args.model)
         except ValueError as exc:
-            raise SystemExit(f"--model: {exc}") from None
+            fail(f"hub: --model: {exc}: give the model's checkpoint folder (only its config.json is read)")
     if (args.layers is None) != (args.experts is None):
-        raise SystemExit("--layers and --experts go together")
+        fail("hub: --layers and --experts go together: give both, or --model instead")
     if args.layers is None:
         return None
     try:
         return ModelShape(layers=args.layers, experts=args.experts)
     except ValueError as exc:
-        raise SystemExit(f"--layers/--experts: {exc}") from None
+        fail(f"hub: --layers/--experts: {exc}")
+
+
+def _hub_state(args: argparse.Namespace):  # type: ignore[no-untyped-def]
+    """The hub's key and backbone token (each created when missing, under .kvasir/ by
+    default), or the end of the program with one line naming the flag."""
+    from kvasir_rpc import TokenError, Wallet, WalletError, load_or_create_token
+
+    for flag, path in (("--key", args.key), ("--backbone-token-file", args.backbone_token_file),
+                       ("--contrib-db", args.contrib_db)):
+        try:
+            make_state_parent(path)
+        except OSError as exc:
+            fail(f"hub: {flag} {path}: cannot make its folder ({exc.strerror or exc}): choose a writable place")
+    try:
+        key = Wallet.load_or_create(args.key)
+    except (WalletError, OSError) as exc:
+        why = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        fail(f"hub: --key {args.key}: {why}: point --key at this hub's key file, or at a new path to make one")
+    try:
+        backbone_token = load_or_create_token(args.backbone_token_file)
+    except (TokenError, OSError) as exc:
+        why = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        fail(f"hub: --backbone-token-file {args.backbone_token_file}: {why}: fix or delete the file (a new one is "
+             "made when missing), or point --backbone-token-file elsewhere")
+    return key, backbone_token
+
+
+def _gateway_link(args: argparse.Namespace) -> tuple[str, ssl.SSLContext | None]:
+    """The token and TLS context for --gateway (checked: the URL, the token file, the CA
+    file), or the end of the program with one line naming the flag."""
+    import urllib.parse
+
+    url = args.gateway
+    parts = urllib.parse.urlsplit(url)
+    if parts.scheme not in ("wss", "ws") or not parts.hostname:
+        fail(f"hub: --gateway {url}: a gateway's address is wss://HOST:PORT (ws:// only behind a TLS terminator)")
+    if args.gateway_token_file is None:
+        fail("hub: --gateway needs --gateway-token-file: a copy of the file the gateway reads with --hub-token-file")
+    token = _read_token("hub", "--gateway-token-file", args.gateway_token_file,
+                        "copy here the file the gateway reads with --hub-token-file")
+    if parts.scheme != "wss":
+        return token, None
+    try:
+        return token, ssl.create_default_context(cafile=str(args.ca_file) if args.ca_file else None)
+    except (OSError, ssl.SSLError) as exc:
+        fail(f"hub: --ca-file {args.ca_file}: {exc.strerror or exc}: give the CA certificate (PEM) that signed "
+             "the gateway's certificate (kvasir certs writes ca.pem)")
 
 
 def run_hub(args: argparse.Namespace) -> int:
-    from kvasir_rpc import TokenError, Wallet, as_listen_error, load_or_create_token
+    from kvasir_rpc import as_listen_error, leaf_exception
     from relay._hub import HubConfig, create_session_server, serve_hub
+    from relay._hub_gateway import GatewayRefused
     from relay._registry import SessionRegistry
 
     configure_logging("hub", level=args.log_level)
@@ -108,33 +180,27 @@ def run_hub(args: argparse.Namespace) -> int:
                         ("--max-sessions", args.max_sessions), ("--max-pending", args.max_pending),
                         ("--max-buffered-bytes", args.max_buffered_bytes)):
         if value < 1:
-            raise SystemExit(f"{flag} must be at least 1")
+            fail(f"hub: {flag} must be at least 1 (got {value})")
     if not args.message_deadline > 0:
-        raise SystemExit("--message-deadline must be more than 0 seconds")
+        fail(f"hub: --message-deadline must be more than 0 seconds (got {args.message_deadline:g})")
     grpc_host, grpc_port = args.grpc
     ws_address, grpc_address = _address(*args.listen), _address(grpc_host, grpc_port)
     http_address = _address(*args.http) if args.http else None
-    _check_listen("hub", grpc_address, ws_address, *([http_address] if http_address else []))
-    key = Wallet.load_or_create(args.key)
-    try:
-        backbone_token = load_or_create_token(args.backbone_token_file)
-    except TokenError as exc:
-        raise SystemExit(f"--backbone-token-file: {exc}") from None
+    _check_listen("hub", ("--grpc", grpc_address), ("--listen", ws_address),
+                  *([("--http", http_address)] if http_address else []))
+    token, gateway_ssl = _gateway_link(args) if args.gateway else ("", None)
+    key, backbone_token = _hub_state(args)
     registry = SessionRegistry()
-    gateway_ssl = None
-    token = ""
-    if args.gateway:
-        if not args.gateway.startswith(("wss://", "ws://")):
-            raise SystemExit("--gateway must be a wss:// (or ws://) URL")
-        if args.gateway_token_file is None:
-            raise SystemExit("--gateway needs --gateway-token-file")
-        token = _read_token(args.gateway_token_file)
-        if args.gateway.startswith("wss://"):
-            gateway_ssl = ssl.create_default_context(cafile=str(args.ca_file) if args.ca_file else None)
+    import sqlite3
+
     from relay._contrib import ContributionStore
     from relay._receipt_sender import ReceiptSender
 
-    store = ContributionStore(args.contrib_db)
+    try:
+        store = ContributionStore(args.contrib_db)
+    except sqlite3.Error as exc:
+        fail(f"hub: --contrib-db {args.contrib_db}: {exc}: point --contrib-db at this hub's database, "
+             "or at a new path to start one")
     ended = store.end_open_sessions()
     if ended:
         log.info("sessions of a previous run closed; their receipts will be sent", sessions=ended)
@@ -150,7 +216,7 @@ def run_hub(args: argparse.Namespace) -> int:
         err = as_listen_error(grpc_address, exc)
         if err is None:
             raise
-        raise SystemExit(f"hub: {err}") from None
+        fail(err.line("hub", "--grpc"))
     config = HubConfig(listen_host=args.listen[0], listen_port=args.listen[1], grpc_host=grpc_host,
                        gateway_url=args.gateway, gateway_token=token, gateway_ssl=gateway_ssl,
                        keepalive_s=args.keepalive, keepalive_timeout_s=args.keepalive_timeout,
@@ -164,8 +230,12 @@ def run_hub(args: argparse.Namespace) -> int:
 
     async def run() -> None:
         async with trio.open_nursery() as nursery:
+            # Watching for SIGTERM/SIGINT from the start: listening may wait on a gateway's first
+            # answer (up to its connect timeout), and a stop meanwhile is still a clean one.
+            nursery.start_soon(_until_signal, nursery, log, "hub")
             nursery.start_soon(sender.run)
-            ws_port = await _start_listening(nursery, failed, "hub", ws_address, serve_hub, config, key, registry)
+            ws_port = await _start_listening(nursery, failed, "hub", "--listen", ws_address, serve_hub, config, key,
+                                             registry)
             if ws_port is None:
                 return
             http_port = None
@@ -177,7 +247,7 @@ def run_hub(args: argparse.Namespace) -> int:
                                     sender=sender.statistics)
                 metrics = hub_metrics(registry, HubCollector(registry, desk=desk.statistics,
                                                              sender=sender.statistics))
-                http_port = await _start_listening(nursery, failed, "hub", http_address, serve_hub_http,
+                http_port = await _start_listening(nursery, failed, "hub", "--http", http_address, serve_hub_http,
                                                    http_address, board, metrics)
                 if http_port is None:
                     return
@@ -186,10 +256,12 @@ def run_hub(args: argparse.Namespace) -> int:
                      model=f"{shape.layers} layers x {shape.experts} experts" if shape else "any (protocol bounds)")
             write_ready_file(args.ready_file, {"ws_port": ws_port, "grpc_port": bound_grpc, "hub_key": key.address,
                                                "http_port": http_port})
-            await _until_signal(nursery, log, "hub")
 
     try:
-        trio.run(run)
+        try:
+            trio.run(run)
+        except* GatewayRefused as eg:  # a wrong token or an untrusted certificate: retrying cannot help
+            failed.append(str(leaf_exception(eg)))
     finally:
         registry.close_watchers()
         server.stop(grace=1.0).wait(2.0)
@@ -199,7 +271,7 @@ def run_hub(args: argparse.Namespace) -> int:
         finally:
             store.close()
     if failed:
-        raise SystemExit(failed[0])
+        fail(failed[0])
     return 0
 
 
@@ -216,7 +288,7 @@ def _start_gateway_metrics(gw: Gateway, http: tuple[str, int], stops: list[Calla
         stop, port = serve_metrics(registry, *http)
     except OSError as exc:  # taken since _check_listen
         err = as_listen_error(_address(*http), exc)
-        failed.append(f"gateway: --http: {err or exc}")
+        failed.append(err.line("gateway", "--http") if err is not None else f"gateway: --http: {exc}")
         return None
     stops.append(stop)
     return port
@@ -230,18 +302,23 @@ def run_gateway(args: argparse.Namespace) -> int:
     install_fast_masking()
     log = get_logger("relay")
     address = _address(*args.listen)
-    _check_listen("gateway", address)
-    if args.http is not None:
-        _check_listen("gateway: --http", _address(*args.http))
-    token = _read_token(args.hub_token_file)
+    if not args.cert and not args.insecure_plain_ws:
+        fail("gateway: give --cert and --key (kvasir certs makes a development pair), or --insecure-plain-ws "
+             "behind a TLS terminator")
+    _check_listen("gateway", ("--listen", address), *([("--http", _address(*args.http))] if args.http else []))
+    token = _read_token("gateway", "--hub-token-file", args.hub_token_file,
+                        f"make one with {_new_token_hint(args.hub_token_file)} and give hubs a copy "
+                        "(their --gateway-token-file)")
     ctx = None
     if args.cert:
         check_secret_mode(args.key, "TLS key file")
         ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-        ctx.load_cert_chain(str(args.cert), str(args.key))
+        try:
+            ctx.load_cert_chain(str(args.cert), str(args.key))
+        except (OSError, ssl.SSLError) as exc:
+            fail(f"gateway: --cert {args.cert} / --key {args.key}: {exc.strerror or exc}: give the certificate "
+                 "chain and its private key, both PEM (kvasir certs writes gateway.pem and gateway.key)")
         ctx.set_alpn_protocols(["http/1.1"])
-    elif not args.insecure_plain_ws:
-        raise SystemExit("the gateway needs --cert and --key (or --insecure-plain-ws behind a TLS terminator)")
     config = GatewayConfig(
         host=args.listen[0], port=args.listen[1], hub_token=token, ssl_context=ctx,
         handshake_timeout_s=args.handshake_timeout, max_message_bytes=args.max_message_bytes,
@@ -255,7 +332,7 @@ def run_gateway(args: argparse.Namespace) -> int:
 
     async def run() -> None:
         async with trio.open_nursery() as nursery:
-            started = await _start_listening(nursery, failed, "gateway", address, serve_gateway, config)
+            started = await _start_listening(nursery, failed, "gateway", "--listen", address, serve_gateway, config)
             if started is None:
                 return
             port, gw = started
@@ -277,21 +354,25 @@ def run_gateway(args: argparse.Namespace) -> int:
         for stop in stops:
             stop()
     if failed:
-        raise SystemExit(failed[0])
+        fail(failed[0])
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m relay")
-    sub = parser.add_subparsers(dest="command", required=True)
-    hub = sub.add_parser("hub", help="the LAN hub: worker tunnels in, backbone gRPC targets out")
-    hub.add_argument("--listen", type=hostport(8765), default=("127.0.0.1", 8765), help="WebSocket address for LAN workers")
-    hub.add_argument("--grpc", type=hostport(8766), default=("127.0.0.1", 8766),
+def build_parser() -> argparse.ArgumentParser:
+    """The command line, every sub-command's arguments with their help and defaults."""
+    parser = argparse.ArgumentParser(prog="python -m relay", formatter_class=HelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True, help="which service to run")
+    hub = sub.add_parser("hub", help="the LAN hub: worker tunnels in, backbone gRPC targets out",
+                         formatter_class=HelpFormatter)
+    hub.add_argument("--listen", type=hostport(8765), default="127.0.0.1:8765", metavar="HOST:PORT",
+                     help="WebSocket address for LAN workers (port 0: any free port)")
+    hub.add_argument("--grpc", type=hostport(8766), default="127.0.0.1:8766", metavar="HOST:PORT",
                      help="SessionService address; per-session targets bind on its host")
-    hub.add_argument("--key", type=pathlib.Path, default=pathlib.Path("hub.key"), help="hub Ed25519 key (created if missing)")
-    hub.add_argument("--backbone-token-file", type=pathlib.Path, default=pathlib.Path("hub-backbone.token"),
-                     help="the secret the backbone presents (created, mode 0600, if missing); give the backbone "
-                          "the same file (python -m backbone generate --hub-token-file)")
+    hub.add_argument("--key", type=pathlib.Path, default=STATE_DIR / "hub.key",
+                     help="hub Ed25519 key (created, mode 0600, if missing)")
+    hub.add_argument("--backbone-token-file", type=pathlib.Path, default=BACKBONE_TOKEN_FILE,
+                     help="the secret the backbone presents (created, mode 0600, if missing); the backbone's "
+                          "--hub-token-file reads the same file by default")
     hub.add_argument("--target-auth-timeout", type=float, default=10.0,
                      help="seconds a connection to a session's target has to present its key")
     hub.add_argument("--model", type=pathlib.Path,
@@ -316,7 +397,7 @@ def main(argv: list[str] | None = None) -> int:
     hub.add_argument("--gateway-token-file", type=pathlib.Path, help="file holding the gateway's hub token")
     hub.add_argument("--ca-file", type=pathlib.Path, help="CA bundle to verify the gateway (default: system trust)")
     hub.add_argument("--ledger", metavar="HOST:PORT", help="LedgerService to deliver signed byte receipts to")
-    hub.add_argument("--contrib-db", type=pathlib.Path, default=pathlib.Path("hub-contrib.sqlite"),
+    hub.add_argument("--contrib-db", type=pathlib.Path, default=STATE_DIR / "hub-contrib.sqlite",
                      help="SQLite file of per-session byte counters and receipts (survives restarts)")
     hub.add_argument("--receipt-interval", type=float, default=2.0, help="seconds between receipts")
     hub.add_argument("--keepalive", type=float, default=15.0,
@@ -328,17 +409,20 @@ def main(argv: list[str] | None = None) -> int:
                      help="how long a wallet caught delivering wrong work is refused")
     hub.add_argument("--e2e", choices=["auto", "on", "off"], default="auto",
                      help="encrypt hub <-> worker tunnels end to end, so a gateway (or an edge in front of it) "
-                          "relays only ciphertext: auto (default) for every session through a gateway and for "
+                          "relays only ciphertext: auto for every session through a gateway and for "
                           "direct workers that require it; on: every session; off: none")
     hub.add_argument("--http", type=hostport(), metavar="HOST:PORT",
                      help="serve the live status page (/), its JSON (/api/status) and Prometheus metrics (/metrics) "
                           "here, read-only (port 0 picks one); off without it")
     hub.add_argument("--ready-file", type=pathlib.Path,
                      help="write {ws_port, grpc_port, hub_key, http_port} here once listening")
-    hub.add_argument("--log-level", default="info")
+    add_log_level(hub, "info")
     hub.set_defaults(func=run_hub)
-    gw = sub.add_parser("gateway", help="the public gateway: workers and hubs both dial out to it")
-    gw.add_argument("--listen", type=hostport(443), default=("0.0.0.0", 443))
+    gw = sub.add_parser("gateway", help="the public gateway: workers and hubs both dial out to it",
+                        formatter_class=HelpFormatter)
+    gw.add_argument("--listen", type=hostport(443), default="0.0.0.0:443", metavar="HOST:PORT",
+                    help="public address (ports below 1024 need privileges: see the README's \"Through a public "
+                         "gateway\"; port 0: any free port)")
     gw.add_argument("--cert", type=pathlib.Path, help="certificate chain (PEM)")
     gw.add_argument("--key", type=pathlib.Path, help="private key (PEM)")
     gw.add_argument("--insecure-plain-ws", action="store_true", help="serve ws:// (only behind a TLS terminator)")
@@ -365,8 +449,13 @@ def main(argv: list[str] | None = None) -> int:
                          "--ready-file as http_port); off without it. Counters only, no addresses: still, keep it "
                          "on a private network")
     gw.add_argument("--ready-file", type=pathlib.Path, help="write {port, http_port} here once listening")
-    gw.add_argument("--log-level", default="info")
+    add_log_level(gw, "info")
     gw.set_defaults(func=run_gateway)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
     if args.command == "gateway" and bool(args.cert) != bool(args.key):
         parser.error("--cert and --key go together")
@@ -378,4 +467,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_main("relay", main)

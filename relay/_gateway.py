@@ -196,9 +196,10 @@ class Gateway:
                 out[why] = n
         return out
 
-    def _refuse(self, why: str, **fields: object) -> None:
-        """Count a refused connection under ``why`` and log it (rate-limited)."""
-        self.refusals.refused(why, **fields)
+    def _refuse(self, why: str, *, warn: bool = False, **fields: object) -> None:
+        """Count a refused connection under ``why`` and log it (rate-limited; at warning
+        level with ``warn``)."""
+        self.refusals.refused(why, warn=warn, **fields)
 
     def _release_address(self, key: str) -> None:
         left = self._by_address[key] - 1
@@ -284,9 +285,13 @@ class Gateway:
     async def _route(self, stream: trio.abc.Stream, req: HttpRequest, remote: str):  # type: ignore[no-untyped-def]
         cfg = self.config
 
-        async def refuse(why: str, status: int, body: str, *, headers: tuple[tuple[str, str], ...] = ()) -> None:
-            """Count the refusal under ``why``, log it and answer with a plain HTTP response."""
-            self._refuse(why, remote=remote, status=status, path=req.path[:200], detail=body.strip())
+        async def refuse(why: str, status: int, body: str, *, headers: tuple[tuple[str, str], ...] = (),
+                         hint: str | None = None) -> None:
+            """Count the refusal under ``why``, log it and answer with a plain HTTP response.
+            With ``hint`` (what the operator should check) the log line is a warning."""
+            extra = {"hint": hint} if hint else {}
+            self._refuse(why, warn=hint is not None, remote=remote, status=status, path=req.path[:200],
+                         detail=body.strip(), **extra)
             await send_response(stream, status, body, headers=list(headers))
 
         async def refuse_as(refusal: Refusal) -> None:
@@ -338,8 +343,12 @@ class Gateway:
             return "worker", sock, source
         if path == HUB_CONTROL_PATH or path.startswith(HUB_DATA_PREFIX):
             if not self._authorized(req):
+                # A hub with the wrong token retries nothing (it stops), but its operator may not
+                # see why: say it here too, where the gateway's operator looks.
                 return await refuse("hub_token", 401, "hub paths need the hub token (Authorization: Bearer ...)\n",
-                                    headers=(("www-authenticate", "Bearer"),))
+                                    headers=(("www-authenticate", "Bearer"),),
+                                    hint="a hub presented no token or the wrong one: its --gateway-token-file "
+                                         "must hold the token in this gateway's --hub-token-file")
             if (bad := upgrade_refusal(req)) is not None:
                 return await refuse_as(bad)
             if path == HUB_CONTROL_PATH:

@@ -601,5 +601,5 @@ async def serve_hub(
             link = GatewayLink(functools.partial(hub.serve_connection, via_gateway=True), config.gateway_url,
                                config.gateway_token,
                                ssl_context=config.gateway_ssl)
-            nursery.start_soon(link.run)
+            await nursery.start(link.run)  # a refused token or certificate stops the hub here
         task_status.started(intake.port)

@@ -1,14 +1,21 @@
 """The hub's side of the public gateway: a control WebSocket kept up with jittered backoff;
-for each worker the gateway announces, a data WebSocket served exactly like a LAN session."""
+for each worker the gateway announces, a data WebSocket served exactly like a LAN session.
+
+A gateway that cannot be reached, or drops the connection, is retried (one warning per
+attempt, naming the gateway and what failed). One that refuses this hub's token (HTTP 401)
+or presents a certificate this machine does not trust is not: retrying cannot mend either,
+so ``GatewayLink.run`` raises ``GatewayRefused`` with the line to show the operator.
+"""
 
 from __future__ import annotations
 
 import random
 import ssl
+import urllib.parse
 from collections.abc import Awaitable, Callable
 
 import trio
-from trio_websocket import ConnectionClosed, HandshakeError, WebSocketConnection
+from trio_websocket import ConnectionClosed, ConnectionRejected, ConnectionTimeout, HandshakeError, WebSocketConnection
 
 from kvasir_rpc import get_logger, leaf_exception, open_websocket_url
 from kvasir_rpc.protocol import (
@@ -22,10 +29,72 @@ from kvasir_rpc.protocol import (
     decode_pair,
 )
 
-__all__ = ["GatewayLink"]
+__all__ = ["GatewayLink", "GatewayRefused"]
 
 log = get_logger("relay.hub.gateway")
-_NETWORK_ERRORS = (ConnectionClosed, HandshakeError, OSError, trio.TooSlowError)
+# trio.BrokenResourceError: a TLS handshake that failed (TLSStream raises it, the SSLError chained).
+_NETWORK_ERRORS = (ConnectionClosed, HandshakeError, OSError, trio.TooSlowError, trio.BrokenResourceError)
+_CONNECT_TIMEOUT_S = 10.0
+
+
+class GatewayRefused(Exception):
+    """The gateway refused this hub in a way that retrying cannot mend (its token, or a
+    certificate this machine does not trust); ``str()`` is the one line for the operator,
+    naming the flag to fix."""
+
+
+def _chain(exc: BaseException) -> list[BaseException]:
+    """``exc``, its causes and contexts, and the members of any group among them (trio's
+    "all attempts to connect failed" holds one OSError per address), outermost first."""
+    seen: list[BaseException] = []
+    todo: list[BaseException] = [exc]
+    while todo and len(seen) < 64:
+        cur = todo.pop(0)
+        if any(cur is s for s in seen):
+            continue
+        seen.append(cur)
+        if isinstance(cur, BaseExceptionGroup):
+            todo.extend(cur.exceptions)
+        nxt = cur.__cause__ or cur.__context__
+        if nxt is not None:
+            todo.append(nxt)
+    return seen
+
+
+def refusal_line(gateway: str, exc: BaseException) -> str | None:
+    """The operator's line when ``exc`` (a failed connection to ``gateway``) is one that
+    retrying cannot mend; None when it is worth retrying."""
+    if isinstance(exc, ConnectionRejected) and exc.status_code in (401, 403):
+        return (f"hub: the gateway at {gateway} refused this hub's token ({exc.status_code}): "
+                "--gateway-token-file must hold the token the gateway reads from its --hub-token-file")
+    for link in _chain(exc):
+        if isinstance(link, ssl.SSLCertVerificationError):
+            why = (link.verify_message or str(link)).rstrip(".")
+            if "mismatch" in why.lower():
+                host = urllib.parse.urlsplit(gateway).hostname or gateway
+                return (f"hub: the gateway at {gateway} presented a certificate that is not for {host} ({why}): "
+                        f"make it with kvasir certs --host {host}, or give --gateway the name it was made for")
+            return (f"hub: the gateway at {gateway} presented a certificate this machine does not trust ({why}): "
+                    "pass --ca-file with its CA (kvasir certs writes ca.pem)")
+    return None
+
+
+def describe(exc: BaseException) -> str:
+    """What went wrong with a connection to the gateway, in words (not a repr)."""
+    if isinstance(exc, ConnectionRejected):
+        return f"HTTP {exc.status_code}"
+    if isinstance(exc, ConnectionTimeout | trio.TooSlowError):
+        return f"no answer within {_CONNECT_TIMEOUT_S:g} s"
+    if isinstance(exc, ConnectionClosed):
+        reason = exc.reason
+        if reason is None:
+            return "closed"
+        return f"closed ({reason.code}{' ' + reason.reason if reason.reason else ''})"
+    errors = [link for link in _chain(exc) if isinstance(link, OSError)]
+    for link in errors:
+        if link.strerror:  # "Connection refused", not "all attempts to connect to ... failed"
+            return link.strerror[:200]
+    return (str(errors[0] if errors else exc) or type(exc).__name__)[:200]
 
 ServeConnection = Callable[[WebSocketConnection, str], Awaitable[None]]
 
@@ -35,6 +104,8 @@ class GatewayLink:
 
     ``serve_connection(ws, remote)`` is the hub's own session entry point; sessions run in a
     nursery of their own, so a lost control connection does not cut live sessions.
+    ``run`` raises GatewayRefused when the gateway refuses this hub's token or presents a
+    certificate this machine does not trust; every other failure is retried.
     """
 
     def __init__(self, serve_connection: ServeConnection, gateway_url: str, token: str, *,
@@ -46,25 +117,42 @@ class GatewayLink:
         self._ssl = ssl_context
         self._min_backoff = min_backoff_s
         self._max_backoff = max_backoff_s
+        self._task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
 
-    async def run(self) -> None:
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Keep the control connection up until cancelled. Reports started once the first
+        attempt has connected or failed in a way worth retrying, so that a refusal
+        (GatewayRefused, raised) comes before the hub says it is listening."""
+        self._task_status = task_status
         backoff = self._min_backoff
         async with trio.open_nursery() as sessions:
             while True:
-                connected = await self._control_once(sessions)
+                connected, error = await self._control_once(sessions)
+                self._started()
                 backoff = self._min_backoff if connected else min(backoff * 2, self._max_backoff)
-                await trio.sleep(backoff * random.uniform(0.5, 1.5))
+                delay = backoff * random.uniform(0.5, 1.5)
+                log.warning("gateway control connection lost; reconnecting" if connected
+                            else "cannot reach the gateway; retrying (check --gateway and that the gateway runs)",
+                            gateway=self.base, error=error, retry_in_s=round(delay, 1))
+                await trio.sleep(delay)
 
-    async def _control_once(self, sessions: trio.Nursery) -> bool:
-        """One life of the control connection; True if it was established."""
+    def _started(self) -> None:
+        self._task_status.started()
+        self._task_status = trio.TASK_STATUS_IGNORED
+
+    async def _control_once(self, sessions: trio.Nursery) -> tuple[bool, str]:
+        """One life of the control connection: whether it was established, and what ended it.
+        Raises GatewayRefused where retrying cannot help."""
         connected = False
+        error = "closed"
         try:
             async with open_websocket_url(
                 f"{self.base}{HUB_CONTROL_PATH}", ssl_context=self._ssl, subprotocols=[GATEWAY_SUBPROTOCOL],
-                extra_headers=self._headers, connect_timeout=10, disconnect_timeout=5,
+                extra_headers=self._headers, connect_timeout=_CONNECT_TIMEOUT_S, disconnect_timeout=5,
             ) as ctrl:
                 connected = True
                 log.info("gateway control connected", gateway=self.base)
+                self._started()
                 while True:
                     try:
                         pair = decode_pair(await ctrl.get_message())
@@ -73,8 +161,12 @@ class GatewayLink:
                         continue
                     sessions.start_soon(self._serve_pair, pair.pair_id, pair.remote)
         except* _NETWORK_ERRORS as eg:
-            log.info("gateway control connection lost", gateway=self.base, error=repr(leaf_exception(eg))[:200])
-        return connected
+            failure = leaf_exception(eg)
+            line = refusal_line(self.base, failure)
+            if line is not None:
+                raise GatewayRefused(line) from None
+            error = describe(failure)
+        return connected, error
 
     async def _serve_pair(self, pid: str, remote: str) -> None:
         try:
@@ -82,7 +174,7 @@ class GatewayLink:
                 f"{self.base}{HUB_DATA_PREFIX}{pid}", ssl_context=self._ssl, subprotocols=list(TUNNEL_SUBPROTOCOLS),
                 extra_headers=self._headers, max_message_size=MAX_MESSAGE_BYTES, receive_buffer_size=READ_BYTES,
                 message_queue_size=4,
-                connect_timeout=10, disconnect_timeout=5,
+                connect_timeout=_CONNECT_TIMEOUT_S, disconnect_timeout=5,
             ) as ws:
                 await self._serve(ws, f"gateway:{remote}")
         except* _NETWORK_ERRORS as eg:

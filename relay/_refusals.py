@@ -6,7 +6,9 @@ one line each; the rest are only counted, and one summary line ("... and K more 
 REASON in the last T s") reports them when the window is over (at the next refusal of that
 reason, or at ``flush``, which ``run`` calls every interval). So a reason writes at most
 ``lines_per_interval + 1`` lines an interval, whatever the load. Reasons are the callers'
-fixed words (never text from the peer), so the table stays small.
+fixed words (never text from the peer), so the table stays small. Lines are at info level,
+or at warning for a refusal the operator should act on (``warn=True``: a hub presenting the
+wrong token), its summary too.
 
 Sans-IO apart from ``run``: the clock is injectable, and nothing here awaits but ``run``.
 """
@@ -32,6 +34,7 @@ class _Window:
     start: float
     logged: int = 0
     suppressed: int = 0
+    warn: bool = False
 
 
 class RefusalLog:
@@ -59,9 +62,9 @@ class RefusalLog:
         """Refusals so far by reason, logged or not."""
         return dict(self._counts)
 
-    def refused(self, reason: str, **fields: Any) -> None:
-        """Count one refusal under ``reason``; log it with ``fields`` unless this reason has
-        used its lines for the current interval."""
+    def refused(self, reason: str, *, warn: bool = False, **fields: Any) -> None:
+        """Count one refusal under ``reason``; log it with ``fields`` (at warning level with
+        ``warn``) unless this reason has used its lines for the current interval."""
         self._counts[reason] = self._counts.get(reason, 0) + 1
         now = self._clock()
         window = self._windows.get(reason)
@@ -69,9 +72,10 @@ class RefusalLog:
             if window is not None:
                 self._summarize(reason, window, now)
             window = self._windows[reason] = _Window(start=now)
+        window.warn = window.warn or warn
         if window.logged < self._lines:
             window.logged += 1
-            self._log.info("connection refused", reason=reason, **fields)
+            (self._log.warning if warn else self._log.info)("connection refused", reason=reason, **fields)
         else:
             window.suppressed += 1
 
@@ -86,7 +90,7 @@ class RefusalLog:
     def _summarize(self, reason: str, window: _Window, now: float) -> None:
         if window.suppressed:
             span = now - window.start
-            self._log.info(f"... and {window.suppressed} more refused for {reason} in the last {span:.0f} s",
+            (self._log.warning if window.warn else self._log.info)(f"... and {window.suppressed} more refused for {reason} in the last {span:.0f} s",
                            reason=reason, suppressed=window.suppressed, window_s=round(span, 3))
 
     async def run(self) -> None:

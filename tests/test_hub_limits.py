@@ -261,7 +261,8 @@ def test_hub_refuses_a_bad_model_or_cap_at_start(tmp_path, args, says):
                           "--key", str(tmp_path / "hub.key"), "--backbone-token-file", str(tmp_path / "t"),
                           "--contrib-db", str(tmp_path / "c.sqlite"), *args],
                          capture_output=True, text=True, timeout=60, cwd=pathlib.Path(__file__).parents[1])
-    assert out.returncode != 0 and says in out.stderr, out.stderr
+    assert out.returncode == 2 and says in out.stderr, out.stderr
+    assert len(out.stderr.strip().splitlines()) == 1 and out.stderr.startswith("hub: "), out.stderr
     assert not (tmp_path / "hub.key").exists()  # refused before it made anything
 
 

@@ -287,6 +287,24 @@ def test_a_steady_flood_stays_within_n_plus_one_lines_per_interval() -> None:
     assert summed == 10_000  # every refusal is either a line or in a summary
 
 
+def test_a_refusal_the_operator_must_act_on_is_a_warning_and_still_rate_limited() -> None:
+    # A hub with the wrong token is told 401 and stops; the gateway's operator sees why, at
+    # warning level, without a flood of such hubs filling the disk.
+    clock = FakeClock()
+    refusals = RefusalLog(structlog.get_logger("test"), lines_per_interval=2, interval_s=10.0, clock=clock)
+    with capture_logs() as logs:
+        for i in range(20):
+            refusals.refused("hub_token", warn=True, remote=f"198.51.100.{i}:1")
+        refusals.refused("ws_key")
+        clock.now += 10.0
+        refusals.flush()
+    assert [(e["log_level"], e["event"]) for e in logs] == [
+        ("warning", "connection refused"), ("warning", "connection refused"), ("info", "connection refused"),
+        ("warning", "... and 18 more refused for hub_token in the last 10 s"),
+    ]
+    assert logs[0]["remote"] == "198.51.100.0:1"
+
+
 def test_run_flushes_every_interval_on_the_trio_clock() -> None:
     async def main() -> None:
         refusals = RefusalLog(structlog.get_logger("test"), lines_per_interval=1, interval_s=10.0,

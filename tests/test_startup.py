@@ -1,9 +1,9 @@
 """Startup is honest: no two servers share a port, secrets are written 0600, loose ones are named.
 
-* A second ledger, hub (either port) or gateway on a taken address exits 1 within seconds with
-  one line naming the address, before touching its database, and the first keeps answering
-  (grpcio shares ports through SO_REUSEPORT unless told not to; then clients hit one or the
-  other at random). A worker's --direct-grpc likewise.
+* A second ledger, hub (either port) or gateway on a taken address exits 2 within seconds with
+  one line naming the flag, the address and the fix, before touching its database, and the
+  first keeps answering (grpcio shares ports through SO_REUSEPORT unless told not to; then
+  clients hit one or the other at random). A worker's --direct-grpc: one line, exit 1.
 * ``write_secret`` leaves mode 0600 on new and overwritten files whatever the umask, and no
   observer ever sees the new secret in a file others may read, nor half of it.
 * Wallets, hub keys and tokens that others may read are still loaded, with a warning that
@@ -141,6 +141,14 @@ def _assert_one_line(out: subprocess.CompletedProcess[str], component: str, addr
     assert "Traceback" not in text and "listening" not in text
 
 
+def _assert_flag_named(out: subprocess.CompletedProcess[str], component: str, flag: str, address: str) -> None:
+    text = out.stdout + out.stderr
+    assert out.returncode == 2, text
+    assert text.strip().splitlines() == [f"{component}: {flag} {address} is in use by another program: stop it or "
+                                         "choose another port (port 0 picks a free one)"], text
+    assert "Traceback" not in text and "listening" not in text
+
+
 @pytest.mark.integration
 def test_a_second_ledger_on_a_taken_port_exits_and_the_first_answers_every_call(tmp_path: pathlib.Path) -> None:
     hub = Wallet.generate().address
@@ -150,7 +158,7 @@ def test_a_second_ledger_on_a_taken_port_exits_and_the_first_answers_every_call(
         second_db = tmp_path / "second.sqlite"
         out = _run_second(["-m", "ledger", "serve", "--listen", f"127.0.0.1:{port}", "--db", f"sqlite:///{second_db}",
                            "--trust-key", hub])
-        _assert_one_line(out, "ledger", f"127.0.0.1:{port}")
+        _assert_flag_named(out, "ledger", "--listen", f"127.0.0.1:{port}")
         assert not second_db.exists()  # refused before it opened anything
         for _ in range(8):  # a fresh connection each: with a shared port the kernel would spread them
             with grpc.insecure_channel(first.address) as ch:
@@ -172,8 +180,10 @@ def test_a_second_hub_on_either_taken_port_exits_and_the_first_answers_every_cal
                   str(sw.backbone_token_file), "--contrib-db", str(contrib)]
         grpc_taken = f"127.0.0.1:{sw.hub_grpc_port}"
         ws_taken = f"127.0.0.1:{sw.hub_ws_port}"
-        _assert_one_line(_run_second([*common, "--listen", "127.0.0.1:0", "--grpc", grpc_taken]), "hub", grpc_taken)
-        _assert_one_line(_run_second([*common, "--listen", ws_taken, "--grpc", "127.0.0.1:0"]), "hub", ws_taken)
+        _assert_flag_named(_run_second([*common, "--listen", "127.0.0.1:0", "--grpc", grpc_taken]), "hub", "--grpc",
+                           grpc_taken)
+        _assert_flag_named(_run_second([*common, "--listen", ws_taken, "--grpc", "127.0.0.1:0"]), "hub", "--listen",
+                           ws_taken)
         assert contrib.stat().st_mtime_ns == before  # the first hub's sessions were left alone
         for _ in range(8):
             with grpc.insecure_channel(sw.hub_grpc_address) as ch:
@@ -189,7 +199,7 @@ def test_a_second_gateway_on_a_taken_port_exits_at_once(tmp_path: pathlib.Path) 
         taken = f"127.0.0.1:{sw.gateway_port}"
         out = _run_second(["-m", "relay", "gateway", "--listen", taken, "--insecure-plain-ws",
                            "--hub-token-file", str(sw.token_file)])
-        _assert_one_line(out, "gateway", taken)
+        _assert_flag_named(out, "gateway", "--listen", taken)
         sw._check_alive("gateway")
         with socket.create_connection(("127.0.0.1", sw.gateway_port), timeout=10):
             pass

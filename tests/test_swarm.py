@@ -245,7 +245,7 @@ def test_worker_reconnects_after_hub_restart(tiny_models, tmp_path):
         ready.unlink()
         sw._spawn("hub", ["-m", "relay", "hub", "--listen", f"127.0.0.1:{ws_port}", "--grpc", "127.0.0.1:0",
                           "--key", str(sw.workdir / "hub.key"), "--backbone-token-file", str(sw.backbone_token_file),
-                          "--ready-file", str(ready)])
+                          "--contrib-db", str(sw.workdir / "hub-contrib.sqlite"), "--ready-file", str(ready)])
         wait_until(ready.exists, 30, "the hub to restart")
         sw.hub_grpc_port = __import__("json").loads(ready.read_text())["grpc_port"]
         again = sw.wait_sessions(1, timeout=60, watch=["worker1"])[0]
