@@ -159,15 +159,25 @@ def test_status_page_shows_the_swarm(tiny_models, tmp_path: pathlib.Path) -> Non
         _screenshot(tmp_path, url, "status-page-local-only.png")
 
 
-def test_demo_stay_keeps_the_swarm_up_for_its_status_page_until_ctrl_c(tiny_models, tmp_path: pathlib.Path) -> None:
+@pytest.mark.skipif(not os.path.exists(CHROMIUM), reason="needs chromium (make system-deps installs it)")
+def test_a_live_demo_shows_on_its_page_its_metrics_and_kvasir_status(tiny_models, tmp_path: pathlib.Path) -> None:
+    """`kvasir demo --stay` through the gateway: once the verdict is in and the swarm still
+    runs, the status page (as Chromium renders it), every component's /metrics, and
+    `kvasir status` / `kvasir balance` tell the same story as the verdict: both sessions,
+    their bytes and credits, the expert map, non-zero throughput. Ctrl-C then stops it."""
     import signal
     import sys
     import threading
 
-    from helpers import ROOT
+    from prometheus_client.parser import text_string_to_metric_families
 
-    proc = subprocess.Popen([sys.executable, "-m", "kvasir_rpc", "demo", "--stay", "--path", "hub",
-                             "--model", str(tiny_models("qwen3_moe")), "--max-new-tokens", "4"],
+    from helpers import ROOT
+    from kvasir_rpc import read_model_info
+
+    model = tiny_models("qwen3_moe")
+    info = read_model_info(model)
+    proc = subprocess.Popen([sys.executable, "-m", "kvasir_rpc", "demo", "--stay", "--json",
+                             "--model", str(model), "--max-new-tokens", "4"],
                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             stdin=subprocess.DEVNULL)
     lines: list[str] = []
@@ -180,26 +190,85 @@ def test_demo_stay_keeps_the_swarm_up_for_its_status_page_until_ctrl_c(tiny_mode
             if "Ctrl-C stops it" in line:
                 staying.set()
 
+    def metrics(url: str) -> dict[str, dict[tuple[tuple[str, str], ...], float]]:
+        """{sample name: {sorted labels: value}} of one /metrics."""
+        out: dict[str, dict[tuple[tuple[str, str], ...], float]] = {}
+        for family in text_string_to_metric_families(_get(url).decode()):
+            for smp in family.samples:
+                out.setdefault(smp.name, {})[tuple(sorted(smp.labels.items()))] = smp.value
+        return out
+
     reader = threading.Thread(target=read, daemon=True)
     reader.start()
     try:
-        assert staying.wait(300), "".join(lines[-40:])
+        assert staying.wait(400), "".join(lines[-40:])
         text = "".join(lines)
-        urls = re.findall(r"status page: (http://127\.0\.0\.1:\d+/)", text)
-        assert urls, text
         # Printed early: before the decode's verdict.
-        assert text.index("status page:") < text.index("VERDICT")
-        assert "VERDICT: remote decode is bitwise identical to local" in text
-        # The ledger's answer may reach the hub a moment after the ledger shows the credit.
-        status = _wait("credits on the page", lambda: (st := _status(urls[0]))["totals"]["credited_nano_kvr"] > 0
+        assert text.index("status page:") < text.index("Prometheus metrics:") < text.index("concurrent Generate")
+        verdict = json.loads(next(line for line in lines if line.startswith("{")))
+        assert verdict["tokens_identical"] and verdict["logits_identical"], verdict
+        url, endpoints = verdict["status_url"], verdict["metrics_urls"]
+        assert set(endpoints) == {"ledger", "gateway", "hub", "backbone"}, endpoints
+        total = verdict["ledger_total_nano_kvr"]
+        assert total > 0 and len(verdict["sessions"]) == 2
+        by_id = {s["session_id"]: s for s in verdict["sessions"]}
+
+        # The hub's JSON: both sessions with the verdict's bytes and credits, the full map,
+        # throughput that was not zero while the decode ran.
+        status = _wait("every credit on the page", lambda: (st := _status(url))["totals"]["credited_nano_kvr"] == total
                        and st, timeout=30)
-        assert len(status["sessions"]) == 2
+        assert {s["session_id"] for s in status["sessions"]} == set(by_id)
+        for s in status["sessions"]:
+            assert s["credited_nano_kvr"] == by_id[s["session_id"]]["credited_nano_kvr"] > 0
+            assert s["work_bytes"] == by_id[s["session_id"]]["bytes"] > 0
+            assert s["via"] == "gateway"
+        assert all(h == 1 for row in status["expert_map"]["holders"] for h in row)
+        assert max(point["rows_per_s"] for point in status["history"]["points"]) > 0, status["history"]
+
+        # The page, as a browser renders it.
+        done = _chromium(tmp_path, "--dump-dom", url)
+        assert done.returncode == 0, done.stderr[-2000:]
+        dom = done.stdout
+        assert 'id="session-count">2<' in dom
+        for sid in by_id:
+            assert f'data-session-id="{sid}"' in dom, f"session {sid} not on the page"
+        cells = re.findall(r'data-layer="(\d+)" data-expert="(\d+)" data-holders="(\d+)"', dom)
+        assert len(cells) == info.num_layers * info.num_experts and all(h == "1" for _, _, h in cells)
+        _screenshot(tmp_path, url, "status-page-demo.png")
+
+        # Every component's /metrics.
+        hub = metrics(endpoints["hub"])
+        assert sum(hub["kvasir_hub_sessions"].values()) == 2
+        assert hub["kvasir_hub_credited_nano_kvr_total"][()] == total
+        assert hub["kvasir_hub_work_bytes_total"][()] == sum(s["bytes"] for s in verdict["sessions"])
+        ledger = metrics(endpoints["ledger"])
+        assert ledger["kvasir_ledger_credited_nano_kvr_total"][()] == total
+        gateway = metrics(endpoints["gateway"])
+        assert gateway["kvasir_gateway_sessions"][()] == 2
+        assert all(v > 0 for v in gateway["kvasir_gateway_relayed_bytes_total"].values())
+        backbone = verdict["backbone_metrics"]  # scraped before the backbone stopped
+        assert backbone["kvasir_backbone_remote_rows_total"] == verdict["remote_rows"] > 0
+        assert backbone["kvasir_backbone_expert_call_duration_seconds_count"] == verdict["remote_calls"]
+
+        # The terminal's view.
+        hub_grpc = re.search(r"hub: SessionService on (\S+)", text).group(1)  # type: ignore[union-attr]
+        shown = subprocess.run([sys.executable, "-m", "kvasir_rpc", "status", "--hub", hub_grpc, "--json"],
+                               capture_output=True, text=True, timeout=60, check=True)
+        listed = {s["session_id"]: s for s in json.loads(shown.stdout)["sessions"]}
+        assert set(listed) == set(by_id)
+        for sid, s in listed.items():
+            assert int(s["credited_nano_kvr"]) == by_id[sid]["credited_nano_kvr"]
+            assert int(s["work_bytes"]) == by_id[sid]["bytes"]
+        shown = subprocess.run([sys.executable, "-m", "kvasir_rpc", "status", "--hub", hub_grpc],
+                               capture_output=True, text=True, timeout=60, check=True)
+        assert "2 live sessions" in shown.stdout, shown.stdout
+
         proc.send_signal(signal.SIGINT)
         assert proc.wait(60) == 0, "".join(lines[-20:])
         reader.join(10)
         assert "stopping the swarm" in "".join(lines)
         with pytest.raises(OSError):
-            _get(urls[0], timeout=2)
+            _get(url, timeout=2)
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -65,10 +65,10 @@ def run_demo(arch: str, *, seed: int = 0, max_new_tokens: int = 12, batch: int =
             tempfile.TemporaryDirectory(prefix="kvasir-demo-"))
         swarm = stack.enter_context(LocalSwarm(work))
         t0 = time.monotonic()
-        swarm.start_ledger()
+        swarm.start_ledger(http=True)
         say(f"ledger: {swarm.ledger_address} (SQLite), trusting the hub's key")
         if path == "gateway":
-            swarm.start_gateway()
+            swarm.start_gateway(http=True)
             say(f"gateway: {swarm.gateway_url} (TLS, dev CA); the hub and the workers both dial out to it")
         swarm.start_hub(gateway=path == "gateway", http=True)
         say(f"hub: SessionService on {swarm.hub_grpc_address}")
@@ -78,10 +78,13 @@ def run_demo(arch: str, *, seed: int = 0, max_new_tokens: int = 12, batch: int =
         sessions = swarm.wait_sessions(len(specs), watch=[f"worker{i + 1}" for i in range(len(specs))])
         say(f"{len(sessions)} workers joined in {time.monotonic() - t0:.1f}s (experts {', '.join(specs)})")
         say("starting two backbone services (each loads the model): one with its experts on the swarm, one all local")
-        remote = _Service(swarm.start_backbone_service("backbone", model_dir, ["--wait-sessions", str(len(specs))]))
+        remote = _Service(swarm.start_backbone_service("backbone", model_dir, ["--wait-sessions", str(len(specs))],
+                                                       http=True))
         local = _Service(swarm.start_backbone_service("backbone-local", model_dir, hub=False))
         say(f"backbone service: kvasir.v1.BackboneService on 127.0.0.1:{remote.port} (experts on the swarm); "
             f"a reference with every expert local on 127.0.0.1:{local.port}")
+        metrics = {name: f"http://127.0.0.1:{port}/metrics" for name, port in swarm.http_ports.items()}
+        say("Prometheus metrics: " + ", ".join(f"{name} {url}" for name, url in metrics.items()))
         say(f"{batch} concurrent Generate calls, {max_new_tokens} tokens each; then each alone, on both services")
         result = _demo_decodes(remote, local, prompts, max_new_tokens, say)
         say("checking the tokens against transformers' own eager experts (python -m backbone generate --compare-local)")
@@ -96,6 +99,9 @@ def run_demo(arch: str, *, seed: int = 0, max_new_tokens: int = 12, batch: int =
                       audit_exact_rows=stats.audit_exact_rows, sessions_quarantined=list(stats.sessions_quarantined),
                       replays=stats.replays, sessions_used=list(stats.sessions_used),
                       shared_overlapped=stats.shared_overlapped)
+        # The backbone's own counters, as Prometheus reads them, before it stops.
+        result["backbone_metrics"] = _unlabelled_samples(swarm.scrape("backbone"), "kvasir_backbone_")
+        result["metrics_urls"] = metrics
         remote.close()
         local.close()
         swarm.stop_process("backbone")  # its last work report reaches the hub as it stops
@@ -120,6 +126,14 @@ def run_demo(arch: str, *, seed: int = 0, max_new_tokens: int = 12, batch: int =
         if stay is not None:
             stay(result)
     return result
+
+
+def _unlabelled_samples(text: str, prefix: str) -> dict[str, float]:
+    """The samples of a /metrics text named ``prefix...`` that carry no label, by name."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return {sample.name: sample.value for family in text_string_to_metric_families(text)
+            for sample in family.samples if sample.name.startswith(prefix) and not sample.labels}
 
 
 class _Service:

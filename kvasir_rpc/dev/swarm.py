@@ -229,6 +229,7 @@ class LocalSwarm:
         self.hub_ws_port, self.hub_grpc_port = int(info["ws_port"]), int(info["grpc_port"])  # type: ignore[call-overload]
         self.hub_key = str(info["hub_key"])
         self.hub_http_port = int(info.get("http_port") or 0)  # type: ignore[call-overload]
+        self._keep_http_port("hub", info)
 
     def start_worker(self, name: str, model: str | os.PathLike[str], experts: str, *, via: str = "hub",
                      gateway_url: str | None = None, hub_url: str | None = None, extra: Sequence[str] = (),
