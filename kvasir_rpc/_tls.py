@@ -246,6 +246,8 @@ async def open_websocket_url(
     except BaseExceptionGroup as group:
         # As trio-websocket does: one error (a rejection from the reader task, say) comes
         # out as itself, not wrapped in the nursery's group.
+        # Its cause stays (a HandshakeError's is the OSError: refused, unreachable...).
         if len(group.exceptions) == 1:
-            raise group.exceptions[0] from None
+            only = group.exceptions[0]
+            raise only from only.__cause__
         raise

@@ -142,8 +142,8 @@ def _open_checkpoint(args: argparse.Namespace) -> ExpertIndex:
     try:
         index = ExpertIndex(args.model)
     except (CheckpointError, OSError, ValueError) as exc:
-        fail(f"worker: {exc}" if "--model" in str(exc)
-             else f"worker: --model {args.model}: not a Hugging Face MoE checkpoint folder ({exc})")
+        said = str(exc) if "checkpoint folder" in str(exc) else f"{exc}: --model must be a Hugging Face MoE checkpoint folder"
+        fail(f"worker: --model {args.model}: {said}")
     try:
         parse_expert_spec(args.experts, index.info.num_layers, index.info.num_experts)
     except SpecError as exc:

@@ -167,6 +167,8 @@ def _dial_failure(url: str, exc: BaseException) -> tuple[str, str]:
     where = f"{what} at {_shown(url)}"
     if type(exc) is HandshakeError and isinstance(exc.__cause__, OSError):
         exc = exc.__cause__  # open_websocket_url's wrapping of a failed TCP connect
+    if isinstance(exc, OSError) and isinstance(leaf_exception(exc.__cause__ or exc), OSError):
+        exc = leaf_exception(exc.__cause__ or exc)  # trio's "all attempts to connect failed": the first reason
     # TLSStream reports a failed TLS handshake as BrokenResourceError, the ssl error in its text.
     untrusted = re.search(r"certificate verify failed: ([^(]*)", str(exc))
     if isinstance(exc, ssl.SSLCertVerificationError) or untrusted:
