@@ -82,7 +82,7 @@ class LoadReporter:
                                       TimeRemainingColumn(), console=self._console,
                                       refresh_per_second=REFRESH_PER_SECOND)
             self._progress.start()
-            self._task = self._progress.add_task("load", total=p.bytes_total)
+            self._task = self._progress.add_task("loading experts", total=p.bytes_total)
         assert self._task is not None
         self._progress.update(self._task, completed=p.bytes_done, total=p.bytes_total,
                               description=f"loading experts {p.experts_done}/{p.experts_total}")
