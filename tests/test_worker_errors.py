@@ -5,8 +5,8 @@ traceback).
 * Wrong --hub/--gateway forms and a --model that is not a checkpoint fail with exit 2 before
   anything slow (the model is not even opened for a bad URL; no wallet is made).
 * What retrying cannot change fails with exit 2: a gateway certificate the system does not
-  trust (--ca-file), a hub other than the pinned one (--hub-key), a hello the hub refuses for
-  the model it serves (--model/--experts).
+  trust (--ca-file), an HTTP 4xx answer (--hub pointing at a gateway), a hub other than the
+  pinned one (--hub-key), a hello the hub refuses for the model it serves (--model/--experts).
 * Nothing listening at --hub: the worker warns once per attempt, saying what and where, and
   connects when the hub comes up; Ctrl-C then stops it with one line and exit 130.
 """
@@ -88,6 +88,17 @@ def test_an_untrusted_gateway_certificate_fails_naming_ca_file(tiny_models, tmp_
     assert out.stderr.strip().splitlines() == [line], out.stderr
     assert line.startswith(f"worker: --gateway {sw.gateway_url}: the gateway's TLS certificate is not trusted"), line
     assert "--ca-file" in line and "kvasir certs" in line
+
+
+def test_a_hub_address_that_is_a_gateway_gets_its_http_answer_and_the_right_flag(tiny_models, tmp_path):
+    with LocalSwarm(tmp_path) as sw:
+        sw.start_gateway(tls=False)  # plain ws://, as behind a TLS edge: it answers the upgrade with 404
+        url = f"ws://127.0.0.1:{sw.gateway_port}"
+        out = run_worker(["--hub", url, "--model", str(tiny_models("qwen3_moe")), "--log-level", "warning"], tmp_path)
+    line = last_line(out)
+    assert out.stderr.strip().splitlines() == [line], out.stderr
+    assert line.startswith(f"worker: --hub {url}: the hub refused this worker with HTTP 404"), line
+    assert line.endswith("check --hub (is it a gateway? then use --gateway wss://HOST:PORT)"), line
 
 
 def test_a_refusal_that_retrying_cannot_change_fails_naming_the_flag(tiny_models, tmp_path):

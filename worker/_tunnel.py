@@ -331,7 +331,7 @@ async def run_tunnel(
         holder.state = "retrying"
         holder.retry_at = time.monotonic() + delay
         if established:
-            log.info("tunnel lost; dialling again", why=failure or "closed")
+            log.warning(f"{failure or 'the session ended'}; dialling again", url=_shown(url))
         else:
             log.warning(f"{failure}; retrying in {delay:.1f} s" + (f" — {hint}" if hint else ""),
                         url=_shown(url), retry_in_s=round(delay, 2))
