@@ -207,7 +207,7 @@ def _dial_failure(url: str, exc: BaseException) -> tuple[str, str]:
 _FIXED_REFUSALS = (
     ("--hub-key", "--hub-key"),
     ("--e2e", "--e2e"),
-    ("hello: ", "--model/--experts"),
+    ("not in the model served", "--model/--experts"),
     ("quarantined", "--wallet"),
 )
 
