@@ -52,7 +52,7 @@ from kvasir_rpc import (
 )
 from worker._console import BALANCE_INTERVAL_S, Balance, LoadReporter, StatusView, log_serving, poll_balance
 from worker._load import load_experts
-from worker._service import ExpertServicer
+from worker._service import ExpertServicer, LoadedExperts
 from worker._tunnel import TunnelHolder, TunnelRefused, run_tunnel
 
 if TYPE_CHECKING:
@@ -189,7 +189,6 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from kvasir_rpc import threads_initializer
     from worker._load import pick_device
 
     if args.threads:
@@ -215,6 +214,15 @@ def main(argv: list[str] | None = None) -> int:
         sessions=args.sessions,
     )
 
+    return _serve(args, url=url, ssl_context=ssl_context, wallet=wallet, experts=experts, shares=shares,
+                  console=console, require_e2e=require_e2e)
+
+
+def _serve(args: argparse.Namespace, *, url: str, ssl_context: ssl.SSLContext | None, wallet: Wallet,
+           experts: LoadedExperts, shares: list[tuple[dict[int, tuple[int, ...]], bytes]], console: Console | None,
+           require_e2e: bool) -> int:
+    """Serve the loaded experts through one tunnel per share until a signal (SIGTERM: 0,
+    SIGINT: 130, both after draining) or a refusal that retrying cannot change (fail())."""
     if args.gateway and args.hub_key is None:
         log.warning("no --hub-key: the gateway (or anyone in front of it) could stand in for the hub and be "
                     "served; pin the hub's key to serve only it")
@@ -223,27 +231,12 @@ def main(argv: list[str] | None = None) -> int:
     os.chmod(sock_dir, 0o700)
     uds_path = os.path.join(sock_dir, "expert.sock")
     servicer = ExpertServicer(experts, wallet.address)
-    server = grpc.server(
-        # Carry --threads into the pool's threads (see threads_initializer). A backbone keeps
-        # one Dispatch stream open per session, and each holds a thread for its life.
-        futures.ThreadPoolExecutor(max_workers=7 + args.sessions, thread_name_prefix="expert",
-                                   initializer=threads_initializer()),
-        options=[("grpc.max_receive_message_length", 256 << 20), ("grpc.max_send_message_length", 256 << 20),
-                 NO_PORT_SHARING],
-    )
-    expert_pb2_grpc.add_ExpertServiceServicer_to_server(servicer, server)
-    # Reflection reaches only those who reach the server: the key holder through the hub's target.
-    enable_reflection(server, [expert_pb2.DESCRIPTOR.services_by_name["ExpertService"].full_name])
     try:
-        bind_grpc(server, f"unix:{uds_path}")
-        if args.direct_grpc:
-            # Opt-in, for benchmarks and trusted LANs: the one case where the worker listens.
-            bind_grpc(server, args.direct_grpc)
+        server = _grpc_server(servicer, args, uds_path)
     except ListenError as exc:
         print(f"worker: {exc}", file=sys.stderr)
         shutil.rmtree(sock_dir, ignore_errors=True)
         return 1
-    server.start()
 
     def make_handshake(slices: dict[int, tuple[int, ...]], digest: bytes) -> WorkerHandshake:
         return WorkerHandshake(
@@ -258,7 +251,10 @@ def main(argv: list[str] | None = None) -> int:
         )
 
     holders = [TunnelHolder(url) for _ in shares]
-    balance = Balance(f"{args.ledger[0]}:{args.ledger[1]}") if args.ledger else None
+    balance = None
+    if args.ledger:
+        host, port = args.ledger
+        balance = Balance(f"[{host}]:{port}" if ":" in host else f"{host}:{port}")
     stopped_by: list[int] = []
 
     async def run() -> None:
@@ -295,6 +291,30 @@ def main(argv: list[str] | None = None) -> int:
         print("worker: interrupted", file=sys.stderr, flush=True)
         return EXIT_INTERRUPTED
     return 0
+
+
+def _grpc_server(servicer: ExpertServicer, args: argparse.Namespace, uds_path: str) -> grpc.Server:
+    """The started gRPC server of ``servicer`` on ``uds_path`` (and --direct-grpc); raises
+    ListenError."""
+    from kvasir_rpc import threads_initializer
+
+    server = grpc.server(
+        # Carry --threads into the pool's threads (see threads_initializer). A backbone keeps
+        # one Dispatch stream open per session, and each holds a thread for its life.
+        futures.ThreadPoolExecutor(max_workers=7 + args.sessions, thread_name_prefix="expert",
+                                   initializer=threads_initializer()),
+        options=[("grpc.max_receive_message_length", 256 << 20), ("grpc.max_send_message_length", 256 << 20),
+                 NO_PORT_SHARING],
+    )
+    expert_pb2_grpc.add_ExpertServiceServicer_to_server(servicer, server)
+    # Reflection reaches only those who reach the server: the key holder through the hub's target.
+    enable_reflection(server, [expert_pb2.DESCRIPTOR.services_by_name["ExpertService"].full_name])
+    bind_grpc(server, f"unix:{uds_path}")
+    if args.direct_grpc:
+        # Opt-in, for benchmarks and trusted LANs: the one case where the worker listens.
+        bind_grpc(server, args.direct_grpc)
+    server.start()
+    return server
 
 
 async def _drain(servicer: ExpertServicer, server: grpc.Server, holders: list[TunnelHolder], signum: int,
