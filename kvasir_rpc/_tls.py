@@ -246,7 +246,8 @@ async def open_websocket_url(
     except BaseExceptionGroup as group:
         # As trio-websocket does: one error (a rejection from the reader task, say) comes
         # out as itself, not wrapped in the nursery's group, its cause kept (the
-        # SSLCertVerificationError behind a failed handshake says what to fix).
+        # SSLCertVerificationError behind a failed handshake, the OSError behind a refused
+        # connection: what to fix).
         if len(group.exceptions) == 1:
             only = group.exceptions[0]
             raise only from only.__cause__

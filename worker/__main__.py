@@ -1,9 +1,10 @@
-"""python -m worker (--hub ws://HOST:PORT | --gateway wss://HOST:PORT) --model DIR --experts SPEC --wallet PATH
-[--hub-key HEX] [--e2e auto|require] [--device auto|cpu|cuda|mps] [--sessions N]"""
+"""python -m worker (--hub ws://HOST:PORT | --gateway wss://HOST:PORT) --model DIR [--experts SPEC]
+[--wallet PATH] [--hub-key HEX] [--e2e auto|require] [--device auto|cpu|cuda|mps] [--sessions N] [--ledger HOST:PORT]"""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import gc
 import os
@@ -14,52 +15,77 @@ import ssl
 import sys
 import tempfile
 import time
+import urllib.parse
 from concurrent import futures
+from typing import TYPE_CHECKING
 
 import grpc
 import trio
 
 from kvasir_rpc import (
     NO_PORT_SHARING,
+    EXIT_INTERRUPTED,
     CheckpointError,
+    ExpertIndex,
+    HelpFormatter,
     ListenError,
     SpecError,
     Wallet,
+    WalletError,
     WorkerHandshake,
     __version__,
+    add_log_level,
     bind_grpc,
     check_listen,
     configure_logging,
     enable_reflection,
     expert_pb2,
     expert_pb2_grpc,
+    fail,
     format_slices,
     get_logger,
+    hostport,
     is_address,
+    leaf_exception,
+    parse_expert_spec,
+    run_main,
 )
+from worker._console import BALANCE_INTERVAL_S, Balance, LoadReporter, StatusView, log_serving, poll_balance
 from worker._load import load_experts
-from worker._service import ExpertServicer
-from worker._tunnel import TunnelHolder, run_tunnel
+from worker._service import ExpertServicer, LoadedExperts
+from worker._tunnel import TunnelHolder, TunnelRefused, run_tunnel
+
+if TYPE_CHECKING:
+    from rich.console import Console
 
 log = get_logger("worker")
 
+#: Where the wallet lives when --wallet is not given (created on first start).
+DEFAULT_WALLET = pathlib.Path(".kvasir") / "wallet.key"
+STATUS_INTERVAL_S = 30.0
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m worker", description="Serve expert slices to a Kvasir hub.")
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m worker", description="Serve expert slices to a Kvasir hub.",
+                                formatter_class=HelpFormatter)
     where = p.add_mutually_exclusive_group(required=True)
-    where.add_argument("--hub", help="ws://HOST:PORT of a hub on this LAN")
-    where.add_argument("--gateway", help="wss://HOST:PORT of a public gateway (port 443 passes most NATs)")
-    p.add_argument("--ca-file", type=pathlib.Path, help="CA bundle to verify the gateway (default: system trust)")
+    where.add_argument("--hub", metavar="ws://HOST:PORT", help="the --listen address of a hub on this LAN")
+    where.add_argument("--gateway", metavar="wss://HOST[:PORT]",
+                       help="a public gateway (port 443 passes most NATs; ws:// only behind a TLS edge)")
+    p.add_argument("--ca-file", type=pathlib.Path,
+                   help="CA bundle to verify the gateway's certificate; without it, the system's trust store")
     p.add_argument("--model", required=True, type=pathlib.Path, help="Hugging Face checkpoint folder")
     p.add_argument("--experts", default="all", help="slices to serve: all, 0-3:0-15, *:0-7, comma-separated")
-    p.add_argument("--wallet", required=True, type=pathlib.Path, help="Ed25519 wallet file (created if missing)")
-    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda", "mps"])
+    p.add_argument("--wallet", type=pathlib.Path, default=DEFAULT_WALLET,
+                   help="Ed25519 wallet file that is paid for the work (created, mode 0600, if missing)")
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda", "mps"],
+                   help="where the experts compute (auto: CUDA, then MPS, then the CPU)")
     p.add_argument("--threads", type=int, default=int(os.environ.get("KVASIR_THREADS", "0")) or None,
-                   help="torch intra-op threads (default: torch's choice)")
+                   help="torch intra-op threads; without it, $KVASIR_THREADS, else torch's choice")
     p.add_argument("--sessions", type=int, default=1,
                    help="hold N sessions from this one process (one tunnel each, one gRPC server behind them), "
                         "the slices of --experts split among them in order so each announces its own share; "
-                        "the hub's --max-sessions-per-wallet applies to them (default 1)")
+                        "the hub's --max-sessions-per-wallet applies to them")
     p.add_argument("--drain-timeout", type=float, default=10.0, help="seconds to finish in-flight calls on SIGTERM")
     p.add_argument("--direct-grpc", metavar="HOST:PORT",
                    help="also serve ExpertService on this TCP address, without the tunnel (benchmarks, "
@@ -68,39 +94,117 @@ def main(argv: list[str] | None = None) -> int:
                    help="the hub's public key (64 hex characters, in its ready file and its 'hub listening' log "
                         "line): serve only that hub; without it, whoever answers the dial as a hub is served")
     p.add_argument("--e2e", choices=["auto", "require"],
-                   help="require: refuse a session whose tunnel is not encrypted end to end (default with "
-                        "--gateway); auto: take what the hub chooses (default with --hub)")
-    p.add_argument("--log-level", default="info")
+                   help="require: refuse a session whose tunnel is not encrypted end to end (without --e2e: "
+                        "require with --gateway, auto with --hub); auto: take what the hub chooses")
+    p.add_argument("--ledger", metavar="HOST:PORT", type=hostport(),
+                   help="a ledger's gRPC address: show (and log) the KVR credited to --wallet, read every "
+                        f"{BALANCE_INTERVAL_S:g} s")
+    p.add_argument("--status-interval", type=float, default=STATUS_INTERVAL_S, metavar="SECONDS",
+                   help="without a terminal: log a 'serving' line (calls, rows, bytes, KVR) this often when "
+                        "they changed")
+    add_log_level(p)
+    return p
+
+
+def _tunnel_url(args: argparse.Namespace) -> str:
+    """The URL to dial, checked now (before minutes of loading) with fail() naming the flag."""
+    schemes: tuple[str, ...]
+    if args.hub is not None:
+        flag, value, schemes = "--hub", args.hub, ("ws",)
+        form = "a hub's address is ws://HOST:PORT (for a gateway use --gateway wss://HOST:PORT)"
+    else:
+        flag, value, schemes = "--gateway", args.gateway, ("wss", "ws")
+        form = "a gateway's address is wss://HOST[:PORT] (for a hub on this LAN use --hub ws://HOST:PORT)"
+    parts = urllib.parse.urlsplit(value)
+    try:
+        port_ok = parts.port is not None or args.gateway is not None
+    except ValueError:
+        port_ok = False
+    if parts.scheme not in schemes or not parts.hostname or not port_ok or parts.path.strip("/"):
+        fail(f"worker: {flag} {value}: {form}")
+    return value.rstrip("/") + "/v1/worker" if args.gateway is not None else value
+
+
+def _ssl_context(args: argparse.Namespace, url: str) -> ssl.SSLContext | None:
+    if not url.startswith("wss://"):
+        return None  # --ca-file, if given, has nothing to verify (a ws:// gateway behind a TLS edge)
+    try:
+        return ssl.create_default_context(cafile=str(args.ca_file) if args.ca_file else None)
+    except (OSError, ssl.SSLError) as exc:
+        fail(f"worker: --ca-file {args.ca_file}: {getattr(exc, 'strerror', None) or exc} "
+             "(a PEM file of CA certificates; `kvasir certs DIR` writes a development CA as DIR/ca.pem)")
+
+
+def _open_checkpoint(args: argparse.Namespace) -> ExpertIndex:
+    """The checkpoint's index (headers only) with --experts checked against it, or fail()."""
+    try:
+        index = ExpertIndex(args.model)
+    except (CheckpointError, OSError, ValueError) as exc:
+        said = str(exc) if "checkpoint folder" in str(exc) else f"{exc}: --model must be a Hugging Face MoE checkpoint folder"
+        fail(f"worker: --model {args.model}: {said}")
+    try:
+        parse_expert_spec(args.experts, index.info.num_layers, index.info.num_experts)
+    except SpecError as exc:
+        fail(f"worker: --experts {args.experts}: {exc}")
+    return index
+
+
+def _console() -> Console | None:
+    """A rich console on stderr when stderr is a terminal, else None (log lines only)."""
+    if not sys.stderr.isatty():
+        return None
+    from rich.console import Console
+
+    return Console(stderr=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = _parser()
     args = p.parse_args(argv)
     if args.hub_key is not None and not is_address(args.hub_key):
         p.error("--hub-key must be 64 lowercase hex characters (the hub's Ed25519 public key)")
-    require_e2e = (args.e2e or ("require" if args.gateway else "auto")) == "require"
-    configure_logging("worker", level=args.log_level)
     if args.sessions < 1:
         p.error("--sessions must be at least 1")
+    if args.status_interval <= 0:
+        p.error("--status-interval must be positive")
+    url = _tunnel_url(args)
+    require_e2e = (args.e2e or ("require" if args.gateway else "auto")) == "require"
+    configure_logging("worker", level=args.log_level)
+    ssl_context = _ssl_context(args, url)
     if args.direct_grpc:
         try:
             check_listen(args.direct_grpc)  # now, not after minutes of loading experts
         except ListenError as exc:
             print(f"worker: {exc}", file=sys.stderr)
             return 1
+    index = _open_checkpoint(args)
+    try:
+        args.wallet.parent.mkdir(parents=True, exist_ok=True)
+        wallet = Wallet.load_or_create(args.wallet)
+    except (WalletError, OSError) as exc:
+        fail(f"worker: --wallet {args.wallet}: {exc}")
     from kvasir_rpc import install_fast_masking
 
     install_fast_masking()
 
     import torch
 
-    from kvasir_rpc import threads_initializer
+    from worker._load import pick_device
 
     if args.threads:
         torch.set_num_threads(args.threads)
+    console = _console()
+    log.info("loading experts", model=str(args.model), experts=args.experts, device=str(pick_device(args.device)),
+             wallet=wallet.address)
+    reporter = LoadReporter(console)
     try:
-        wallet = Wallet.load_or_create(args.wallet)
-        experts = load_experts(args.model, args.experts, args.device)
+        experts = load_experts(index, args.experts, args.device, progress=reporter)
         shares = experts.shares(args.sessions)
     except (CheckpointError, SpecError, ValueError, OSError) as exc:
         print(f"worker: {exc}", file=sys.stderr)
         return 2
+    finally:
+        reporter.close()
     log.info(
         "experts loaded",
         wallet=wallet.address,
@@ -110,32 +214,29 @@ def main(argv: list[str] | None = None) -> int:
         sessions=args.sessions,
     )
 
+    return _serve(args, url=url, ssl_context=ssl_context, wallet=wallet, experts=experts, shares=shares,
+                  console=console, require_e2e=require_e2e)
+
+
+def _serve(args: argparse.Namespace, *, url: str, ssl_context: ssl.SSLContext | None, wallet: Wallet,
+           experts: LoadedExperts, shares: list[tuple[dict[int, tuple[int, ...]], bytes]], console: Console | None,
+           require_e2e: bool) -> int:
+    """Serve the loaded experts through one tunnel per share until a signal (SIGTERM: 0,
+    SIGINT: 130, both after draining) or a refusal that retrying cannot change (fail())."""
+    if args.gateway and args.hub_key is None:
+        log.warning("no --hub-key: the gateway (or anyone in front of it) could stand in for the hub and be "
+                    "served; pin the hub's key to serve only it")
     # The gRPC server listens on a Unix socket in a private folder: no TCP or UDP listener.
     sock_dir = tempfile.mkdtemp(prefix="kvasir-worker-")
     os.chmod(sock_dir, 0o700)
     uds_path = os.path.join(sock_dir, "expert.sock")
     servicer = ExpertServicer(experts, wallet.address)
-    server = grpc.server(
-        # Carry --threads into the pool's threads (see threads_initializer). A backbone keeps
-        # one Dispatch stream open per session, and each holds a thread for its life.
-        futures.ThreadPoolExecutor(max_workers=7 + args.sessions, thread_name_prefix="expert",
-                                   initializer=threads_initializer()),
-        options=[("grpc.max_receive_message_length", 256 << 20), ("grpc.max_send_message_length", 256 << 20),
-                 NO_PORT_SHARING],
-    )
-    expert_pb2_grpc.add_ExpertServiceServicer_to_server(servicer, server)
-    # Reflection reaches only those who reach the server: the key holder through the hub's target.
-    enable_reflection(server, [expert_pb2.DESCRIPTOR.services_by_name["ExpertService"].full_name])
     try:
-        bind_grpc(server, f"unix:{uds_path}")
-        if args.direct_grpc:
-            # Opt-in, for benchmarks and trusted LANs: the one case where the worker listens.
-            bind_grpc(server, args.direct_grpc)
+        server = _grpc_server(servicer, args, uds_path)
     except ListenError as exc:
         print(f"worker: {exc}", file=sys.stderr)
         shutil.rmtree(sock_dir, ignore_errors=True)
         return 1
-    server.start()
 
     def make_handshake(slices: dict[int, tuple[int, ...]], digest: bytes) -> WorkerHandshake:
         return WorkerHandshake(
@@ -149,53 +250,110 @@ def main(argv: list[str] | None = None) -> int:
             require_encryption=require_e2e,
         )
 
-    holders = [TunnelHolder() for _ in shares]
-    if args.gateway:
-        if not args.gateway.startswith(("wss://", "ws://")):
-            print("worker: --gateway must be a wss:// URL", file=sys.stderr)
-            return 2
-        url = args.gateway.rstrip("/") + "/v1/worker"
-        if args.hub_key is None:
-            log.warning("no --hub-key: the gateway (or anyone in front of it) could stand in for the hub and be "
-                        "served; pin the hub's key to serve only it")
-        ssl_context = (ssl.create_default_context(cafile=str(args.ca_file) if args.ca_file else None)
-                       if url.startswith("wss://") else None)
-    else:
-        url, ssl_context = args.hub, None
+    holders = [TunnelHolder(url) for _ in shares]
+    balance = None
+    if args.ledger:
+        host, port = args.ledger
+        balance = Balance(f"[{host}]:{port}" if ":" in host else f"{host}:{port}")
+    stopped_by: list[int] = []
 
     async def run() -> None:
         async with trio.open_nursery() as nursery:
             for (slices, digest), holder in zip(shares, holders):
                 nursery.start_soon(functools.partial(run_tunnel, url, functools.partial(make_handshake, slices, digest),
                                                      uds_path, holder=holder, ssl_context=ssl_context))
+            if balance is not None:
+                nursery.start_soon(poll_balance, balance, wallet.address)
+            if console is None:
+                nursery.start_soon(log_serving, servicer, holders, balance, args.status_interval)
             with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
                 async for signum in signals:
-                    log.info("draining", signal=signal.Signals(signum).name)
-                    t0 = time.monotonic()
-                    drained = await trio.to_thread.run_sync(servicer.drain, args.drain_timeout)
-                    # Let the answers just computed cross the tunnel before streams are cut.
-                    await trio.sleep(0.2)
-                    await trio.to_thread.run_sync(lambda: server.stop(grace=1.0).wait(3.0))
-                    log.info("drained", in_time=drained, seconds=round(time.monotonic() - t0, 3),
-                             calls=servicer.calls, rows=servicer.rows)
-                    async with trio.open_nursery() as closing:
-                        for holder in holders:
-                            closing.start_soon(holder.close)
+                    stopped_by.append(signum)
+                    await _drain(servicer, server, holders, signum, args.drain_timeout)
                     nursery.cancel_scope.cancel()
                     break
 
+    view = StatusView(servicer=servicer, holders=holders, balance=balance, wallet=wallet.address,
+                      slices=format_slices(experts.slices), device=str(experts.device))
+    refused = ""
     try:
-        trio.run(run)
+        with _live(console, view):
+            try:
+                trio.run(run)
+            except* TunnelRefused as eg:
+                refused = str(leaf_exception(eg))
     finally:
         server.stop(grace=None)
         shutil.rmtree(sock_dir, ignore_errors=True)
+    if refused:
+        fail(refused)
+    if stopped_by == [signal.SIGINT]:
+        print("worker: interrupted", file=sys.stderr, flush=True)
+        return EXIT_INTERRUPTED
     return 0
 
 
-if __name__ == "__main__":
+def _grpc_server(servicer: ExpertServicer, args: argparse.Namespace, uds_path: str) -> grpc.Server:
+    """The started gRPC server of ``servicer`` on ``uds_path`` (and --direct-grpc); raises
+    ListenError."""
+    from kvasir_rpc import threads_initializer
+
+    server = grpc.server(
+        # Carry --threads into the pool's threads (see threads_initializer). A backbone keeps
+        # one Dispatch stream open per session, and each holds a thread for its life.
+        futures.ThreadPoolExecutor(max_workers=7 + args.sessions, thread_name_prefix="expert",
+                                   initializer=threads_initializer()),
+        options=[("grpc.max_receive_message_length", 256 << 20), ("grpc.max_send_message_length", 256 << 20),
+                 NO_PORT_SHARING],
+    )
+    expert_pb2_grpc.add_ExpertServiceServicer_to_server(servicer, server)
+    # Reflection reaches only those who reach the server: the key holder through the hub's target.
+    enable_reflection(server, [expert_pb2.DESCRIPTOR.services_by_name["ExpertService"].full_name])
+    bind_grpc(server, f"unix:{uds_path}")
+    if args.direct_grpc:
+        # Opt-in, for benchmarks and trusted LANs: the one case where the worker listens.
+        bind_grpc(server, args.direct_grpc)
+    server.start()
+    return server
+
+
+async def _drain(servicer: ExpertServicer, server: grpc.Server, holders: list[TunnelHolder], signum: int,
+                 timeout_s: float) -> None:
+    """Finish the calls being computed (refusing new ones), let their answers out, stop the
+    gRPC server and close every tunnel with 1001."""
+    log.info("draining", signal=signal.Signals(signum).name)
+    t0 = time.monotonic()
+    drained = await trio.to_thread.run_sync(servicer.drain, timeout_s)
+    # Let the answers just computed cross the tunnel before streams are cut.
+    await trio.sleep(0.2)
+    await trio.to_thread.run_sync(lambda: server.stop(grace=1.0).wait(3.0))
+    log.info("drained", in_time=drained, seconds=round(time.monotonic() - t0, 3),
+             calls=servicer.calls, rows=servicer.rows)
+    async with trio.open_nursery() as closing:
+        for holder in holders:
+            closing.start_soon(holder.close)
+
+
+def _live(console: Console | None, view: StatusView) -> contextlib.AbstractContextManager[object]:
+    """The live status panel on a terminal (log lines print above it), else nothing."""
+    if console is None:
+        return contextlib.nullcontext()
+    from rich.live import Live
+
+    from worker._console import REFRESH_PER_SECOND
+
+    return Live(view, console=console, refresh_per_second=REFRESH_PER_SECOND, redirect_stderr=True,
+                redirect_stdout=False)
+
+
+def _main() -> int:
     code = main()
     # On the way out: the interpreter's last collection walks every object torch and
     # transformers made, for seconds, to free memory the OS takes back at exit anyway.
     # Frozen objects are skipped; the rest of shutdown (atexit, flushing) is as usual.
     gc.freeze()
-    sys.exit(code)
+    return code
+
+
+if __name__ == "__main__":
+    run_main("worker", _main)

@@ -2,14 +2,28 @@
 
 from __future__ import annotations
 
+import dataclasses
 import pathlib
+from collections.abc import Callable
 
 import torch
 
 from kvasir_rpc import ExpertIndex, SpecError, expert_digest, get_activation, parse_expert_spec, slices_digest
 from worker._service import LoadedExperts
 
-__all__ = ["load_experts", "pick_device"]
+__all__ = ["LoadProgress", "load_experts", "pick_device"]
+
+
+@dataclasses.dataclass(frozen=True)
+class LoadProgress:
+    """How far ``load_experts`` is: experts and bytes read so far, of the totals. The total
+    bytes are the config's (gate, up and down of ``intermediate × hidden`` each), known
+    before the first read; the done bytes are those of the tensors actually read."""
+
+    experts_done: int
+    experts_total: int
+    bytes_done: int
+    bytes_total: int
 
 
 def pick_device(name: str) -> torch.device:
@@ -23,23 +37,36 @@ def pick_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def load_experts(model: str | pathlib.Path, spec: str, device_name: str) -> LoadedExperts:
-    """Read only the named slices from the checkpoint (lazily, through safetensors)."""
-    index = ExpertIndex(model)
+def load_experts(model: str | pathlib.Path | ExpertIndex, spec: str, device_name: str, *,
+                 progress: Callable[[LoadProgress], None] | None = None) -> LoadedExperts:
+    """Read only the named slices from the checkpoint (lazily, through safetensors).
+
+    ``model`` is a checkpoint folder or an ``ExpertIndex`` already opened on one (so a caller
+    can check the folder before anything slow). ``progress`` is called once before the first
+    read and after each expert, from this thread; it should be cheap. Raises CheckpointError
+    (not a checkpoint, missing tensors) and SpecError (``spec`` does not parse or names
+    nothing the checkpoint has)."""
+    index = model if isinstance(model, ExpertIndex) else ExpertIndex(model)
     info = index.info
     wanted = parse_expert_spec(spec, info.num_layers, info.num_experts)
     device = pick_device(device_name)
+    todo = [(layer, e) for layer, experts in wanted.items() for e in experts if index.has(layer, e)]
+    # gate, up and down: [I, H] each, in the checkpoint's dtype
+    per_expert = 3 * info.intermediate_size * info.hidden_size * info.dtype.itemsize
+    done_bytes = 0
+    if progress is not None:
+        progress(LoadProgress(0, len(todo), 0, per_expert * len(todo)))
     weights = {}
     digests = {}
-    for layer, experts in wanted.items():
-        for e in experts:
-            if not index.has(layer, e):
-                continue  # dense layers of mixed models have no experts
-            gate_up, down = index.load(layer, e)
-            digests[(layer, e)] = expert_digest(gate_up, down)
-            weights[(layer, e)] = (gate_up.to(device), down.to(device))
+    for i, (layer, e) in enumerate(todo):
+        gate_up, down = index.load(layer, e)
+        digests[(layer, e)] = expert_digest(gate_up, down)
+        weights[(layer, e)] = (gate_up.to(device), down.to(device))
+        done_bytes += gate_up.nbytes + down.nbytes
+        if progress is not None:
+            progress(LoadProgress(i + 1, len(todo), done_bytes, max(done_bytes, per_expert * len(todo))))
     if not weights:
-        raise SpecError(f"SPEC {spec!r} names no expert that {model} has")
+        raise SpecError(f"SPEC {spec!r} names no expert that {index.model_dir} has")
     return LoadedExperts(
         weights,
         act=get_activation(info.hidden_act),

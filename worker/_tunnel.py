@@ -5,10 +5,13 @@ exponential backoff; opens no listening TCP or UDP socket."""
 from __future__ import annotations
 
 import random
+import re
+import ssl
+import time
 from collections.abc import Callable
 
 import trio
-from trio_websocket import ConnectionClosed, HandshakeError, WebSocketConnection
+from trio_websocket import ConnectionClosed, ConnectionRejected, ConnectionTimeout, HandshakeError, WebSocketConnection
 
 from kvasir_rpc import (
     CloseCode,
@@ -36,7 +39,7 @@ from kvasir_rpc.protocol import (
     WorkerTunnel,
 )
 
-__all__ = ["TunnelHolder", "run_tunnel", "serve_session"]
+__all__ = ["TunnelHolder", "TunnelRefused", "run_tunnel", "serve_session"]
 
 log = get_logger("worker.tunnel")
 
@@ -53,14 +56,16 @@ class _Conn:
 
 
 async def serve_session(ws: WebSocketConnection, uds_path: str, *, keepalive_s: float = KEEPALIVE_S,
-                        keepalive_timeout_s: float = KEEPALIVE_TIMEOUT_S, cipher: TunnelCipher | None = None) -> None:
+                        keepalive_timeout_s: float = KEEPALIVE_TIMEOUT_S, cipher: TunnelCipher | None = None,
+                        counts: TunnelHolder | None = None) -> None:
     """Follow the hub's control messages until the WebSocket closes (ConnectionClosed) or
     the hub breaks the protocol or stops answering (RemoteProtocolError).
 
     What may be sent when is ``WorkerTunnel``'s; this moves the bytes, sealed and opened
     with ``cipher`` when the session is encrypted end to end. The hub's liveness is checked
     as the hub checks ours: a sealed heartbeat on an encrypted session (its heartbeats are
-    answered in ``receive_message``), a WebSocket ping otherwise."""
+    answered in ``receive_message``), a WebSocket ping otherwise. ``counts`` (when given)
+    adds the HTTP/2 bytes carried each way to its ``bytes_in`` and ``bytes_out``."""
     tunnel = WorkerTunnel()
     conn: _Conn | None = None
     heartbeat = SealedHeartbeat(ws, cipher) if cipher is not None else None
@@ -77,6 +82,8 @@ async def serve_session(ws: WebSocketConnection, uds_path: str, *, keepalive_s: 
                         data = b""
                     if not data:
                         break
+                    if counts is not None:
+                        counts.bytes_out += len(data)
                     await send_whole(ws, tunnel.send_data(bytes(data)), cipher=cipher)
                 await send_whole(ws, tunnel.eof(), cipher=cipher)
         finally:
@@ -99,6 +106,8 @@ async def serve_session(ws: WebSocketConnection, uds_path: str, *, keepalive_s: 
                     await send_whole(ws, tunnel.closed(), cipher=cipher)
                 elif isinstance(event, Data):
                     assert conn is not None
+                    if counts is not None:
+                        counts.bytes_in += len(event.data)
                     try:
                         await conn.stream.send_all(event.data)
                     except trio.BrokenResourceError:
@@ -109,12 +118,29 @@ async def serve_session(ws: WebSocketConnection, uds_path: str, *, keepalive_s: 
                 await conn.stream.aclose()
 
 
-class TunnelHolder:
-    """The live WebSocket of ``run_tunnel``, so shutdown can close it with 1001 (going away)."""
+class TunnelRefused(Exception):
+    """A dial that retrying cannot fix (a certificate not trusted, an HTTP 4xx, a hello the hub
+    refuses for what this worker is, a hub other than the pinned one). The message is one
+    line for the person running the worker: what happened, where, and the flag to change."""
 
-    def __init__(self) -> None:
+
+class TunnelHolder:
+    """One ``run_tunnel``'s state, for the console and for shutdown: the live WebSocket (so
+    shutdown can close it with 1001), the connection's state, the last failure and the bytes
+    carried. Plain attributes, written by the tunnel's task and read by whoever shows them."""
+
+    def __init__(self, url: str = "") -> None:
+        self.url = url
         self.ws: WebSocketConnection | None = None
         self.closing = False
+        self.state = "connecting"  # connecting | connected | retrying
+        self.session_id = ""
+        self.encrypted = False
+        self.last_error = ""
+        self.retry_at = 0.0  # time.monotonic() of the next dial while retrying
+        self.sessions = 0  # sessions established so far
+        self.bytes_in = 0  # HTTP/2 bytes from the hub (requests)
+        self.bytes_out = 0  # HTTP/2 bytes to the hub (answers)
 
     async def close(self, reason: str = "worker shutting down") -> None:
         """Close with 1001 and stop ``run_tunnel`` from dialling again (it would register
@@ -123,6 +149,80 @@ class TunnelHolder:
         if self.ws is not None:
             with trio.move_on_after(2):
                 await self.ws.aclose(CloseCode.GOING_AWAY, reason)
+
+
+def _peer(url: str) -> tuple[str, str]:
+    """(what is dialled, the flag that names it), from the tunnel's URL."""
+    return ("the gateway", "--gateway") if url.endswith("/v1/worker") else ("the hub", "--hub")
+
+
+def _shown(url: str) -> str:
+    return url.removesuffix("/v1/worker")
+
+
+def _dial_failure(url: str, exc: BaseException) -> tuple[str, str]:
+    """What failed, for a dial that may work later, and a question that hints at the cause
+    ("" when none); raises TunnelRefused for a dial that cannot work later."""
+    what, flag = _peer(url)
+    where = f"{what} at {_shown(url)}"
+    if type(exc) is HandshakeError and isinstance(exc.__cause__, OSError):
+        exc = exc.__cause__  # open_websocket_url's wrapping of a failed TCP connect
+    if isinstance(exc, OSError) and isinstance(leaf_exception(exc.__cause__ or exc), OSError):
+        exc = leaf_exception(exc.__cause__ or exc)  # trio's "all attempts to connect failed": the first reason
+    # TLSStream reports a failed TLS handshake as BrokenResourceError, the ssl error in its text.
+    untrusted = re.search(r"certificate verify failed: ([^(]*)", str(exc))
+    if isinstance(exc, ssl.SSLCertVerificationError) or untrusted:
+        why = untrusted[1].strip() if untrusted else getattr(exc, "verify_message", "")
+        raise TunnelRefused(f"worker: {flag} {_shown(url)}: the gateway's TLS certificate is not trusted ({why}); "
+                            "pass the CA that signed it with --ca-file (`kvasir certs DIR` writes a development CA "
+                            "as DIR/ca.pem)")
+    if isinstance(exc, ConnectionRejected):
+        body = bytes(exc.body or b"").decode(errors="replace").strip().splitlines()
+        said = f": {body[0][:200]}" if body else ""
+        if 400 <= exc.status_code < 500 and exc.status_code not in (408, 429):
+            hint = (" (is it a gateway? then use --gateway wss://HOST:PORT)" if flag == "--hub" and exc.status_code == 404
+                    else "")
+            raise TunnelRefused(f"worker: {flag} {_shown(url)}: {what} refused this worker with HTTP "
+                                f"{exc.status_code}{said}; check {flag}{hint}")
+        return f"{where} answered HTTP {exc.status_code}{said}", ""
+    running = f"is {what} running, and is {flag} its --listen address?"
+    if isinstance(exc, ConnectionTimeout):
+        return f"no answer from {where} within {HANDSHAKE_TIMEOUT_S:g} s", running
+    if isinstance(exc, trio.TooSlowError):
+        return f"{where} did not finish the session handshake within {HANDSHAKE_TIMEOUT_S:g} s", ""
+    if isinstance(exc, ConnectionRefusedError):
+        return f"cannot reach {where}: connection refused", running
+    if isinstance(exc, trio.BrokenResourceError):
+        return f"no TLS session with {where}: {exc}", f"is {flag} a wss:// gateway's address?"
+    if isinstance(exc, OSError):
+        return f"cannot reach {where}: {exc.strerror or exc}", running
+    if isinstance(exc, HandshakeError):
+        return f"{where} did not complete a WebSocket upgrade ({type(exc).__name__}{f': {exc}' if str(exc) else ''})", \
+            f"is {flag} the address of {what}?"
+    return f"{where}: {exc}", ""
+
+
+# Refusals that say what this worker is or wants, so the next dial gets the same answer:
+# (a fragment of the close reason, the flag to change). Anything else is retried.
+_FIXED_REFUSALS = (
+    ("--hub-key", "--hub-key"),
+    ("--e2e", "--e2e"),
+    ("not in the model served", "--model/--experts"),
+    ("quarantined", "--wallet"),
+)
+
+
+def _refusal(url: str, reason: str, code: int, *, by_hub: bool) -> str:
+    """The sentence for a handshake refused with ``reason``, or TunnelRefused when retrying
+    cannot change it."""
+    what, _flag = _peer(url)
+    if code == CloseCode.POLICY_VIOLATION:
+        for fragment, flag in _FIXED_REFUSALS:
+            if fragment in reason:
+                who = "the hub refused this worker" if by_hub else "this worker refused the hub"
+                raise TunnelRefused(f"worker: {who} at {_shown(url)}: {reason}; check {flag}")
+    who = f"{what} at {_shown(url)} refused the session" if by_hub else f"refused {what} at {_shown(url)}"
+    return f"{who}: {reason} (close code {code})"
 
 
 async def run_tunnel(
@@ -135,10 +235,19 @@ async def run_tunnel(
     max_backoff_s: float = 30.0,
     holder: TunnelHolder | None = None,
 ) -> None:
-    """Keep one session with the hub up until cancelled."""
+    """Keep one session with the hub up until cancelled.
+
+    A dial that fails and may work later (nothing listening yet, a timeout, an HTTP 5xx or
+    429, a session lost) is retried with jittered exponential backoff, each failure logged
+    once at WARNING with what failed, where and the next try. One that cannot (see
+    ``TunnelRefused``) raises TunnelRefused."""
+    holder = holder if holder is not None else TunnelHolder(url)
     backoff = min_backoff_s
+    what, _flag = _peer(url)
     while True:
         established = False
+        failure, hint = "", ""
+        holder.state = "connecting"
         try:
             async with open_websocket_url(
                 url,
@@ -166,16 +275,23 @@ async def run_tunnel(
                 except RemoteProtocolError as exc:
                     await ws.aclose(exc.close_code, exc.reason[:120])
                     raise
+                except ConnectionClosed as exc:
+                    # The hub closed during the handshake: its close reason says why.
+                    why = exc.reason
+                    raise _HandshakeClosed(why.code if why else CloseCode.GOING_AWAY,
+                                           (why.reason if why else "") or "") from None
                 established = True
                 backoff = min_backoff_s
-                if holder is not None:
-                    holder.ws = ws
+                holder.ws = ws
+                holder.state, holder.session_id, holder.encrypted = "connected", session_id, hs.encrypted
+                holder.last_error = ""
+                holder.sessions += 1
                 log.info("session established", session_id=session_id, hub_key=hs.hub_key, url=url,
                          encrypted=hs.encrypted)
                 try:
-                    await serve_session(ws, uds_path, cipher=hs.cipher)
+                    await serve_session(ws, uds_path, cipher=hs.cipher, counts=holder)
                 except* ConnectionClosed as eg:
-                    if holder is None or not holder.closing:
+                    if not holder.closing:
                         raise
                     # TunnelHolder.close is closing this WebSocket and waits for the hub's
                     # answer to its close frame. Leave the block without raising: an error
@@ -189,20 +305,43 @@ async def run_tunnel(
                     with trio.move_on_after(2):  # the hub may be gone: do not wait on it
                         await ws.aclose(perr.close_code, perr.reason[:120])
                     raise
+        except* _HandshakeClosed as eg:
+            closed = leaf_exception(eg)
+            assert isinstance(closed, _HandshakeClosed)
+            failure = _refusal(url, closed.reason, closed.code, by_hub=True)
         except* ConnectionClosed as eg:
             reason = leaf_exception(eg).reason  # type: ignore[attr-defined]
-            log.info("tunnel closed", code=reason.code, reason=reason.reason)
+            failure = f"the session with {what} at {_shown(url)} ended: {reason.reason or 'no reason'} " \
+                      f"(close code {reason.code})"
         except* RemoteProtocolError as eg:
             perr = leaf_exception(eg)
             assert isinstance(perr, RemoteProtocolError)
-            # A refused hub key, signature or encryption policy is something to act on.
-            (log.warning if perr.close_code == CloseCode.POLICY_VIOLATION else log.info)(
-                "tunnel failed", error=perr.reason, code=perr.close_code)
-        except* (OSError, HandshakeError, trio.TooSlowError) as eg:
-            log.info("tunnel failed", error=repr(leaf_exception(eg)))
-        if holder is not None and holder.closing:
+            failure = (f"the session with {what} at {_shown(url)} ended: {perr.reason} (close code {perr.close_code})"
+                       if established else _refusal(url, perr.reason, perr.close_code, by_hub=False))
+        except* (OSError, HandshakeError, trio.TooSlowError, trio.BrokenResourceError) as eg:
+            failure, hint = _dial_failure(url, leaf_exception(eg))
+        holder.ws = None
+        if holder.closing:
             return
         delay = 0.05 if established else backoff * random.uniform(0.5, 1.5)
         if not established:
             backoff = min(backoff * 2, max_backoff_s)
+        if failure:
+            holder.last_error = failure
+        holder.state = "retrying"
+        holder.retry_at = time.monotonic() + delay
+        if established:
+            log.warning(f"{failure or 'the session ended'}; dialling again", url=_shown(url))
+        else:
+            log.warning(f"{failure}; retrying in {delay:.1f} s" + (f" — {hint}" if hint else ""),
+                        url=_shown(url), retry_in_s=round(delay, 2))
         await trio.sleep(delay)
+
+
+class _HandshakeClosed(Exception):
+    """The peer closed the WebSocket during the session handshake (its code and reason)."""
+
+    def __init__(self, code: int, reason: str) -> None:
+        super().__init__(reason)
+        self.code = code
+        self.reason = reason
