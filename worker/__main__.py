@@ -30,6 +30,7 @@ from kvasir_rpc import (
     HelpFormatter,
     ListenError,
     SpecError,
+    STATE_DIR,
     Wallet,
     WalletError,
     WorkerHandshake,
@@ -61,7 +62,7 @@ if TYPE_CHECKING:
 log = get_logger("worker")
 
 #: Where the wallet lives when --wallet is not given (created on first start).
-DEFAULT_WALLET = pathlib.Path(".kvasir") / "wallet.key"
+DEFAULT_WALLET = STATE_DIR / "wallet.key"
 STATUS_INTERVAL_S = 30.0
 
 

@@ -12,12 +12,14 @@ import tempfile
 import time
 from collections.abc import Callable
 
+from kvasir_rpc import STATE_DIR
+
 __all__ = ["build_parser", "entry", "main"]
 
 DEMO_PROMPT = "The swarm computes every expert"
 #: Where ``kvasir certs`` writes by default: under the git-ignored .kvasir/, so ca.key stays
 #: out of the project's files.
-DEFAULT_CERTS_DIR = pathlib.Path(".kvasir") / "certs"
+DEFAULT_CERTS_DIR = STATE_DIR / "certs"
 DEFAULT_CERT_HOSTS = ("localhost", "127.0.0.1", "::1")
 
 
