@@ -176,8 +176,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             check_listen(args.direct_grpc)  # now, not after minutes of loading experts
         except ListenError as exc:
-            print(f"worker: {exc}", file=sys.stderr)
-            return 1
+            fail(exc.line("worker", "--direct-grpc"))
     index = _open_checkpoint(args)
     try:
         args.wallet.parent.mkdir(parents=True, exist_ok=True)
