@@ -32,7 +32,7 @@ demo: $(STAMP)
 	$(VENV)/bin/kvasir demo
 
 test: $(STAMP) system-deps node-deps lint
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=25
 
 # Protocol cores, stores and in-memory streams only: no process, port, database server or model.
 test-fast: $(STAMP)

@@ -83,13 +83,11 @@ class LocalSwarm:
 
     def _spawn(self, name: str, args: Sequence[str], *, program: str | None = None) -> subprocess.Popen[bytes]:
         """Start ``python ARGS`` (or ``program ARGS``) with its output in ``logs/NAME.log``."""
-        log = open(self.logs / f"{name}.log", "wb")
-        proc = subprocess.Popen(
-            self._pinned(name, [program or self.python, *args]), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-            env=self.env, cwd=self.workdir,
-        )
-        log.close()
-        self.procs[name] = proc
+        with open(self.logs / f"{name}.log", "wb") as log:
+            proc = self.procs[name] = subprocess.Popen(
+                self._pinned(name, [program or self.python, *args]), stdout=log, stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL, env=self.env, cwd=self.workdir,
+            )
         return proc
 
     def _check_alive(self, name: str) -> None:
@@ -450,3 +448,19 @@ http {{
             deadline = time.monotonic() + timeout
             for name in names:
                 self._reap(self.procs[name], max(0.1, deadline - time.monotonic()))
+        self._kill_strays()
+
+    def _kill_strays(self) -> None:
+        """SIGKILL any child of this process still running in the swarm's folder: one whose
+        Popen a Ctrl-C interrupted after the fork, before ``procs`` could hold it."""
+        import psutil
+
+        known = {proc.pid for proc in self.procs.values()}
+        home = os.path.realpath(self.workdir)
+        for child in psutil.Process().children():
+            try:
+                if child.pid not in known and child.cwd() == home:
+                    child.kill()
+                    child.wait(5)
+            except (psutil.Error, OSError):
+                pass  # gone already, or not ours to read
