@@ -19,11 +19,14 @@ import pathlib
 import re
 import struct
 from collections.abc import Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
-import torch
 from safetensors import safe_open
 
 from kvasir_rpc.protocol import WEIGHTS_DIGEST_DOMAIN
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = [
     "CHECKPOINT_HINT",
@@ -72,11 +75,9 @@ def _text_config(cfg: dict) -> dict:  # type: ignore[type-arg]
     return cfg.get("text_config", cfg)
 
 
-def read_model_info(model_dir: str | os.PathLike[str]) -> ModelInfo:
-    """The experts' shape facts from ``model_dir/config.json``. Raises CheckpointError (what
-    is missing or wrong, naming the file) for a missing or unreadable config or one that is not
-    a Mixture-of-Experts model's."""
-    path = pathlib.Path(model_dir) / "config.json"
+def _moe_config(path: pathlib.Path) -> tuple[dict[str, Any], dict[str, Any], Any, Any]:
+    """``config.json`` at ``path`` read and checked to be a Mixture-of-Experts model's (torch
+    not imported): (config, its text config, experts per layer, expert intermediate size)."""
     try:
         cfg = json.loads(path.read_text())
     except FileNotFoundError as exc:
@@ -93,6 +94,17 @@ def read_model_info(model_dir: str | os.PathLike[str]) -> ModelInfo:
     missing = [k for k in ("num_hidden_layers", "hidden_size") if k not in text]
     if missing:
         raise CheckpointError(f"{path}: not a model config this project reads (no {', '.join(missing)})")
+    return cfg, text, num_experts, inter
+
+
+def read_model_info(model_dir: str | os.PathLike[str]) -> ModelInfo:
+    """The experts' shape facts from ``model_dir/config.json``. Raises CheckpointError (what
+    is missing or wrong, naming the file) for a missing or unreadable config or one that is not
+    a Mixture-of-Experts model's."""
+    path = pathlib.Path(model_dir) / "config.json"
+    cfg, text, num_experts, inter = _moe_config(path)
+    import torch  # here, not at import: a command checks its --model before torch loads
+
     dtype_name = text.get("dtype") or text.get("torch_dtype") or cfg.get("dtype") or cfg.get("torch_dtype") or "float32"
     dtype = getattr(torch, str(dtype_name).replace("torch.", ""), None)
     if not isinstance(dtype, torch.dtype):
@@ -134,8 +146,8 @@ def check_checkpoint(model_dir: str | os.PathLike[str], *, tokenizer: bool = Tru
         raise CheckpointError(f"{path} is a file, not a checkpoint folder")
     if not (path / "config.json").is_file():
         raise CheckpointError(f"{path} has no config.json")
-    info = read_model_info(path)
-    if not info.model_type:
+    cfg, text, _, _ = _moe_config(path / "config.json")
+    if not text.get("model_type", cfg.get("model_type")):
         raise CheckpointError(f"{path / 'config.json'} names no model_type")
     if not (path / "model.safetensors.index.json").is_file() and not any(path.glob("*.safetensors")):
         bins = any(path.glob("*.bin"))
@@ -143,7 +155,7 @@ def check_checkpoint(model_dir: str | os.PathLike[str], *, tokenizer: bool = Tru
                               + (" (PyTorch *.bin files are not read: convert them to safetensors)" if bins else ""))
     if tokenizer and not any((path / name).is_file() for name in _TOKENIZER_FILES):
         raise CheckpointError(f"{path} has no tokenizer ({' or '.join(_TOKENIZER_FILES[:2])})")
-    return info
+    return read_model_info(path)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -230,6 +242,8 @@ class ExpertIndex:
         if "gate_up_proj" in slot:
             return self._read(slot["gate_up_proj"]).contiguous(), self._read(slot["down_proj"]).contiguous()
         gate, up, down = (self._read(slot[p]) for p in ("gate", "up", "down"))
+        import torch
+
         return torch.cat([gate, up], dim=0).contiguous(), down.contiguous()
 
     def expert_digest(self, layer: int, expert: int) -> bytes:
@@ -241,6 +255,8 @@ class ExpertIndex:
 def expert_digest(gate_up: torch.Tensor, down: torch.Tensor) -> bytes:
     """sha256 over dtype, shapes and raw bytes of ``(gate_up, down)``; the same bytes
     digest the same wherever they are loaded."""
+    import torch
+
     h = hashlib.sha256()
     for t in (gate_up, down):
         t = t.detach().cpu().contiguous()

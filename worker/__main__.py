@@ -51,13 +51,16 @@ from kvasir_rpc import (
     parse_expert_spec,
     run_main,
 )
-from worker._console import BALANCE_INTERVAL_S, Balance, LoadReporter, StatusView, log_serving, poll_balance
-from worker._load import load_experts
-from worker._service import ExpertServicer, LoadedExperts
-from worker._tunnel import TunnelHolder, TunnelRefused, run_tunnel
+# Only what checks the arguments loads at import; torch and the serving modules load once the
+# arguments, the files and the address have passed (a mistake ends in one line, at once).
+from worker._console import BALANCE_INTERVAL_S
 
 if TYPE_CHECKING:
     from rich.console import Console
+
+    from worker._console import StatusView
+    from worker._service import ExpertServicer, LoadedExperts
+    from worker._tunnel import TunnelHolder
 
 log = get_logger("worker")
 
@@ -189,7 +192,8 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from worker._load import pick_device
+    from worker._console import LoadReporter
+    from worker._load import load_experts, pick_device
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -223,6 +227,10 @@ def _serve(args: argparse.Namespace, *, url: str, ssl_context: ssl.SSLContext | 
            require_e2e: bool) -> int:
     """Serve the loaded experts through one tunnel per share until a signal (SIGTERM: 0,
     SIGINT: 130, both after draining) or a refusal that retrying cannot change (fail())."""
+    from worker._console import Balance, StatusView, log_serving, poll_balance
+    from worker._service import ExpertServicer
+    from worker._tunnel import TunnelHolder, TunnelRefused, run_tunnel
+
     if args.gateway and args.hub_key is None:
         log.warning("no --hub-key: the gateway (or anyone in front of it) could stand in for the hub and be "
                     "served; pin the hub's key to serve only it")

@@ -18,10 +18,10 @@ import trio
 
 from kvasir_rpc import get_logger
 
-from worker._load import LoadProgress
-from worker._tunnel import TunnelHolder
 
 if TYPE_CHECKING:
+    from worker._load import LoadProgress
+    from worker._tunnel import TunnelHolder
     from rich.console import Console, RenderableType
     from rich.progress import Progress, TaskID
 
