@@ -56,17 +56,19 @@ def main() -> int:
         return 2
 
     import worker.__main__ as worker_main
+    import worker._load as load
     import worker._tunnel as tunnel
 
     if fault == "digest":
-        honest_load = worker_main.load_experts
+        # The worker's main imports load_experts from worker._load when it loads (after its checks).
+        honest_load = load.load_experts
 
         def load_experts(*args: Any, **kwargs: Any) -> Any:
             experts = honest_load(*args, **kwargs)
             experts.weights_digest = bytes([experts.weights_digest[0] ^ 1]) + experts.weights_digest[1:]
             return experts
 
-        worker_main.load_experts = load_experts  # type: ignore[assignment]
+        load.load_experts = load_experts
     else:
         honest_open = tunnel.open_websocket_url
 
