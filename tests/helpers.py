@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pathlib
 import signal
+import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
@@ -29,6 +31,17 @@ def trustme_certs(workdir: pathlib.Path) -> pathlib.Path:
         for blob in leaf.cert_chain_pems:
             f.write(blob.bytes())
     return certs
+
+
+@contextlib.contextmanager
+def taken_port() -> Iterator[int]:
+    """A port something else listens on (as any other program would: SO_REUSEADDR only),
+    never accepting: a TCP handshake completes, then silence."""
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        yield s.getsockname()[1]
 
 
 def wait_until(predicate: Callable[[], bool], timeout: float, what: str) -> None:

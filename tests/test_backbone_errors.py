@@ -238,10 +238,9 @@ def test_ctrl_c_twice_interrupts_generate_in_one_line(tiny_models, tmp_path: pat
                              "--prompt", "stop", "--max-new-tokens", "100000", "--compare-local"],
                             stdout=subprocess.PIPE, stderr=err, stdin=subprocess.DEVNULL, env=_env(), cwd=ROOT)
     try:
-        _read_until(proc, lambda d: len(d.strip()) >= 4, 180)  # decoding, tokens on stdout
-        # Decoding a while longer: --compare-local then decodes as many tokens again, and the
-        # second Ctrl-C must land in that, not after the process has finished.
-        time.sleep(3)
+        # Decoding a while (text on stdout): --compare-local then decodes as many tokens again,
+        # and the second Ctrl-C must land in that, not after the process has finished.
+        _read_until(proc, lambda d: len(d.strip()) >= 2000, 180)
         proc.send_signal(signal.SIGINT)  # the first ends the decode after its step ...
         wait_until(lambda: b"Ctrl-C again" in err_path.read_bytes(), 30, "the first Ctrl-C's line")
         proc.send_signal(signal.SIGINT)  # ... the second interrupts

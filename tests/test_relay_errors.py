@@ -19,7 +19,6 @@ import pathlib
 import pwd
 import shutil
 import signal
-import socket
 import ssl
 import stat
 import subprocess
@@ -30,7 +29,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from helpers import ROOT, wait_until
+from helpers import ROOT, taken_port, wait_until
 from kvasir_rpc import BACKBONE_TOKEN_FILE, STATE_DIR, HelpFormatter, Wallet
 from kvasir_rpc.dev.swarm import LocalSwarm, free_port
 
@@ -64,15 +63,6 @@ def _token_file(path: pathlib.Path, text: str = TOKEN) -> pathlib.Path:
     path.write_text(text + "\n")
     path.chmod(0o600)
     return path
-
-
-@contextlib.contextmanager
-def _taken_port() -> Iterator[int]:
-    with socket.socket() as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        s.bind(("127.0.0.1", 0))
-        s.listen()
-        yield s.getsockname()[1]
 
 
 # -- the hub and its gateway -------------------------------------------------------------------
@@ -145,7 +135,7 @@ def test_a_gateway_not_running_is_retried_with_a_warning_naming_it(tmp_path: pat
 def test_a_hub_stopped_while_a_silent_gateway_has_not_answered_stops_cleanly(tmp_path: pathlib.Path) -> None:
     # The hub says "listening" after its first attempt at the gateway (so that a refusal comes
     # first); a gateway that accepts and never answers holds that attempt for its timeout.
-    with _taken_port() as port:  # listening, never accepting: the TCP handshake completes, then silence
+    with taken_port() as port:  # listening, never accepting: the TCP handshake completes, then silence
         proc = subprocess.Popen([sys.executable, *_hub(tmp_path, "--gateway", f"ws://127.0.0.1:{port}",
                                                        "--gateway-token-file", str(_token_file(tmp_path / "t")))],
                                 stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, cwd=ROOT,
@@ -210,7 +200,7 @@ def test_the_hub_names_the_flag_of_a_bad_file_or_url(tmp_path: pathlib.Path, cas
 
 def test_a_busy_port_is_named_with_its_flag(tmp_path: pathlib.Path) -> None:
     # (tests/test_startup.py starts the real first copy of each and checks it keeps answering.)
-    with _taken_port() as port:
+    with taken_port() as port:
         taken = f"127.0.0.1:{port}"
         hint = "is in use by another program: stop it or choose another port (port 0 picks a free one)"
         runs = {

@@ -28,7 +28,7 @@ import grpc
 import pytest
 import structlog
 
-from helpers import ROOT, LedgerProcess
+from helpers import ROOT, LedgerProcess, taken_port
 from kvasir_rpc import (
     NO_PORT_SHARING,
     ListenError,
@@ -63,21 +63,11 @@ def _umask(mask: int) -> Iterator[None]:
         os.umask(old)
 
 
-@contextlib.contextmanager
-def _taken_port() -> Iterator[int]:
-    """A port something else listens on (as any other program would: SO_REUSEADDR only)."""
-    with socket.socket() as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        s.bind(("127.0.0.1", 0))
-        s.listen()
-        yield s.getsockname()[1]
-
-
 # -- listening addresses -----------------------------------------------------------------------
 
 
 def test_check_listen_names_a_taken_address_and_passes_free_ones() -> None:
-    with _taken_port() as port:
+    with taken_port() as port:
         with pytest.raises(ListenError) as info:
             check_listen(f"127.0.0.1:{port}")
         assert str(info.value) == f"cannot listen on 127.0.0.1:{port}: address in use"
@@ -200,7 +190,7 @@ def test_a_second_gateway_on_a_taken_port_exits_at_once(tmp_path: pathlib.Path) 
 
 @pytest.mark.integration
 def test_a_worker_whose_direct_grpc_port_is_taken_exits_before_loading(tmp_path: pathlib.Path) -> None:
-    with _taken_port() as port:
+    with taken_port() as port:
         # No model there: the address is checked first, not after minutes of loading.
         out = _run_second(["-m", "worker", "--hub", "ws://127.0.0.1:9", "--model", str(tmp_path / "none"),
                            "--wallet", str(tmp_path / "w.key"), "--direct-grpc", f"127.0.0.1:{port}"])
