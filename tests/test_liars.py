@@ -57,11 +57,14 @@ def test_liar_is_caught_quarantined_and_the_decode_stays_exact(lie, tiny_models,
         liar_credit = _credited(sw, liar)
         if lie[0] in ("zeros", "nan") or len(lie) == 1:
             assert liar_credit == 0  # caught on its first call: it never delivered accepted work
-        again = sw.run_backbone(["--model", str(model), "--prompt", "after", "--max-new-tokens", "4",
-                                 "--wait-sessions", "1"])
-        assert again["fallback_calls"] == 0 and again["sessions_quarantined"] == []
-        sw.wait_credited([s for s in sw.list_sessions()])
-        assert _credited(sw, liar) == liar_credit
+        if lie == ["offset"]:
+            # A later decode (once: the quarantine is the same whatever the lie) is served by the
+            # honest worker alone, and the liar's credit does not move.
+            again = sw.run_backbone(["--model", str(model), "--prompt", "after", "--max-new-tokens", "4",
+                                     "--wait-sessions", "1"])
+            assert again["fallback_calls"] == 0 and again["sessions_quarantined"] == []
+            sw.wait_credited([s for s in sw.list_sessions()])
+            assert _credited(sw, liar) == liar_credit
 
 
 def test_padding_and_a_fake_worker_earn_only_accepted_work(tiny_models, tmp_path):
