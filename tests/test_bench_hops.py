@@ -118,3 +118,60 @@ def test_echo_worker_answers_in_shape_and_an_audited_backbone_quarantines_it(tin
                                   "--compare-local", "--wait-sessions", "2"])
         assert result["backbone_exit_code"] == 0 and result["max_abs_logit_diff"] == 0.0
         assert result["sessions_quarantined"] == [echo.session_id]
+
+
+@pytest.mark.parametrize("rtt_ms", [0, 40])
+def test_latency_proxy_delivers_every_byte_in_order_late_by_the_rtt(rtt_ms, tmp_path):
+    """Megabytes each way through the proxy arrive intact; a small message's round trip
+    takes the emulated RTT (not much more); a half-close passes through both ways."""
+    import socket
+    import threading
+
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        rtt_file = tmp_path / "rtt"
+        rtt_file.write_text(str(rtt_ms))
+        ready = tmp_path / "ready.json"
+        proxy = subprocess.Popen([sys.executable, "-m", "kvasir_rpc.dev.latency", "--upstream",
+                                  f"127.0.0.1:{server.getsockname()[1]}", "--rtt-file", str(rtt_file),
+                                  "--ready-file", str(ready)])
+        try:
+            deadline = time.monotonic() + 30
+            while not ready.exists():
+                assert proxy.poll() is None and time.monotonic() < deadline, "the proxy did not start"
+                time.sleep(0.02)
+            client = socket.create_connection(("127.0.0.1", json.loads(ready.read_text())["port"]), timeout=30)
+            server.settimeout(30)
+            far, _ = server.accept()
+            far.settimeout(30)
+
+            def echo() -> None:  # the far end sends back all it gets, then half-closes
+                while data := far.recv(1 << 16):
+                    far.sendall(data)
+                far.shutdown(socket.SHUT_WR)
+
+            threading.Thread(target=echo, daemon=True).start()
+            with client, far:
+                blob = os.urandom(3 << 20)
+                sender = threading.Thread(target=client.sendall, args=(blob,), daemon=True)
+                sender.start()
+                back = bytearray()
+                while len(back) < len(blob):
+                    chunk = client.recv(1 << 20)
+                    assert chunk, "the proxy closed early"
+                    back += chunk
+                sender.join(timeout=30)
+                assert bytes(back) == blob
+                rounds = []
+                for _ in range(3):
+                    t0 = time.perf_counter()
+                    client.sendall(b"ping")
+                    assert client.recv(16) == b"ping"
+                    rounds.append((time.perf_counter() - t0) * 1000)
+                assert rtt_ms <= min(rounds) < rtt_ms + 30, rounds
+                client.shutdown(socket.SHUT_WR)
+                assert client.recv(16) == b""  # the far end saw our EOF and half-closed in turn
+        finally:
+            proxy.terminate()
+            proxy.wait(timeout=15)
