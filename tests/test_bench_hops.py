@@ -123,7 +123,8 @@ def test_echo_worker_answers_in_shape_and_an_audited_backbone_quarantines_it(tin
 @pytest.mark.parametrize("rtt_ms", [0, 40])
 def test_latency_proxy_delivers_every_byte_in_order_late_by_the_rtt(rtt_ms, tmp_path):
     """Megabytes each way through the proxy arrive intact; a small message's round trip
-    takes the emulated RTT (not much more); a half-close passes through both ways."""
+    takes the emulated RTT (not much more), and a new one written to the RTT file; a
+    half-close passes through both ways."""
     import socket
     import threading
 
@@ -170,6 +171,13 @@ def test_latency_proxy_delivers_every_byte_in_order_late_by_the_rtt(rtt_ms, tmp_
                     assert client.recv(16) == b"ping"
                     rounds.append((time.perf_counter() - t0) * 1000)
                 assert rtt_ms <= min(rounds) < rtt_ms + 30, rounds
+                # A new RTT in the file holds from the next bytes on (as the decode bench sets it).
+                rtt_file.write_text("25")
+                time.sleep(0.3)
+                t0 = time.perf_counter()
+                client.sendall(b"ping")
+                assert client.recv(16) == b"ping"
+                assert (time.perf_counter() - t0) * 1000 >= 25
                 client.shutdown(socket.SHUT_WR)
                 assert client.recv(16) == b""  # the far end saw our EOF and half-closed in turn
         finally:
