@@ -21,7 +21,7 @@ from kvasir_rpc import (
     expert_pb2_grpc,
     target_key,
 )
-from kvasir_rpc.dev.bench import hop_figures, hop_table
+from kvasir_rpc.dev.bench import decode_hop_figures, hop_figures, hop_table
 from kvasir_rpc.dev.cpu import CpuMeter, ProcessGoneError, cpu_seconds, ns_per_byte
 from kvasir_rpc.dev.swarm import LocalSwarm, SwarmError
 
@@ -75,6 +75,14 @@ def test_hop_figures_and_table_of_a_result():
     assert figures["fabric_ns_per_byte_total_b512"] == 10.0 and figures["fabric_p50_ms_b1"] == 3.0
     table = hop_table(hops).splitlines()
     assert table[2].split() == ["fabric", "1.0", "2.0", "3.0", "4.0", "10.0", "90.0"]
+    remote = {"ns_per_byte": {"hub": 2.5, "latency": 0.5}, "latency_proxy_cpu_share": 0.01,
+              "backbone_decode_cpu_ms_per_token": 3.0}
+    decode = {"hops": {"local": {"backbone_decode_cpu_ms_per_token": 4.0}, "rtt0": remote, "rtt13": remote,
+                       "rtt50": {**remote, "latency_proxy_cpu_share": 0.02}}}
+    figures = decode_hop_figures(decode)
+    assert figures["decode_rtt0_ns_per_byte_hub"] == 2.5 and figures["latency_proxy_cpu_share_rtt50"] == 0.02
+    assert figures["decode_backbone_cpu_ms_per_token_local"] == 4.0
+    assert decode_hop_figures({}) == {}
 
 
 def test_swarm_pid_of_an_unknown_process(tmp_path):

@@ -442,7 +442,7 @@ def run_hop_bench(*, quick: bool = False, say: Callable[[str], None] = print) ->
     from kvasir_rpc.dev.swarm import LocalSwarm
 
     torch.set_num_threads(1)
-    n = 12 if quick else 40
+    n = 10 if quick else 25
     out: dict[str, object] = {"batch": HOP_BATCH, "calls": n, "hidden": HIDDEN, "dtype": "float32",
                               "bytes": "tensor payload: request hidden + weights + response partials",
                               "client": "this process (grpcio stream), time.process_time()"}
