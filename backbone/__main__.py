@@ -306,13 +306,14 @@ def main(argv: list[str] | None = None) -> int:
     try:
         groups, why = _choose_groups(args.groups, dispatcher, model, tokenizer, prompts, decode_grouped)
         dispatcher.reset_counters()
-        t0 = time.perf_counter()
+        t0, cpu0 = time.perf_counter(), time.process_time()
         show = _Progress(len(prompts) * args.max_new_tokens) if args.json else _TextStream(tokenizer)
         with _stop_on_interrupt(args.max_seconds) as stop, show:
             log.info("decoding", sequences=len(prompts), max_new_tokens=args.max_new_tokens, groups=groups)
             run = decode_grouped(model, tokenizer, prompts, args.max_new_tokens, groups, stop=stop,
                                  on_step=show.step)
         elapsed = time.perf_counter() - t0
+        cpu = time.process_time() - cpu0  # every thread of this process, grpcio's included
         steps = int(run.new_tokens.shape[1])
         stats = dispatcher.statistics()
         n_tokens = int(run.new_tokens.numel())
@@ -322,6 +323,7 @@ def main(argv: list[str] | None = None) -> int:
             steps=steps,
             stopped_early=steps < args.max_new_tokens,
             seconds=round(elapsed, 4),
+            cpu_seconds=round(cpu, 4),
             tokens_per_s=round(n_tokens / elapsed, 3) if elapsed > 0 else None,
             decode_tokens_per_s=round(run.decode_tokens_per_s, 3) if run.decode_tokens_per_s else None,
             wire_dtype=str(wire_dtype or model_dtype).replace("torch.", ""),

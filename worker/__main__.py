@@ -106,6 +106,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--status-interval", type=float, default=STATUS_INTERVAL_S, metavar="SECONDS",
                    help="without a terminal: log a 'serving' line (calls, rows, bytes, KVR) this often when "
                         "they changed")
+    p.add_argument("--echo-experts", action="store_true",
+                   help="benchmarks only: answer every call with rows shaped like the partials but without "
+                        "computing them (zero-copy of the input hidden rows); wrong answers: a backbone's audits "
+                        "quarantine such a worker and it earns nothing")
     add_log_level(p)
     return p
 
@@ -238,7 +242,9 @@ def _serve(args: argparse.Namespace, *, url: str, ssl_context: ssl.SSLContext | 
     sock_dir = tempfile.mkdtemp(prefix="kvasir-worker-")
     os.chmod(sock_dir, 0o700)
     uds_path = os.path.join(sock_dir, "expert.sock")
-    servicer = ExpertServicer(experts, wallet.address)
+    servicer = ExpertServicer(experts, wallet.address, echo=args.echo_experts)
+    if args.echo_experts:
+        log.warning("--echo-experts: answering every call with its input rows, uncomputed; benchmarks only")
     try:
         server = _grpc_server(servicer, args, uds_path)
     except ListenError as exc:

@@ -96,9 +96,11 @@ class ExpertServicer(expert_pb2_grpc.ExpertServiceServicer):
     ``drain()`` lets calls being computed finish, then refuses new ones with UNAVAILABLE.
     """
 
-    def __init__(self, experts: LoadedExperts, wallet: str) -> None:
+    def __init__(self, experts: LoadedExperts, wallet: str, *, echo: bool = False) -> None:
         self.experts = experts
         self.wallet = wallet
+        # Benchmarks only (--echo-experts): answer with the input rows, uncomputed (wrong).
+        self.echo = echo
         self._lock = threading.Lock()
         self._computing = 0
         self._idle = threading.Condition(self._lock)
@@ -165,6 +167,12 @@ class ExpertServicer(expert_pb2_grpc.ExpertServiceServicer):
             raise DispatchInputError(
                 f"layer {req.layer}: this worker does not hold experts {missing}", precondition=True
             )
+        if self.echo:
+            # The fabric's cost alone: partials of exactly the expected shape and wire dtype
+            # (each assignment's input row), the request's own bytes when rows are not shared.
+            self.calls += 1
+            self.rows += index.numel() if index is not None else hidden.shape[0]
+            return req.hidden if index is None else encode_tensor(hidden[index])
         wire_dtype = hidden.dtype
         # Activations sent narrower than the model are widened here; partials go back narrow.
         hidden = hidden.to(device=e.device, dtype=e.dtype)

@@ -1,7 +1,7 @@
 """Development tooling around the library: the ``kvasir`` command (``cli``), the local-swarm
 launcher (``swarm``), benchmarks (``bench``), tiny random checkpoints (``tiny``), development
-certificates (``certs``), a latency proxy (``latency``) and the conformance check for workers
-(``conformance``).
+certificates (``certs``), a latency proxy (``latency``), processes' CPU time (``cpu``) and the
+conformance check for workers (``conformance``).
 
 Nothing in the library proper or in the components imports this package (tests/test_repo.py
 checks it); it uses only the library's public names and starts components as processes.

@@ -264,8 +264,12 @@ def run_bench(*, quick: bool = False, say: Callable[[str], None] = print) -> dic
     for rtt in RTTS_MS:
         ratios[f"decode_remote_over_local_rtt{rtt}"] = decode[f"rtt{rtt}"]["remote_over_local"]  # type: ignore[index]
     ratios["decode_audits_on_over_off_rtt0"] = decode["audit"]["on_over_off"]  # type: ignore[index]
+    figures.update(decode_hop_figures(decode))
+    say("hops: CPU ns per byte of each process a batch-512 Dispatch call crosses")
+    hops = run_hop_bench(quick=quick, say=say)
+    figures.update(hop_figures(hops))
     figures["session_changes"] = session_changes  # workers that reconnected mid-run (should be empty)
-    return {"dispatch": paths, "wire": wire, "decode": decode, "ratios": ratios, "figures": figures,
+    return {"dispatch": paths, "wire": wire, "decode": decode, "hops": hops, "ratios": ratios, "figures": figures,
             "machine": {"cpus": os.cpu_count(), "torch_threads": 1}, "quick": quick}
 
 
@@ -334,14 +338,16 @@ def run_decode_bench(*, quick: bool = False, say: Callable[[str], None] = print)
                                                                    "gateway_proxy_workers": sorted(split[1])}}
     with tempfile.TemporaryDirectory(prefix="kvasir-bench-decode-") as tmp, LocalSwarm(tmp) as sw:
         model, rtt_file = start_decode_swarm(sw, pathlib.Path(tmp), split, ("backbone",))
-        local = sw.run_backbone(["--model", str(model), *args_common], hub=False)
+        hops: dict[str, object] = {}
+        local, hops["local"] = decode_hops(sw, ["--model", str(model), *args_common], hub=False)
         out["local_tokens_per_s"] = local["decode_tokens_per_s"]
         out["local_tokens_per_s_with_prefill"] = local["tokens_per_s"]
         say(f"  local: {local['decode_tokens_per_s']} tokens/s decoding ({local['tokens_per_s']} with the prefill)")
         for rtt in RTTS_MS:
             rtt_file.write_text(str(rtt))
             time.sleep(0.3)  # the proxy re-reads the file every 0.1 s
-            remote = sw.run_backbone(["--model", str(model), *args_common, "--groups", "auto", "--wait-sessions", "2"])
+            remote, hops[f"rtt{rtt}"] = decode_hops(sw, ["--model", str(model), *args_common, "--groups", "auto",
+                                                         "--wait-sessions", "2"])
             # Steady decoding, prefill excluded (backbone's decode_tokens_per_s); the figures
             # with the prefill are kept beside it.
             ratio = round(float(remote["decode_tokens_per_s"]) / float(local["decode_tokens_per_s"]), 3)  # type: ignore[arg-type]
@@ -353,6 +359,11 @@ def run_decode_bench(*, quick: bool = False, say: Callable[[str], None] = print)
                                 "remote_calls": remote["remote_calls"], "fallback_calls": remote["fallback_calls"]}
             say(f"  rtt {rtt} ms: {remote['decode_tokens_per_s']} tokens/s decoding with {remote['groups']} groups "
                 f"({ratio} of local; {with_prefill} with the prefill)")
+        out["hops"] = hops
+        say("  CPU ns per byte the hub metered, RTT 0: " + ", ".join(
+            f"{k} {v}" for k, v in hops["rtt0"]["ns_per_byte"].items())  # type: ignore[index]
+            + "; latency proxy's share of the CPU: " + ", ".join(
+            f"RTT {rtt} ms {hops[f'rtt{rtt}']['latency_proxy_cpu_share']}" for rtt in RTTS_MS))  # type: ignore[index]
         out["audit"] = _audit_cost(sw, model, args_common, groups=int(out["rtt0"]["groups"]), rtt_file=rtt_file,  # type: ignore[index]
                                    say=say)
     return out
@@ -402,3 +413,208 @@ def _summary(times: list[float], batch: int, payload: int, *, in_flight_rows_s: 
     if in_flight_rows_s is not None:
         out["rows_s_in_flight"] = round(in_flight_rows_s, 1)
     return out
+
+
+# --- The fabric's cost by hop (``kvasir bench --hops``; ``hops`` in the full bench) ---------
+
+HOP_BATCH = 512
+# The processes a Dispatch call crosses on each path, from the backbone's side.
+HOP_PATHS = {"hub": ("client", "hub", "worker"), "gateway": ("client", "hub", "gateway", "worker"),
+             "fabric": ("client", "hub", "gateway", "worker")}
+
+
+def run_hop_bench(*, quick: bool = False, say: Callable[[str], None] = print) -> dict[str, object]:
+    """CPU nanoseconds per byte of each process a Dispatch call crosses, at batch 512.
+
+    One swarm: a TLS gateway, a hub, a worker that dials the hub (path ``hub``, plain ws), one
+    that dials the gateway (``gateway``, sealed end to end) and one that dials the gateway with
+    ``--echo-experts`` (``fabric``: the relays without compute). This process is the
+    backbone's client side (a grpcio stream, as the backbone's). Each hop's CPU time over the
+    same calls (every thread, from /proc) is divided by the same byte count: the tensor
+    payload of those calls, request rows and weights plus the partials. On the ``hub`` and
+    ``gateway`` paths the worker's figure has the in-process compute time of the same calls
+    subtracted (the fabric path's worker computes nothing). Also the fabric path's latency at batch 1."""
+    import torch
+
+    from kvasir_rpc import TARGET_KEY_METADATA, ExpertIndex, encode_tensor, expert_forward, expert_pb2, \
+        get_activation, target_key
+    from kvasir_rpc.dev.cpu import CpuMeter, ns_per_byte
+    from kvasir_rpc.dev.swarm import LocalSwarm
+
+    torch.set_num_threads(1)
+    n = 10 if quick else 25
+    out: dict[str, object] = {"batch": HOP_BATCH, "calls": n, "hidden": HIDDEN, "dtype": "float32",
+                              "bytes": "tensor payload: request hidden + weights + response partials",
+                              "client": "this process (grpcio stream), time.process_time()"}
+    with tempfile.TemporaryDirectory(prefix="kvasir-bench-hops-") as tmp, LocalSwarm(tmp) as sw:
+        ckpt = make_bench_checkpoint(pathlib.Path(tmp) / "expert")
+        gate_up, down = ExpertIndex(ckpt).load(0, 0)
+        act = get_activation("silu")
+        say("hops: TLS gateway, hub, a worker on the hub, one on the gateway and an --echo-experts one")
+        sw.start_gateway()
+        sw.start_hub(gateway=True)
+        # The echo worker holds expert 1, the others expert 0: their sessions are told apart so.
+        sw.start_worker("worker_hub", ckpt, "0:0", via="hub")
+        sw.start_worker("worker_gateway", ckpt, "0:0", via="gateway")
+        sw.start_worker("worker_echo", ckpt, "0:1", via="gateway", extra=["--echo-experts"])
+        sessions = sw.wait_sessions(3, watch=["gateway", "worker_hub", "worker_gateway", "worker_echo"])
+        by_path = {}
+        for s in sessions:
+            through_gateway = s.remote_address.startswith("gateway:")
+            path = "fabric" if s.slices[0].experts[0] == 1 else ("gateway" if through_gateway else "hub")
+            by_path[path] = s
+        worker_of = {"hub": "worker_hub", "gateway": "worker_gateway", "fabric": "worker_echo"}
+        token = sw.backbone_token
+
+        def metered(path: str) -> int:
+            return sum(int(s.bytes_to_worker + s.bytes_from_worker) for s in sw.list_sessions()
+                       if s.session_id == by_path[path].session_id)
+
+        g = torch.Generator().manual_seed(2)
+        for batch in (HOP_BATCH, 1):
+            hidden = torch.randn(batch, HIDDEN, generator=g)
+            weights = torch.rand(batch, generator=g)
+            payload = (2 * hidden.numel() + weights.numel()) * 4
+            compute_s = 0.0
+            if batch == HOP_BATCH:
+                c0 = time.process_time()
+                for _ in range(n):
+                    expert_forward(hidden, gate_up, down, act, weights)
+                compute_s = time.process_time() - c0
+            for path in (("fabric", "gateway", "hub") if batch == HOP_BATCH else ("fabric",)):
+                req = expert_pb2.DispatchRequest(
+                    call_id=1, layer=0, hidden=encode_tensor(hidden), weights=encode_tensor(weights),
+                    segments=[expert_pb2.ExpertSegment(expert=1 if path == "fabric" else 0, rows=batch)])
+                meta = ((TARGET_KEY_METADATA, target_key(token, by_path[path].session_id)),)
+                stream = _Stream(by_path[path].target, meta)
+                try:
+                    for _ in range(3):
+                        stream.call(req)  # warm up the connection and the worker
+                    pids: dict[str, int | None] = {"client": None, "worker": sw.pid(worker_of[path]),
+                                                   "hub": sw.pid("hub"), "gateway": sw.pid("gateway")}
+                    before = metered(path)
+                    times = []
+                    with CpuMeter(pids) as meter:
+                        for _ in range(n):
+                            t0 = time.perf_counter()
+                            stream.call(req)
+                            times.append(time.perf_counter() - t0)
+                    wire = metered(path) - before
+                finally:
+                    stream.close()
+                cpu = meter.reading.cpu_s
+                med = statistics.median(times)
+                if batch == 1:
+                    out["fabric_b1"] = {"p50_ms": round(med * 1000, 3), "p90_ms": round(_pct(times, 0.9) * 1000, 3)}
+                    continue
+                hops = HOP_PATHS[path]
+                if path != "fabric":
+                    cpu = {**cpu, "worker_with_compute": cpu["worker"], "worker": cpu["worker"] - compute_s}
+                total = payload * n
+                point: dict[str, object] = {
+                    "bytes": total, "metered_bytes": wire, "wall_s": round(meter.reading.wall_s, 3),
+                    "p50_ms": round(med * 1000, 3), "mb_s": round(payload / med / 1e6, 1),
+                    "cpu_s": {k: round(v, 4) for k, v in cpu.items() if k in hops or k == "worker_with_compute"},
+                    "ns_per_byte": {h: ns_per_byte(cpu[h], total) for h in hops},
+                }
+                point["ns_per_byte_total"] = ns_per_byte(sum(cpu[h] for h in hops), total)
+                if path != "fabric":
+                    point["worker_compute_s"] = round(compute_s, 4)
+                out[path] = point
+                say(f"  {path}: " + ", ".join(f"{h} {v} ns/B" for h, v in point["ns_per_byte"].items())  # type: ignore[attr-defined]
+                    + f"; {point['mb_s']} MB/s")
+    return out
+
+
+def hop_figures(hops: dict[str, object]) -> dict[str, object]:
+    """The hop bench's flat figures: ``{path}_ns_per_byte_{hop}_b512`` and the fabric's MB/s."""
+    figures: dict[str, object] = {}
+    for path in HOP_PATHS:
+        point = hops.get(path)
+        if isinstance(point, dict):
+            for hop, v in point["ns_per_byte"].items():
+                figures[f"{path}_ns_per_byte_{hop}_b512"] = v
+            figures[f"{path}_ns_per_byte_total_b512"] = point["ns_per_byte_total"]
+    if isinstance(hops.get("fabric"), dict):
+        figures["fabric_mb_s_b512"] = hops["fabric"]["mb_s"]  # type: ignore[index]
+    if isinstance(hops.get("fabric_b1"), dict):
+        figures["fabric_p50_ms_b1"] = hops["fabric_b1"]["p50_ms"]  # type: ignore[index]
+    return figures
+
+
+def hop_table(hops: dict[str, object]) -> str:
+    """The hop bench as a text table: ns of CPU per byte, a row per path, a column per hop."""
+    cols = ("client", "hub", "gateway", "worker")
+    lines = [f"CPU ns per byte of tensor payload, batch {hops['batch']}, {hops['calls']} calls",
+             f"{'path':<10}" + "".join(f"{c:>10}" for c in cols) + f"{'total':>10}{'MB/s':>10}"]
+    for path in HOP_PATHS:
+        point = hops.get(path)
+        if not isinstance(point, dict):
+            continue
+        cells = "".join(f"{point['ns_per_byte'].get(c, '-')!s:>10}" for c in cols)
+        lines.append(f"{path:<10}{cells}{point['ns_per_byte_total']!s:>10}{point['mb_s']!s:>10}")
+    if isinstance(hops.get("fabric_b1"), dict):
+        lines.append(f"fabric p50 at batch 1: {hops['fabric_b1']['p50_ms']} ms")  # type: ignore[index]
+    return "\n".join(lines)
+
+
+DECODE_RELAYS = ("hub", "gateway", "latency", "worker1", "worker2")
+
+
+def decode_hops(sw, args: list[str], *, hub: bool = True) -> tuple[dict[str, object], dict[str, object]]:  # type: ignore[no-untyped-def]
+    """Run one decode of :func:`start_decode_swarm`'s swarm (``sw.run_backbone(args, hub=hub)``)
+    and measure the CPU each process spent on it: ``(backbone's result, hops)``.
+
+    The hub, gateway, latency proxy and workers are read from /proc across the whole run;
+    the backbone's whole life from this process's reaped-children usage (import and load
+    included), and its decode alone from its own ``cpu_seconds``. Per byte: over the bytes
+    the hub metered in the run (tunnel payload both ways, the groups' probe included), the
+    backbone's decode over the bytes its dispatcher sent and received in the decode.
+    ``latency_proxy_cpu_share``: the proxy's CPU over all of these processes' (the backbone's
+    whole life); what emulating the round trip costs the remote run."""
+    import resource
+
+    from kvasir_rpc.dev.cpu import CpuMeter, ns_per_byte
+
+    def hub_bytes() -> int:
+        return sum(int(s.bytes_to_worker + s.bytes_from_worker) for s in sw.list_sessions())
+
+    def children_cpu() -> float:
+        ru = resource.getrusage(resource.RUSAGE_CHILDREN)
+        return float(ru.ru_utime + ru.ru_stime)
+
+    before, child0 = hub_bytes(), children_cpu()
+    with CpuMeter({name: sw.pid(name) for name in DECODE_RELAYS}) as meter:
+        result = sw.run_backbone(args, hub=hub)
+    metered = max(0, hub_bytes() - before)
+    cpu = {**meter.reading.cpu_s, "workers": meter.reading.cpu_s["worker1"] + meter.reading.cpu_s["worker2"],
+           "backbone_process": children_cpu() - child0, "backbone_decode": float(str(result["cpu_seconds"]))}
+    backbone_bytes = int(result.get("sent_bytes", 0)) + int(result.get("received_bytes", 0))  # type: ignore[call-overload]
+    total = sum(cpu[k] for k in (*DECODE_RELAYS, "backbone_process"))
+    hops: dict[str, object] = {
+        "wall_s": round(meter.reading.wall_s, 3), "hub_metered_bytes": metered, "backbone_bytes": backbone_bytes,
+        "tokens": result["n_tokens"], "cpu_s": {k: round(v, 3) for k, v in cpu.items()},
+        "backbone_decode_cpu_ms_per_token": round(cpu["backbone_decode"] * 1000 / int(result["n_tokens"]), 3),  # type: ignore[call-overload]
+    }
+    if hub:
+        hops["ns_per_byte"] = {"backbone_decode": ns_per_byte(cpu["backbone_decode"], backbone_bytes),
+                               **{k: ns_per_byte(cpu[k], metered)
+                                  for k in ("hub", "gateway", "latency", "workers")}}
+        hops["latency_proxy_cpu_share"] = round(cpu["latency"] / total, 4) if total > 0 else None
+    return result, hops
+
+
+def decode_hop_figures(decode: dict[str, object]) -> dict[str, object]:
+    """Flat figures of the decode's hops: ``decode_rtt0_ns_per_byte_{hop}`` and the latency
+    proxy's share of the CPU at each RTT."""
+    hops = decode.get("hops")
+    figures: dict[str, object] = {}
+    if not isinstance(hops, dict):
+        return figures
+    for hop, v in hops["rtt0"]["ns_per_byte"].items():
+        figures[f"decode_rtt0_ns_per_byte_{hop}"] = v
+    for rtt in RTTS_MS:
+        figures[f"latency_proxy_cpu_share_rtt{rtt}"] = hops[f"rtt{rtt}"]["latency_proxy_cpu_share"]
+    figures["decode_backbone_cpu_ms_per_token_local"] = hops["local"]["backbone_decode_cpu_ms_per_token"]
+    figures["decode_backbone_cpu_ms_per_token_rtt0"] = hops["rtt0"]["backbone_decode_cpu_ms_per_token"]
+    return figures

@@ -214,6 +214,14 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         service = run_service_bench(quick=args.quick, say=say)
         print(json.dumps(service if args.json else {"ratios": service["ratios"]}, indent=None if args.json else 2))
         return 0
+    if args.hops:
+        from kvasir_rpc.dev.bench import hop_figures, hop_table, run_hop_bench
+
+        say("hops: CPU ns per byte of each process a batch-512 Dispatch call crosses (fabric, gateway, hub paths)")
+        hops = run_hop_bench(quick=args.quick, say=say)
+        say(hop_table(hops))
+        print(json.dumps({"hops": hops} if args.json else {"figures": hop_figures(hops)}, indent=None if args.json else 2))
+        return 0
     result = run_bench(quick=args.quick, say=say)
     if args.json:
         print(json.dumps(result))
@@ -445,6 +453,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--json", action="store_true", help="print the whole result as one JSON object")
     bench.add_argument("--service", action="store_true",
                        help="only the backbone service: 1, 8 and 32 concurrent callers, local vs remote")
+    bench.add_argument("--hops", action="store_true",
+                       help="only the fabric's cost by hop: CPU ns per byte of the client, hub, gateway and worker "
+                            "at batch 512 (under 2 minutes)")
     bench.set_defaults(func=_cmd_bench)
     certs = add(sub, "certs", help="make a development CA and a gateway certificate")
     certs.add_argument("dir", type=pathlib.Path, nargs="?", default=DEFAULT_CERTS_DIR,

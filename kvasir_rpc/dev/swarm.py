@@ -96,6 +96,15 @@ class LocalSwarm:
             tail = (self.logs / f"{name}.log").read_text(errors="replace")[-2000:]
             raise SwarmError(f"{name} exited with code {proc.returncode}; log {self.logs / (name + '.log')}:\n{tail}")
 
+    def pid(self, name: str) -> int:
+        """The process id of the running process ``name`` (for its CPU time); SwarmError when
+        it was never started or has ended."""
+        proc = self.procs.get(name)
+        if proc is None:
+            raise SwarmError(f"no process named {name!r} in this swarm (started: {sorted(self.procs)})")
+        self._check_alive(name)
+        return proc.pid
+
     @property
     def hub_ws_url(self) -> str:
         return f"ws://127.0.0.1:{self.hub_ws_port}"

@@ -1,0 +1,193 @@
+"""The benchmark's cost by hop: the CPU-time reader, and the --echo-experts worker that the
+fabric-only path uses (right shapes, wrong values: audits catch it)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import grpc
+import pytest
+import torch
+
+from kvasir_rpc import (
+    TARGET_KEY_METADATA,
+    decode_tensor,
+    encode_tensor,
+    expert_pb2,
+    expert_pb2_grpc,
+    target_key,
+)
+from kvasir_rpc.dev.bench import decode_hop_figures, hop_figures, hop_table
+from kvasir_rpc.dev.cpu import CpuMeter, ProcessGoneError, cpu_seconds, ns_per_byte
+from kvasir_rpc.dev.swarm import LocalSwarm, SwarmError
+
+BURN = "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.3: pass\nprint('done', flush=True)\ninput()"
+
+
+def test_cpu_seconds_of_a_process_that_burns_cpu():
+    proc = subprocess.Popen([sys.executable, "-c", BURN], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    try:
+        with CpuMeter({"burner": proc.pid, "me": None}) as meter:
+            assert proc.stdout is not None and proc.stdout.readline() == b"done\n"  # burnt 0.3 s of CPU
+        assert meter.reading.cpu_s["burner"] >= 0.2
+        assert meter.reading.cpu_s["me"] >= 0.0
+        assert cpu_seconds(proc.pid) >= 0.2
+    finally:
+        proc.kill()
+        proc.wait(timeout=10)
+
+
+def test_cpu_seconds_of_a_process_that_is_gone():
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    # Ended, not reaped yet (a zombie): its CPU time is no longer counted, so no reading.
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            cpu_seconds(proc.pid)
+        except ProcessGoneError as exc:
+            assert str(proc.pid) in str(exc) and "ended" in str(exc)
+            break
+        assert time.monotonic() < deadline, "the child did not end within 30 s"
+        time.sleep(0.02)
+    proc.wait(timeout=10)
+    with pytest.raises(ProcessGoneError, match=f"process {proc.pid} is gone"):
+        cpu_seconds(proc.pid)
+
+
+def test_cpu_seconds_of_this_process_and_a_meter_read_too_soon():
+    assert cpu_seconds() == pytest.approx(time.process_time(), abs=0.05)
+    assert cpu_seconds(os.getpid()) > 0
+    with pytest.raises(RuntimeError, match="once its with block has ended"):
+        CpuMeter({}).reading  # noqa: B018
+    assert ns_per_byte(0.5, 10**9) == 0.5 and ns_per_byte(1.0, 0) is None
+
+
+def test_hop_figures_and_table_of_a_result():
+    point = {"ns_per_byte": {"client": 1.0, "hub": 2.0, "gateway": 3.0, "worker": 4.0}, "ns_per_byte_total": 10.0,
+             "mb_s": 90.0}
+    hops = {"batch": 512, "calls": 4, "fabric": point, "fabric_b1": {"p50_ms": 3.0}}
+    figures = hop_figures(hops)
+    assert figures["fabric_ns_per_byte_gateway_b512"] == 3.0 and figures["fabric_mb_s_b512"] == 90.0
+    assert figures["fabric_ns_per_byte_total_b512"] == 10.0 and figures["fabric_p50_ms_b1"] == 3.0
+    table = hop_table(hops).splitlines()
+    assert table[2].split() == ["fabric", "1.0", "2.0", "3.0", "4.0", "10.0", "90.0"]
+    remote = {"ns_per_byte": {"hub": 2.5, "latency": 0.5}, "latency_proxy_cpu_share": 0.01,
+              "backbone_decode_cpu_ms_per_token": 3.0}
+    decode = {"hops": {"local": {"backbone_decode_cpu_ms_per_token": 4.0}, "rtt0": remote, "rtt13": remote,
+                       "rtt50": {**remote, "latency_proxy_cpu_share": 0.02}}}
+    figures = decode_hop_figures(decode)
+    assert figures["decode_rtt0_ns_per_byte_hub"] == 2.5 and figures["latency_proxy_cpu_share_rtt50"] == 0.02
+    assert figures["decode_backbone_cpu_ms_per_token_local"] == 4.0
+    assert decode_hop_figures({}) == {}
+
+
+def test_swarm_pid_of_an_unknown_process(tmp_path):
+    with LocalSwarm(tmp_path) as sw, pytest.raises(SwarmError, match="no process named 'hub'"):
+        sw.pid("hub")
+
+
+@pytest.mark.integration
+def test_echo_worker_answers_in_shape_and_an_audited_backbone_quarantines_it(tiny_models, tmp_path):
+    model = tiny_models("qwen3_moe")
+    hidden_size = json.loads((model / "config.json").read_text())["hidden_size"]
+    with LocalSwarm(tmp_path) as sw:
+        sw.start_hub()
+        sw.start_worker("honest", model, "*:4-7")
+        sw.start_worker("echo", model, "*:0-3", extra=["--echo-experts"])
+        sw.wait_sessions(2, watch=["honest", "echo"])
+        echo = {s.slices[0].experts[0]: s for s in sw.list_sessions()}[0]
+        rows = torch.randn(2, hidden_size)
+        meta = ((TARGET_KEY_METADATA, target_key(sw.backbone_token, echo.session_id)),)
+        with grpc.insecure_channel(echo.target) as ch:
+            stub = expert_pb2_grpc.ExpertServiceStub(ch)
+            plain = expert_pb2.DispatchRequest(call_id=1, layer=0, hidden=encode_tensor(rows),
+                                               weights=encode_tensor(torch.rand(2)),
+                                               segments=[expert_pb2.ExpertSegment(expert=0, rows=2)])
+            shared = expert_pb2.DispatchRequest(call_id=2, layer=0, hidden=encode_tensor(rows),
+                                                weights=encode_tensor(torch.rand(3)), row_index=[1, 0, 1],
+                                                segments=[expert_pb2.ExpertSegment(expert=0, rows=1),
+                                                          expert_pb2.ExpertSegment(expert=1, rows=2)])
+            bad = expert_pb2.DispatchRequest(call_id=3, layer=0, hidden=encode_tensor(rows),
+                                             weights=encode_tensor(torch.rand(2)),
+                                             segments=[expert_pb2.ExpertSegment(expert=0, rows=3)])
+            answers = list(stub.Dispatch(iter([plain, shared]), metadata=meta, timeout=30))
+            # Exactly the expected shape and bytes: the input rows, uncomputed.
+            assert answers[0].partials.partials == plain.hidden
+            assert torch.equal(decode_tensor(answers[1].partials.partials), rows[[1, 0, 1]])
+            # Its requests are still checked like any worker's.
+            with pytest.raises(grpc.RpcError) as err:
+                list(stub.Dispatch(iter([bad]), metadata=meta, timeout=30))
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT  # type: ignore[attr-defined]
+        result = sw.run_backbone(["--model", str(model), "--prompt", "echo", "--batch", "2", "--max-new-tokens", "6",
+                                  "--compare-local", "--wait-sessions", "2"])
+        assert result["backbone_exit_code"] == 0 and result["max_abs_logit_diff"] == 0.0
+        assert result["sessions_quarantined"] == [echo.session_id]
+
+
+@pytest.mark.parametrize("rtt_ms", [0, 40])
+def test_latency_proxy_delivers_every_byte_in_order_late_by_the_rtt(rtt_ms, tmp_path):
+    """Megabytes each way through the proxy arrive intact; a small message's round trip
+    takes the emulated RTT (not much more), and a new one written to the RTT file; a
+    half-close passes through both ways."""
+    import socket
+    import threading
+
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        rtt_file = tmp_path / "rtt"
+        rtt_file.write_text(str(rtt_ms))
+        ready = tmp_path / "ready.json"
+        proxy = subprocess.Popen([sys.executable, "-m", "kvasir_rpc.dev.latency", "--upstream",
+                                  f"127.0.0.1:{server.getsockname()[1]}", "--rtt-file", str(rtt_file),
+                                  "--ready-file", str(ready)])
+        try:
+            deadline = time.monotonic() + 30
+            while not ready.exists():
+                assert proxy.poll() is None and time.monotonic() < deadline, "the proxy did not start"
+                time.sleep(0.02)
+            client = socket.create_connection(("127.0.0.1", json.loads(ready.read_text())["port"]), timeout=30)
+            server.settimeout(30)
+            far, _ = server.accept()
+            far.settimeout(30)
+
+            def echo() -> None:  # the far end sends back all it gets, then half-closes
+                while data := far.recv(1 << 16):
+                    far.sendall(data)
+                far.shutdown(socket.SHUT_WR)
+
+            threading.Thread(target=echo, daemon=True).start()
+            with client, far:
+                blob = os.urandom(3 << 20)
+                sender = threading.Thread(target=client.sendall, args=(blob,), daemon=True)
+                sender.start()
+                back = bytearray()
+                while len(back) < len(blob):
+                    chunk = client.recv(1 << 20)
+                    assert chunk, "the proxy closed early"
+                    back += chunk
+                sender.join(timeout=30)
+                assert bytes(back) == blob
+                rounds = []
+                for _ in range(3):
+                    t0 = time.perf_counter()
+                    client.sendall(b"ping")
+                    assert client.recv(16) == b"ping"
+                    rounds.append((time.perf_counter() - t0) * 1000)
+                assert rtt_ms <= min(rounds) < rtt_ms + 30, rounds
+                # A new RTT in the file holds from the next bytes on (as the decode bench sets it).
+                rtt_file.write_text("25")
+                time.sleep(0.3)
+                t0 = time.perf_counter()
+                client.sendall(b"ping")
+                assert client.recv(16) == b"ping"
+                assert (time.perf_counter() - t0) * 1000 >= 25
+                client.shutdown(socket.SHUT_WR)
+                assert client.recv(16) == b""  # the far end saw our EOF and half-closed in turn
+        finally:
+            proxy.terminate()
+            proxy.wait(timeout=15)
