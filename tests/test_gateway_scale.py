@@ -31,8 +31,6 @@ from kvasir_rpc import (
 )
 from kvasir_rpc.dev.swarm import LocalSwarm
 
-# Integration: real gateway (parent and children), HAProxy, hub and worker processes.
-pytestmark = pytest.mark.integration
 
 HUB_ARGS = ["--keepalive", "0.5"]  # end-to-end checks keep spliced pairs from the idle timeout
 
@@ -75,6 +73,7 @@ def _all_back(sw: LocalSwarm, wallets: set[str], gone: set[str]) -> bool:
     return wallets <= live
 
 
+@pytest.mark.integration  # real gateways, HAProxy, hub and worker processes
 def test_two_gateway_hosts_behind_haproxy(tiny_models, tmp_path):
     model = tiny_models("qwen3_moe")
     with LocalSwarm(tmp_path) as sw:
@@ -102,6 +101,7 @@ def test_two_gateway_hosts_behind_haproxy(tiny_models, tmp_path):
         assert sw.procs["hub"].poll() is None
 
 
+@pytest.mark.integration  # a real gateway (parent and children), hub and worker processes
 def test_gateway_processes_share_one_port(tiny_models, tmp_path):
     model = tiny_models("qwen3_moe")
     with LocalSwarm(tmp_path) as sw:
@@ -175,3 +175,56 @@ def _alive(pid: int) -> bool:
         return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return False
+
+
+@pytest.mark.parametrize("shared", [True, False])
+def test_hub_paths_on_a_shared_port_are_refused_naming_the_hub_addresses(shared):
+    """In memory: on the public port of one process of several, a hub's control path gets 421
+    saying where to go; its own hub-facing port, and a one-process gateway, serve it."""
+    import trio
+    import trio.testing
+    from wsmem import open_client
+
+    from kvasir_rpc.protocol import GATEWAY_SUBPROTOCOL, HUB_CONTROL_PATH
+    from relay._gateway import Gateway, GatewayConfig
+
+    token = "s3cret-hub-token"
+    gateway = Gateway(GatewayConfig(hub_token=token, shared_port=shared, keepalive_s=1000.0, idle_timeout_s=5000.0))
+
+    async def dial(hub_side: bool):  # type: ignore[no-untyped-def]
+        client, server = trio.testing.memory_stream_pair()
+        async with trio.open_nursery() as nursery:
+            kwargs = {"hub_paths": True} if hub_side else {"hub_paths": not shared}
+            nursery.start_soon(lambda: gateway._handle(server, "10.0.0.2:4000", **kwargs))  # type: ignore[arg-type]
+            ws = await open_client(client, HUB_CONTROL_PATH, subprotocols=[GATEWAY_SUBPROTOCOL],
+                                   headers=[(b"authorization", f"Bearer {token}".encode())])
+            nursery.cancel_scope.cancel()
+        return ws
+
+    async def main() -> None:
+        with trio.fail_after(10):
+            public = await dial(hub_side=False)
+            own = await dial(hub_side=True)
+        if shared:
+            assert public.status == 421 and b"--hub-listen" in public.body
+            assert gateway.statistics().refused == {"hub_port": 1}
+        else:
+            assert public.status is None
+        assert own.status is None
+
+    trio.run(main)
+
+
+@pytest.mark.integration  # a real process
+def test_processes_without_hub_listen_stop_with_one_line(tmp_path):
+    import subprocess
+    import sys
+
+    token = tmp_path / "hub.token"
+    token.write_text("a-token-long-enough-for-the-gateway-0123456789\n")
+    token.chmod(0o600)
+    out = subprocess.run([sys.executable, "-m", "relay", "gateway", "--listen", "127.0.0.1:0", "--insecure-plain-ws",
+                          "--hub-token-file", str(token), "--processes", "2"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2
+    assert out.stderr.strip().splitlines()[-1].startswith("gateway: --processes 2 needs --hub-listen HOST:PORT")

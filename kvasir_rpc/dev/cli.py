@@ -214,6 +214,16 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         service = run_service_bench(quick=args.quick, say=say)
         print(json.dumps(service if args.json else {"ratios": service["ratios"]}, indent=None if args.json else 2))
         return 0
+    if args.gateway_processes:
+        from kvasir_rpc.dev.bench import run_gateway_processes_bench
+
+        say("gateway processes: aggregate MB/s through a TLS gateway, 1 process vs --processes 2")
+        procs = run_gateway_processes_bench(quick=args.quick, say=say)
+        print(json.dumps(procs if args.json else {"gateway_processes_2_over_1_mb_s":
+                                                  procs["gateway_processes_2_over_1_mb_s"],
+                                                  "processes_1": procs["processes_1"],
+                                                  "processes_2": procs["processes_2"]}, indent=None if args.json else 2))
+        return 0
     result = run_bench(quick=args.quick, say=say)
     if args.json:
         print(json.dumps(result))
@@ -445,6 +455,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--json", action="store_true", help="print the whole result as one JSON object")
     bench.add_argument("--service", action="store_true",
                        help="only the backbone service: 1, 8 and 32 concurrent callers, local vs remote")
+    bench.add_argument("--gateway-processes", action="store_true",
+                       help="only the gateway's scaling: aggregate MB/s through a TLS gateway with 1 process and with "
+                            "--processes 2, 4 workers and 4 callers")
     bench.set_defaults(func=_cmd_bench)
     certs = add(sub, "certs", help="make a development CA and a gateway certificate")
     certs.add_argument("dir", type=pathlib.Path, nargs="?", default=DEFAULT_CERTS_DIR,
