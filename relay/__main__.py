@@ -476,9 +476,12 @@ def build_parser() -> argparse.ArgumentParser:
                     help="an address of its own for hubs (hub paths are still served on --listen with one process); "
                          "with --processes N process i listens on PORT+i (port 0: any free port, in --ready-file) and "
                          "hubs take one --gateway per process")
-    # A child of --processes: the listening sockets its parent made (public, hub-facing).
-    gw.add_argument("--listen-fd", type=int, help=argparse.SUPPRESS)
-    gw.add_argument("--hub-fd", type=int, help=argparse.SUPPRESS)
+    gw.add_argument("--listen-fd", type=int, metavar="FD",
+                    help="serve this inherited listening socket instead of binding --listen (set by --processes for "
+                         "each of its processes; hub paths are then refused on it, 421)")
+    gw.add_argument("--hub-fd", type=int, metavar="FD",
+                    help="serve hubs on this inherited listening socket instead of binding --hub-listen (set by "
+                         "--processes)")
     gw.add_argument("--ready-file", type=pathlib.Path,
                     help="write {port, http_port, hub_port, pid} here once listening; with --processes also "
                          "children: [{index, pid, hub_port, http_port}], once all listen")

@@ -435,6 +435,19 @@ def _make_relay_checkpoint(directory: pathlib.Path) -> pathlib.Path:
     return directory
 
 
+class _RawStream(_Stream):
+    """A Dispatch stream of serialized messages, both ways: the caller pays no protobuf
+    encoding or parsing, so the relays, not this process, carry the load."""
+
+    def __init__(self, target: str, metadata: tuple[tuple[str, str], ...] = ()) -> None:
+        self.channel = grpc.insecure_channel(target, options=[("grpc.max_receive_message_length", 256 << 20),
+                                                             ("grpc.max_send_message_length", 256 << 20)])
+        grpc.channel_ready_future(self.channel).result(timeout=30)
+        self.q = queue.SimpleQueue()
+        dispatch = self.channel.stream_stream("/kvasir.v1.ExpertService/Dispatch")  # no (de)serializers: bytes
+        self.responses = dispatch(self._iter(), metadata=metadata)
+
+
 def _gateway_split(sw, children: list[dict[str, object]]) -> list[int]:  # type: ignore[no-untyped-def]
     """Sessions per gateway process, from each one's /metrics."""
     import re
@@ -487,6 +500,7 @@ def run_gateway_processes_bench(*, quick: bool = False, workers: int = 4, batch:
     hidden, weights = torch.randn(batch, HIDDEN, generator=g), torch.rand(batch, generator=g)
     req = expert_pb2.DispatchRequest(call_id=1, layer=0, hidden=encode_tensor(hidden), weights=encode_tensor(weights),
                                      segments=[expert_pb2.ExpertSegment(expert=0, rows=batch)])
+    wire = req.SerializeToString()
     payload = (2 * hidden.numel() + weights.numel()) * 4  # request tensors + partials
     with tempfile.TemporaryDirectory(prefix="kvasir-bench-gwprocs-") as tmp:
         ckpt = _make_relay_checkpoint(pathlib.Path(tmp) / "expert")
@@ -519,17 +533,19 @@ def run_gateway_processes_bench(*, quick: bool = False, workers: int = 4, batch:
                         split = _gateway_split(sw, children)  # type: ignore[arg-type]
                     sessions = sw.list_sessions()
                     say(f"  sessions per process: {split}")
-                streams = [_Stream(s.target, ((TARGET_KEY_METADATA, target_key(sw.backbone_token, s.session_id)),))
+                streams = [_RawStream(s.target, ((TARGET_KEY_METADATA, target_key(sw.backbone_token, s.session_id)),))
                            for s in sessions]
                 try:
                     for stream in streams:
-                        stream.call(req)  # warm up
+                        answer = stream.call(wire)  # warm up, and check the answer's size
+                        if not isinstance(answer, bytes) or len(answer) < hidden.numel() * 4:
+                            raise SwarmError(f"the worker answered {len(answer) if isinstance(answer, bytes) else answer}")
                     done = [0] * len(streams)
                     stop_at = [0.0]
 
                     def caller(i: int) -> None:
                         while time.perf_counter() < stop_at[0]:
-                            streams[i].burst(req, 4, 2)
+                            streams[i].burst(wire, 4, 2)
                             done[i] += 4
 
                     pids = {"gateway": [sw.procs["gateway"].pid], "hub": [sw.procs["hub"].pid],
@@ -552,6 +568,8 @@ def run_gateway_processes_bench(*, quick: bool = False, workers: int = 4, batch:
                 out[f"processes_{procs}"] = {
                     "mb_s": mb_s, "calls": sum(done), "wall_s": round(wall, 2), "sessions_per_process": split,
                     "gateway_cpu_ns_per_byte": round(cpu["gateway"] * 1e9 / moved, 3) if moved else None,
+                    # Each role's CPU per byte moved: what one core of the machine buys of it.
+                    "cpu_ns_per_byte": {role: round(c * 1e9 / moved, 3) if moved else None for role, c in cpu.items()},
                     "cores_used": {role: round(c / wall, 2) for role, c in cpu.items()},
                     "load_average_1m": round(os.getloadavg()[0], 2),
                 }
@@ -559,4 +577,13 @@ def run_gateway_processes_bench(*, quick: bool = False, workers: int = 4, batch:
                     f"{out[f'processes_{procs}']['cores_used']}")  # type: ignore[index]
     one, two = out["processes_1"], out["processes_2"]
     out["gateway_processes_2_over_1_mb_s"] = round(two["mb_s"] / one["mb_s"], 3) if one["mb_s"] else None  # type: ignore[index, operator]
+    # What this machine allows at best, from the one-process run's CPU per byte: one process
+    # relays at most 1/g bytes a second (one core), two at most 2/g, and all roles together
+    # at most cores/t, where g is the gateway's ns/byte and t every role's.
+    per_byte = one["cpu_ns_per_byte"]  # type: ignore[index]
+    g, t = per_byte["gateway"], sum(per_byte.values())
+    if g and t:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        out["gateway_share_of_cpu_per_byte"] = round(g / t, 3)
+        out["ceiling_2_over_1_on_this_machine"] = round(min(2 / g, cores / t) / min(1 / g, cores / t), 3)
     return out
