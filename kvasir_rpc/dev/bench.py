@@ -270,6 +270,7 @@ def run_bench(*, quick: bool = False, say: Callable[[str], None] = print) -> dic
     ratios["gateway_processes_2_over_1_mb_s"] = gateway_processes["gateway_processes_2_over_1_mb_s"]  # type: ignore[assignment]
     figures["gateway_processes_1_mb_s_b512"] = gateway_processes["processes_1"]["mb_s"]  # type: ignore[index]
     figures["gateway_processes_2_mb_s_b512"] = gateway_processes["processes_2"]["mb_s"]  # type: ignore[index]
+    figures["gateway_processes_ceiling_2_over_1"] = gateway_processes.get("ceiling_2_over_1_on_this_machine")
     return {"dispatch": paths, "wire": wire, "decode": decode, "ratios": ratios, "figures": figures,
             "gateway_processes": gateway_processes,
             "machine": {"cpus": os.cpu_count(), "torch_threads": 1}, "quick": quick}
