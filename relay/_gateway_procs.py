@@ -166,7 +166,7 @@ def supervise(args: argparse.Namespace) -> int:
             # Children stop on the parent's SIGTERM only: a Ctrl-C in a terminal reaches the
             # whole process group, and the parent then stops them itself, in order.
             child.proc = subprocess.Popen(_child_argv(args, port, child), stdin=subprocess.DEVNULL,
-                                          start_new_session=True,
+                                          start_new_session=True, preexec_fn=_die_with_parent,
                                           pass_fds=(child.public.fileno(), child.hub.fileno()))
             child.started_at = time.monotonic()
             child.restart_at = None
@@ -206,6 +206,17 @@ def supervise(args: argparse.Namespace) -> int:
             _stop_all(children)
             for sock in (*publics, *hubs):
                 sock.close()
+
+
+def _die_with_parent() -> None:
+    """In a child, before it runs: SIGTERM when the parent dies (Linux), so a parent killed
+    without its chance to stop them leaves no gateway process behind holding the port."""
+    import ctypes
+
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGTERM))  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass  # not Linux: the parent's SIGTERM is the only stop
 
 
 def _watch(children: list[_Child], spawn, publish) -> None:  # type: ignore[no-untyped-def]
