@@ -10,6 +10,7 @@ exit status 2 (kvasir_rpc.fail)."""
 from __future__ import annotations
 
 import argparse
+import os
 import pathlib
 import signal
 import ssl
@@ -144,19 +145,21 @@ def _hub_state(args: argparse.Namespace):  # type: ignore[no-untyped-def]
 
 
 def _gateway_link(args: argparse.Namespace) -> tuple[str, ssl.SSLContext | None]:
-    """The token and TLS context for --gateway (checked: the URL, the token file, the CA
-    file), or the end of the program with one line naming the flag."""
+    """The token and TLS context for every --gateway (checked: the URLs, the token file, the
+    CA file), or the end of the program with one line naming the flag."""
     import urllib.parse
 
-    url = args.gateway
-    parts = urllib.parse.urlsplit(url)
-    if parts.scheme not in ("wss", "ws") or not parts.hostname:
-        fail(f"hub: --gateway {url}: a gateway's address is wss://HOST:PORT (ws:// only behind a TLS terminator)")
+    schemes = set()
+    for url in args.gateway:
+        parts = urllib.parse.urlsplit(url)
+        if parts.scheme not in ("wss", "ws") or not parts.hostname:
+            fail(f"hub: --gateway {url}: a gateway's address is wss://HOST:PORT (ws:// only behind a TLS terminator)")
+        schemes.add(parts.scheme)
     if args.gateway_token_file is None:
         fail("hub: --gateway needs --gateway-token-file: a copy of the file the gateway reads with --hub-token-file")
     token = _read_token("hub", "--gateway-token-file", args.gateway_token_file,
                         "copy here the file the gateway reads with --hub-token-file")
-    if parts.scheme != "wss":
+    if "wss" not in schemes:
         return token, None
     try:
         return token, ssl.create_default_context(cafile=str(args.ca_file) if args.ca_file else None)
@@ -218,7 +221,7 @@ def run_hub(args: argparse.Namespace) -> int:
             raise
         fail(err.line("hub", "--grpc"))
     config = HubConfig(listen_host=args.listen[0], listen_port=args.listen[1], grpc_host=grpc_host,
-                       gateway_url=args.gateway, gateway_token=token, gateway_ssl=gateway_ssl,
+                       gateway_urls=tuple(args.gateway or ()), gateway_token=token, gateway_ssl=gateway_ssl,
                        keepalive_s=args.keepalive, keepalive_timeout_s=args.keepalive_timeout,
                        backbone_token=backbone_token, target_auth_timeout_s=args.target_auth_timeout,
                        model_shape=shape, max_sessions_per_wallet=args.max_sessions_per_wallet,
@@ -298,6 +301,12 @@ def run_gateway(args: argparse.Namespace) -> int:
     from kvasir_rpc import check_secret_mode
     from relay._gateway import GatewayConfig, serve_gateway
 
+    if args.processes < 1:
+        fail(f"gateway: --processes must be at least 1 (got {args.processes})")
+    if args.processes > 1:
+        from relay._gateway_procs import supervise
+
+        return supervise(args)
     configure_logging("gateway", level=args.log_level)
     install_fast_masking()
     log = get_logger("relay")
@@ -305,7 +314,11 @@ def run_gateway(args: argparse.Namespace) -> int:
     if not args.cert and not args.insecure_plain_ws:
         fail("gateway: give --cert and --key (kvasir certs makes a development pair), or --insecure-plain-ws "
              "behind a TLS terminator")
-    _check_listen("gateway", ("--listen", address), *([("--http", _address(*args.http))] if args.http else []))
+    # A process of several (--processes) serves listening sockets its parent made and holds.
+    child = args.listen_fd is not None
+    _check_listen("gateway", *([] if child else [("--listen", address)]),
+                  *([("--hub-listen", _address(*args.hub_listen))] if args.hub_listen and not child else []),
+                  *([("--http", _address(*args.http))] if args.http else []))
     token = _read_token("gateway", "--hub-token-file", args.hub_token_file,
                         f"make one with {_new_token_hint(args.hub_token_file)} and give hubs a copy "
                         "(their --gateway-token-file)")
@@ -325,14 +338,16 @@ def run_gateway(args: argparse.Namespace) -> int:
         max_unpaired=args.max_unpaired, max_sessions=args.max_sessions, keepalive_s=args.keepalive,
         idle_timeout_s=args.idle_timeout, new_connections_per_ip_per_s=args.max_new_per_ip,
         max_sessions_per_address=args.max_sessions_per_address, max_buffered_bytes=args.max_buffered_bytes,
-        message_deadline_s=args.message_deadline,
+        message_deadline_s=args.message_deadline, shared_port=child, listen_fd=args.listen_fd, hub_fd=args.hub_fd,
+        hub_host=args.hub_listen[0] if args.hub_listen else None, hub_port=args.hub_listen[1] if args.hub_listen else None,
     )
 
     failed: list[str] = []
 
     async def run() -> None:
         async with trio.open_nursery() as nursery:
-            started = await _start_listening(nursery, failed, "gateway", "--listen", address, serve_gateway, config)
+            flag = "--listen" if args.hub_listen is None else "--listen/--hub-listen"
+            started = await _start_listening(nursery, failed, "gateway", flag, address, serve_gateway, config)
             if started is None:
                 return
             port, gw = started
@@ -343,8 +358,10 @@ def run_gateway(args: argparse.Namespace) -> int:
                     nursery.cancel_scope.cancel()
                     return
             log.info("gateway listening", address=f"{config.host}:{port}", tls=ctx is not None,
+                     hub_address=_address(config.hub_host or config.host, gw.hub_port) if gw.hub_port else None,
                      metrics=f"http://{_address(args.http[0], http_port)}/metrics" if http_port else None)
-            write_ready_file(args.ready_file, {"port": port, "http_port": http_port})
+            write_ready_file(args.ready_file, {"port": port, "http_port": http_port, "hub_port": gw.hub_port,
+                                               "pid": os.getpid()})
             await _until_signal(nursery, log, "gateway")
 
     stops: list[Callable[[], None]] = []
@@ -393,7 +410,10 @@ def build_parser() -> argparse.ArgumentParser:
                      help="bytes of unfinished messages on direct connections, in all (more: close 1013)")
     hub.add_argument("--message-deadline", type=float, default=30.0,
                      help="seconds a message may stay unfinished on a direct connection (then close 1008)")
-    hub.add_argument("--gateway", help="wss://HOST:PORT of a public gateway to take sessions from")
+    hub.add_argument("--gateway", action="append", metavar="URL",
+                     help="wss://HOST:PORT of a public gateway to take sessions from; repeat it for several gateway "
+                          "hosts, or for each process of a gateway run with --processes (at its --hub-listen ports): "
+                          "one control connection each")
     hub.add_argument("--gateway-token-file", type=pathlib.Path, help="file holding the gateway's hub token")
     hub.add_argument("--ca-file", type=pathlib.Path, help="CA bundle to verify the gateway (default: system trust)")
     hub.add_argument("--ledger", metavar="HOST:PORT", help="LedgerService to deliver signed byte receipts to")
@@ -448,7 +468,23 @@ def build_parser() -> argparse.ArgumentParser:
                     help="serve Prometheus metrics at http://HOST:PORT/metrics (port 0: any free port, written to "
                          "--ready-file as http_port); off without it. Counters only, no addresses: still, keep it "
                          "on a private network")
-    gw.add_argument("--ready-file", type=pathlib.Path, help="write {port, http_port} here once listening")
+    gw.add_argument("--processes", type=int, default=1,
+                    help="serve with this many processes sharing the --listen port (SO_REUSEPORT: the kernel spreads "
+                         "workers over them), under a parent that restarts one that dies; needs --hub-listen. Limits "
+                         "apply per process; each serves its own --http (PORT+i)")
+    gw.add_argument("--hub-listen", type=hostport(), metavar="HOST:PORT",
+                    help="an address of its own for hubs (hub paths are still served on --listen with one process); "
+                         "with --processes N process i listens on PORT+i (port 0: any free port, in --ready-file) and "
+                         "hubs take one --gateway per process")
+    gw.add_argument("--listen-fd", type=int, metavar="FD",
+                    help="serve this inherited listening socket instead of binding --listen (set by --processes for "
+                         "each of its processes; hub paths are then refused on it, 421)")
+    gw.add_argument("--hub-fd", type=int, metavar="FD",
+                    help="serve hubs on this inherited listening socket instead of binding --hub-listen (set by "
+                         "--processes)")
+    gw.add_argument("--ready-file", type=pathlib.Path,
+                    help="write {port, http_port, hub_port, pid} here once listening; with --processes also "
+                         "children: [{index, pid, hub_port, http_port}], once all listen")
     add_log_level(gw, "info")
     gw.set_defaults(func=run_gateway)
     return parser

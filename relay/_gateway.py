@@ -85,6 +85,17 @@ class GatewayConfig:
     new_connections_per_ip_per_s: float = 50.0
     max_connections: int = 4096
     rate_table_size: int = 65536
+    # One process of several (``--processes``): the public port is shared with the others
+    # (SO_REUSEPORT, the kernel spreads connections), so a hub's connection to it could land
+    # on any of them and its data connection on another than its pairing's. Hubs then
+    # connect to this process's own hub-facing port and the public port refuses hub paths (421).
+    shared_port: bool = False
+    hub_host: str | None = None  # listen for hubs here too (port 0: any free port)
+    hub_port: int | None = None
+    # Listening sockets handed down by the parent (``--processes``), instead of binding
+    # ``port`` and ``hub_port``: they outlive a child, so a restarted one serves the same ports.
+    listen_fd: int | None = None
+    hub_fd: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -167,6 +178,7 @@ class Gateway:
         self._relayed_bytes = [0, 0]
         self._relayed_messages = [0, 0]
         self._closed: dict[tuple[str, int], int] = {}
+        self.hub_port: int | None = None  # the hub-facing port, once listening (config.hub_port)
         self._admitting = 0  # workers between the capacity check and their _pending entry
         # Every refusal is counted here and logged one line each, rate-limited per reason.
         self.refusals = RefusalLog(log)
@@ -213,7 +225,15 @@ class Gateway:
         want = f"Bearer {self.config.hub_token}".encode()
         return bool(self.config.hub_token) and hmac.compare_digest(got, want)
 
-    async def handle(self, stream: trio.SocketStream) -> None:
+    async def handle_hub_side(self, stream: trio.SocketStream) -> None:
+        """A connection to this process's own hub-facing port: hub paths always allowed."""
+        await self.handle(stream, hub_paths=True)
+
+    async def handle(self, stream: trio.SocketStream, *, hub_paths: bool | None = None) -> None:
+        """Serve one connection; ``hub_paths`` (default: unless the public port is shared)
+        whether hub paths are served on it."""
+        if hub_paths is None:
+            hub_paths = not self.config.shared_port
         try:
             peer = stream.socket.getpeername()
             remote = f"{peer[0]}:{peer[1]}"
@@ -230,7 +250,7 @@ class Gateway:
             return
         self._connections += 1
         try:
-            await self._handle(stream, remote)
+            await self._handle(stream, remote, hub_paths=hub_paths)
         except Exception:  # one connection's failure must never stop the gateway
             self._refuse("internal_error", remote=remote)
             log.exception("connection handler failed", remote=remote)
@@ -239,7 +259,7 @@ class Gateway:
             with trio.CancelScope(shield=True):
                 await stream.aclose()
 
-    async def _handle(self, raw: trio.SocketStream, remote: str) -> None:
+    async def _handle(self, raw: trio.SocketStream, remote: str, *, hub_paths: bool = True) -> None:
         cfg = self.config
         stream: trio.abc.Stream = raw
         try:
@@ -250,7 +270,7 @@ class Gateway:
                     stream = tls
                 try:
                     req = await read_request(stream)
-                    ws = await self._route(stream, req, remote)
+                    ws = await self._route(stream, req, remote, hub_paths=hub_paths)
                 except HttpError as exc:  # nothing was sent yet: answer it if anyone listens
                     refusal = http_error_refusal(exc)
                     if refusal is not None:
@@ -282,7 +302,8 @@ class Gateway:
             if kind == "worker":
                 self._release_address(extra)
 
-    async def _route(self, stream: trio.abc.Stream, req: HttpRequest, remote: str):  # type: ignore[no-untyped-def]
+    async def _route(self, stream: trio.abc.Stream, req: HttpRequest, remote: str,  # type: ignore[no-untyped-def]
+                     *, hub_paths: bool = True):
         cfg = self.config
 
         async def refuse(why: str, status: int, body: str, *, headers: tuple[tuple[str, str], ...] = (),
@@ -342,6 +363,13 @@ class Gateway:
                 self._admitting -= 1
             return "worker", sock, source
         if path == HUB_CONTROL_PATH or path.startswith(HUB_DATA_PREFIX):
+            if not hub_paths:
+                # Another process of this gateway may hold the pairing: a hub must reach each
+                # process at its own address, or its data connections would miss their worker.
+                return await refuse("hub_port", 421, "this gateway runs several processes sharing this port: "
+                                    "hubs connect to each process's own --hub-listen address (one --gateway "
+                                    "each)\n", hint="a hub dialled the shared public port of a gateway run with "
+                                    "--processes: give the hub one --gateway per process, at the --hub-listen ports")
             if not self._authorized(req):
                 # A hub with the wrong token retries nothing (it stops), but its operator may not
                 # see why: say it here too, where the gateway's operator looks.
@@ -454,13 +482,34 @@ class Gateway:
             self._closed[key] = self._closed.get(key, 0) + 1
 
 
+def _inherited_listener(fd: int) -> trio.SocketListener:
+    """A listener on a listening socket handed down by the parent process (``--processes``)."""
+    import socket as _socket
+
+    return trio.SocketListener(trio.socket.from_stdlib_socket(_socket.socket(fileno=fd)))
+
+
 async def serve_gateway(config: GatewayConfig, *, task_status=trio.TASK_STATUS_IGNORED) -> None:  # type: ignore[no-untyped-def]
-    """Listen on ``config.host:port`` until cancelled; ``task_status.started((port, gateway))``."""
+    """Listen on ``config.host:port`` (or the inherited ``listen_fd``) and, with ``hub_port``
+    (or ``hub_fd``), on ``hub_host:hub_port`` for hubs, until cancelled;
+    ``task_status.started((port, gateway))``, the hub-facing port in ``gateway.hub_port``."""
     gateway = Gateway(config)
-    listeners = await trio.open_tcp_listeners(config.port, host=config.host)
+    if config.listen_fd is not None:
+        listeners = [_inherited_listener(config.listen_fd)]
+    else:
+        listeners = await trio.open_tcp_listeners(config.port, host=config.host)
     port = listeners[0].socket.getsockname()[1]
+    hub_listeners = []
+    if config.hub_fd is not None:
+        hub_listeners = [_inherited_listener(config.hub_fd)]
+    elif config.hub_port is not None:
+        hub_listeners = await trio.open_tcp_listeners(config.hub_port, host=config.hub_host or config.host)
+    if hub_listeners:
+        gateway.hub_port = hub_listeners[0].socket.getsockname()[1]
     async with trio.open_nursery() as nursery:
         nursery.start_soon(gateway.refusals.run)
         nursery.start_soon(gateway.trimmer.run)
         await nursery.start(trio.serve_listeners, gateway.handle, listeners)
+        if hub_listeners:
+            await nursery.start(trio.serve_listeners, gateway.handle_hub_side, hub_listeners)
         task_status.started((port, gateway))

@@ -92,6 +92,9 @@ class HubConfig:
     keepalive_timeout_s: float = KEEPALIVE_TIMEOUT_S
     # Public gateway to keep a control connection to (wss://HOST:PORT), with its hub token.
     gateway_url: str | None = None
+    # More gateways (several hosts, or each process of a gateway run with --processes): one
+    # control connection each, each with its own backoff; the same token and TLS context.
+    gateway_urls: tuple[str, ...] = ()
     gateway_token: str = ""
     gateway_ssl: ssl.SSLContext | None = None
     # The secret shared with the backbone (kvasir_rpc._access): a session's target is spliced
@@ -595,11 +598,13 @@ async def serve_hub(
         nursery.start_soon(hub.refusals.run)
         nursery.start_soon(hub.trimmer.run)
         await nursery.start(server.run)
-        if config.gateway_url:
+        gateways = list(dict.fromkeys([*([config.gateway_url] if config.gateway_url else []), *config.gateway_urls]))
+        if gateways:
             from relay._hub_gateway import GatewayLink
 
-            link = GatewayLink(functools.partial(hub.serve_connection, via_gateway=True), config.gateway_url,
-                               config.gateway_token,
-                               ssl_context=config.gateway_ssl)
-            await nursery.start(link.run)  # a refused token or certificate stops the hub here
+            for url in gateways:
+                link = GatewayLink(functools.partial(hub.serve_connection, via_gateway=True), url,
+                                   config.gateway_token,
+                                   ssl_context=config.gateway_ssl)
+                await nursery.start(link.run)  # a refused token or certificate stops the hub here
         task_status.started(intake.port)

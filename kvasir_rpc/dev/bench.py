@@ -25,7 +25,7 @@ from collections.abc import Callable, Iterator
 
 import grpc
 
-__all__ = ["run_bench", "make_bench_checkpoint"]
+__all__ = ["run_bench", "make_bench_checkpoint", "run_gateway_processes_bench"]
 
 HIDDEN, INTER = 2048, 768
 BATCHES = (1, 8, 64, 512)
@@ -269,7 +269,14 @@ def run_bench(*, quick: bool = False, say: Callable[[str], None] = print) -> dic
     hops = run_hop_bench(quick=quick, say=say)
     figures.update(hop_figures(hops))
     figures["session_changes"] = session_changes  # workers that reconnected mid-run (should be empty)
+    say("gateway processes: aggregate MB/s through a TLS gateway, 1 process vs --processes 2")
+    gateway_processes = run_gateway_processes_bench(quick=quick, say=say)
+    ratios["gateway_processes_2_over_1_mb_s"] = gateway_processes["gateway_processes_2_over_1_mb_s"]  # type: ignore[assignment]
+    figures["gateway_processes_1_mb_s_b512"] = gateway_processes["processes_1"]["mb_s"]  # type: ignore[index]
+    figures["gateway_processes_2_mb_s_b512"] = gateway_processes["processes_2"]["mb_s"]  # type: ignore[index]
+    figures["gateway_processes_ceiling_2_over_1"] = gateway_processes.get("ceiling_2_over_1_on_this_machine")
     return {"dispatch": paths, "wire": wire, "decode": decode, "hops": hops, "ratios": ratios, "figures": figures,
+            "gateway_processes": gateway_processes,
             "machine": {"cpus": os.cpu_count(), "torch_threads": 1}, "quick": quick}
 
 
@@ -618,3 +625,180 @@ def decode_hop_figures(decode: dict[str, object]) -> dict[str, object]:
     figures["decode_backbone_cpu_ms_per_token_local"] = hops["local"]["backbone_decode_cpu_ms_per_token"]
     figures["decode_backbone_cpu_ms_per_token_rtt0"] = hops["rtt0"]["backbone_decode_cpu_ms_per_token"]
     return figures
+# The relay bench's expert: Qwen3-30B-A3B's hidden width (the bytes on the wire) with an
+# intermediate of 8, so computing it costs next to nothing and the relays carry the load.
+_RELAY_INTER = 8
+
+
+def _make_relay_checkpoint(directory: pathlib.Path) -> pathlib.Path:
+    """One MoE layer of one expert, hidden 2048 and intermediate 8: calls as large as the
+    dispatch bench's, computed almost for free ("echo-ish")."""
+    import torch
+    from safetensors.torch import save_file
+
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "config.json").write_text(json.dumps({
+        "model_type": "qwen3_moe", "num_hidden_layers": 1, "num_experts": 1, "hidden_size": HIDDEN,
+        "moe_intermediate_size": _RELAY_INTER, "hidden_act": "silu", "dtype": "float32",
+    }))
+    g = torch.Generator().manual_seed(0)
+    p = "model.layers.0.mlp.experts.0"
+    save_file({f"{p}.gate_proj.weight": torch.randn(_RELAY_INTER, HIDDEN, generator=g) * 0.02,
+               f"{p}.up_proj.weight": torch.randn(_RELAY_INTER, HIDDEN, generator=g) * 0.02,
+               f"{p}.down_proj.weight": torch.randn(HIDDEN, _RELAY_INTER, generator=g) * 0.02},
+              str(directory / "model.safetensors"), metadata={"format": "pt"})
+    return directory
+
+
+class _RawStream(_Stream):
+    """A Dispatch stream of serialized messages, both ways: the caller pays no protobuf
+    encoding or parsing, so the relays, not this process, carry the load."""
+
+    def __init__(self, target: str, metadata: tuple[tuple[str, str], ...] = ()) -> None:
+        self.channel = grpc.insecure_channel(target, options=[("grpc.max_receive_message_length", 256 << 20),
+                                                             ("grpc.max_send_message_length", 256 << 20)])
+        grpc.channel_ready_future(self.channel).result(timeout=30)
+        self.q = queue.SimpleQueue()
+        dispatch = self.channel.stream_stream("/kvasir.v1.ExpertService/Dispatch")  # no (de)serializers: bytes
+        self.responses = dispatch(self._iter(), metadata=metadata)
+
+
+def _gateway_split(sw, children: list[dict[str, object]]) -> list[int]:  # type: ignore[no-untyped-def]
+    """Sessions per gateway process, from each one's /metrics."""
+    import re
+    import urllib.request
+
+    out = []
+    for child in children:
+        with urllib.request.urlopen(f"http://127.0.0.1:{child['http_port']}/metrics", timeout=10) as resp:
+            found = re.search(r"^kvasir_gateway_sessions (\S+)$", resp.read().decode(), re.MULTILINE)
+        out.append(int(float(found.group(1))) if found else 0)
+    return out
+
+
+def _process_tree_cpu(pid: int) -> float:
+    """CPU seconds (user + system) of a process and its live children."""
+    import psutil
+
+    try:
+        root = psutil.Process(pid)
+        total = 0.0
+        for p in (root, *root.children(recursive=True)):
+            t = p.cpu_times()
+            total += t.user + t.system
+        return total
+    except psutil.Error:
+        return 0.0
+
+
+def run_gateway_processes_bench(*, quick: bool = False, workers: int = 4, batch: int = 512,
+                                say: Callable[[str], None] = print) -> dict[str, object]:
+    """Aggregate MB/s through a TLS gateway run with one process and with two
+    (``--processes 2``), same load: ``workers`` workers of an almost free expert (hidden
+    2048, so the bytes are the dispatch bench's), each with one caller thread in this process
+    keeping two batch-``batch`` calls in flight. With two processes the workers are
+    rebalanced (a worker restarted connects again) until each process holds half of them:
+    the kernel spreads connections by a hash, and four connections may all land on one.
+    Reports MB/s (request tensors + partials), the gateway's CPU per byte, and the cores
+    each role used (gateway, hub, workers, callers), so what limits the figure is visible:
+    on a 2-core machine every role shares two cores. Nothing is pinned."""
+    import threading
+
+    import torch
+
+    from kvasir_rpc import TARGET_KEY_METADATA, encode_tensor, expert_pb2, target_key
+    from kvasir_rpc.dev.swarm import LocalSwarm, SwarmError
+
+    seconds = 6.0 if quick else 15.0
+    out: dict[str, object] = {"workers": workers, "batch": batch, "seconds": seconds, "cpus": os.cpu_count()}
+    g = torch.Generator().manual_seed(2)
+    hidden, weights = torch.randn(batch, HIDDEN, generator=g), torch.rand(batch, generator=g)
+    req = expert_pb2.DispatchRequest(call_id=1, layer=0, hidden=encode_tensor(hidden), weights=encode_tensor(weights),
+                                     segments=[expert_pb2.ExpertSegment(expert=0, rows=batch)])
+    wire = req.SerializeToString()
+    payload = (2 * hidden.numel() + weights.numel()) * 4  # request tensors + partials
+    with tempfile.TemporaryDirectory(prefix="kvasir-bench-gwprocs-") as tmp:
+        ckpt = _make_relay_checkpoint(pathlib.Path(tmp) / "expert")
+        for procs in (1, 2):
+            with LocalSwarm(pathlib.Path(tmp) / f"p{procs}") as sw:
+                say(f"gateway with {procs} process(es): TLS, a hub, {workers} workers, {workers} callers")
+                info = sw.start_gateway(processes=procs, http=True)
+                sw.start_hub(gateway=True)
+                names = [f"worker{i}" for i in range(workers)]
+                for name in names:
+                    sw.start_worker(name, ckpt, "0:0", via="gateway")
+                sessions = sw.wait_sessions(workers, timeout=300, watch=["gateway", *names])
+                split = None
+                if procs > 1:
+                    children = info["children"]  # type: ignore[assignment]
+                    split = _gateway_split(sw, children)  # type: ignore[arg-type]
+                    for attempt in range(8):
+                        if max(split) - min(split) <= workers % procs:
+                            break
+                        # Restart workers until the split is even: which one sits on the
+                        # fuller process is not visible here, so any, in turn.
+                        victim = names[attempt % workers]
+                        sw.stop_process(victim)
+                        sw.start_worker(victim, ckpt, "0:0", via="gateway")
+                        deadline = time.monotonic() + 120
+                        while len(sw.list_sessions()) < workers or sum(_gateway_split(sw, children)) < workers:  # type: ignore[arg-type]
+                            if time.monotonic() > deadline:
+                                raise SwarmError(f"{victim} did not come back within 120 s")
+                            time.sleep(0.2)
+                        split = _gateway_split(sw, children)  # type: ignore[arg-type]
+                    sessions = sw.list_sessions()
+                    say(f"  sessions per process: {split}")
+                streams = [_RawStream(s.target, ((TARGET_KEY_METADATA, target_key(sw.backbone_token, s.session_id)),))
+                           for s in sessions]
+                try:
+                    for stream in streams:
+                        answer = stream.call(wire)  # warm up, and check the answer's size
+                        if not isinstance(answer, bytes) or len(answer) < hidden.numel() * 4:
+                            raise SwarmError(f"the worker answered {len(answer) if isinstance(answer, bytes) else answer}")
+                    done = [0] * len(streams)
+                    stop_at = [0.0]
+
+                    def caller(i: int) -> None:
+                        while time.perf_counter() < stop_at[0]:
+                            streams[i].burst(wire, 4, 2)
+                            done[i] += 4
+
+                    pids = {"gateway": [sw.procs["gateway"].pid], "hub": [sw.procs["hub"].pid],
+                            "workers": [sw.procs[n].pid for n in names], "callers": [os.getpid()]}
+                    cpu0 = {role: sum(_process_tree_cpu(p) for p in ps) for role, ps in pids.items()}
+                    t0 = time.perf_counter()
+                    stop_at[0] = t0 + seconds
+                    threads = [threading.Thread(target=caller, args=(i,), daemon=True) for i in range(len(streams))]
+                    for t in threads:
+                        t.start()
+                    for t in threads:
+                        t.join(timeout=seconds + 120)
+                    wall = time.perf_counter() - t0
+                    cpu = {role: sum(_process_tree_cpu(p) for p in ps) - cpu0[role] for role, ps in pids.items()}
+                finally:
+                    for stream in streams:
+                        stream.close()
+                moved = sum(done) * payload
+                mb_s = round(moved / wall / 1e6, 1)
+                out[f"processes_{procs}"] = {
+                    "mb_s": mb_s, "calls": sum(done), "wall_s": round(wall, 2), "sessions_per_process": split,
+                    "gateway_cpu_ns_per_byte": round(cpu["gateway"] * 1e9 / moved, 3) if moved else None,
+                    # Each role's CPU per byte moved: what one core of the machine buys of it.
+                    "cpu_ns_per_byte": {role: round(c * 1e9 / moved, 3) if moved else None for role, c in cpu.items()},
+                    "cores_used": {role: round(c / wall, 2) for role, c in cpu.items()},
+                    "load_average_1m": round(os.getloadavg()[0], 2),
+                }
+                say(f"  {mb_s} MB/s over {sum(done)} calls; cores used "
+                    f"{out[f'processes_{procs}']['cores_used']}")  # type: ignore[index]
+    one, two = out["processes_1"], out["processes_2"]
+    out["gateway_processes_2_over_1_mb_s"] = round(two["mb_s"] / one["mb_s"], 3) if one["mb_s"] else None  # type: ignore[index, operator]
+    # What this machine allows at best, from the one-process run's CPU per byte: one process
+    # relays at most 1/g bytes a second (one core), two at most 2/g, and all roles together
+    # at most cores/t, where g is the gateway's ns/byte and t every role's.
+    per_byte = one["cpu_ns_per_byte"]  # type: ignore[index]
+    g, t = per_byte["gateway"], sum(per_byte.values())
+    if g and t:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        out["gateway_share_of_cpu_per_byte"] = round(g / t, 3)
+        out["ceiling_2_over_1_on_this_machine"] = round(min(2 / g, cores / t) / min(1 / g, cores / t), 3)
+    return out

@@ -222,6 +222,13 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         say(hop_table(hops))
         print(json.dumps({"hops": hops} if args.json else {"figures": hop_figures(hops)}, indent=None if args.json else 2))
         return 0
+    if args.gateway_processes:
+        from kvasir_rpc.dev.bench import run_gateway_processes_bench
+
+        say("gateway processes: aggregate MB/s through a TLS gateway, 1 process vs --processes 2")
+        procs = run_gateway_processes_bench(quick=args.quick, say=say)
+        print(json.dumps(procs, indent=None if args.json else 2))
+        return 0
     result = run_bench(quick=args.quick, say=say)
     if args.json:
         print(json.dumps(result))
@@ -456,6 +463,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--hops", action="store_true",
                        help="only the fabric's cost by hop: CPU ns per byte of the client, hub, gateway and worker "
                             "at batch 512 (under 2 minutes)")
+    bench.add_argument("--gateway-processes", action="store_true",
+                       help="only the gateway's scaling: aggregate MB/s through a TLS gateway with 1 process and with "
+                            "--processes 2, 4 workers and 4 callers")
     bench.set_defaults(func=_cmd_bench)
     certs = add(sub, "certs", help="make a development CA and a gateway certificate")
     certs.add_argument("dir", type=pathlib.Path, nargs="?", default=DEFAULT_CERTS_DIR,

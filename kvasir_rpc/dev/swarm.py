@@ -55,6 +55,8 @@ class LocalSwarm:
         self.hub_http_port = 0
         self.gateway_port = 0
         self.gateway_tls = True
+        # Every gateway started, by process name: its ready info (port, hub_port, children...).
+        self.gateways: dict[str, dict[str, object]] = {}
         self.ledger_port = 0
         # The --http port of each component started with it, by process name ("gateway", ...).
         self.http_ports: dict[str, int] = {}
@@ -143,9 +145,12 @@ class LocalSwarm:
         return f"{'wss' if self.gateway_tls else 'ws'}://127.0.0.1:{self.gateway_port}"
 
     def start_gateway(self, *, port: int = 0, tls: bool = True, http: bool = False, extra: Sequence[str] = (),
-                      timeout: float = 30.0) -> None:
-        """Start the public gateway (dev certificates and a hub token made on first use); with
-        ``http`` its metrics on a free port (``http_ports["gateway"]``)."""
+                      timeout: float = 30.0, name: str = "gateway", processes: int = 1) -> dict[str, object]:
+        """Start a public gateway (dev certificates and a hub token made on first use); with
+        ``http`` its metrics on a free port (``http_ports[name]``; each process's in the
+        returned ready info's ``children`` with ``processes`` > 1, which also gives every
+        process its own hub-facing port). Several gateways (several "hosts") take distinct
+        names; ``gateway_port`` is the one named "gateway". Returns its ready info."""
         from kvasir_rpc.dev.certs import make_dev_certs
 
         if not self.ca_file.exists():
@@ -156,17 +161,99 @@ class LocalSwarm:
             from kvasir_rpc import write_secret
 
             write_secret(self.token_file, secrets.token_urlsafe(32) + "\n")
-        ready = self.workdir / "gateway.ready.json"
+        ready = self.workdir / f"{name}.ready.json"
         ready.unlink(missing_ok=True)
         certs = self.workdir / "certs"
         tls_args = ["--cert", str(certs / "gateway.pem"), "--key", str(certs / "gateway.key")] if tls else ["--insecure-plain-ws"]
-        self._spawn("gateway", ["-m", "relay", "gateway", "--listen", f"127.0.0.1:{port}", *tls_args,
-                                "--hub-token-file", str(self.token_file), "--ready-file", str(ready),
-                                *(["--http", "127.0.0.1:0"] if http else []), *extra])
+        procs = ["--processes", str(processes), "--hub-listen", "127.0.0.1:0"] if processes > 1 else []
+        self._spawn(name, ["-m", "relay", "gateway", "--listen", f"127.0.0.1:{port}", *tls_args,
+                           "--hub-token-file", str(self.token_file), "--ready-file", str(ready),
+                           *(["--http", "127.0.0.1:0"] if http else []), *procs, *extra])
         self.gateway_tls = tls
-        info = self._wait_ready("gateway", ready, timeout)
-        self.gateway_port = int(info["port"])  # type: ignore[call-overload]
-        self._keep_http_port("gateway", info)
+        info = self._wait_ready(name, ready, timeout)
+        info["tls"] = tls
+        self.gateways[name] = info
+        if name == "gateway":
+            self.gateway_port = int(info["port"])  # type: ignore[call-overload]
+        self._keep_http_port(name, info)
+        return info
+
+    def gateway_info(self, name: str = "gateway") -> dict[str, object]:
+        """The gateway's ready info as it is now (re-read: a restarted process changes it)."""
+        info: dict[str, object] = json.loads((self.workdir / f"{name}.ready.json").read_text())
+        info["tls"] = self.gateways[name]["tls"]
+        return info
+
+    def gateway_hub_urls(self, name: str | None = None) -> list[str]:
+        """The URLs a hub takes as --gateway for gateway ``name`` (every gateway started by
+        default): one per process, at its hub-facing port, for one with several processes."""
+        out: list[str] = []
+        for gw, info in self.gateways.items():
+            if name is not None and gw != name:
+                continue
+            scheme = "wss" if info["tls"] else "ws"
+            children = info.get("children")
+            ports = [c["hub_port"] for c in children] if children else [info["port"]]  # type: ignore[attr-defined, index]
+            out += [f"{scheme}://127.0.0.1:{p}" for p in ports]
+        return out
+
+    def wait_gateway_restarted(self, name: str, index: int, old_pid: int, timeout: float = 30.0) -> dict[str, object]:
+        """Wait until process ``index`` of gateway ``name`` (run with --processes) was
+        replaced by a new one that listens; the new ready info."""
+        deadline = time.monotonic() + timeout
+        while True:
+            self._check_alive(name)
+            try:
+                info = self.gateway_info(name)
+                child = info["children"][index]  # type: ignore[index]
+                if child["pid"] != old_pid and child["restarts"]:
+                    return info
+            except (OSError, ValueError, KeyError):
+                pass  # being rewritten
+            if time.monotonic() > deadline:
+                raise SwarmError(f"{name} process {index} not restarted after {timeout}s; see {self.logs / (name + '.log')}")
+            time.sleep(0.1)
+
+    def start_tcp_balancer(self, upstream_ports: Sequence[int], *, name: str = "balancer",
+                           timeout: float = 30.0) -> int:
+        """HAProxy (Debian's package) in TCP mode in front of ``upstream_ports`` on 127.0.0.1,
+        as a load balancer in front of several gateway hosts: TLS passes through to the
+        gateways. Round robin; a connection refused by a dead upstream is redispatched to
+        another. Returns its port; SwarmError without HAProxy."""
+        import socket
+
+        haproxy = shutil.which("haproxy") or ("/usr/sbin/haproxy" if os.path.exists("/usr/sbin/haproxy") else None)
+        if haproxy is None:
+            raise SwarmError("haproxy not found: install Debian's haproxy (apt-get install haproxy)")
+        port = free_port()
+        conf = self.workdir / f"{name}.cfg"
+        servers = "\n".join(f"    server gw{i} 127.0.0.1:{p}" for i, p in enumerate(upstream_ports))
+        conf.write_text(f"""global
+    maxconn 4096
+defaults
+    mode tcp
+    timeout connect 2s
+    timeout client 1h
+    timeout server 1h
+    retries 3
+    option redispatch 1
+frontend workers
+    bind 127.0.0.1:{port}
+    default_backend gateways
+backend gateways
+    balance roundrobin
+{servers}
+""")
+        self._spawn(name, ["-db", "-f", str(conf)], program=haproxy)
+        deadline = time.monotonic() + timeout
+        while True:
+            self._check_alive(name)
+            with socket.socket() as s:
+                if s.connect_ex(("127.0.0.1", port)) == 0:
+                    return port
+            if time.monotonic() > deadline:
+                raise SwarmError(f"haproxy not listening after {timeout}s; see {self.logs / (name + '.log')}")
+            time.sleep(0.05)
 
     @property
     def hub_key_file(self) -> pathlib.Path:
@@ -210,10 +297,12 @@ class LocalSwarm:
         self._keep_http_port("ledger", info)
 
     def start_hub(self, *, gateway: bool = False, listen_port: int = 0, receipt_interval: float = 1.0,
-                  http: bool = False, extra: Sequence[str] = (), timeout: float = 30.0) -> None:
-        """Start the hub; with ``gateway`` it also keeps a control connection to our gateway, and
-        when a ledger runs it delivers receipts there. With ``http`` it serves its status page
-        and metrics on 127.0.0.1 (``status_url``)."""
+                  http: bool = False, extra: Sequence[str] = (), timeout: float = 30.0,
+                  gateway_urls: Sequence[str] | None = None) -> None:
+        """Start the hub; with ``gateway`` it also keeps a control connection to each of our
+        gateways (to each process of one run with several; ``gateway_urls`` instead when
+        given), and when a ledger runs it delivers receipts there. With ``http`` it serves its
+        status page and metrics on 127.0.0.1 (``status_url``)."""
         ready = self.workdir / "hub.ready.json"
         ready.unlink(missing_ok=True)
         from kvasir_rpc import load_or_create_token
@@ -229,8 +318,9 @@ class LocalSwarm:
             args += ["--http", "127.0.0.1:0"]
         args += list(extra)
         if gateway:
-            args += ["--gateway", self.gateway_url, "--gateway-token-file", str(self.token_file),
-                     "--ca-file", str(self.ca_file)]
+            for url in (gateway_urls if gateway_urls is not None else self.gateway_hub_urls()):
+                args += ["--gateway", url]
+            args += ["--gateway-token-file", str(self.token_file), "--ca-file", str(self.ca_file)]
         self._spawn("hub", args)
         info = self._wait_ready("hub", ready, timeout)
         self.hub_ws_port, self.hub_grpc_port = int(info["ws_port"]), int(info["grpc_port"])  # type: ignore[call-overload]
@@ -449,9 +539,13 @@ http {{
         # Workers first (they drain), then the hub, then the gateway. Processes of one rank
         # (all the workers) are signalled together and drain at once: a swarm of dozens of
         # workers stops in one worker's drain time, not in the sum of them.
-        order = {"hub": 1, "edge": 2, "gateway": 3, "ledger": 4}
-        for rank in sorted({order.get(n, 0) for n in self.procs}):
-            names = [n for n in self.procs if order.get(n, 0) == rank and self.procs[n].poll() is None]
+        order = {"hub": 1, "edge": 2, "balancer": 2, "gateway": 3, "ledger": 4}
+
+        def rank_of(name: str) -> int:
+            return order.get(name, 3 if name in self.gateways else 0)
+
+        for rank in sorted({rank_of(n) for n in self.procs}):
+            names = [n for n in self.procs if rank_of(n) == rank and self.procs[n].poll() is None]
             for name in names:
                 self.procs[name].send_signal(signal.SIGTERM)
             deadline = time.monotonic() + timeout
