@@ -1,5 +1,5 @@
 """python -m backbone generate --model DIR --hub HOST:PORT --hub-token-file PATH --prompt TEXT --max-new-tokens N
-[--batch B] [--compare-local] [--json]"""
+[--batch B] [--compare-local] [--assist lookup|draft] [--json]"""
 
 from __future__ import annotations
 
@@ -241,9 +241,12 @@ def _assist_args(g: argparse.ArgumentParser) -> None:
                         "verify them all in one forward pass, so one round trip per remote MoE layer can give "
                         "several tokens; 'lookup' guesses from the prompt's own n-grams (helps when the output "
                         "quotes the input), 'draft' from a small local model (--draft-model)")
-    g.add_argument("--assist-tokens", type=int, default=4, help="draft tokens verified per forward pass")
+    g.add_argument("--assist-tokens", type=int, default=4,
+                   help="draft tokens verified per forward pass at most (fewer after a wrong guess, more again "
+                        "after right ones)")
     g.add_argument("--assist-ngram", type=int, default=3,
-                   help="--assist lookup: the longest tail (in tokens) looked for earlier in the text")
+                   help="--assist lookup: the longest tail (in tokens) looked for earlier in the text; shorter "
+                        "ones down to 2 tokens are tried after it")
     g.add_argument("--draft-model", type=pathlib.Path,
                    help="--assist draft: a small checkpoint with the model's tokenizer, run here (all experts local)")
 

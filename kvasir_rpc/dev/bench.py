@@ -25,7 +25,7 @@ from collections.abc import Callable, Iterator
 
 import grpc
 
-__all__ = ["run_bench", "make_bench_checkpoint"]
+__all__ = ["run_bench", "make_bench_checkpoint", "run_assist_bench"]
 
 HIDDEN, INTER = 2048, 768
 BATCHES = (1, 8, 64, 512)
@@ -264,8 +264,13 @@ def run_bench(*, quick: bool = False, say: Callable[[str], None] = print) -> dic
     for rtt in RTTS_MS:
         ratios[f"decode_remote_over_local_rtt{rtt}"] = decode[f"rtt{rtt}"]["remote_over_local"]  # type: ignore[index]
     ratios["decode_audits_on_over_off_rtt0"] = decode["audit"]["on_over_off"]  # type: ignore[index]
+    say("one stream: plain greedy vs --assist lookup, every MoE layer through the gateway, RTT 13/50 ms")
+    assist = run_assist_bench(quick=quick, say=say)
+    figures.update(assist_keys(assist))
+    for rtt in ASSIST_RTTS_MS:
+        ratios[f"assist_over_plain_rtt{rtt}"] = assist[f"rtt{rtt}"]["assist_over_plain"]  # type: ignore[index]
     figures["session_changes"] = session_changes  # workers that reconnected mid-run (should be empty)
-    return {"dispatch": paths, "wire": wire, "decode": decode, "ratios": ratios, "figures": figures,
+    return {"dispatch": paths, "wire": wire, "decode": decode, "assist": assist, "ratios": ratios, "figures": figures,
             "machine": {"cpus": os.cpu_count(), "torch_threads": 1}, "quick": quick}
 
 
@@ -356,6 +361,72 @@ def run_decode_bench(*, quick: bool = False, say: Callable[[str], None] = print)
         out["audit"] = _audit_cost(sw, model, args_common, groups=int(out["rtt0"]["groups"]), rtt_file=rtt_file,  # type: ignore[index]
                                    say=say)
     return out
+
+
+ASSIST_RTTS_MS = (13, 50)
+ASSIST_PASSAGE = ("The swarm runs the dense layers here and sends each token's expert work to workers far away; "
+                  "a round trip per layer is the price of every token.")
+
+
+def run_assist_bench(*, quick: bool = False, say: Callable[[str], None] = print) -> dict[str, object]:
+    """Single-stream (batch 1) decode tokens/s with every MoE layer on two workers through the
+    TLS gateway behind the latency proxy, at RTT 13 and 50 ms: plain greedy decoding against
+    ``--assist lookup`` (drafts from the prompt's n-grams, verified in one forward pass per
+    step), on a prompt that quotes a passage and asks for it again; and with the model as its
+    own draft model (``--assist draft``), where every guess holds: the bound of what one
+    verifying pass per step gives. Reports the drafts' acceptance and whether the assisted
+    texts equal the plain one. The model's weights are random: it does not quote the passage
+    as a trained model would, so lookup's acceptance here is what its own repetitions give."""
+    from kvasir_rpc.dev.swarm import LocalSwarm
+
+    tokens = 24 if quick else 48
+    prompt = f"Passage: {ASSIST_PASSAGE}\nRepeat the passage word for word: {ASSIST_PASSAGE}"
+    args_common = ["--prompt", prompt, "--max-new-tokens", str(tokens), "--wait-sessions", "2"]
+    split = _core_split()
+    out: dict[str, object] = {"model": DECODE_MODEL, "new_tokens": tokens, "assist_tokens": 4, "assist_ngram": 3}
+    with tempfile.TemporaryDirectory(prefix="kvasir-bench-assist-") as tmp, LocalSwarm(tmp) as sw:
+        model, rtt_file = start_decode_swarm(sw, pathlib.Path(tmp), split, ("backbone",))
+        for rtt in ASSIST_RTTS_MS:
+            rtt_file.write_text(str(rtt))
+            time.sleep(0.3)  # the proxy re-reads the file every 0.1 s
+            plain = sw.run_backbone(["--model", str(model), *args_common])
+            assisted = sw.run_backbone(["--model", str(model), *args_common, "--assist", "lookup"])
+            # The model itself as its own draft (every expert local, so it costs a local decode
+            # of the guesses): every guess holds, the bound of what verifying in one pass gives.
+            ideal = sw.run_backbone(["--model", str(model), *args_common, "--assist", "draft", "--draft-model",
+                                     str(model)])
+            p, a = float(plain["decode_tokens_per_s"]), float(assisted["decode_tokens_per_s"])  # type: ignore[arg-type]
+            d = float(ideal["decode_tokens_per_s"])  # type: ignore[arg-type]
+            out[f"rtt{rtt}"] = {
+                "plain_tokens_per_s": p, "assist_tokens_per_s": a, "assist_over_plain": round(a / p, 3),
+                "ideal_draft_tokens_per_s": d, "ideal_draft_over_plain": round(d / p, 3),
+                "ideal_draft_tokens_per_step": ideal["tokens_per_step"],
+                "ideal_draft_texts_identical": plain["texts"] == ideal["texts"],
+                "texts_identical": plain["texts"] == assisted["texts"],
+                "acceptance_rate": assisted["acceptance_rate"], "tokens_per_step": assisted["tokens_per_step"],
+                "forward_passes_per_token": assisted["forward_passes_per_token"],
+                "plain_remote_calls_per_token": round(int(plain["remote_calls"]) / int(plain["n_tokens"]), 3),  # type: ignore[call-overload]
+                "assist_remote_calls_per_token": assisted["remote_calls_per_token"],
+            }
+            say(f"  rtt {rtt} ms, one stream: {p} tokens/s plain, {a} with --assist lookup ({round(a / p, 3)}x); "
+                f"{assisted['draft_tokens_accepted']} of {assisted['draft_tokens_proposed']} drafts accepted, "
+                f"{assisted['tokens_per_step']} tokens per step; same text: {plain['texts'] == assisted['texts']}; "
+                f"the model as its own draft: {d} tokens/s ({round(d / p, 3)}x, {ideal['tokens_per_step']} per step)")
+    return out
+
+
+def assist_keys(assist: dict[str, object]) -> dict[str, object]:
+    """The assist bench's flat keys: tokens/s with and without, and their ratio, by RTT."""
+    keys: dict[str, object] = {}
+    for rtt in ASSIST_RTTS_MS:
+        r = assist[f"rtt{rtt}"]
+        keys[f"single_stream_tokens_s_rtt{rtt}_plain"] = r["plain_tokens_per_s"]  # type: ignore[index]
+        keys[f"single_stream_tokens_s_rtt{rtt}_assist"] = r["assist_tokens_per_s"]  # type: ignore[index]
+        keys[f"assist_over_plain_rtt{rtt}"] = r["assist_over_plain"]  # type: ignore[index]
+        keys[f"assist_acceptance_rate_rtt{rtt}"] = r["acceptance_rate"]  # type: ignore[index]
+        keys[f"single_stream_tokens_s_rtt{rtt}_ideal_draft"] = r["ideal_draft_tokens_per_s"]  # type: ignore[index]
+        keys[f"ideal_draft_over_plain_rtt{rtt}"] = r["ideal_draft_over_plain"]  # type: ignore[index]
+    return keys
 
 
 def _audit_cost(sw, model: pathlib.Path, args_common: list[str], *, groups: int, rtt_file: pathlib.Path,  # type: ignore[no-untyped-def]

@@ -214,6 +214,13 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         service = run_service_bench(quick=args.quick, say=say)
         print(json.dumps(service if args.json else {"ratios": service["ratios"]}, indent=None if args.json else 2))
         return 0
+    if args.assist:
+        from kvasir_rpc.dev.bench import assist_keys, run_assist_bench
+
+        say("one stream: plain greedy vs --assist lookup, every MoE layer through the gateway, RTT 13/50 ms")
+        assist = run_assist_bench(quick=args.quick, say=say)
+        print(json.dumps(assist if args.json else assist_keys(assist), indent=None if args.json else 2))
+        return 0
     result = run_bench(quick=args.quick, say=say)
     if args.json:
         print(json.dumps(result))
@@ -445,6 +452,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--json", action="store_true", help="print the whole result as one JSON object")
     bench.add_argument("--service", action="store_true",
                        help="only the backbone service: 1, 8 and 32 concurrent callers, local vs remote")
+    bench.add_argument("--assist", action="store_true",
+                       help="only one stream's tokens/s at RTT 13 and 50 ms, plain vs --assist lookup")
     bench.set_defaults(func=_cmd_bench)
     certs = add(sub, "certs", help="make a development CA and a gateway certificate")
     certs.add_argument("dir", type=pathlib.Path, nargs="?", default=DEFAULT_CERTS_DIR,
