@@ -262,10 +262,15 @@ def _check_assist(parser: argparse.ArgumentParser, args: argparse.Namespace) -> 
                      "batch would accept different numbers of drafts per step")
     if args.assist_tokens < 1 or args.assist_ngram < 1:
         parser.error("--assist-tokens and --assist-ngram must be at least 1")
+    from backbone._assist_checks import config_cache_problem
+
+    why = config_cache_problem(args.model)
+    if why:
+        fail(f"backbone: --assist: cannot decode --model {args.model} so: {why}")
     if args.assist == "draft":
         if args.draft_model is None:
             parser.error("--assist draft needs --draft-model DIR (a small checkpoint with the model's tokenizer)")
-        from backbone._assist import config_vocab_size
+        from backbone._assist_checks import config_vocab_size
 
         draft_vocab, vocab = config_vocab_size(args.draft_model), config_vocab_size(args.model)
         if draft_vocab is None:

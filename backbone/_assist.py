@@ -90,6 +90,7 @@ class DraftModel:
 
     def __init__(self, model) -> None:  # type: ignore[no-untyped-def]
         self.model = model
+        self.eos = _eos_ids(model)
         if hasattr(model, "set_experts_implementation"):
             try:
                 model.set_experts_implementation("eager")  # transformers' own experts, all local
@@ -118,7 +119,7 @@ class DraftModel:
             out = self.model(input_ids=torch.tensor([feed], dtype=torch.long), cache=self.cache, use_cache=True,
                              logits_to_keep=1)
             self.seen.extend(feed)
-            token = int(out.logits[0, -1].argmax().item())
+            token = _greedy(out.logits[0, -1:].float(), self.eos)[0]
             drafts.append(token)
             feed = [token]
         return drafts
@@ -177,6 +178,21 @@ def vocab_mismatch(tokenizer, draft_tokenizer, model, draft) -> str:  # type: ig
     return ""
 
 
+def _eos_ids(model) -> list[int]:  # type: ignore[no-untyped-def]
+    eos = model.generation_config.eos_token_id if model.generation_config is not None else None
+    return [eos] if isinstance(eos, int) else list(eos or [])
+
+
+def _greedy(logits: torch.Tensor, eos: list[int]) -> list[int]:
+    """The argmax of each row of ``logits`` [T, V] with the end-of-sequence tokens left out:
+    the decode makes exactly the tokens asked for, as plain decoding does (transformers'
+    min_new_tokens), and the logits reported stay the model's own."""
+    if eos:
+        logits = logits.clone()
+        logits[:, eos] = float("-inf")
+    return [int(t) for t in logits.argmax(dim=-1).tolist()]
+
+
 def _drop(cache, n: int) -> None:  # type: ignore[no-untyped-def]
     """Cut the last ``n`` positions off ``cache`` (transformers 5 crops by a negative count)."""
     if n > 0:
@@ -231,7 +247,8 @@ def _run(model, prompt_ids: list[int], max_new_tokens: int, drafter: Drafter, k:
     out = model(input_ids=torch.tensor([prompt_ids], dtype=torch.long), cache=cache, use_cache=True,
                 logits_to_keep=1)
     first = out.logits[0, -1].float()
-    tokens, logits = [int(first.argmax().item())], [first]
+    eos = _eos_ids(model)
+    tokens, logits = [_greedy(first[None], eos)[0]], [first]
     t_first = t_last = time.perf_counter()
     if on_step is not None:
         on_step([0], torch.tensor([tokens]))
@@ -243,7 +260,7 @@ def _run(model, prompt_ids: list[int], max_new_tokens: int, drafter: Drafter, k:
         stats.draft_seconds += time.perf_counter() - t0
         out = model(input_ids=torch.tensor([[tokens[-1], *drafts]], dtype=torch.long), cache=cache, use_cache=True)
         step_logits = out.logits[0].float()  # [1 + drafts, V]
-        choice = step_logits.argmax(dim=-1).tolist()
+        choice = _greedy(step_logits, eos)
         n = 0
         while n < len(drafts) and choice[n] == drafts[n]:
             n += 1
@@ -268,17 +285,3 @@ def _run(model, prompt_ids: list[int], max_new_tokens: int, drafter: Drafter, k:
 def moe_layers(model) -> int:  # type: ignore[no-untyped-def]
     """The MoE layers whose experts go through the Dispatcher (0 without one)."""
     return len({id(m) for m in model.modules() if getattr(m, "_kvasir", None) is not None})
-
-
-def config_vocab_size(model_dir) -> int | None:  # type: ignore[no-untyped-def]
-    """``vocab_size`` from a checkpoint folder's config.json (its text config's), or None."""
-    import json
-    import pathlib
-
-    try:
-        cfg = json.loads((pathlib.Path(model_dir) / "config.json").read_text())
-    except (OSError, ValueError):
-        return None
-    cfg = cfg.get("text_config", cfg) if isinstance(cfg, dict) else {}
-    size = cfg.get("vocab_size") if isinstance(cfg, dict) else None
-    return int(size) if isinstance(size, int) else None

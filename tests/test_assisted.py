@@ -145,3 +145,14 @@ def test_assist_refuses_a_cache_it_cannot_cut_back(tiny_models) -> None:  # type
     # Linear-attention states cannot be cut back to the accepted drafts.
     _fails(_backbone("--model", str(tiny_models("qwen3_5_moe")), "--prompt", "x", "--max-new-tokens", "2",
                      "--assist", "lookup"), "--assist", "cannot be cut back")
+
+
+def test_end_of_sequence_is_not_chosen() -> None:
+    """The decode makes exactly the tokens asked for, as plain decoding (min_new_tokens) does:
+    an end-of-sequence argmax gives way to the next best token; the logits stay the model's."""
+    from backbone._assist import _greedy
+
+    logits = torch.tensor([[0.0, 1.0, 5.0, 2.0], [3.0, 0.0, 1.0, 0.0]])
+    assert _greedy(logits, [2]) == [3, 0]
+    assert _greedy(logits, []) == [2, 0]
+    assert logits[0, 2] == 5.0
