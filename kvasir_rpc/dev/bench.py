@@ -412,6 +412,7 @@ def run_assist_bench(*, quick: bool = False, say: Callable[[str], None] = print)
                 "forward_passes_per_token": assisted["forward_passes_per_token"],
                 "plain_remote_calls_per_token": round(int(plain["remote_calls"]) / int(plain["n_tokens"]), 3),  # type: ignore[call-overload]
                 "assist_remote_calls_per_token": assisted["remote_calls_per_token"],
+                "ideal_draft_remote_calls_per_token": ideal["remote_calls_per_token"],
             }
             say(f"  rtt {rtt} ms, one stream: {p} tokens/s plain, {a} with --assist lookup ({round(a / p, 3)}x); "
                 f"{assisted['draft_tokens_accepted']} of {assisted['draft_tokens_proposed']} drafts accepted, "
