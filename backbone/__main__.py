@@ -1,5 +1,5 @@
 """python -m backbone generate --model DIR --hub HOST:PORT --hub-token-file PATH --prompt TEXT --max-new-tokens N
-[--batch B] [--compare-local] [--json]"""
+[--batch B] [--compare-local] [--assist lookup|draft] [--json]"""
 
 from __future__ import annotations
 
@@ -235,6 +235,74 @@ def _wait_sessions(watcher: Any, hub: str, wanted: int, timeout_s: float) -> boo
               file=sys.stderr, flush=True)
 
 
+def _assist_args(g: argparse.ArgumentParser) -> None:
+    g.add_argument("--assist", choices=["off", "lookup", "draft"], default="off",
+                   help="assisted decoding (greedy, one sequence): guess the next --assist-tokens tokens and "
+                        "verify them all in one forward pass, so one round trip per remote MoE layer can give "
+                        "several tokens; 'lookup' guesses from the prompt's own n-grams (helps when the output "
+                        "quotes the input), 'draft' from a small local model (--draft-model)")
+    g.add_argument("--assist-tokens", type=int, default=4,
+                   help="draft tokens verified per forward pass at most (fewer after a wrong guess, more again "
+                        "after right ones)")
+    g.add_argument("--assist-ngram", type=int, default=3,
+                   help="--assist lookup: the longest tail (in tokens) looked for earlier in the text; shorter "
+                        "ones down to 2 tokens are tried after it")
+    g.add_argument("--draft-model", type=pathlib.Path,
+                   help="--assist draft: a small checkpoint with the model's tokenizer, run here (all experts local)")
+
+
+def _check_assist(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Bad --assist combinations end here in one line (exit 2), before anything loads."""
+    if args.draft_model is not None and args.assist != "draft":
+        parser.error("--draft-model is for --assist draft")
+    if args.assist == "off":
+        return
+    if args.batch != 1:
+        parser.error(f"--assist decodes one sequence (--batch 1), got --batch {args.batch}: the sequences of a "
+                     "batch would accept different numbers of drafts per step")
+    if args.assist_tokens < 1 or args.assist_ngram < 1:
+        parser.error("--assist-tokens and --assist-ngram must be at least 1")
+    from backbone._assist_checks import config_cache_problem
+
+    why = config_cache_problem(args.model)
+    if why:
+        fail(f"backbone: --assist: cannot decode --model {args.model} so: {why}")
+    if args.assist == "draft":
+        if args.draft_model is None:
+            parser.error("--assist draft needs --draft-model DIR (a small checkpoint with the model's tokenizer)")
+        from backbone._assist_checks import config_vocab_size
+
+        draft_vocab, vocab = config_vocab_size(args.draft_model), config_vocab_size(args.model)
+        if draft_vocab is None:
+            fail(f"backbone: --draft-model {args.draft_model}: no readable config.json with a vocab_size")
+        if vocab is not None and draft_vocab != vocab:
+            fail(f"backbone: --draft-model {args.draft_model}: vocab_size {draft_vocab}, the model's is {vocab}; "
+                 "a draft model must share the model's tokenizer")
+
+
+def _make_drafter(args: argparse.Namespace, setup: Setup) -> Any:
+    """The drafter --assist asks for, after checking the model can be decoded so."""
+    from backbone._assist import DraftModel, PromptLookup, assist_unsupported, vocab_mismatch
+
+    why = assist_unsupported(setup.model)
+    if why:
+        fail(f"backbone: --assist: cannot decode --model {args.model} so: {why}")
+    if args.assist == "lookup":
+        return PromptLookup(args.assist_ngram)
+    from backbone._generate import load_model
+
+    try:
+        draft, draft_tokenizer = load_model(args.draft_model)
+    except (OSError, ValueError, KeyError) as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        fail(f"backbone: --draft-model {args.draft_model}: cannot load it ({first})")
+    mismatch = vocab_mismatch(setup.tokenizer, draft_tokenizer, setup.model, draft)
+    if mismatch:
+        fail(f"backbone: --draft-model {args.draft_model}: {mismatch}; a draft model must share the model's "
+             "tokenizer")
+    return DraftModel(draft)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The command line of ``python -m backbone`` (generate and serve)."""
     parser = argparse.ArgumentParser(prog="python -m backbone", formatter_class=HelpFormatter,
@@ -256,6 +324,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "computes while others wait on the network; 'auto' picks from a measured remote "
                         "step and a local one")
     g.add_argument("--json", action="store_true", help="print one JSON object as the last line")
+    _assist_args(g)
     sv = sub.add_parser("serve", help="serve kvasir.v1.BackboneService (gRPC) and the OpenAI-compatible HTTP API",
                         formatter_class=HelpFormatter)
     _experts_args(sv)
@@ -294,6 +363,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--max-new-tokens and --batch must be at least 1")
     if args.max_seconds is not None and args.max_seconds <= 0:
         parser.error("--max-seconds must be positive")
+    _check_assist(parser, args)
     setup = build_setup(parser, args, compare_local=args.compare_local)
     if isinstance(setup, int):
         return setup
@@ -304,14 +374,18 @@ def main(argv: list[str] | None = None) -> int:
     prompts = prompts_for_batch(args.prompt, args.batch)
     result: dict[str, object] = {}
     try:
+        drafter = _make_drafter(args, setup) if args.assist != "off" else None
         groups, why = _choose_groups(args.groups, dispatcher, model, tokenizer, prompts, decode_grouped)
         dispatcher.reset_counters()
         t0, cpu0 = time.perf_counter(), time.process_time()
         show = _Progress(len(prompts) * args.max_new_tokens) if args.json else _TextStream(tokenizer)
         with _stop_on_interrupt(args.max_seconds) as stop, show:
             log.info("decoding", sequences=len(prompts), max_new_tokens=args.max_new_tokens, groups=groups)
-            run = decode_grouped(model, tokenizer, prompts, args.max_new_tokens, groups, stop=stop,
-                                 on_step=show.step)
+            if drafter is not None:
+                run, assisted = _decode_assisted(args, setup, drafter, stop=stop, on_step=show.step)
+            else:
+                run = decode_grouped(model, tokenizer, prompts, args.max_new_tokens, groups, stop=stop,
+                                     on_step=show.step)
         elapsed = time.perf_counter() - t0
         cpu = time.process_time() - cpu0  # every thread of this process, grpcio's included
         steps = int(run.new_tokens.shape[1])
@@ -335,7 +409,11 @@ def main(argv: list[str] | None = None) -> int:
             peak_rss_bytes=_peak_rss_bytes(),
             **{k: v for k, v in dataclasses.asdict(stats).items()},
         )
-        if args.compare_local:
+        if drafter is not None:
+            result.update(_assist_figures(assisted, model, stats.remote_calls, n_tokens))
+        if args.compare_local and drafter is not None:
+            result.update(_compare_assisted(args, setup, drafter, run, steps))
+        elif args.compare_local:
             dispatcher.remote = False
             local = decode_grouped(model, tokenizer, prompts, steps, groups)
             result.update(compare(run, local))
@@ -355,6 +433,10 @@ def main(argv: list[str] | None = None) -> int:
             print(text)
         print(f"{result['n_tokens']} tokens in {result['seconds']} s; remote calls {result['remote_calls']}, "
               f"rows {result['remote_rows']}, fallbacks {result['fallback_calls']}")
+        if drafter is not None:
+            print(f"assist {args.assist}: {result['draft_tokens_accepted']} of {result['draft_tokens_proposed']} draft "
+                  f"tokens accepted in {result['verify_steps']} steps; {result['forward_passes_per_token']} forward "
+                  "passes per token")
         if args.compare_local:
             print(f"tokens identical to local: {result['tokens_identical']}; max |Δlogit| "
                   f"{result['max_abs_logit_diff']}; min cosine {result['min_logit_cosine']:.6f}; "
@@ -364,6 +446,53 @@ def main(argv: list[str] | None = None) -> int:
     ok = (not args.compare_local) or (bool(result.get("tokens_identical")) and (
         result.get("max_abs_logit_diff") == 0.0 or not result.get("bit_exact_wire")))
     return 0 if ok else 1
+
+
+def _decode_assisted(args: argparse.Namespace, setup: Setup, drafter: Any, *, max_new_tokens: int | None = None,
+                     stop: threading.Event | None = None, on_step: Any = None,
+                     implementation: str | None = None) -> Any:
+    """``(Decode, AssistStats)`` of --prompt decoded with ``drafter``."""
+    from backbone._assist import decode_assisted
+    from backbone._experts import IMPLEMENTATION
+
+    return decode_assisted(setup.model, setup.tokenizer, args.prompt, max_new_tokens or args.max_new_tokens,
+                           drafter, k=args.assist_tokens, mode=args.assist, stop=stop, on_step=on_step,
+                           implementation=implementation or IMPLEMENTATION)
+
+
+def _assist_figures(stats: Any, model: Any, remote_calls: int, n_tokens: int) -> dict[str, object]:
+    """--json's figures of an assisted decode: the drafts, and remote calls per token."""
+    from backbone._assist import moe_layers
+
+    layers = moe_layers(model)
+    out = stats.as_dict()
+    out["moe_layers"] = layers
+    out["remote_calls_per_token"] = round(remote_calls / n_tokens, 4) if n_tokens else None
+    out["remote_calls_per_token_per_layer"] = round(remote_calls / n_tokens / layers, 4) if n_tokens and layers else None
+    return out  # type: ignore[no-any-return]
+
+
+def _compare_assisted(args: argparse.Namespace, setup: Setup, drafter: Any, run: Any, steps: int) -> dict[str, object]:
+    """--compare-local for an assisted decode: the same assisted decode with every expert local
+    (bitwise), plain greedy decoding here (tokens), and transformers' eager experts (tokens)."""
+    from backbone._generate import compare, decode
+
+    setup.dispatcher.remote = False
+    local, _ = _decode_assisted(args, setup, drafter, max_new_tokens=steps)
+    out: dict[str, object] = dict(compare(run, local))
+    plain = decode(setup.model, setup.tokenizer, [args.prompt], steps)
+    out["plain_greedy_tokens_identical"] = bool(_torch_equal(local.new_tokens, plain.new_tokens))
+    reference = decode(setup.model, setup.tokenizer, [args.prompt], steps, implementation="eager")
+    ref = compare(plain, reference)
+    out["reference_tokens_identical"] = ref["tokens_identical"]
+    out["reference_max_abs_logit_diff"] = ref["max_abs_logit_diff"]
+    return out
+
+
+def _torch_equal(a: Any, b: Any) -> bool:
+    import torch
+
+    return a.shape == b.shape and bool(torch.equal(a, b))
 
 
 @contextlib.contextmanager

@@ -229,6 +229,13 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         procs = run_gateway_processes_bench(quick=args.quick, say=say)
         print(json.dumps(procs, indent=None if args.json else 2))
         return 0
+    if args.assist:
+        from kvasir_rpc.dev.bench import assist_keys, run_assist_bench
+
+        say("one stream: plain greedy vs --assist lookup, every MoE layer through the gateway, RTT 13/50 ms")
+        assist = run_assist_bench(quick=args.quick, say=say)
+        print(json.dumps(assist if args.json else assist_keys(assist), indent=None if args.json else 2))
+        return 0
     result = run_bench(quick=args.quick, say=say)
     if args.json:
         print(json.dumps(result))
@@ -466,6 +473,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--gateway-processes", action="store_true",
                        help="only the gateway's scaling: aggregate MB/s through a TLS gateway with 1 process and with "
                             "--processes 2, 4 workers and 4 callers")
+    bench.add_argument("--assist", action="store_true",
+                       help="only one stream's tokens/s at RTT 13 and 50 ms, plain vs --assist lookup")
     bench.set_defaults(func=_cmd_bench)
     certs = add(sub, "certs", help="make a development CA and a gateway certificate")
     certs.add_argument("dir", type=pathlib.Path, nargs="?", default=DEFAULT_CERTS_DIR,
