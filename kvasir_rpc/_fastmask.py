@@ -160,15 +160,14 @@ _wsproto_process_buffer: Callable[..., object] | None = None
 _wsproto_serialize_frame: Callable[..., bytearray] | None = None
 _wsproto_connection_send: Callable[..., bytes] | None = None
 _wsproto_ws_send: Callable[..., bytes] | None = None
+_Message: type = type(None)  # wsproto's Message and ConnectionState.OPEN, once installed
+_OPEN: object = None
 
 
 def _connection_send(self, event):  # type: ignore[no-untyped-def]
     """``wsproto.connection.Connection.send`` without its copy of each data frame
     (``data = b""; data += frame``): a message's frame is returned as the serializer built it."""
-    from wsproto.connection import ConnectionState
-    from wsproto.events import Message
-
-    if isinstance(event, Message) and self.state == ConnectionState.OPEN:
+    if isinstance(event, _Message) and self.state is _OPEN:
         return self._proto.send_data(event.data, event.message_finished)
     assert _wsproto_connection_send is not None
     return _wsproto_connection_send(self, event)
@@ -208,7 +207,7 @@ def keep_freed_memory() -> bool:
 def install_fast_masking() -> None:
     """Make wsproto use NumpyXorMasker, serialize_frame and the copy-free sends from now on,
     and keep freed memory for reuse (``keep_freed_memory``)."""
-    global _wsproto_serialize_frame, _wsproto_connection_send, _wsproto_ws_send, _wsproto_process_buffer
+    global _wsproto_serialize_frame, _wsproto_connection_send, _wsproto_ws_send, _wsproto_process_buffer, _Message, _OPEN
     import wsproto
     from wsproto import connection, frame_protocol
 
@@ -220,6 +219,9 @@ def install_fast_masking() -> None:
         _wsproto_process_buffer = frame_protocol.FrameDecoder.process_buffer
         frame_protocol.FrameDecoder.process_buffer = process_buffer  # type: ignore[method-assign]
     if _wsproto_connection_send is None:
+        from wsproto.events import Message
+
+        _Message, _OPEN = Message, connection.ConnectionState.OPEN
         _wsproto_connection_send = connection.Connection.send
         connection.Connection.send = _connection_send  # type: ignore[method-assign]
         _wsproto_ws_send = wsproto.WSConnection.send
