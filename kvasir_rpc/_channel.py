@@ -139,9 +139,9 @@ class TunnelCipher:
     def _nonce(counter: int) -> bytes:
         return counter.to_bytes(_NONCE_BYTES, "big")
 
-    def seal(self, message: bytes | str | Heartbeat | HeartbeatAck) -> bytes:
-        """One sealed binary message for ``message`` (data bytes, a control word, a heartbeat
-        or a heartbeat ack)."""
+    def seal(self, message: bytes | bytearray | memoryview | str | Heartbeat | HeartbeatAck) -> bytes:
+        """One sealed binary message for ``message`` (data bytes or a view of them, a control
+        word, a heartbeat or a heartbeat ack); ``message`` is only read."""
         if self.sent >= _MAX_COUNTER:
             raise LocalProtocolError("the tunnel's message counter is exhausted: reconnect for fresh keys")
         if isinstance(message, str):
@@ -153,7 +153,7 @@ class TunnelCipher:
             kind = SEALED_HEARTBEAT if isinstance(message, Heartbeat) else SEALED_HEARTBEAT_ACK
             plain = bytes([kind]) + message.seq.to_bytes(HEARTBEAT_SEQ_BYTES, "big")
         else:
-            plain = bytes([SEALED_DATA]) + message
+            plain = bytes([SEALED_DATA]) + message  # the one copy of the payload before the cipher's
         sealed = self._send.encrypt(self._nonce(self.sent), plain, None)
         self.sent += 1
         return sealed
@@ -162,9 +162,10 @@ class TunnelCipher:
         self._broken = True
         return RemoteProtocolError(why, close_code=CloseCode.POLICY_VIOLATION)
 
-    def open(self, message: bytes | str) -> bytes | str | Heartbeat | HeartbeatAck:
-        """What the peer sealed in ``message``: bytes of data, a control word (str), a
-        Heartbeat or a HeartbeatAck (whose payload must be exactly the sequence number)."""
+    def open(self, message: bytes | bytearray | memoryview | str) -> memoryview | str | Heartbeat | HeartbeatAck:
+        """What the peer sealed in ``message``: data (a read-only view of the opened bytes,
+        not a copy), a control word (str), a Heartbeat or a HeartbeatAck (whose payload must
+        be exactly the sequence number). ``message`` is only read."""
         if self._broken:
             raise self._fail("the end-to-end channel already failed; nothing more is accepted")
         if isinstance(message, str):
@@ -173,17 +174,17 @@ class TunnelCipher:
             raise self._fail(f"a sealed message of {len(message)} bytes is shorter than its "
                              f"{SEAL_OVERHEAD} bytes of overhead (truncated on the way)")
         try:
-            plain = self._receive.decrypt(self._nonce(self.received), bytes(message), None)
+            plain = self._receive.decrypt(self._nonce(self.received), message, None)
         except InvalidTag:
             raise self._fail(f"message {self.received} from the {self.peer} failed its authentication tag: "
                              "altered, replayed, reordered or dropped on the way") from None
         self.received += 1
-        kind, payload = plain[0], plain[1:]
+        kind, payload = plain[0], memoryview(plain)[1:]  # a view: no copy of the payload
         if kind == SEALED_DATA:
             return payload
         if kind == SEALED_CONTROL:
             try:
-                word = payload.decode()
+                word = bytes(payload).decode()
             except UnicodeDecodeError:
                 raise self._fail("a sealed control message is not UTF-8") from None
             return word  # an unknown word is the tunnel state machine's to refuse (1002)

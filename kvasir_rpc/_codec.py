@@ -9,7 +9,7 @@ import torch
 
 from kvasir_rpc._gen.kvasir.v1 import tensor_pb2
 
-__all__ = ["TensorCodecError", "decode_tensor", "encode_tensor", "DTYPE_TO_WIRE", "WIRE_TO_DTYPE"]
+__all__ = ["TensorCodecError", "decode_tensor", "encode_tensor", "encode_tensor_into", "DTYPE_TO_WIRE", "WIRE_TO_DTYPE"]
 
 DTYPE_TO_WIRE: dict[torch.dtype, tensor_pb2.DType] = {
     torch.float32: tensor_pb2.D_TYPE_FLOAT32,
@@ -36,6 +36,18 @@ def encode_tensor(tensor: torch.Tensor) -> tensor_pb2.Tensor:
 
     Raises TensorCodecError for a dtype the wire does not carry.
     """
+    return encode_tensor_into(tensor, tensor_pb2.Tensor())
+
+
+def encode_tensor_into(tensor: torch.Tensor, msg: tensor_pb2.Tensor) -> tensor_pb2.Tensor:
+    """Encode ``tensor`` into ``msg``, an empty Tensor, which may be a field of a larger
+    message (``response.partials.partials``): the payload is copied into the message once.
+    Building a Tensor and then passing it to the enclosing message's constructor would copy
+    the payload again at each level (upb copies submessages), which for a 4 MiB answer was
+    more CPU than moving it through the tunnel. Returns ``msg``.
+
+    Raises TensorCodecError for a dtype the wire does not carry.
+    """
     wire = DTYPE_TO_WIRE.get(tensor.dtype)
     if wire is None:
         raise TensorCodecError(
@@ -47,7 +59,10 @@ def encode_tensor(tensor: torch.Tensor) -> tensor_pb2.Tensor:
     t = t.contiguous()
     # uint8 view of the storage: one copy into the bytes object, no numpy round trip.
     data = t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
-    return tensor_pb2.Tensor(dtype=wire, shape=list(t.shape), data=data)
+    msg.dtype = wire
+    msg.shape.extend(t.shape)
+    msg.data = data
+    return msg
 
 
 def decode_tensor(msg: tensor_pb2.Tensor) -> torch.Tensor:

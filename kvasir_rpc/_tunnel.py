@@ -91,7 +91,7 @@ class SealedHeartbeat:
 
 
 async def receive_message(ws: WebSocketConnection, cipher: TunnelCipher | None = None,
-                          heartbeat: SealedHeartbeat | None = None) -> bytes | str:
+                          heartbeat: SealedHeartbeat | None = None) -> bytes | memoryview | str:
     """The next tunnel message, opened with ``cipher`` when the session is encrypted (which
     raises RemoteProtocolError, 1008, for anything not sealed by the peer in order).
 

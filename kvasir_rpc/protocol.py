@@ -204,9 +204,10 @@ class Open:
 
 @dataclasses.dataclass(frozen=True)
 class Data:
-    """HTTP/2 bytes of the current connection."""
+    """HTTP/2 bytes of the current connection: bytes, or a read-only view of them (what an
+    encrypted session opens), passed on without a copy."""
 
-    data: bytes
+    data: bytes | memoryview
 
 
 @dataclasses.dataclass(frozen=True)
@@ -264,7 +265,15 @@ WORKER_TRANSITIONS: dict[tuple[TunnelState, str], TunnelState] = {
 }
 
 
-def _what(msg: bytes | str) -> str:
+def _kept(msg: bytes | bytearray | memoryview) -> bytes | memoryview:
+    """Data as received: bytes and read-only views as they are, anything writable copied
+    (its owner may reuse it)."""
+    if isinstance(msg, bytes) or (isinstance(msg, memoryview) and msg.readonly):
+        return msg
+    return bytes(msg)
+
+
+def _what(msg: bytes | memoryview | str) -> str:
     if isinstance(msg, (bytes, bytearray, memoryview)):
         return "data"
     if msg not in CONTROL_WORDS:
@@ -295,7 +304,7 @@ class _Side:
         self._send("data")
         return data
 
-    def _receive(self, msg: bytes | str) -> str:
+    def _receive(self, msg: bytes | memoryview | str) -> str:
         what = _what(msg)
         nxt = self._table.get((self.state, f"recv {what}"))
         if nxt is None:
@@ -324,10 +333,10 @@ class HubTunnel(_Side):
         self._send("close")
         return _C.CLOSE.value
 
-    def receive(self, msg: bytes | str) -> Event:
+    def receive(self, msg: bytes | memoryview | str) -> Event:
         step = self._receive(msg)
         if step == "OPEN data":
-            return Data(bytes(msg) if not isinstance(msg, bytes) else msg)  # type: ignore[arg-type]
+            return Data(_kept(msg))  # type: ignore[arg-type]
         if step == "OPEN eof":
             return Eof()
         if step == "CLOSING data":
@@ -343,14 +352,14 @@ class WorkerTunnel(_Side):
     _name = "worker"
     _table = WORKER_TRANSITIONS
 
-    def receive(self, msg: bytes | str) -> Event:
+    def receive(self, msg: bytes | memoryview | str) -> Event:
         step = self._receive(msg)
         if step == "IDLE open":
             self.connections += 1
             return Open()
         if step.endswith(" close"):
             return Close()
-        return Data(bytes(msg) if not isinstance(msg, bytes) else msg)  # type: ignore[arg-type]
+        return Data(_kept(msg))  # type: ignore[arg-type]
 
     def eof(self) -> str:
         """The local gRPC server ended the connection."""

@@ -14,7 +14,6 @@ from kvasir_rpc import (
     DispatchInputError,
     TensorCodecError,
     decode_tensor,
-    encode_tensor,
     expert_forward,
     expert_pb2,
     expert_pb2_grpc,
@@ -23,6 +22,7 @@ from kvasir_rpc import (
     slices_to_proto,
     validate_dispatch,
 )
+from kvasir_rpc._codec import encode_tensor_into
 
 __all__ = ["ExpertServicer", "LoadedExperts"]
 
@@ -134,9 +134,12 @@ class ExpertServicer(expert_pb2_grpc.ExpertServiceServicer):
                 if self._draining.is_set():
                     context.abort(grpc.StatusCode.UNAVAILABLE, "worker is draining for shutdown; send elsewhere")
                 self._computing += 1
+            # The answer is built in place: its payload is copied into the message once.
+            response = expert_pb2.DispatchResponse()
+            answer = response.partials
             try:
                 t0 = time.perf_counter_ns()
-                partials = self._compute(req)
+                encode_tensor_into(self._compute(req), answer.partials)
                 micros = (time.perf_counter_ns() - t0) // 1000
             except DispatchInputError as exc:
                 code = grpc.StatusCode.FAILED_PRECONDITION if exc.precondition else grpc.StatusCode.INVALID_ARGUMENT
@@ -147,11 +150,12 @@ class ExpertServicer(expert_pb2_grpc.ExpertServiceServicer):
                 with self._idle:
                     self._computing -= 1
                     self._idle.notify_all()
-            yield expert_pb2.DispatchResponse(
-                partials=expert_pb2.ExpertPartials(call_id=req.call_id, partials=partials, compute_micros=micros)
-            )
+            answer.call_id = req.call_id
+            answer.compute_micros = micros
+            yield response
 
-    def _compute(self, req: expert_pb2.DispatchRequest):  # type: ignore[no-untyped-def]
+    def _compute(self, req: expert_pb2.DispatchRequest) -> torch.Tensor:
+        """The call's partials, [rows, hidden_size] in the dtype the hidden rows came in."""
         e = self.experts
         hidden = decode_tensor(req.hidden)
         weights = decode_tensor(req.weights)
@@ -193,4 +197,4 @@ class ExpertServicer(expert_pb2_grpc.ExpertServiceServicer):
                 partials = partials.to(wire_dtype)
         self.calls += 1
         self.rows += start
-        return encode_tensor(partials)
+        return partials
