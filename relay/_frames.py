@@ -127,6 +127,7 @@ class FrameReader:
         # and handed out whole (``Data.frame``), so that it can be sent on from there.
         self._gather_max = gather_bytes
         self._gathering = False
+        self._filled_up = False  # the last read filled the buffer to its end
         self._frame_at = 0  # where the frame being gathered starts in the buffer
         self._reported = 0  # its payload bytes announced by Progress
         self._buf = bytearray(0)  # allocated on first use: a refused connection never holds one
@@ -151,6 +152,10 @@ class FrameReader:
         cap = len(self._buf)
         if self._end == self._start and not self._gathering:
             self._start = self._end = 0
+            if self._filled_up and cap < self._max:  # the last read filled it: the peer sends in bulk
+                cap = min(2 * cap, self._max)
+                self._buf = bytearray(cap)
+        self._filled_up = False
         if cap == 0:
             cap = self._min
             self._buf = bytearray(cap)
@@ -181,6 +186,7 @@ class FrameReader:
     def filled(self, n: int) -> None:
         """``n`` bytes were written at the start of the last :meth:`space`."""
         self._end += n
+        self._filled_up = self._end == len(self._buf)
         if (n < self._min // 4 and len(self._buf) > self._min and self._start == 0 and self._end == n
                 and not self._gathering):
             # Small reads into a big, otherwise empty buffer: give the memory back.
