@@ -46,9 +46,11 @@ __all__ = ["BudgetStats", "HttpRequest", "MessageBudget", "WebSocket", "WsClosed
 MAX_HEADER_BYTES = 16 << 10
 # A WebSocket's receive buffer (relay._frames.FrameReader): it starts at READ_BYTES, grows
 # to BULK_READ_BYTES while reads fill it (a peer sending in bulk: fewer, larger reads), and
-# shrinks back when small reads find it empty, so an idle connection holds READ_BYTES.
+# shrinks back when small reads find it empty, so an idle connection holds READ_BYTES. (A
+# single-frame message, the tunnel's bulk path, is gathered whole: the buffer grows to
+# hold its frame whatever this bound.)
 READ_BYTES = 64 << 10
-BULK_READ_BYTES = 1 << 20
+BULK_READ_BYTES = 256 << 10
 # A peer that reads nothing for this long while we send to it is gone: the WebSocket is
 # closed (a send cut off mid-frame leaves nothing usable behind it).
 SEND_TIMEOUT_S = 60.0
@@ -372,8 +374,10 @@ class WebSocket:
         self._idle_timeout = idle_timeout_s
         self._budget = budget
         self._send_lock = trio.StrictFIFOLock()
-        self._msg: bytearray | None = None  # the unfinished message, behind HEADROOM bytes
-        self._fill = 0  # bytes of _msg in use (HEADROOM included); the rest is room to grow
+        # The unfinished message, when it comes in pieces (fragmented, or too large to be
+        # gathered in the reader's buffer): copies of the pieces, joined when it ends. Held
+        # as pieces, it costs about what arrived (what the budget counts).
+        self._parts: list[bytes] = []
         self._size = 0
         self._charged = 0  # bytes of _msg reserved in the budget
         self._started_at: float | None = None  # when the unfinished message began
@@ -410,7 +414,7 @@ class WebSocket:
         Called whenever the WebSocket ends; idempotent."""
         if self._budget is not None:
             self._budget.give(self._charged)
-        self._msg, self._size, self._charged, self._started_at = None, 0, 0, None
+        self._parts, self._size, self._charged, self._started_at = [], 0, 0, None
 
     def _lost(self, exc: trio.BrokenResourceError | trio.ClosedResourceError) -> WsClosed:
         """The WsClosed for a stream that failed under a read or write, chained to ``exc``.
@@ -637,24 +641,6 @@ class WebSocket:
                 raise WsClosed(1013, "message buffers full", local=True)
             self._charged += n
 
-    def _append(self, data: Data) -> None:
-        """Copy a piece into the unfinished message. Its buffer grows fourfold, up to what
-        the frame being read announced: one or two allocations for a tunnel message, where
-        ``bytearray +=`` grew by an eighth, each time copying what it held; and never more
-        than four times what has arrived (a frame's announced length alone reserves nothing)."""
-        n = len(data.payload)
-        msg = self._msg
-        if msg is None:
-            msg = self._msg = bytearray(HEADROOM + n + min(data.left, 3 * n))
-            self._fill = HEADROOM
-        need = self._fill + n
-        if need > len(msg):
-            grown = bytearray(min(max(4 * len(msg), need), need + data.left))
-            grown[:self._fill] = memoryview(msg)[:self._fill]
-            msg = self._msg = grown
-        msg[self._fill:need] = data.payload
-        self._fill = need
-
     async def _handle(self, event: object, relay: bool) -> Held | str | Ping | Pong | None:
         if isinstance(event, Progress):
             await self._unfinished(event.n)
@@ -673,14 +659,15 @@ class WebSocket:
             n = len(event.payload)
             if not event.finished:
                 await self._unfinished(n)
-                self._append(event)
+                self._parts.append(bytes(event.payload))
                 return None
             self._last_active = trio.current_time()
             await self._count(n)
-            self._append(event)
-            msg = self._msg
-            assert msg is not None
-            del msg[self._fill:]  # room left over: a shrink in place
+            msg = bytearray(HEADROOM + self._size)
+            at = HEADROOM
+            for part in (*self._parts, event.payload):
+                msg[at:at + len(part)] = part
+                at += len(part)
             self._messages_in += 1
             self._payload_in += self._size
             self.forget_partial()
