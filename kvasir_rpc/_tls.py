@@ -27,6 +27,9 @@ from kvasir_rpc.protocol import READ_BYTES
 
 __all__ = ["TLSStream", "open_tls_over_tcp", "open_websocket_url"]
 
+# send_all encrypts and sends this much at a time (16 TLS records).
+_WRITE_SLICE = 256 << 10
+
 
 class TLSStream(trio.abc.Stream):
     """TLS over a trio socket stream with ``ssl.MemoryBIO``: one socket read of up to 1 MiB
@@ -152,6 +155,35 @@ class TLSStream(trio.abc.Stream):
             return b""
         return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
+    async def receive_into(self, buffer: memoryview) -> int:
+        """``receive_some`` into ``buffer``: the records buffered are decrypted straight into
+        it (no bytes object per record, no join). Returns how many bytes; 0 at EOF."""
+        if not self._handshake_done:
+            await self.do_handshake()
+        limit = len(buffer)
+        size = 0
+        while size < limit:
+            try:
+                n = self._tls.read(limit - size, buffer[size:])  # with a buffer: a count
+            except ssl.SSLWantReadError:
+                if size:
+                    break  # return what is decrypted; the socket may have nothing more yet
+                await self._flush_if_free()
+                if await self._refill():
+                    continue
+                break  # transport EOF without close_notify: EOF
+            except (ssl.SSLZeroReturnError, ssl.SSLEOFError):
+                break  # close_notify, or the transport's EOF without it: EOF
+            except ssl.SSLError as exc:
+                raise trio.BrokenResourceError(f"TLS error: {exc}") from exc
+            if not n:
+                break
+            size += n  # type: ignore[operator]  # typeshed: read() -> bytes, but with a buffer an int
+        await self._flush_if_free()
+        if not size:
+            await trio.lowlevel.checkpoint()
+        return size
+
     async def send_all(self, data: bytes | bytearray | memoryview) -> None:
         if not self._handshake_done:
             await self.do_handshake()
@@ -159,12 +191,15 @@ class TLSStream(trio.abc.Stream):
             if self._broken is not None:
                 raise trio.BrokenResourceError(self._broken)
             # Encrypt under the lock, so the outgoing buffer holds our records only while
-            # we send them (see _flush_if_free).
-            try:
-                self._tls.write(data)
-            except ssl.SSLError as exc:
-                raise trio.BrokenResourceError(f"TLS error: {exc}") from exc
-            await self._send_pending()
+            # we send them (see _flush_if_free); a slice at a time, sent while the cache
+            # still holds it, rather than the whole message encrypted into one more copy.
+            with memoryview(data) as view:
+                for at in range(0, len(view), _WRITE_SLICE):
+                    try:
+                        self._tls.write(view[at:at + _WRITE_SLICE])
+                    except ssl.SSLError as exc:
+                        raise trio.BrokenResourceError(f"TLS error: {exc}") from exc
+                    await self._send_pending()
 
     async def wait_send_all_might_not_block(self) -> None:
         await self.transport_stream.wait_send_all_might_not_block()

@@ -48,6 +48,7 @@ from relay._memory import Trimmer
 from relay._refusals import RefusalLog
 from relay._ws import (
     HttpError,
+    Held,
     HttpRequest,
     MessageBudget,
     WebSocket,
@@ -456,13 +457,17 @@ class Gateway:
         async def pump(src: WebSocket, dst: WebSocket, cancel: trio.CancelScope, way: int) -> None:
             try:
                 while True:
-                    msg = await src.receive_relayed()
-                    if not isinstance(msg, (bytes, str)):
+                    msg = await src.receive_held()
+                    if isinstance(msg, Held):  # binary, sent on from where it was received
+                        await dst.send_held(msg)
+                        relayed_bytes[way] += len(msg)
+                    elif isinstance(msg, str):
+                        await dst.send_message(msg)
+                        # bytes, as the name says: a text message's length is in characters
+                        relayed_bytes[way] += len(msg.encode())
+                    else:
                         await dst.send_control(msg)  # a ping or pong: the ends test each other
                         continue
-                    await dst.send_message(msg)
-                    # bytes, as the name says: a text message's length is in characters
-                    relayed_bytes[way] += len(msg) if isinstance(msg, bytes) else len(msg.encode())
                     relayed_messages[way] += 1
             except WsClosed as closed:
                 if not ended:

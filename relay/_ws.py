@@ -16,32 +16,41 @@ how long one may stay unfinished (close 1008).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+import enum
+from collections.abc import Awaitable, Callable
 
 import h11
 import trio
 from wsproto import ConnectionType, WSConnection
-from wsproto.connection import ConnectionState
-from wsproto.events import (
-    AcceptConnection,
-    BytesMessage,
-    CloseConnection,
-    Message,
-    Ping,
-    Pong,
-    Request,
-    TextMessage,
-)
+from wsproto.events import AcceptConnection, CloseConnection, Ping, Pong, Request
 from wsproto.utilities import RemoteProtocolError as WsRemoteProtocolError
+
+from relay._frames import (
+    BINARY,
+    CLOSE,
+    HEADROOM,
+    PING,
+    PONG,
+    TEXT,
+    Data,
+    FrameError,
+    FrameReader,
+    Progress,
+    close_payload,
+    frame_header,
+)
 
 __all__ = ["BudgetStats", "HttpRequest", "MessageBudget", "WebSocket", "WsClosed", "WsStats", "read_request",
            "send_response", "upgrade"]
 
 MAX_HEADER_BYTES = 16 << 10
-# One read's buffer. A TLS read returns at most one record (16 KiB) however much is asked,
-# and asking for 1 MiB made every read allocate 1 MiB to keep 16 KiB: under load the
-# gateway's memory grew with that churn rather than with what it held.
+# A WebSocket's receive buffer (relay._frames.FrameReader): it starts at READ_BYTES, grows
+# to BULK_READ_BYTES while reads fill it (a peer sending in bulk: fewer, larger reads), and
+# shrinks back when small reads find it empty, so an idle connection holds READ_BYTES. (A
+# single-frame message, the tunnel's bulk path, is gathered whole: the buffer grows to
+# hold its frame whatever this bound.)
 READ_BYTES = 64 << 10
+BULK_READ_BYTES = 256 << 10
 # A peer that reads nothing for this long while we send to it is gone: the WebSocket is
 # closed (a send cut off mid-frame leaves nothing usable behind it).
 SEND_TIMEOUT_S = 60.0
@@ -286,12 +295,46 @@ async def upgrade(
             break
     else:  # pragma: no cover - initiate_upgrade_connection always yields the Request
         raise HttpError("not a WebSocket upgrade")
+    # wsproto writes the 101; the frames after it are relay._frames' (the gateway's bulk path).
     await stream.send_all(conn.send(AcceptConnection(subprotocol=subprotocol)))
-    ws = WebSocket(stream, conn, max_message_bytes=max_message_bytes, keepalive_s=keepalive_s,
+    ws = WebSocket(stream, max_message_bytes=max_message_bytes, keepalive_s=keepalive_s,
                    idle_timeout_s=idle_timeout_s, send_timeout_s=send_timeout_s, budget=budget)
     if request.trailing:
-        conn.receive_data(request.trailing)
+        ws._reader.feed(request.trailing)
     return ws
+
+
+class Held:
+    """A binary message as ``WebSocket.receive_held`` gives it: ``buf`` holds ``room`` bytes
+    (space for a frame header) and then the payload. It may be a view of the receiving
+    WebSocket's own buffer: valid until that WebSocket's next receive."""
+
+    __slots__ = ("buf", "room")
+
+    def __init__(self, buf: bytearray | memoryview, room: int) -> None:
+        self.buf = buf
+        self.room = room
+
+    def __len__(self) -> int:
+        return len(self.buf) - self.room
+
+    def __bytes__(self) -> bytes:
+        return bytes(memoryview(self.buf)[self.room:])
+
+
+class _State(enum.Enum):
+    OPEN = "open"
+    LOCAL_CLOSING = "local closing"  # our close frame is sent
+    CLOSED = "closed"  # the peer's close frame came
+
+
+# Before closing 1009, the rest of the oversized frame is read and dropped if this little is
+# left of it, for this long at most (see WebSocket._drain_frame).
+_DRAIN_BYTES = 256 << 10
+_DRAIN_S = 1.0
+# A message up to this size is sent as one buffer (header and payload joined); a larger one
+# as two writes, without copying its payload.
+_JOIN_BYTES = 64 << 10
 
 
 class WebSocket:
@@ -308,23 +351,35 @@ class WebSocket:
     1008), and their buffers are freed whenever this WebSocket ends. A send that the peer
     does not take within ``send_timeout_s`` ends the WebSocket (1001). Every failure
     surfaces as WsClosed with the code to report.
+
+    The frames are ``relay._frames``': received into one buffer and unmasked there, a
+    message is copied once, into a buffer with room for the header it is sent on with
+    (``receive_held``/``send_held``, the splice's path). A stream with ``receive_into``
+    (``kvasir_rpc.TLSStream``) decrypts straight into that buffer.
     """
 
-    def __init__(self, stream: trio.abc.Stream, conn: WSConnection, *, max_message_bytes: int,
+    def __init__(self, stream: trio.abc.Stream, *, max_message_bytes: int,
                  keepalive_s: float, idle_timeout_s: float, send_timeout_s: float = SEND_TIMEOUT_S,
                  budget: MessageBudget | None = None) -> None:
         self._stream = stream
+        receive_into = getattr(stream, "receive_into", None)
+        self._receive_into: Callable[[memoryview], Awaitable[int]] | None = (
+            receive_into if callable(receive_into) else None)
         self._send_timeout = send_timeout_s
         self._cut: WsClosed | None = None
-        self._conn = conn
+        self._reader = FrameReader(min_bytes=READ_BYTES, max_bytes=BULK_READ_BYTES)
+        self._state = _State.OPEN
         self._max = max_message_bytes
         self._keepalive = keepalive_s
         self._idle_timeout = idle_timeout_s
         self._budget = budget
         self._send_lock = trio.StrictFIFOLock()
-        self._parts: list[bytes | str] = []
+        # The unfinished message, when it comes in pieces (fragmented, or too large to be
+        # gathered in the reader's buffer): copies of the pieces, joined when it ends. Held
+        # as pieces, it costs about what arrived (what the budget counts).
+        self._parts: list[bytes] = []
         self._size = 0
-        self._charged = 0  # bytes of _parts reserved in the budget
+        self._charged = 0  # bytes of _msg reserved in the budget
         self._started_at: float | None = None  # when the unfinished message began
         self._relaying = False
         now = trio.current_time()
@@ -376,15 +431,18 @@ class WebSocket:
             self._closed = self._closed or WsClosed(1006, "the stream was closed on this side", local=True)
         return self._closed
 
-    async def _write(self, data: bytes) -> None:
-        if not data:
+    async def _write(self, *parts: bytes | bytearray | memoryview) -> None:
+        """Send ``parts`` in order, nothing between them."""
+        size = sum(len(p) for p in parts)
+        if not size:
             return
         async with self._send_lock:
             if self._cut is not None:
                 raise self._cut  # an earlier send was cut off mid-frame: nothing usable follows
             with trio.move_on_after(self._send_timeout) as scope:
                 try:
-                    await self._stream.send_all(data)
+                    for part in parts:
+                        await self._stream.send_all(part)
                 except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
                     raise self._lost(exc).fresh() from exc
             if scope.cancelled_caught:
@@ -393,39 +451,61 @@ class WebSocket:
                 self._closed = self._closed or self._cut
                 await self._close_stream()
                 raise self._cut.fresh()
-            self._wire_out += len(data)
+            self._wire_out += size
 
-    async def send_message(self, message: bytes | str) -> None:
+    async def send_message(self, message: bytes | bytearray | memoryview | str) -> None:
+        """Send one message, text for a str. Raises WsClosed."""
         if self._closed is not None:
             raise self._closed.fresh()
-        event = TextMessage(data=message) if isinstance(message, str) else BytesMessage(data=message)
-        data = self._conn.send(event)
+        payload = message.encode() if isinstance(message, str) else message
+        n = len(payload)
+        header = frame_header(TEXT if isinstance(message, str) else BINARY, n)
         self._messages_out += 1
-        self._payload_out += len(message) if isinstance(message, bytes) else len(message.encode())
-        await self._write(data)
+        self._payload_out += n
+        if n <= _JOIN_BYTES:
+            await self._write(header + payload)
+        else:
+            await self._write(header, payload)
+
+    async def send_held(self, held: Held) -> None:
+        """Send a binary message as ``receive_held`` gives it: its header goes into the room
+        in front of the payload and the whole goes out in one write, without a copy."""
+        if self._closed is not None:
+            raise self._closed.fresh()
+        n = len(held)
+        header = frame_header(BINARY, n)
+        start = held.room - len(header)
+        with memoryview(held.buf) as view:
+            view[start:held.room] = header
+            self._messages_out += 1
+            self._payload_out += n
+            await self._write(view[start:])
+
+    async def _send_frame(self, opcode: int, payload: bytes) -> None:
+        await self._write(frame_header(opcode, len(payload)) + payload)
 
     async def send_control(self, event: Ping | Pong) -> None:
         """Send a ping or pong received on the other side of a splice, payload unchanged.
         Raises WsClosed if this WebSocket is closed."""
         if self._closed is not None:
             raise self._closed.fresh()
-        if self._conn.state is ConnectionState.OPEN:
-            out = Ping(payload=event.payload) if isinstance(event, Ping) else Pong(payload=event.payload)
-            await self._write(self._conn.send(out))
+        if self._state is _State.OPEN:
+            await self._send_frame(PING if isinstance(event, Ping) else PONG, bytes(event.payload))
 
     async def ping(self, payload: bytes = OWN_PING) -> None:
-        if self._closed is None and self._conn.state is ConnectionState.OPEN:
+        if self._closed is None and self._state is _State.OPEN:
             self._pings_sent += 1
             self._last_ping = trio.current_time()
-            await self._write(self._conn.send(Ping(payload=payload)))
+            await self._send_frame(PING, payload)
 
     async def close(self, code: int = 1000, reason: str = "") -> None:
         """Send a close frame (if still open) and close the stream. Idempotent."""
         if self._closed is None:
             self._closed = WsClosed(code, reason, local=True)
-        if self._conn.state is ConnectionState.OPEN:
+        if self._state is _State.OPEN:
+            self._state = _State.LOCAL_CLOSING
             try:
-                await self._write(self._conn.send(CloseConnection(code=code, reason=reason[:120])))
+                await self._send_frame(CLOSE, close_payload(code, reason[:120]))
             except WsClosed:
                 pass
         await self._close_stream()
@@ -434,6 +514,7 @@ class WebSocket:
         # The peer may already be gone (broken) or the stream closed already (aclose is
         # idempotent, but a wrapper may say so): closing is best effort and never raises.
         self.forget_partial()
+        self._reader.release()
         try:
             await self._stream.aclose()
         except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
@@ -442,36 +523,51 @@ class WebSocket:
     async def receive_message(self) -> bytes | str:
         """The next whole message; pings are answered here. Raises WsClosed."""
         got = await self._receive(relay=False)
-        assert isinstance(got, (bytes, str))  # without relay, control frames never come out
-        return got
+        assert isinstance(got, (Held, str))  # without relay, control frames never come out
+        return got if isinstance(got, str) else bytes(got)
 
     async def receive_relayed(self) -> bytes | str | Ping | Pong:
         """The next whole message, or a ping or pong for the caller to relay to the other
         side of a splice (``send_control``); answers to our own pings stay here. From the
         first call on, only the peer's own traffic keeps it from being idle. Raises WsClosed."""
+        got = await self.receive_held()
+        return bytes(got) if isinstance(got, Held) else got
+
+    async def receive_held(self) -> Held | str | Ping | Pong:
+        """``receive_relayed`` without a copy: a binary message comes as a :class:`Held`,
+        for ``send_held`` (on another WebSocket) before this one receives again."""
         self._relaying = True
         return await self._receive(relay=True)
 
-    async def _receive(self, *, relay: bool) -> bytes | str | Ping | Pong:
+    async def _receive(self, *, relay: bool) -> Held | str | Ping | Pong:
+        reader = self._reader
         while True:
             if self._closed is not None:
                 raise self._closed.fresh()
             try:
-                for event in self._conn.events():
+                while (event := reader.next_event()) is not None:
                     result = await self._handle(event, relay)
                     if result is not None:
                         return result
-            except WsRemoteProtocolError as exc:
-                await self.close(1002, f"protocol error: {exc}"[:120])
-                raise WsClosed(1002, str(exc), local=True) from exc
-            data = await self._receive_some()
-            self._conn.receive_data(data)
+            except FrameError as exc:
+                # As wsproto does: the peer's protocol error ends it like a close from the peer
+                # with that code (1002, or 1007), answered with the same code.
+                await self._handle(CloseConnection(code=exc.code, reason=str(exc)), relay)
+            await self._receive_more()
 
     async def _expire(self, code: int, reason: str) -> WsClosed:
         await self.close(code, reason)
         return WsClosed(code, reason, local=True)
 
-    async def _receive_some(self) -> bytes:
+    async def _read_into(self, view: memoryview) -> int:
+        if self._receive_into is not None:
+            return await self._receive_into(view)
+        data = await self._stream.receive_some(len(view))
+        view[:len(data)] = data
+        return len(data)
+
+    async def _receive_more(self) -> None:
+        """Read once into the frame reader's buffer, keeping the timers (see the class doc)."""
         budget = self._budget
         while True:
             now = trio.current_time()
@@ -489,56 +585,103 @@ class WebSocket:
                 continue
             with trio.move_on_at(min(ends, next_ping, self._last_active + self._idle_timeout)) as scope:
                 try:
-                    data = await self._stream.receive_some(READ_BYTES)
+                    n = await self._read_into(self._reader.space())
                 except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
                     raise self._lost(exc).fresh() from exc
             if scope.cancelled_caught:
                 continue
-            if not data:
+            if not n:
                 # A clean EOF without a close frame: the peer's side ended it.
                 self._broken = 1
                 self._closed = self._closed or WsClosed(1006, "connection closed without a close frame")
                 await self._close_stream()
                 raise self._closed.fresh()
-            self._wire_in += len(data)
+            self._reader.filled(n)
+            self._wire_in += n
             self._last_heard = trio.current_time()
-            return bytes(data)
+            return
 
-    async def _handle(self, event: object, relay: bool) -> bytes | str | Ping | Pong | None:
-        if isinstance(event, Message):
+    async def _count(self, n: int) -> None:
+        """``n`` more bytes of the message being received: closes 1009 past the largest."""
+        self._size += n
+        if self._size > self._max:
+            await self._drain_frame()
+            await self.close(1009, f"message larger than {self._max} bytes")
+            raise WsClosed(1009, "message too big", local=True)
+
+    async def _drain_frame(self) -> None:
+        """Read and drop the rest of the frame being received, if little is left (at most
+        _DRAIN_BYTES, for at most _DRAIN_S): a peer still sending an oversized message then
+        reads our close frame, where closing a socket with unread bytes in it would reset
+        the connection and lose the close frame."""
+        left = self._reader.discard_frame()
+        with trio.move_on_after(_DRAIN_S):
+            while 0 < left <= _DRAIN_BYTES:
+                try:
+                    n = await self._read_into(self._reader.space())
+                except (trio.BrokenResourceError, trio.ClosedResourceError):
+                    return
+                if not n:
+                    return
+                self._reader.filled(n)
+                self._wire_in += n
+                left = self._reader.discard_frame()
+
+    async def _unfinished(self, n: int) -> None:
+        """``n`` bytes of a message that is not finished yet arrived: bound its size, start
+        its deadline, and reserve the bytes in the budget (closes 1009, 1013)."""
+        self._last_active = trio.current_time()
+        await self._count(n)
+        if self._started_at is None:
+            self._started_at = self._last_active
+        if self._budget is not None:
+            if not self._budget.take(n):
+                self._budget.refused_buffer += 1
+                await self.close(1013, "the gateway holds too many unfinished messages; try again later")
+                raise WsClosed(1013, "message buffers full", local=True)
+            self._charged += n
+
+    async def _handle(self, event: object, relay: bool) -> Held | str | Ping | Pong | None:
+        if isinstance(event, Progress):
+            await self._unfinished(event.n)
+            return None
+        if isinstance(event, Data) and event.frame is not None:  # a whole message, gathered
             self._last_active = trio.current_time()
-            # Sizes are bytes: a text message is bounded by its UTF-8 length, not its characters.
-            n = len(event.data) if isinstance(event.data, bytes) else len(event.data.encode())
-            self._size += n
-            if self._size > self._max:
-                await self.close(1009, f"message larger than {self._max} bytes")
-                raise WsClosed(1009, "message too big", local=True)
-            if not event.message_finished:
-                if self._started_at is None:
-                    self._started_at = self._last_active
-                if self._budget is not None:
-                    if not self._budget.take(n):
-                        self._budget.refused_buffer += 1
-                        await self.close(1013, "the gateway holds too many unfinished messages; try again later")
-                        raise WsClosed(1013, "message buffers full", local=True)
-                    self._charged += n
-                self._parts.append(event.data)
-                return None
-            self._parts.append(event.data)
+            await self._count(event.fresh)
             self._messages_in += 1
             self._payload_in += self._size
-            parts = self._parts
             self.forget_partial()
-            if isinstance(event, TextMessage):
-                return "".join(parts)  # type: ignore[arg-type]
-            return b"".join(parts)  # type: ignore[arg-type]
+            if event.text:
+                return str(event.payload, "utf-8")
+            return Held(event.frame, len(event.frame) - len(event.payload))
+        if isinstance(event, Data):
+            # Sizes are bytes: a text message is bounded by its UTF-8 length, not its characters.
+            n = len(event.payload)
+            if not event.finished:
+                await self._unfinished(n)
+                self._parts.append(bytes(event.payload))
+                return None
+            self._last_active = trio.current_time()
+            await self._count(n)
+            msg = bytearray(HEADROOM + self._size)
+            at = HEADROOM
+            for part in (*self._parts, event.payload):
+                msg[at:at + len(part)] = part
+                at += len(part)
+            self._messages_in += 1
+            self._payload_in += self._size
+            self.forget_partial()
+            if event.text:
+                return msg[HEADROOM:].decode()  # the reader checked the UTF-8
+            return Held(msg, HEADROOM)
         if isinstance(event, Ping):
             self._last_active = trio.current_time()
             if relay:
                 self._relayed_control += 1
                 return event
             self._pings_answered += 1
-            await self._write(self._conn.send(event.response()))
+            if self._state is _State.OPEN:
+                await self._send_frame(PONG, bytes(event.payload))
             return None
         if isinstance(event, Pong):
             self._pongs += 1
@@ -551,11 +694,13 @@ class WebSocket:
                 return event
             return None
         if isinstance(event, CloseConnection):
-            if self._conn.state is not ConnectionState.CLOSED:
+            if self._state is _State.OPEN:  # answer it; a close of ours already answers it
+                self._state = _State.CLOSED
                 try:
-                    await self._write(self._conn.send(event.response()))
+                    await self._send_frame(CLOSE, close_payload(event.code, event.reason or ""))
                 except WsClosed:
                     pass
+            self._state = _State.CLOSED
             self._closed = WsClosed(event.code, event.reason or "")
             await self._close_stream()
             raise self._closed.fresh()
