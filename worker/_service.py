@@ -173,10 +173,10 @@ class ExpertServicer(expert_pb2_grpc.ExpertServiceServicer):
             )
         if self.echo:
             # The fabric's cost alone: partials of exactly the expected shape and wire dtype
-            # (each assignment's input row), the request's own bytes when rows are not shared.
+            # (each assignment's input row, in the wire dtype it came in).
             self.calls += 1
             self.rows += index.numel() if index is not None else hidden.shape[0]
-            return req.hidden if index is None else encode_tensor(hidden[index])
+            return hidden if index is None else hidden[index]
         wire_dtype = hidden.dtype
         # Activations sent narrower than the model are widened here; partials go back narrow.
         hidden = hidden.to(device=e.device, dtype=e.dtype)
