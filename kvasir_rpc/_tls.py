@@ -18,7 +18,7 @@ from __future__ import annotations
 import contextlib
 import ssl
 import urllib.parse
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 
 import trio
 from trio_websocket import ConnectionTimeout, HandshakeError, WebSocketConnection, wrap_client_stream
@@ -124,47 +124,41 @@ class TLSStream(trio.abc.Stream):
                 await self._flush()
 
     async def receive_some(self, max_bytes: int | None = None) -> bytes:
-        if not self._handshake_done:
-            await self.do_handshake()
-        limit = max_bytes or READ_BYTES
         chunks: list[bytes] = []
-        size = 0
-        while True:
-            try:
-                data = self._tls.read(limit - size)
-            except ssl.SSLWantReadError:
-                if chunks:
-                    break  # return what is decrypted; the socket may have nothing more yet
-                await self._flush_if_free()
-                if await self._refill():
-                    continue
-                break  # transport EOF without close_notify: EOF
-            except (ssl.SSLZeroReturnError, ssl.SSLEOFError):
-                break  # close_notify, or the transport's EOF without it: EOF
-            except ssl.SSLError as exc:
-                raise trio.BrokenResourceError(f"TLS error: {exc}") from exc
-            if not data:
-                break
-            chunks.append(data)
-            size += len(data)
-            if size >= limit:
-                break
-        await self._flush_if_free()
-        if not chunks:
-            await trio.lowlevel.checkpoint()
+
+        def take(room: int) -> int:
+            data = self._tls.read(room)
+            if data:
+                chunks.append(data)
+            return len(data)
+
+        if not await self._decrypt(max_bytes or READ_BYTES, take):
             return b""
         return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
     async def receive_into(self, buffer: memoryview) -> int:
         """``receive_some`` into ``buffer``: the records buffered are decrypted straight into
         it (no bytes object per record, no join). Returns how many bytes; 0 at EOF."""
+        offset = 0
+
+        def take(room: int) -> int:
+            nonlocal offset
+            n: int = self._tls.read(room, buffer[offset:])  # type: ignore[assignment]  # with a buffer: a count
+            offset += n
+            return n
+
+        return await self._decrypt(len(buffer), take)
+
+    async def _decrypt(self, limit: int, take: Callable[[int], int]) -> int:
+        """Decrypt what the records hold, up to ``limit`` bytes, through ``take(room)`` (which
+        reads at most ``room`` bytes and returns how many), waiting for the socket only while
+        nothing is decrypted yet. Returns the total; 0 at EOF."""
         if not self._handshake_done:
             await self.do_handshake()
-        limit = len(buffer)
         size = 0
         while size < limit:
             try:
-                n = self._tls.read(limit - size, buffer[size:])  # with a buffer: a count
+                n = take(limit - size)
             except ssl.SSLWantReadError:
                 if size:
                     break  # return what is decrypted; the socket may have nothing more yet
@@ -178,7 +172,7 @@ class TLSStream(trio.abc.Stream):
                 raise trio.BrokenResourceError(f"TLS error: {exc}") from exc
             if not n:
                 break
-            size += n  # type: ignore[operator]  # typeshed: read() -> bytes, but with a buffer an int
+            size += n
         await self._flush_if_free()
         if not size:
             await trio.lowlevel.checkpoint()

@@ -220,8 +220,6 @@ class LocalSwarm:
         as a load balancer in front of several gateway hosts: TLS passes through to the
         gateways. Round robin; a connection refused by a dead upstream is redispatched to
         another. Returns its port; SwarmError without HAProxy."""
-        import socket
-
         haproxy = shutil.which("haproxy") or ("/usr/sbin/haproxy" if os.path.exists("/usr/sbin/haproxy") else None)
         if haproxy is None:
             raise SwarmError("haproxy not found: install Debian's haproxy (apt-get install haproxy)")
@@ -245,15 +243,7 @@ backend gateways
 {servers}
 """)
         self._spawn(name, ["-db", "-f", str(conf)], program=haproxy)
-        deadline = time.monotonic() + timeout
-        while True:
-            self._check_alive(name)
-            with socket.socket() as s:
-                if s.connect_ex(("127.0.0.1", port)) == 0:
-                    return port
-            if time.monotonic() > deadline:
-                raise SwarmError(f"haproxy not listening after {timeout}s; see {self.logs / (name + '.log')}")
-            time.sleep(0.05)
+        return self._wait_listening(name, port, timeout, "haproxy")
 
     @property
     def hub_key_file(self) -> pathlib.Path:
@@ -408,7 +398,6 @@ backend gateways
         """nginx (Debian's package) terminating TLS in front of a plain-ws gateway on
         ``upstream_port``, as a CDN edge would. Returns its port; SwarmError without nginx."""
         import shutil
-        import socket
 
         nginx = shutil.which("nginx") or ("/usr/sbin/nginx" if os.path.exists("/usr/sbin/nginx") else None)
         if nginx is None:
@@ -446,14 +435,21 @@ http {{
 }}
 """)
         self._spawn("edge", ["-p", str(root), "-c", str(conf), "-e", str(self.logs / "edge-error.log")], program=nginx)
+        return self._wait_listening("edge", port, timeout, "nginx")
+
+    def _wait_listening(self, name: str, port: int, timeout: float, what: str) -> int:
+        """``port`` once process ``name`` (``what``) accepts connections on it; SwarmError if
+        it exits first or does not within ``timeout`` seconds."""
+        import socket
+
         deadline = time.monotonic() + timeout
         while True:
-            self._check_alive("edge")
+            self._check_alive(name)
             with socket.socket() as s:
                 if s.connect_ex(("127.0.0.1", port)) == 0:
                     return port
             if time.monotonic() > deadline:
-                raise SwarmError(f"nginx not listening after {timeout}s; see {self.logs / 'edge.log'}")
+                raise SwarmError(f"{what} not listening after {timeout}s; see {self.logs / (name + '.log')}")
             time.sleep(0.05)
 
     def start_latency_proxy(self, name: str, upstream_port: int, rtt_file: pathlib.Path,
