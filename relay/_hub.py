@@ -209,11 +209,13 @@ def create_session_server(registry: SessionRegistry, address: str, *, backbone_t
 class _Session:
     """One verified worker: its tunnel, its backbone-facing listener, its splice.
 
-    One task reads the WebSocket for the whole session (so a worker that leaves while no
-    backbone is connected is noticed at once), turns each message into an event of the
-    session's ``HubTunnel`` (which raises on anything the worker may not send now) and hands
-    the events to the splice through a small channel: a slow backbone slows the reader, and
-    so the worker.
+    The WebSocket is read at all times (so a worker that leaves while no backbone is
+    connected is noticed at once, and sealed heartbeats are answered), by one task at a time:
+    while no backbone connection is spliced, an idle reader (``_read_idle``; in IDLE every
+    tunnel message is a protocol error); while one is, the splice itself, which turns each
+    message into an event of the session's ``HubTunnel`` (raising on anything the worker may
+    not send now) and writes its data to the backbone before reading the next: a slow
+    backbone slows the reader, and so the worker, with no task switch per message.
     """
 
     def __init__(self, hub: _Hub, ws: WebSocketConnection, session_id: str,
@@ -227,7 +229,9 @@ class _Session:
         self.session_id = session_id
         self.log = log.bind(session_id=session_id)
         self.tunnel = HubTunnel()
-        self._inbox_send, self._inbox = trio.open_memory_channel[Event](4)
+        # The idle reader's scope and its end (None while a splice reads the WebSocket).
+        self._idle_reader: tuple[trio.CancelScope, trio.Event] | None = None
+        self._nursery: trio.Nursery | None = None
         # Connections still presenting their key, oldest first (the scope ends the gate).
         self._unauthenticated: collections.deque[trio.CancelScope] = collections.deque()
 
@@ -241,7 +245,8 @@ class _Session:
         listener = listeners[0]
         port = listener.socket.getsockname()[1]
         async with listener, trio.open_nursery() as nursery:
-            nursery.start_soon(self._read_ws)
+            self._nursery = nursery
+            self._read_idle()
             # Each round trip goes to the registry: the status page and metrics show it.
             nursery.start_soon(functools.partial(
                 keepalive, self.ws, self.hub.config.keepalive_s, self.hub.config.keepalive_timeout_s, self.heartbeat,
@@ -313,20 +318,62 @@ class _Session:
         # second splice would meet LocalProtocolError there rather than mix two connections.
         await self._splice(stream, verdict.forward)
 
-    async def _read_ws(self) -> None:
-        async with self._inbox_send:
-            while True:
-                event = self.tunnel.receive(await receive_message(self.ws, self.cipher, self.heartbeat))
-                await self._inbox_send.send(event)
+    async def _receive(self) -> Event:
+        """The next tunnel message as an event of the session's ``HubTunnel``."""
+        return self.tunnel.receive(await receive_message(self.ws, self.cipher, self.heartbeat))
+
+    def _read_idle(self) -> None:
+        """Start reading the WebSocket while no backbone connection is spliced: any tunnel
+        message then breaks the protocol (raising ends the session); heartbeats are answered
+        below it, in ``receive_message``. ``_stop_idle`` hands the reading to a splice."""
+        assert self._nursery is not None
+        scope, done = trio.CancelScope(), trio.Event()
+        self._idle_reader = (scope, done)
+
+        async def read() -> None:
+            try:
+                with scope:
+                    while True:
+                        message = await receive_message(self.ws, self.cipher, self.heartbeat)
+                        # Only a message that arrived as a splice began finds the tunnel open:
+                        # the worker sent it before the hub's "open" left, out of turn as well.
+                        if self.tunnel.state is TunnelState.IDLE:
+                            self.tunnel.receive(message)  # raises: nothing may come in IDLE
+                        raise RemoteProtocolError(f"the worker sent {message!r:.40} before the hub opened a "
+                                                  "connection", close_code=CloseCode.PROTOCOL_ERROR)
+            finally:
+                done.set()
+
+        self._nursery.start_soon(read)
+
+    async def _stop_idle(self) -> None:
+        """Stop the idle reader (between messages: a message taken from the WebSocket is
+        handled before its next checkpoint) so that the caller may read the WebSocket."""
+        assert self._idle_reader is not None
+        scope, done = self._idle_reader
+        self._idle_reader = None
+        scope.cancel()
+        await done.wait()
 
     async def _splice(self, stream: trio.SocketStream, first: bytes) -> None:
         """Bridge one backbone connection with the worker until either side ends; ``first``:
-        the bytes the gate read from the backbone, sent before any others."""
+        the bytes the gate read from the backbone, sent before any others.
+
+        The tunnel is opened (the session is busy) before the first checkpoint; the splice
+        reads the WebSocket itself, from when the idle reader has stopped until "closed"."""
+        opening = self.tunnel.open()
+        try:
+            await self._stop_idle()
+            await self._bridge(stream, first, opening)
+        finally:
+            self._read_idle()
+
+    async def _bridge(self, stream: trio.SocketStream, first: bytes, opening: str) -> None:
         reg = self.hub.registry
         sid = self.session_id
         tunnel = self.tunnel
         cipher = self.cipher
-        await send_whole(self.ws, tunnel.open(), cipher=cipher)
+        await send_whole(self.ws, opening, cipher=cipher)
         await send_whole(self.ws, tunnel.send_data(first), cipher=cipher)
         reg.count_bytes(sid, to_worker=len(first))
         ended_by = "backbone"
@@ -348,7 +395,8 @@ class _Session:
 
                 async def worker_to_backbone() -> None:
                     nonlocal ended_by
-                    async for event in self._inbox:
+                    while True:
+                        event = await self._receive()
                         if isinstance(event, Eof):
                             ended_by = "worker"
                             nursery.cancel_scope.cancel()
@@ -367,9 +415,8 @@ class _Session:
         # Either side ended: tell the worker, then drop its late bytes until "closed".
         await send_whole(self.ws, tunnel.close(), cipher=cipher)
         with trio.fail_after(self.hub.config.close_timeout_s):
-            async for event in self._inbox:
-                if isinstance(event, Closed):
-                    break
+            while not isinstance(await self._receive(), Closed):
+                pass
         self.log.debug("backbone connection ended", ended_by=ended_by, connection=tunnel.connections)
 
 

@@ -4,6 +4,7 @@ exponential backoff; opens no listening TCP or UDP socket."""
 
 from __future__ import annotations
 
+import os
 import random
 import re
 import ssl
@@ -46,6 +47,32 @@ log = get_logger("worker.tunnel")
 HANDSHAKE_TIMEOUT_S = WORKER_HANDSHAKE_TIMEOUT_S
 
 
+async def _read_answer(sock: trio.socket.SocketType, view: memoryview) -> int:
+    """Read the local gRPC server's bytes into ``view``: wait for the first, then take
+    whatever more the socket holds right now, without waiting, up to ``len(view)``. Returns
+    how many; 0 at the end (or when the connection broke: the pump ends it the same way).
+
+    The server's Unix socket sends in pieces of its send buffer (about 208 KiB by default,
+    and the server's end is not ours to enlarge), so a long answer arrives in many reads;
+    each would be one tunnel message, and every hop (worker, gateway, hub) pays per message.
+    Joining what is already here adds no latency: nothing waits for bytes not yet written."""
+    try:
+        n = await sock.recv_into(view)
+    except OSError as exc:
+        log.info("local gRPC connection broke", error=repr(exc))
+        return 0
+    fd = sock.fileno()
+    while 0 < n < len(view):
+        try:
+            more = os.readv(fd, [view[n:]])  # the socket is non-blocking (trio's)
+        except OSError:  # BlockingIOError: nothing more now; anything else: the next read says
+            break
+        if not more:  # the end: the next read finds it again
+            break
+        n += more
+    return n
+
+
 class _Conn:
     """One HTTP/2 connection to the local gRPC server, pumped into the WebSocket."""
 
@@ -73,18 +100,18 @@ async def serve_session(ws: WebSocketConnection, uds_path: str, *, keepalive_s: 
     async def pump(c: _Conn) -> None:
         """The local gRPC server's bytes into the tunnel, then "eof" when it ends the connection."""
         try:
+            # One buffer per connection: a sealed message is a copy of what it holds (made
+            # before send_whole's first checkpoint), a clear one a bytes copy of it.
+            view = memoryview(bytearray(READ_BYTES))
             with c.scope:
                 while True:
-                    try:
-                        data = await c.stream.receive_some(READ_BYTES)
-                    except trio.BrokenResourceError as exc:
-                        log.info("local gRPC connection broke", error=repr(exc))
-                        data = b""
-                    if not data:
+                    n = await _read_answer(c.stream.socket, view)
+                    if not n:
                         break
                     if counts is not None:
-                        counts.bytes_out += len(data)
-                    await send_whole(ws, tunnel.send_data(bytes(data)), cipher=cipher)
+                        counts.bytes_out += n
+                    data = view[:n] if cipher is not None else bytes(view[:n])
+                    await send_whole(ws, tunnel.send_data(data), cipher=cipher)  # type: ignore[arg-type]
                 await send_whole(ws, tunnel.eof(), cipher=cipher)
         finally:
             c.done.set()
