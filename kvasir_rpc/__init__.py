@@ -104,6 +104,7 @@ if TYPE_CHECKING:  # the real names, for type checkers; at run time __getattr__ 
         TensorCodecError,
         decode_tensor,
         encode_tensor,
+        encode_tensor_into,
     )
     from kvasir_rpc._fastmask import install_fast_masking
     from kvasir_rpc._checkpoint import (
@@ -228,6 +229,7 @@ _LAZY = {
     "DTYPE_TO_WIRE": "kvasir_rpc._codec",
     "TensorCodecError": "kvasir_rpc._codec",
     "encode_tensor": "kvasir_rpc._codec",
+    "encode_tensor_into": "kvasir_rpc._codec",
     "decode_tensor": "kvasir_rpc._codec",
     "CHECKPOINT_HINT": "kvasir_rpc._checkpoint",
     "CheckpointError": "kvasir_rpc._checkpoint",

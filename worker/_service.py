@@ -14,6 +14,7 @@ from kvasir_rpc import (
     DispatchInputError,
     TensorCodecError,
     decode_tensor,
+    encode_tensor_into,
     expert_forward,
     expert_pb2,
     expert_pb2_grpc,
@@ -22,7 +23,6 @@ from kvasir_rpc import (
     slices_to_proto,
     validate_dispatch,
 )
-from kvasir_rpc._codec import encode_tensor_into
 
 __all__ = ["ExpertServicer", "LoadedExperts"]
 
