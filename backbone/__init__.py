@@ -5,8 +5,9 @@ arguments, its files and its hub, and fail in one line, before torch and transfo
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from kvasir_rpc import lazy_getattr
 
 if TYPE_CHECKING:
     from backbone._experts import IMPLEMENTATION, Dispatcher, DispatchStats, install
@@ -40,10 +41,4 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'backbone' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_getattr(__name__, _LAZY, globals())

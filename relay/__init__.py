@@ -5,8 +5,9 @@ Names load on first use, so ``python -m relay gateway`` imports no protobuf or g
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from kvasir_rpc import lazy_getattr
 
 if TYPE_CHECKING:
     from relay._gateway import GatewayConfig, GatewayStats, serve_gateway
@@ -26,10 +27,4 @@ _LAZY = {
 __all__ = list(_LAZY)
 
 
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'relay' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_getattr(__name__, _LAZY, globals())

@@ -5,8 +5,9 @@ and its files, and fail in one line, before torch loads."""
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from kvasir_rpc import lazy_getattr
 
 if TYPE_CHECKING:
     from worker._service import ExpertServicer, LoadedExperts
@@ -22,10 +23,4 @@ _LAZY = {
 __all__ = ["ExpertServicer", "LoadedExperts", "run_tunnel", "serve_session"]
 
 
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'worker' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_getattr(__name__, _LAZY, globals())
