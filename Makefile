@@ -31,12 +31,17 @@ $(STAMP): pyproject.toml constraints.txt
 demo: $(STAMP)
 	$(VENV)/bin/kvasir demo
 
+# The in-process tier (protocol cores, stores, fuzz) on TEST_PROCS processes at once; then the
+# real-process tier one test at a time: its tests time deadlines and heartbeats, and each
+# already keeps both cores busy.
+TEST_PROCS ?= 2
 test: $(STAMP) system-deps node-deps lint
-	$(PY) -m pytest -q --durations=25
+	$(PY) -m pytest -q -n $(TEST_PROCS) -m "not integration and not soak" --durations=10
+	$(PY) -m pytest -q -m "integration or soak" --durations=25
 
 # Protocol cores, stores and in-memory streams only: no process, port, database server or model.
 test-fast: $(STAMP)
-	$(PY) -m pytest -q -m "not integration and not fuzz"
+	$(PY) -m pytest -q -n $(TEST_PROCS) -m "not integration and not fuzz"
 
 # The fuzz tier, long: random (not derandomized) examples, failures kept in .hypothesis/.
 FUZZ_EXAMPLES ?= 5000

@@ -510,7 +510,9 @@ def test_worker_refuses_nonce_of_wrong_length(nonce_len):
     assert worker.state.value == "FAILED"
 
 
-@pytest.mark.parametrize("hub_key", ["", "ab", HUB.address.upper(), HUB.address[:-1], HUB.address + "0", "g" * 64])
+# Test ids name the case, not the random key (pytest-xdist needs the same ids in every process).
+@pytest.mark.parametrize("hub_key", ["", "ab", HUB.address.upper(), HUB.address[:-1], HUB.address + "0", "g" * 64],
+                         ids=["empty", "short", "upper-case", "one-short", "one-long", "not-hex"])
 def test_worker_refuses_malformed_hub_key(hub_key):
     worker = make_worker()
     expect_remote(worker.receive_challenge, _challenge(hub_key=hub_key), CloseCode.PROTOCOL_ERROR, "hub_key")
@@ -756,6 +758,7 @@ def test_sign_and_verify():
 @pytest.mark.parametrize(
     "address",
     ["", "x", "A" * 64, WORKER.address.upper(), WORKER.address[:-1], WORKER.address + "0", "g" * 64, "\u0661" * 64],
+    ids=["empty", "short", "upper-A", "upper-case", "one-short", "one-long", "not-hex", "arabic-digits"],
 )
 def test_verify_signature_false_for_garbage_address(address):
     assert verify_signature(address, b"m", WORKER.sign(b"m")) is False
