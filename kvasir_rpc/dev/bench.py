@@ -843,8 +843,16 @@ def run_gateway_processes_bench(*, quick: bool = False, workers: int = 4, batch:
                             done[i] += 4
 
                     pids = {"gateway": [sw.procs["gateway"].pid], "hub": [sw.procs["hub"].pid],
-                            "workers": [sw.procs[n].pid for n in names], "callers": [os.getpid()]}
-                    cpu0 = {role: sum(_process_tree_cpu(p) for p in ps) for role, ps in pids.items()}
+                            "workers": [sw.procs[n].pid for n in names]}
+
+                    def role_cpu() -> dict[str, float]:
+                        # The gateway's tree (its children with --processes); the callers are
+                        # this process alone: its tree is the whole swarm.
+                        cpu = {role: sum(_process_tree_cpu(p) for p in ps) for role, ps in pids.items()}
+                        cpu["callers"] = time.process_time()
+                        return cpu
+
+                    cpu0 = role_cpu()
                     t0 = time.perf_counter()
                     stop_at[0] = t0 + seconds
                     threads = [threading.Thread(target=caller, args=(i,), daemon=True) for i in range(len(streams))]
@@ -853,7 +861,7 @@ def run_gateway_processes_bench(*, quick: bool = False, workers: int = 4, batch:
                     for t in threads:
                         t.join(timeout=seconds + 120)
                     wall = time.perf_counter() - t0
-                    cpu = {role: sum(_process_tree_cpu(p) for p in ps) - cpu0[role] for role, ps in pids.items()}
+                    cpu = {role: c - cpu0[role] for role, c in role_cpu().items()}
                 finally:
                     for stream in streams:
                         stream.close()
