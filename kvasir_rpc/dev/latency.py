@@ -11,6 +11,7 @@ import os
 import pathlib
 import signal
 import sys
+from typing import TypeVar
 
 import trio
 
@@ -71,6 +72,22 @@ async def _send_chunks(dst: trio.SocketStream, chunks: list[bytes]) -> None:
             else:
                 views[0] = views[0][sent:]
                 sent = 0
+
+
+_Note = TypeVar("_Note", bound=tuple)  # (due, ...): what a direction's reader hands its writer
+
+
+async def _next_due(recv: trio.MemoryReceiveChannel[_Note], carry: _Note | None) -> _Note | None:
+    """The note ``carry`` (one taken early and put back), else the channel's next, once it is
+    due (its first field, trio's clock); None when the reader has ended the channel."""
+    if carry is None:
+        try:
+            carry = await recv.receive()
+        except trio.EndOfChannel:
+            return None
+    if carry[0] > trio.current_time():
+        await trio.sleep_until(carry[0])
+    return carry
 
 
 class LatencyProxy:
@@ -155,15 +172,11 @@ class LatencyProxy:
             carry: tuple[float, int, int] | None = None
             async with recv:
                 while True:
-                    if carry is None:
-                        try:
-                            carry = await recv.receive()
-                        except trio.EndOfChannel:
-                            return
-                    due, pipe, size = carry
+                    note = await _next_due(recv, carry)
+                    if note is None:
+                        return
+                    _, pipe, size = note
                     carry = None
-                    if due > trio.current_time():
-                        await trio.sleep_until(due)
                     while size:  # the notes already due in the same pipe go in one splice
                         try:
                             nxt = recv.receive_nowait()
@@ -226,15 +239,11 @@ class LatencyProxy:
             carry: tuple[float, bytes] | None = None
             async with recv:
                 while True:
-                    if carry is None:
-                        try:
-                            carry = await recv.receive()
-                        except trio.EndOfChannel:
-                            return
-                    due, data = carry
+                    note = await _next_due(recv, carry)
+                    if note is None:
+                        return
+                    _, data = note
                     carry = None
-                    if due > trio.current_time():
-                        await trio.sleep_until(due)
                     # What else is due goes in the same write (the reader may be ahead).
                     batch = [data] if data else []
                     eof = not data
