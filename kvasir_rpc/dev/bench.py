@@ -31,23 +31,25 @@ HIDDEN, INTER = 2048, 768
 BATCHES = (1, 8, 64, 512)
 
 
-def make_bench_checkpoint(directory: pathlib.Path) -> pathlib.Path:
-    """One MoE layer of two experts with Qwen3-30B-A3B's expert shape (38 MB), per-expert tensors."""
+def make_bench_checkpoint(directory: pathlib.Path, *, experts: int = 2, inter: int = INTER) -> pathlib.Path:
+    """One MoE layer of ``experts`` experts, per-expert tensors; by default two of
+    Qwen3-30B-A3B's expert shape (38 MB). The hidden width (the bytes on the wire) is always
+    Qwen3-30B-A3B's; a small ``inter`` makes computing an expert cost next to nothing."""
     import torch
     from safetensors.torch import save_file
 
     directory.mkdir(parents=True, exist_ok=True)
     (directory / "config.json").write_text(json.dumps({
-        "model_type": "qwen3_moe", "num_hidden_layers": 1, "num_experts": 2, "hidden_size": HIDDEN,
-        "moe_intermediate_size": INTER, "hidden_act": "silu", "dtype": "float32",
+        "model_type": "qwen3_moe", "num_hidden_layers": 1, "num_experts": experts, "hidden_size": HIDDEN,
+        "moe_intermediate_size": inter, "hidden_act": "silu", "dtype": "float32",
     }))
     g = torch.Generator().manual_seed(0)
     tensors = {}
-    for e in range(2):
+    for e in range(experts):
         p = f"model.layers.0.mlp.experts.{e}"
-        tensors[f"{p}.gate_proj.weight"] = torch.randn(INTER, HIDDEN, generator=g) * 0.02
-        tensors[f"{p}.up_proj.weight"] = torch.randn(INTER, HIDDEN, generator=g) * 0.02
-        tensors[f"{p}.down_proj.weight"] = torch.randn(HIDDEN, INTER, generator=g) * 0.02
+        tensors[f"{p}.gate_proj.weight"] = torch.randn(inter, HIDDEN, generator=g) * 0.02
+        tensors[f"{p}.up_proj.weight"] = torch.randn(inter, HIDDEN, generator=g) * 0.02
+        tensors[f"{p}.down_proj.weight"] = torch.randn(HIDDEN, inter, generator=g) * 0.02
     save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
     return directory
 
@@ -704,29 +706,9 @@ def decode_hop_figures(decode: dict[str, object]) -> dict[str, object]:
     figures["decode_backbone_cpu_ms_per_token_local"] = hops["local"]["backbone_decode_cpu_ms_per_token"]
     figures["decode_backbone_cpu_ms_per_token_rtt0"] = hops["rtt0"]["backbone_decode_cpu_ms_per_token"]
     return figures
-# The relay bench's expert: Qwen3-30B-A3B's hidden width (the bytes on the wire) with an
-# intermediate of 8, so computing it costs next to nothing and the relays carry the load.
+# The relay bench's expert: an intermediate of 8, so computing it costs next to nothing and
+# the relays carry the load.
 _RELAY_INTER = 8
-
-
-def _make_relay_checkpoint(directory: pathlib.Path) -> pathlib.Path:
-    """One MoE layer of one expert, hidden 2048 and intermediate 8: calls as large as the
-    dispatch bench's, computed almost for free ("echo-ish")."""
-    import torch
-    from safetensors.torch import save_file
-
-    directory.mkdir(parents=True, exist_ok=True)
-    (directory / "config.json").write_text(json.dumps({
-        "model_type": "qwen3_moe", "num_hidden_layers": 1, "num_experts": 1, "hidden_size": HIDDEN,
-        "moe_intermediate_size": _RELAY_INTER, "hidden_act": "silu", "dtype": "float32",
-    }))
-    g = torch.Generator().manual_seed(0)
-    p = "model.layers.0.mlp.experts.0"
-    save_file({f"{p}.gate_proj.weight": torch.randn(_RELAY_INTER, HIDDEN, generator=g) * 0.02,
-               f"{p}.up_proj.weight": torch.randn(_RELAY_INTER, HIDDEN, generator=g) * 0.02,
-               f"{p}.down_proj.weight": torch.randn(HIDDEN, _RELAY_INTER, generator=g) * 0.02},
-              str(directory / "model.safetensors"), metadata={"format": "pt"})
-    return directory
 
 
 class _RawStream(_Stream):
@@ -797,7 +779,7 @@ def run_gateway_processes_bench(*, quick: bool = False, workers: int = 4, batch:
     wire = req.SerializeToString()
     payload = (2 * hidden.numel() + weights.numel()) * 4  # request tensors + partials
     with tempfile.TemporaryDirectory(prefix="kvasir-bench-gwprocs-") as tmp:
-        ckpt = _make_relay_checkpoint(pathlib.Path(tmp) / "expert")
+        ckpt = make_bench_checkpoint(pathlib.Path(tmp) / "expert", experts=1, inter=_RELAY_INTER)
         for procs in (1, 2):
             with LocalSwarm(pathlib.Path(tmp) / f"p{procs}") as sw:
                 say(f"gateway with {procs} process(es): TLS, a hub, {workers} workers, {workers} callers")
