@@ -90,10 +90,9 @@ class HubConfig:
     # otherwise a WebSocket ping.
     keepalive_s: float = KEEPALIVE_S
     keepalive_timeout_s: float = KEEPALIVE_TIMEOUT_S
-    # Public gateway to keep a control connection to (wss://HOST:PORT), with its hub token.
-    gateway_url: str | None = None
-    # More gateways (several hosts, or each process of a gateway run with --processes): one
-    # control connection each, each with its own backoff; the same token and TLS context.
+    # Public gateways to keep a control connection to (wss://HOST:PORT; several hosts, or each
+    # process of a gateway run with --processes): one each, each with its own backoff; the
+    # same hub token and TLS context for all.
     gateway_urls: tuple[str, ...] = ()
     gateway_token: str = ""
     gateway_ssl: ssl.SSLContext | None = None
@@ -645,11 +644,10 @@ async def serve_hub(
         nursery.start_soon(hub.refusals.run)
         nursery.start_soon(hub.trimmer.run)
         await nursery.start(server.run)
-        gateways = list(dict.fromkeys([*([config.gateway_url] if config.gateway_url else []), *config.gateway_urls]))
-        if gateways:
+        if config.gateway_urls:
             from relay._hub_gateway import GatewayLink
 
-            for url in gateways:
+            for url in dict.fromkeys(config.gateway_urls):  # a URL given twice: one link
                 link = GatewayLink(functools.partial(hub.serve_connection, via_gateway=True), url,
                                    config.gateway_token,
                                    ssl_context=config.gateway_ssl)
