@@ -20,6 +20,7 @@ __all__ = [
     "add_log_level",
     "fail",
     "hostport",
+    "hostport_text",
     "make_state_parent",
     "run_main",
     "write_ready_file",
@@ -105,6 +106,11 @@ def hostport(default_port: int | None = None) -> Callable[[str], tuple[str, int]
         return host.strip("[]"), int(port)
 
     return parse
+
+
+def hostport_text(host: str, port: int) -> str:
+    """``HOST:PORT`` as ``hostport`` reads it back: an IPv6 host in brackets."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 def write_ready_file(path: pathlib.Path | None, info: dict[str, object]) -> None:

@@ -23,6 +23,7 @@ from kvasir_rpc import (
     fail,
     get_logger,
     hostport,
+    hostport_text,
     make_state_parent,
     run_main,
     write_ready_file,
@@ -32,12 +33,7 @@ DEFAULT_DB = f"sqlite:///{STATE_DIR / 'ledger.db'}"
 
 
 def _listen(text: str) -> str:
-    return _listen_text(hostport()(text))
-
-
-def _listen_text(address: tuple[str, int]) -> str:
-    host, port = address
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    return hostport_text(*hostport()(text))
 
 
 
@@ -56,7 +52,7 @@ def run_serve(args: argparse.Namespace) -> int:
 
     configure_logging("ledger", level=args.log_level)
     log = get_logger("ledger")
-    for flag, address in (("--listen", args.listen), ("--http", _listen_text(args.http) if args.http else None)):
+    for flag, address in (("--listen", args.listen), ("--http", hostport_text(*args.http) if args.http else None)):
         if address is None:
             continue
         try:
@@ -93,7 +89,7 @@ def run_serve(args: argparse.Namespace) -> int:
             try:
                 stop_metrics, http_port = serve_metrics(metrics.registry, *args.http)
             except OSError as exc:  # taken since check_listen
-                err = as_listen_error(_listen_text(args.http), exc)
+                err = as_listen_error(hostport_text(*args.http), exc)
                 fail(err.line("ledger", "--http") if err is not None else f"ledger: --http: {exc}")
         try:
             server, port, health = serve_ledger(args.listen, store, args.trust_key, args.rate_nano_per_byte,
@@ -104,7 +100,7 @@ def run_serve(args: argparse.Namespace) -> int:
             fail(f"ledger: cannot serve on --listen {args.listen}: {exc}")
         log.info("ledger listening", address=args.listen, port=port, db=_redact(args.db),
                  trusted_hubs=len(set(args.trust_key)), rate_nano_per_byte=args.rate_nano_per_byte,
-                 metrics=f"http://{_listen_text((args.http[0], http_port))}/metrics" if http_port else None)
+                 metrics=f"http://{hostport_text(args.http[0], http_port)}/metrics" if http_port else None)
         write_ready_file(args.ready_file, {"port": port, "http_port": http_port})
         while not stop.wait(1.0):
             pass

@@ -29,6 +29,7 @@ from kvasir_rpc import (
     fail,
     get_logger,
     hostport,
+    hostport_text,
     install_fast_masking,
     make_state_parent,
     run_main,
@@ -51,10 +52,6 @@ def _read_token(component: str, flag: str, path: pathlib.Path, fix: str) -> str:
         return load_token(path)
     except TokenError as exc:
         fail(f"{component}: {flag}: {exc}: {fix}")
-
-
-def _address(host: str, port: int) -> str:
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 def _check_listen(component: str, *flag_addresses: tuple[str, str]) -> None:
@@ -187,8 +184,8 @@ def run_hub(args: argparse.Namespace) -> int:
     if not args.message_deadline > 0:
         fail(f"hub: --message-deadline must be more than 0 seconds (got {args.message_deadline:g})")
     grpc_host, grpc_port = args.grpc
-    ws_address, grpc_address = _address(*args.listen), _address(grpc_host, grpc_port)
-    http_address = _address(*args.http) if args.http else None
+    ws_address, grpc_address = hostport_text(*args.listen), hostport_text(grpc_host, grpc_port)
+    http_address = hostport_text(*args.http) if args.http else None
     _check_listen("hub", ("--grpc", grpc_address), ("--listen", ws_address),
                   *([("--http", http_address)] if http_address else []))
     token, gateway_ssl = _gateway_link(args) if args.gateway else ("", None)
@@ -290,7 +287,7 @@ def _start_gateway_metrics(gw: Gateway, http: tuple[str, int], stops: list[Calla
     try:
         stop, port = serve_metrics(registry, *http)
     except OSError as exc:  # taken since _check_listen
-        err = as_listen_error(_address(*http), exc)
+        err = as_listen_error(hostport_text(*http), exc)
         failed.append(err.line("gateway", "--http") if err is not None else f"gateway: --http: {exc}")
         return None
     stops.append(stop)
@@ -310,15 +307,15 @@ def run_gateway(args: argparse.Namespace) -> int:
     configure_logging("gateway", level=args.log_level)
     install_fast_masking()
     log = get_logger("relay")
-    address = _address(*args.listen)
+    address = hostport_text(*args.listen)
     if not args.cert and not args.insecure_plain_ws:
         fail("gateway: give --cert and --key (kvasir certs makes a development pair), or --insecure-plain-ws "
              "behind a TLS terminator")
     # A process of several (--processes) serves listening sockets its parent made and holds.
     child = args.listen_fd is not None
     _check_listen("gateway", *([] if child else [("--listen", address)]),
-                  *([("--hub-listen", _address(*args.hub_listen))] if args.hub_listen and not child else []),
-                  *([("--http", _address(*args.http))] if args.http else []))
+                  *([("--hub-listen", hostport_text(*args.hub_listen))] if args.hub_listen and not child else []),
+                  *([("--http", hostport_text(*args.http))] if args.http else []))
     token = _read_token("gateway", "--hub-token-file", args.hub_token_file,
                         f"make one with {_new_token_hint(args.hub_token_file)} and give hubs a copy "
                         "(their --gateway-token-file)")
@@ -358,8 +355,8 @@ def run_gateway(args: argparse.Namespace) -> int:
                     nursery.cancel_scope.cancel()
                     return
             log.info("gateway listening", address=f"{config.host}:{port}", tls=ctx is not None,
-                     hub_address=_address(config.hub_host or config.host, gw.hub_port) if gw.hub_port else None,
-                     metrics=f"http://{_address(args.http[0], http_port)}/metrics" if http_port else None)
+                     hub_address=hostport_text(config.hub_host or config.host, gw.hub_port) if gw.hub_port else None,
+                     metrics=f"http://{hostport_text(args.http[0], http_port)}/metrics" if http_port else None)
             write_ready_file(args.ready_file, {"port": port, "http_port": http_port, "hub_port": gw.hub_port,
                                                "pid": os.getpid()})
             await _until_signal(nursery, log, "gateway")

@@ -32,7 +32,7 @@ import sys
 import tempfile
 import time
 
-from kvasir_rpc import configure_logging, fail, get_logger, write_ready_file
+from kvasir_rpc import configure_logging, fail, get_logger, hostport_text, write_ready_file
 
 __all__ = ["supervise"]
 
@@ -45,16 +45,12 @@ _HEALTHY_S = 60.0  # a child that lived this long restarts after the shortest ba
 _POLL_S = 0.1
 
 
-def _address(host: str, port: int) -> str:
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-
-
 def _listening(host: str, port: int, flag: str, *, reuse_port: bool) -> socket.socket:
     """A listening socket on ``host:port`` (with ``reuse_port``, SO_REUSEPORT: one of a group
     on the same port), or the end of the program with the line naming ``flag``."""
     from kvasir_rpc import as_listen_error
 
-    address = _address(host, port)
+    address = hostport_text(host, port)
     try:
         family, kind, proto, _name, sockaddr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
                                                                   flags=socket.AI_PASSIVE)[0]
@@ -102,9 +98,9 @@ def _child_argv(args: argparse.Namespace, port: int, child: _Child) -> list[str]
     metrics and ready-file addresses."""
     tls = ["--cert", str(args.cert), "--key", str(args.key)] if args.cert else ["--insecure-plain-ws"]
     hub_host, hub_port = child.hub.getsockname()[:2]
-    argv = [sys.executable, "-m", "relay", "gateway", "--listen", _address(args.listen[0], port), *tls,
+    argv = [sys.executable, "-m", "relay", "gateway", "--listen", hostport_text(args.listen[0], port), *tls,
             "--hub-token-file", str(args.hub_token_file), "--listen-fd", str(child.public.fileno()),
-            "--hub-listen", _address(hub_host, hub_port), "--hub-fd", str(child.hub.fileno()),
+            "--hub-listen", hostport_text(hub_host, hub_port), "--hub-fd", str(child.hub.fileno()),
             "--ready-file", str(child.ready),
             "--handshake-timeout", repr(args.handshake_timeout), "--max-message-bytes", str(args.max_message_bytes),
             "--max-unpaired", str(args.max_unpaired), "--max-sessions", str(args.max_sessions),
@@ -113,7 +109,7 @@ def _child_argv(args: argparse.Namespace, port: int, child: _Child) -> list[str]
             "--keepalive", repr(args.keepalive), "--idle-timeout", repr(args.idle_timeout),
             "--max-new-per-ip", repr(args.max_new_per_ip), "--log-level", args.log_level]
     if child.http is not None:
-        argv += ["--http", _address(*child.http)]
+        argv += ["--http", hostport_text(*child.http)]
     return argv
 
 
@@ -136,7 +132,7 @@ def supervise(args: argparse.Namespace) -> int:
 
         for i in range(n):
             try:
-                check_listen(_address(args.http[0], args.http[1] + i))
+                check_listen(hostport_text(args.http[0], args.http[1] + i))
             except ListenError as exc:
                 fail(exc.line("gateway", "--http"))
     host, port = args.listen
@@ -196,8 +192,8 @@ def supervise(args: argparse.Namespace) -> int:
             if stopping:
                 return 0
             publish()
-            log.info("gateway listening", address=_address(args.listen[0], port), processes=n,
-                     hub_addresses=[_address(*c.hub.getsockname()[:2]) for c in children])
+            log.info("gateway listening", address=hostport_text(args.listen[0], port), processes=n,
+                     hub_addresses=[hostport_text(*c.hub.getsockname()[:2]) for c in children])
             while not stopping:
                 _watch(children, spawn, publish)
                 time.sleep(_POLL_S)

@@ -46,6 +46,7 @@ from kvasir_rpc import (
     format_slices,
     get_logger,
     hostport,
+    hostport_text,
     is_address,
     leaf_exception,
     parse_expert_spec,
@@ -268,7 +269,7 @@ def _serve(args: argparse.Namespace, *, url: str, ssl_context: ssl.SSLContext | 
     balance = None
     if args.ledger:
         host, port = args.ledger
-        balance = Balance(f"[{host}]:{port}" if ":" in host else f"{host}:{port}")
+        balance = Balance(hostport_text(host, port))
     stopped_by: list[int] = []
 
     async def run() -> None:
