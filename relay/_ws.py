@@ -379,7 +379,9 @@ class WebSocket:
         # as pieces, it costs about what arrived (what the budget counts).
         self._parts: list[bytes] = []
         self._size = 0
-        self._charged = 0  # bytes of _msg reserved in the budget
+        # Bytes of the unfinished message (in _parts, or being gathered in the reader's buffer)
+        # reserved in the budget.
+        self._charged = 0
         self._started_at: float | None = None  # when the unfinished message began
         self._relaying = False
         now = trio.current_time()
