@@ -107,7 +107,7 @@ if TYPE_CHECKING:  # the real names, for type checkers; at run time __getattr__ 
         encode_tensor,
         encode_tensor_into,
     )
-    from kvasir_rpc._fastmask import install_fast_masking
+    from kvasir_rpc._fastmask import install_fast_masking, xor_mask_into
     from kvasir_rpc._lazy import lazy_getattr
     from kvasir_rpc._checkpoint import (
         CHECKPOINT_HINT,
@@ -229,6 +229,7 @@ _LAZY = {
     "run_main": "kvasir_rpc._cliargs",
     "write_ready_file": "kvasir_rpc._cliargs",
     "install_fast_masking": "kvasir_rpc._fastmask",
+    "xor_mask_into": "kvasir_rpc._fastmask",
     "lazy_getattr": "kvasir_rpc._lazy",
     "DTYPE_TO_WIRE": "kvasir_rpc._codec",
     "TensorCodecError": "kvasir_rpc._codec",

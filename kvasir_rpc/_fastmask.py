@@ -34,14 +34,15 @@ from collections.abc import Callable
 
 import numpy as np
 
-__all__ = ["NumpyXorMasker", "install_fast_masking", "keep_freed_memory", "serialize_frame"]
+__all__ = ["NumpyXorMasker", "install_fast_masking", "keep_freed_memory", "serialize_frame", "xor_mask_into"]
 
 _MAX_PAYLOAD_NORMAL = 125
 _MAX_PAYLOAD_TWO_BYTE = 2**16 - 1
 
 
-def _xor_into(data: bytes | bytearray | memoryview, key: bytes, out: memoryview) -> None:
-    """out[i] = data[i] ^ key[i % 4], for len(data) bytes."""
+def xor_mask_into(data: bytes | bytearray | memoryview, key: bytes, out: memoryview) -> None:
+    """out[i] = data[i] ^ key[i % 4], for len(data) bytes: WebSocket masking and unmasking
+    (RFC 6455 5.3), numpy over uint32 words; ``out`` may be ``data`` itself (in place)."""
     n = len(data)
     words = n // 4
     if words:
@@ -64,7 +65,7 @@ class NumpyXorMasker:
         if not n:
             return out
         key = self._masking_key
-        _xor_into(data, key, memoryview(out))
+        xor_mask_into(data, key, memoryview(out))
         self._rotate(n)
         return out
 
@@ -72,7 +73,7 @@ class NumpyXorMasker:
         """Unmask (or mask) ``data``, a writable byte view, where it lies."""
         n = len(data)
         if n:
-            _xor_into(data, self._masking_key, data)
+            xor_mask_into(data, self._masking_key, data)
             self._rotate(n)
 
     def _rotate(self, n: int) -> None:
@@ -107,7 +108,7 @@ def serialize_frame(self, opcode, payload: bytes | bytearray | memoryview = b"",
     out = bytearray(h + 4 + n)
     out[:h] = header
     out[h : h + 4] = key
-    _xor_into(payload, key, memoryview(out)[h + 4 :])
+    xor_mask_into(payload, key, memoryview(out)[h + 4 :])
     return out
 
 

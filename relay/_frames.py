@@ -20,8 +20,9 @@ import codecs
 import dataclasses
 import struct
 
-import numpy as np
 from wsproto.events import CloseConnection, Ping, Pong
+
+from kvasir_rpc import xor_mask_into
 
 __all__ = ["Progress", "BINARY", "TEXT", "CLOSE", "PING", "PONG", "Data", "FrameError", "FrameReader", "close_payload",
            "frame_header", "HEADROOM"]
@@ -97,15 +98,9 @@ def close_payload(code: int, reason: str) -> bytes:
 
 def _unmask(view: memoryview, key: bytes, phase: int) -> None:
     """XOR ``view`` in place with ``key`` starting at key byte ``phase``."""
-    n = len(view)
     if phase:
         key = key[phase:] + key[:phase]
-    words = n // 4
-    if words:
-        arr = np.frombuffer(view, dtype=np.uint32, count=words)
-        np.bitwise_xor(arr, np.frombuffer(key, dtype=np.uint32)[0], out=arr)
-    for i in range(words * 4, n):
-        view[i] ^= key[i % 4]
+    xor_mask_into(view, key, view)
 
 
 class FrameReader:
