@@ -12,6 +12,7 @@ import time
 import grpc
 import pytest
 import torch
+from helpers import wait_until
 
 from kvasir_rpc import (
     TARGET_KEY_METADATA,
@@ -44,15 +45,17 @@ def test_cpu_seconds_of_a_process_that_burns_cpu():
 def test_cpu_seconds_of_a_process_that_is_gone():
     proc = subprocess.Popen([sys.executable, "-c", "pass"])
     # Ended, not reaped yet (a zombie): its CPU time is no longer counted, so no reading.
-    deadline = time.monotonic() + 30
-    while True:
+    gone: list[ProcessGoneError] = []
+
+    def ended() -> bool:
         try:
             cpu_seconds(proc.pid)
         except ProcessGoneError as exc:
-            assert str(proc.pid) in str(exc) and "ended" in str(exc)
-            break
-        assert time.monotonic() < deadline, "the child did not end within 30 s"
-        time.sleep(0.02)
+            gone.append(exc)
+        return bool(gone)
+
+    wait_until(ended, 30, "the child to end")
+    assert str(proc.pid) in str(gone[0]) and "ended" in str(gone[0])
     proc.wait(timeout=10)
     with pytest.raises(ProcessGoneError, match=f"process {proc.pid} is gone"):
         cpu_seconds(proc.pid)
@@ -146,10 +149,8 @@ def test_latency_proxy_delivers_every_byte_in_order_late_by_the_rtt(rtt_ms, tmp_
                                   f"127.0.0.1:{server.getsockname()[1]}", "--rtt-file", str(rtt_file),
                                   "--ready-file", str(ready)])
         try:
-            deadline = time.monotonic() + 30
-            while not ready.exists():
-                assert proxy.poll() is None and time.monotonic() < deadline, "the proxy did not start"
-                time.sleep(0.02)
+            wait_until(lambda: ready.exists() or proxy.poll() is not None, 30, "the proxy to start")
+            assert proxy.poll() is None, "the proxy ended at start"
             client = socket.create_connection(("127.0.0.1", json.loads(ready.read_text())["port"]), timeout=30)
             server.settimeout(30)
             far, _ = server.accept()
