@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 import time
+from collections.abc import Callable
 from typing import Protocol
 
 import numpy as np
@@ -217,9 +218,10 @@ def decode_assisted(model, tokenizer, prompt: str, max_new_tokens: int, drafter:
             dispatcher.begin_attempt()
         try:
             with torch.inference_mode():
-                tokens, logits, stats, rate = _run(model, prompt_ids, max_new_tokens, drafter, k, mode, stop, on_step)
+                tokens, logits, stats, rate = _run(model, prompt_ids, max_new_tokens, drafter, k, mode, stop, on_step,
+                                                   dispatcher.settle if dispatcher is not None else None)
             if dispatcher is not None:
-                dispatcher.check_attempt()
+                dispatcher.settle()
             break
         except ReplayNeeded as exc:
             assert dispatcher is not None
@@ -237,15 +239,21 @@ def decode_assisted(model, tokenizer, prompt: str, max_new_tokens: int, drafter:
 
 
 def _run(model, prompt_ids: list[int], max_new_tokens: int, drafter: Drafter, k: int, mode: str,  # type: ignore[no-untyped-def]
-         stop: threading.Event | None, on_step: OnStep | None) -> tuple[list[int], list[torch.Tensor], AssistStats, float]:
-    """One attempt: ``(new tokens, their logits [V] each, stats, decode tokens/s)``."""
+         stop: threading.Event | None, on_step: OnStep | None,
+         settle: Callable[[], None] | None) -> tuple[list[int], list[torch.Tensor], AssistStats, float]:
+    """One attempt: ``(new tokens, their logits [V] each, stats, decode tokens/s)``.
+    ``settle`` runs after each forward pass, before its tokens are chosen (the Dispatcher's
+    audits of that pass)."""
     from transformers import DynamicCache
+
+    settle = settle or (lambda: None)
 
     drafter.reset()
     stats = AssistStats(mode=mode, assist_tokens=k)
     cache = DynamicCache(config=model.config)
     out = model(input_ids=torch.tensor([prompt_ids], dtype=torch.long), cache=cache, use_cache=True,
                 logits_to_keep=1)
+    settle()
     first = out.logits[0, -1].float()
     eos = _eos_ids(model)
     tokens, logits = [_greedy(first[None], eos)[0]], [first]
@@ -259,6 +267,7 @@ def _run(model, prompt_ids: list[int], max_new_tokens: int, drafter: Drafter, k:
         drafts = drafter.propose(prompt_ids + tokens, min(guesses, max_new_tokens - len(tokens) - 1))
         stats.draft_seconds += time.perf_counter() - t0
         out = model(input_ids=torch.tensor([[tokens[-1], *drafts]], dtype=torch.long), cache=cache, use_cache=True)
+        settle()
         step_logits = out.logits[0].float()  # [1 + drafts, V]
         choice = _greedy(step_logits, eos)
         n = 0

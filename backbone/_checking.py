@@ -1,8 +1,11 @@
 """Checking a worker's answer to one call before its partials are used or paid.
 
-Whole-answer checks first (it decodes, has the expected shape and dtype, every value is
-finite unless this backbone's own result overflows alike), then the sampled audit of
-``_audit.py``. A refused answer comes with the evidence the hub is sent.
+Whole-answer checks first, at once (it decodes, has the expected shape and dtype, every
+value is finite unless this backbone's own result overflows alike); then the sampled audit
+of ``_audit.py``, which the Dispatcher runs off the decode's critical path: the sampled rows
+are copied out of the call (``SampledRows``) and audited on another thread while the decode
+goes on, and the decode waits for the verdicts before it chooses its next tokens. A refused
+answer comes with the evidence the hub is sent.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ from backbone._audit import AuditResult, RowSampler, audit_rows
 from backbone._links import CallRecord, WorkerLink
 from backbone._weights import ExpertWeights
 
-__all__ = ["AnswerChecker", "SentCall"]
+__all__ = ["AnswerChecker", "SampledRows", "SentCall"]
 
 
 @dataclasses.dataclass
@@ -48,14 +51,26 @@ class SentCall:
         x = self.rows[picked] if self.index is None else self.rows[self.index[picked]]
         return x, self.weights[picked]
 
-    def expert_of(self, row: int) -> int:
-        """The expert whose segment holds assignment ``row``."""
-        start = 0
-        for r in self.routes:
-            start += len(r.token_idx)
-            if row < start:
-                return r.expert
-        return self.routes[-1].expert
+    def experts(self) -> torch.Tensor:
+        """The expert of each assignment [assignments], in segment order."""
+        return torch.cat([torch.full((len(r.token_idx),), r.expert) for r in self.routes])
+
+
+@dataclasses.dataclass(frozen=True)
+class SampledRows:
+    """The rows of one accepted answer chosen for the audit, copied out of its call (a few
+    rows: the call itself is not kept) so that the audit can run later, on another thread."""
+
+    layer: int
+    act: Activation
+    session_id: str
+    call_id: int
+    call_rows: int  # assignments in the call
+    picked: torch.Tensor  # [n] the audited rows' positions in the call, ascending
+    experts: torch.Tensor  # [n] the expert of each
+    x: torch.Tensor  # [n, H] the rows as sent (wire dtype)
+    w: torch.Tensor  # [n] their routing weights as sent
+    got: torch.Tensor  # [n, H] the worker's partials for them
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,9 +99,11 @@ class AnswerChecker:
             return CheckStats(self.audited_rows, self.audit_exact_rows, round(self.audit_seconds, 4))
 
     def check(self, layer: int, act: Activation, sent: SentCall, msg: expert_pb2.ExpertPartials,
-              width: int) -> tuple[torch.Tensor | None, session_pb2.QuarantineRequest | None]:
-        """The answer's partials [assignments, width] in the wire dtype if accepted, else
-        ``(None, evidence against the worker)``."""
+              width: int) -> tuple[torch.Tensor | None, session_pb2.QuarantineRequest | None, SampledRows | None]:
+        """``(partials [assignments, width] in the wire dtype, None, rows to audit or None)``
+        if the answer passes its whole-answer checks, else ``(None, evidence against the
+        worker, None)``. The rows to audit are chosen here, after the answer arrived; the
+        caller must :meth:`audit` them before the call is paid."""
         rec = sent.record
         evidence = session_pb2.QuarantineRequest(session_id=sent.link.session_id, layer=layer, call_id=rec.call_id)
         sent_dtype = sent.rows.dtype
@@ -98,7 +115,7 @@ class AnswerChecker:
         except TensorCodecError as exc:
             evidence.violation = session_pb2.VIOLATION_MALFORMED
             evidence.detail = str(exc)[:300]
-            return None, evidence
+            return None, evidence, None
         if not all_finite(out):
             # Wrong unless this backbone's own result is just as non-finite (an honest overflow).
             mine = self._recompute(layer, act, sent, torch.arange(rec.rows))
@@ -106,55 +123,60 @@ class AnswerChecker:
                 bad = int((~out.isfinite()).any(dim=-1).nonzero()[0, 0])
                 evidence.violation = session_pb2.VIOLATION_NON_FINITE
                 evidence.row = bad
-                evidence.expert = sent.expert_of(bad)
+                evidence.expert = int(sent.experts()[bad])
                 evidence.max_abs_diff = float("inf")
                 evidence.detail = f"row {bad} of {rec.rows} holds NaN or Inf; this backbone's result is finite"
-                return None, evidence
+                return None, evidence, None
         picked = self._sampler.choose(sent.link.session_id, rec.rows)
-        if picked.numel():
-            t0 = time.perf_counter()
-            verdict = self._audit(layer, act, sent, out, picked)
-            with self._lock:
-                self.audit_seconds += time.perf_counter() - t0
-                self.audited_rows += verdict.rows
-                self.audit_exact_rows += verdict.exact
-            if not verdict.passed:
-                evidence.violation = session_pb2.VIOLATION_AUDIT_MISMATCH
-                evidence.row = verdict.row
-                evidence.expert = sent.expert_of(verdict.row)
-                evidence.max_abs_diff = verdict.max_abs_diff
-                evidence.tolerance = verdict.tolerance
-                evidence.detail = (f"audited row {verdict.row} of {rec.rows}: |partial - recomputed| "
-                                   f"{verdict.max_abs_diff:.3g} > tolerance {verdict.tolerance:.3g}")
-                return None, evidence
-        return out, None
+        if not picked.numel():
+            return out, None, None
+        x, w = sent.inputs(picked)
+        sampled = SampledRows(layer=layer, act=act, session_id=sent.link.session_id, call_id=rec.call_id,
+                              call_rows=rec.rows, picked=picked, experts=sent.experts()[picked], x=x, w=w,
+                              got=out[picked])
+        return out, None, sampled
 
-    def _by_expert(self, layer: int, sent: SentCall,
-                   picked: torch.Tensor) -> Iterator[tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]]:
-        """For each expert among assignments ``picked``: which of them (a mask over
-        ``picked``) and its weights, read without keeping them (audits touch a sampled few)."""
-        expert_of = torch.cat([torch.full((len(r.token_idx),), r.expert) for r in sent.routes])[picked]
-        for e in expert_of.unique().tolist():
-            yield expert_of == e, self._weights.get(layer, e, keep=False)
+    def audit(self, s: SampledRows) -> session_pb2.QuarantineRequest | None:
+        """Audit the sampled rows of one answer: None if they pass, else the evidence."""
+        t0 = time.perf_counter()
+        verdict = self._audit(s)
+        with self._lock:
+            self.audit_seconds += time.perf_counter() - t0
+            self.audited_rows += verdict.rows
+            self.audit_exact_rows += verdict.exact
+        if verdict.passed:
+            return None
+        expert = int(s.experts[(s.picked == verdict.row).nonzero()[0, 0]])
+        return session_pb2.QuarantineRequest(
+            session_id=s.session_id, layer=s.layer, call_id=s.call_id,
+            violation=session_pb2.VIOLATION_AUDIT_MISMATCH, row=verdict.row, expert=expert,
+            max_abs_diff=verdict.max_abs_diff, tolerance=verdict.tolerance,
+            detail=(f"audited row {verdict.row} of {s.call_rows}: |partial - recomputed| "
+                    f"{verdict.max_abs_diff:.3g} > tolerance {verdict.tolerance:.3g}"))
+
+    def _by_expert(self, layer: int,
+                   experts: torch.Tensor) -> Iterator[tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]]:
+        """For each expert among ``experts`` (one per row): which rows (a mask) and its
+        weights, read without keeping them (audits touch a sampled few)."""
+        for e in experts.unique().tolist():
+            yield experts == e, self._weights.get(layer, e, keep=False)
 
     def _recompute(self, layer: int, act: Activation, sent: SentCall, picked: torch.Tensor) -> torch.Tensor:
         """This backbone's kernel on assignments ``picked`` of a call, in the wire dtype."""
         x, w = sent.inputs(picked)
         result = torch.empty(len(picked), x.shape[1], dtype=sent.rows.dtype)
-        for sel, (gate_up, down) in self._by_expert(layer, sent, picked):
+        for sel, (gate_up, down) in self._by_expert(layer, sent.experts()[picked]):
             part = expert_forward(x[sel].to(gate_up.dtype), gate_up, down, act, w[sel].to(gate_up.dtype))
             result[sel] = part.to(result.dtype)
         return result
 
-    def _audit(self, layer: int, act: Activation, sent: SentCall, out: torch.Tensor,
-               picked: torch.Tensor) -> AuditResult:
-        """Audit rows ``picked`` of an answer, expert by expert; the first failure, or a pass."""
-        x, w = sent.inputs(picked)
+    def _audit(self, s: SampledRows) -> AuditResult:
+        """Audit the sampled rows, expert by expert; the first failure, or a pass."""
         rows = exact = 0
-        for sel, (gate_up, down) in self._by_expert(layer, sent, picked):
-            v = audit_rows(out[picked[sel]], x[sel], gate_up, down, act, w[sel], picked[sel].tolist())
+        for sel, (gate_up, down) in self._by_expert(s.layer, s.experts):
+            v = audit_rows(s.got[sel], s.x[sel], gate_up, down, s.act, s.w[sel], s.picked[sel].tolist())
             rows += v.rows
             exact += v.exact
             if not v.passed:
                 return dataclasses.replace(v, rows=rows, exact=exact)
-        return AuditResult(True, rows, exact, int(picked[0]), 0.0, 0.0)
+        return AuditResult(True, rows, exact, int(s.picked[0]), 0.0, 0.0)

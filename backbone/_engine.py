@@ -472,6 +472,7 @@ class _Lane:
         with self.engine.dispatcher.tally_rows(owners, len(seqs)) as tally:
             out = self.engine.model(input_ids=ids, attention_mask=mask, position_ids=positions, cache=cache,
                                     use_cache=True, logits_to_keep=1)
+            self.engine.dispatcher.settle()  # no token from these logits before their audits passed
         self._add_rows(tally, seqs)
         return cache, mask, out.logits[:, -1].float()
 
@@ -519,6 +520,7 @@ class _Lane:
         with self.engine.dispatcher.tally_rows(torch.arange(len(rows)), len(rows)) as tally:
             out = self.engine.model(input_ids=ids, attention_mask=mask, position_ids=positions,
                                     cache=self.cache, use_cache=True)
+            self.engine.dispatcher.settle()
         self.mask = mask  # the cache grew in place
         self.engine._stepped(len(rows))
         self._add_rows(tally, rows)
@@ -640,6 +642,7 @@ class _Lane:
         with self.engine.dispatcher.tally_rows(torch.zeros(1, dtype=torch.long), 1) as tally:
             out = self.engine.model(input_ids=torch.tensor([[token]], dtype=torch.long), attention_mask=mask,
                                     position_ids=torch.tensor([[mask.shape[1] - 1]]), cache=cache, use_cache=True)
+            self.engine.dispatcher.settle()
         self._add_rows(tally, [seq])
         return mask, out.logits[:, -1].float()
 

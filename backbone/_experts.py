@@ -2,8 +2,8 @@
 
 The router has already run (transformers' own gate); ``Dispatcher.forward`` receives its
 decisions and sends the remote calls, computes the local experts while they fly, collects
-the answers (checked, audited, recomputed here when lost or refused) and combines every
-partial in one fixed order whatever the placement. Its parts, one job each:
+the answers (checked, recomputed here when lost or refused) and combines every partial in
+one fixed order whatever the placement. Its parts, one job each:
 
 * ``Placement`` (``_placement.py``): which worker link serves which (layer, expert);
 * ``ExpertWeights`` (``_weights.py``): where an expert's weights come from;
@@ -13,6 +13,15 @@ partial in one fixed order whatever the placement. Its parts, one job each:
 
 All calls of a layer are awaited together, each until its own deadline: a late one is
 computed here (hedged) and its answer, if it still comes, is dropped and never paid.
+
+The sampled audits run on the Dispatcher's audit thread, off the critical path: an answer
+that passes its whole-answer checks is used at once, its sampled rows are audited while
+the decode goes on (while the next layers' calls fly, the core is otherwise idle), and a
+session's calls are paid only once its audits submitted up to them have passed
+(``AuditGate``). A decode calls :meth:`Dispatcher.settle`
+before it chooses tokens from a forward pass: it waits for that pass's audits and raises
+ReplayNeeded if one caught a worker the attempt used, so no token leaves the backbone
+before the audits of the calls that made it have passed.
 """
 
 from __future__ import annotations
@@ -37,15 +46,16 @@ from kvasir_rpc import (
     get_logger,
     plan_routes,
     session_pb2,
+    threads_initializer,
 )
 from backbone._audit import DEFAULT_AUDIT_RATE
-from backbone._checking import AnswerChecker, SentCall
+from backbone._checking import AnswerChecker, SampledRows, SentCall
 from backbone._deadlines import StragglerPolicy
 from backbone._links import SessionWatcher, WorkerLink
 from backbone._placement import Placement
 from backbone._shared import SharedDeferral
 from backbone._weights import CheckpointWeights, ExpertWeights, HeldWeights, experts_modules
-from backbone._work import WorkReporter
+from backbone._work import AuditGate, WorkReporter
 
 __all__ = ["IMPLEMENTATION", "Dispatcher", "DispatchStats", "ReplayNeeded", "install"]
 
@@ -152,8 +162,12 @@ class Dispatcher:
         self.remote = watcher is not None
         self.placement = Placement(watcher, self.weights) if watcher is not None else None
         self.checker = AnswerChecker(self.weights, audit_rate)
+        # One thread audits the sampled rows of accepted answers while the decode goes on.
+        self._auditor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="audit",
+                                                              initializer=threads_initializer())
         self.shared = SharedDeferral(model, modules, implementation=IMPLEMENTATION, deferring=lambda: self.remote)
         self.reporter = reporter
+        self.payments = AuditGate(reporter.accepted if reporter is not None else lambda *_: None)
         # None: activations travel in the model's dtype (bit-exact). bfloat16/float16 for a
         # float32 model halves the bytes and is not bit-exact.
         self.wire_dtype = wire_dtype
@@ -243,13 +257,14 @@ class Dispatcher:
             for sent in late:
                 del waiting[sent.record.future]
             for sent in finished:
-                out, violation = self._answer(layer, act, hidden.shape[1], sent)
+                out, violation, sampled = self._answer(layer, act, hidden.shape[1], sent)
                 if violation is not None:
-                    replay |= self._quarantine(sent.link, violation)
+                    self._refuse(sent.link, violation)
+                    replay |= sent.link.session_id in self._attempt_sessions()
                 if out is None:  # lost or refused: recomputed here, not paid
                     self._fall_back(layer, act, hidden, top_k_weights, sent, partials)
                 else:
-                    self._accept(sent, out, hidden.dtype, partials)
+                    self._accept(sent, out, hidden.dtype, partials, sampled)
             for sent in late:
                 self._late(layer, sent)
                 self._count(RowTally.FALLBACK, sent.routes)
@@ -301,9 +316,10 @@ class Dispatcher:
             with self._lock:
                 self.late_answers_dropped += 1
 
-    def _answer(self, layer: int, act: Activation, width: int,
-                sent: SentCall) -> tuple[torch.Tensor | None, session_pb2.QuarantineRequest | None]:
-        """The finished call's checked partials, or None (lost, or refused with the evidence)."""
+    def _answer(self, layer: int, act: Activation, width: int, sent: SentCall
+                ) -> tuple[torch.Tensor | None, session_pb2.QuarantineRequest | None, SampledRows | None]:
+        """The finished call's checked partials and its rows to audit, or None (lost, or
+        refused with the evidence)."""
         rec = sent.record
         exc = rec.future.exception()
         if exc is not None:  # the stream failed: recomputed here
@@ -311,13 +327,16 @@ class Dispatcher:
                         rows=rec.rows, error=repr(exc)[:200])
             assert self.placement is not None
             self.placement.drop(sent.link, exc)
-            return None, None
+            return None, None, None
         answer = rec.future.result()
         with self._lock:
             self.received_bytes += answer.ByteSize()
         return self.checker.check(layer, act, sent, answer, width)
 
-    def _accept(self, sent: SentCall, out: torch.Tensor, dtype: torch.dtype, partials: dict[int, torch.Tensor]) -> None:
+    def _accept(self, sent: SentCall, out: torch.Tensor, dtype: torch.dtype, partials: dict[int, torch.Tensor],
+                sampled: SampledRows | None) -> None:
+        """Use an answer that passed its whole-answer checks. Paid now when none of its rows
+        was sampled, else once the audit thread has passed them."""
         # Paid: the request as sent and the partials at exactly their expected size.
         work = sent.request_bytes + out.numel() * out.element_size()
         if out.dtype != dtype:
@@ -337,13 +356,25 @@ class Dispatcher:
         self._attempt_sessions().add(sid)
         if self.observe_call is not None and sent.record.answered_ns:
             self.observe_call((sent.record.answered_ns - sent.record.sent_ns) / 1e9)
-        if self.reporter is not None:
-            self.reporter.accepted(sid, work, sent.record.rows)
+        number = self.payments.accepted(sid, work, sent.record.rows, audited=sampled is not None)
+        if sampled is not None:
+            self._pending_audits().append(self._auditor.submit(self._audit, sent.link, sampled, number))
 
-    def _quarantine(self, link: WorkerLink, evidence: session_pb2.QuarantineRequest) -> bool:
-        """Stop using a session that delivered wrong work and report it with the evidence.
-        True when the current decode attempt used it (its results must be replayed)."""
+    def _audit(self, link: WorkerLink, sampled: SampledRows, number: int) -> None:
+        """On the audit thread: the sampled rows of an accepted call. If they pass, the
+        session's calls that waited for this audit are paid; else nothing it has waiting is,
+        and it is quarantined (the decode that used it replays at its next settle)."""
+        evidence = self.checker.audit(sampled)
+        if evidence is None:
+            self.payments.passed(link.session_id, number)
+        else:
+            self._refuse(link, evidence)
+
+    def _refuse(self, link: WorkerLink, evidence: session_pb2.QuarantineRequest) -> None:
+        """Stop using a session that delivered wrong work, pay it nothing more, and report it
+        with the evidence."""
         assert self.placement is not None
+        self.payments.failed(link.session_id)
         with self._lock:
             self.answers_refused += 1
         if self.placement.quarantine(link):
@@ -354,7 +385,6 @@ class Dispatcher:
                       max_abs_diff=evidence.max_abs_diff, tolerance=evidence.tolerance, detail=evidence.detail)
             if self.reporter is not None:
                 self.reporter.quarantine(evidence)
-        return link.session_id in self._attempt_sessions()
 
     # -- rows by request ---------------------------------------------------------------
 
@@ -385,9 +415,30 @@ class Dispatcher:
             used = self._attempt.used = set()
         return used
 
+    def _pending_audits(self) -> list[concurrent.futures.Future[None]]:
+        pending: list[concurrent.futures.Future[None]] | None = getattr(self._attempt, "audits", None)
+        if pending is None:
+            pending = self._attempt.audits = []
+        return pending
+
     def begin_attempt(self) -> None:
-        """A decode (attempt) starts in this thread: nothing it uses is tainted yet."""
+        """A decode (attempt) starts in this thread: nothing it uses is tainted yet. The
+        audits of an earlier attempt still finish on their own (they pay or quarantine)."""
         self._attempt.used = set()
+        self._attempt.audits = []
+
+    def settle(self) -> None:
+        """Wait for the audits of the answers this thread's decode attempt has used so far,
+        then raise ReplayNeeded if a session it used has been quarantined (by its audits or
+        any other thread's). Call it before choosing tokens from a forward pass's logits.
+        An audit that could not run (say, the checkpoint became unreadable) raises here."""
+        pending = self._pending_audits()
+        if pending:
+            self._attempt.audits = []
+            concurrent.futures.wait(pending)
+            for fut in pending:
+                fut.result()
+        self.check_attempt()
 
     def check_attempt(self) -> None:
         """Raise ReplayNeeded if this thread's decode attempt used a session since quarantined
@@ -443,6 +494,8 @@ class Dispatcher:
             )
 
     def close(self) -> None:
+        # Audits still queued pay or quarantine before the work is reported.
+        self._auditor.shutdown(wait=True)
         if self.placement is not None:
             self.placement.close()
 

@@ -103,6 +103,19 @@ class _StopWhenSet:
         return torch.full((input_ids.shape[0],), self.event.is_set(), dtype=torch.bool, device=input_ids.device)
 
 
+class _Settle:
+    """A stopping criterion that stops nothing: each step's audits are settled (the first
+    criterion, so before the step's tokens are handed on), raising ReplayNeeded when one
+    caught a worker this decode used."""
+
+    def __init__(self, dispatcher: Dispatcher) -> None:
+        self.dispatcher = dispatcher
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor, **kwargs: object) -> torch.Tensor:
+        self.dispatcher.settle()
+        return torch.zeros((input_ids.shape[0],), dtype=torch.bool, device=input_ids.device)
+
+
 class _StepTap:
     """A stopping criterion that stops nothing: it hands each step's new tokens to ``on_step``
     (criteria run once the step's token is appended)."""
@@ -131,6 +144,8 @@ def decode(model, tokenizer, prompts: list[str], max_new_tokens: int, implementa
 
     dispatcher = _dispatcher_of(model) if implementation == IMPLEMENTATION else None
     criteria: list[object] = [_StopWhenSet(stop)] if stop is not None else []
+    if dispatcher is not None:
+        criteria.insert(0, _Settle(dispatcher))
     if on_step is not None:
         criteria.append(_StepTap(enc["input_ids"].shape[1], range(len(prompts)), on_step))
     for attempt in range(MAX_REPLAYS + 1):
@@ -151,7 +166,7 @@ def decode(model, tokenizer, prompts: list[str], max_new_tokens: int, implementa
                     pad_token_id=tokenizer.pad_token_id,
                 )
             if dispatcher is not None:
-                dispatcher.check_attempt()  # another group may have caught a worker this one used
+                dispatcher.settle()  # another group may have caught a worker this one used
             break
         except ReplayNeeded as exc:
             # Everything the liar touched is recomputed without it: the decode restarts from

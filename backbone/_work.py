@@ -6,6 +6,9 @@ for this run, each session's cumulative accepted bytes, calls and rows, and send
 ``SessionService.ReportWork`` from its own thread every ``interval_s`` and when it closes;
 counts are cumulative per (run, session), so a report that is sent twice adds nothing.
 Quarantines go first, at once, so that no report after one counts the liar's work.
+
+``AuditGate`` decides when an accepted call is paid: audits run after the answers are used,
+so a session's calls wait, unpaid, behind any audit of that session submitted before them.
 """
 
 from __future__ import annotations
@@ -14,13 +17,14 @@ import dataclasses
 import secrets
 import threading
 import time
+from collections.abc import Callable
 
 import grpc
 
 from kvasir_rpc import get_logger, session_pb2, session_pb2_grpc
 from kvasir_rpc import bearer
 
-__all__ = ["WorkReporter", "WorkTally"]
+__all__ = ["AuditGate", "WorkReporter", "WorkTally"]
 
 log = get_logger("backbone.work")
 
@@ -30,6 +34,63 @@ class WorkTally:
     bytes: int = 0
     calls: int = 0
     rows: int = 0
+
+
+class AuditGate:
+    """Pays accepted calls (``pay(session_id, bytes, rows)``) once every audit of their session
+    submitted up to them has passed, in whatever order the audits end; a failed audit drops
+    what its session has waiting, and the session is paid nothing more. Thread-safe."""
+
+    def __init__(self, pay: Callable[[str, int, int], None]) -> None:
+        self._pay = pay
+        self._lock = threading.Lock()
+        self._submitted: dict[str, int] = {}  # audits submitted, per session
+        self._passed: dict[str, int] = {}  # audits 1..n of the session all passed
+        self._passed_early: dict[str, set[int]] = {}  # passed, after one still pending
+        self._held: dict[str, list[tuple[int, int, int]]] = {}  # (audit it waits for, bytes, rows)
+        self._failed: set[str] = set()
+
+    def accepted(self, session_id: str, nbytes: int, rows: int, *, audited: bool) -> int:
+        """A call of ``session_id`` was accepted; ``audited``: some of its rows are to be
+        audited. Returns the number of the audit it waits for (0: none, paid at once)."""
+        with self._lock:
+            if session_id in self._failed:
+                return 0
+            waits_for = self._submitted.get(session_id, 0) + int(audited)
+            if audited:
+                self._submitted[session_id] = waits_for
+            if waits_for > self._passed.get(session_id, 0):
+                self._held.setdefault(session_id, []).append((waits_for, nbytes, rows))
+                return waits_for
+        self._pay(session_id, nbytes, rows)
+        return 0
+
+    def passed(self, session_id: str, audit: int) -> None:
+        """Audit number ``audit`` of ``session_id`` passed: pay what waited for it."""
+        with self._lock:
+            early = self._passed_early.setdefault(session_id, set())
+            early.add(audit)
+            done = self._passed.get(session_id, 0)
+            while done + 1 in early:
+                done += 1
+                early.discard(done)
+            self._passed[session_id] = done
+            held = self._held.get(session_id, [])
+            due = [h for h in held if h[0] <= done]
+            self._held[session_id] = held[len(due):]
+        for _, nbytes, rows in due:
+            self._pay(session_id, nbytes, rows)
+
+    def failed(self, session_id: str) -> None:
+        """An audit of ``session_id`` failed: nothing it has waiting, or sends later, is paid."""
+        with self._lock:
+            self._failed.add(session_id)
+            self._held.pop(session_id, None)
+
+    def waiting(self) -> int:
+        """Calls accepted and not yet paid, waiting for an audit."""
+        with self._lock:
+            return sum(len(h) for h in self._held.values())
 
 
 class WorkReporter:
