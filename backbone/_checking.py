@@ -27,7 +27,7 @@ from kvasir_rpc import (
     expert_pb2,
     session_pb2,
 )
-from backbone._audit import AuditResult, RowSampler, audit_rows
+from backbone._audit import SEGMENT_ROWS, AuditResult, RowSampler, audit_rows
 from backbone._links import CallRecord, WorkerLink
 from backbone._weights import ExpertWeights
 
@@ -71,6 +71,9 @@ class SampledRows:
     x: torch.Tensor  # [n, H] the rows as sent (wire dtype)
     w: torch.Tensor  # [n] their routing weights as sent
     got: torch.Tensor  # [n, H] the worker's partials for them
+    # expert -> (its whole segment's rows [m, H] and weights [m] as sent, where its audited
+    # rows are in it [k]), for segments of at most SEGMENT_ROWS rows (see audit_rows).
+    segments: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -131,17 +134,29 @@ class AnswerChecker:
         if not picked.numel():
             return out, None, None
         x, w = sent.inputs(picked)
+        segments = {}
+        start = 0
+        for r in sent.routes:
+            n = len(r.token_idx)
+            inside = picked[(picked >= start) & (picked < start + n)]
+            if inside.numel() and n <= SEGMENT_ROWS:
+                xs, ws = sent.inputs(torch.arange(start, start + n))
+                segments[r.expert] = (xs, ws, inside - start)
+            start += n
         sampled = SampledRows(layer=layer, act=act, session_id=sent.link.session_id, call_id=rec.call_id,
                               call_rows=rec.rows, picked=picked, experts=sent.experts()[picked], x=x, w=w,
-                              got=out[picked])
+                              got=out[picked], segments=segments)
         return out, None, sampled
 
     def audit(self, s: SampledRows) -> session_pb2.QuarantineRequest | None:
         """Audit the sampled rows of one answer: None if they pass, else the evidence."""
-        t0 = time.perf_counter()
-        verdict = self._audit(s)
+        # CPU time of this thread: audits run beside the decode at a lower priority, so their
+        # wall time would count the time other threads had the core.
+        t0 = time.thread_time()
+        with torch.inference_mode():  # another thread than the decode's: no autograd here either
+            verdict = self._audit(s)
         with self._lock:
-            self.audit_seconds += time.perf_counter() - t0
+            self.audit_seconds += time.thread_time() - t0
             self.audited_rows += verdict.rows
             self.audit_exact_rows += verdict.exact
         if verdict.passed:
@@ -155,17 +170,17 @@ class AnswerChecker:
                     f"{verdict.max_abs_diff:.3g} > tolerance {verdict.tolerance:.3g}"))
 
     def _by_expert(self, layer: int,
-                   experts: torch.Tensor) -> Iterator[tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]]:
-        """For each expert among ``experts`` (one per row): which rows (a mask) and its
-        weights, read without keeping them (audits touch a sampled few)."""
+                   experts: torch.Tensor) -> Iterator[tuple[int, torch.Tensor, tuple[torch.Tensor, torch.Tensor]]]:
+        """For each expert among ``experts`` (one per row): the expert, which rows (a mask)
+        and its weights, read without keeping them (audits touch a sampled few)."""
         for e in experts.unique().tolist():
-            yield experts == e, self._weights.get(layer, e, keep=False)
+            yield e, experts == e, self._weights.get(layer, e, keep=False)
 
     def _recompute(self, layer: int, act: Activation, sent: SentCall, picked: torch.Tensor) -> torch.Tensor:
         """This backbone's kernel on assignments ``picked`` of a call, in the wire dtype."""
         x, w = sent.inputs(picked)
         result = torch.empty(len(picked), x.shape[1], dtype=sent.rows.dtype)
-        for sel, (gate_up, down) in self._by_expert(layer, sent.experts()[picked]):
+        for _, sel, (gate_up, down) in self._by_expert(layer, sent.experts()[picked]):
             part = expert_forward(x[sel].to(gate_up.dtype), gate_up, down, act, w[sel].to(gate_up.dtype))
             result[sel] = part.to(result.dtype)
         return result
@@ -173,8 +188,9 @@ class AnswerChecker:
     def _audit(self, s: SampledRows) -> AuditResult:
         """Audit the sampled rows, expert by expert; the first failure, or a pass."""
         rows = exact = 0
-        for sel, (gate_up, down) in self._by_expert(s.layer, s.experts):
-            v = audit_rows(s.got[sel], s.x[sel], gate_up, down, s.act, s.w[sel], s.picked[sel].tolist())
+        for e, sel, (gate_up, down) in self._by_expert(s.layer, s.experts):
+            v = audit_rows(s.got[sel], s.x[sel], gate_up, down, s.act, s.w[sel], s.picked[sel].tolist(),
+                           segment=s.segments.get(e))
             rows += v.rows
             exact += v.exact
             if not v.passed:

@@ -29,6 +29,8 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import dataclasses
+import os
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -77,7 +79,7 @@ class DispatchStats:
     shared_overlapped: int = 0
     audited_rows: int = 0
     audit_exact_rows: int = 0
-    audit_seconds: float = 0.0
+    audit_seconds: float = 0.0  # CPU time the audits took (on the audit thread)
     sessions_quarantined: tuple[str, ...] = ()
     replays: int = 0
     hedged_calls: int = 0  # late: computed here before their answer came
@@ -164,7 +166,7 @@ class Dispatcher:
         self.checker = AnswerChecker(self.weights, audit_rate)
         # One thread audits the sampled rows of accepted answers while the decode goes on.
         self._auditor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="audit",
-                                                              initializer=threads_initializer())
+                                                              initializer=_audit_thread_setup())
         self.shared = SharedDeferral(model, modules, implementation=IMPLEMENTATION, deferring=lambda: self.remote)
         self.reporter = reporter
         self.payments = AuditGate(reporter.accepted if reporter is not None else lambda *_: None)
@@ -498,6 +500,23 @@ class Dispatcher:
         self._auditor.shutdown(wait=True)
         if self.placement is not None:
             self.placement.close()
+
+
+def _audit_thread_setup() -> Callable[[], None]:
+    """The audit thread's start: this thread's torch thread count, and on Linux a lower
+    priority (nice 5, this thread only), so that audits take the time the decode threads and
+    a hub on the same core leave idle rather than delay them; a decode that waits for its
+    audits (``settle``) leaves them the core. A/B on the decode bench, RTT 13 and 50 ms,
+    3 runs each: 337 and 298 tokens/s against 323 and 278 at the same priority (noisy)."""
+    same_threads = threads_initializer()
+
+    def setup() -> None:
+        same_threads()
+        if sys.platform == "linux":  # elsewhere a thread id is not a process id
+            with contextlib.suppress(OSError):
+                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 5)
+
+    return setup
 
 
 def _combine(hidden: torch.Tensor, routes: list[Route], partials: dict[int, torch.Tensor]) -> torch.Tensor:

@@ -77,7 +77,7 @@ class BackboneMetrics:
                              d.audited_rows)
         yield counter_family("kvasir_backbone_audit_exact_rows_total", "audited rows that matched bit for bit",
                              d.audit_exact_rows)
-        yield counter_family("kvasir_backbone_audit_seconds_total", "time spent recomputing audited rows",
+        yield counter_family("kvasir_backbone_audit_seconds_total", "CPU time spent recomputing audited rows",
                              d.audit_seconds)
         yield counter_family("kvasir_backbone_answers_refused_total",
                              "answers that failed their check or audit (the session is quarantined)",

@@ -104,11 +104,15 @@ class CheckpointWeights(ExpertWeights):
     def get(self, layer: int, expert: int, *, keep: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
         key = (layer, expert)
         with self._lock:
-            if key not in self._loaded:
-                if not keep:
-                    return self.index.load(layer, expert)
-                self._loaded[key] = self.index.load(layer, expert)
-            return self._loaded[key]
+            held = self._loaded.get(key)
+            if held is not None:
+                return held
+            if keep:
+                held = self._loaded[key] = self.index.load(layer, expert)
+                return held
+        # Read for an audit, not kept: outside the lock, so the decode threads that compute
+        # experts here are not held up by the audit thread's read.
+        return self.index.load(layer, expert)
 
     def digest(self, layer: int, expert: int) -> bytes:
         return self.index.expert_digest(layer, expert)
