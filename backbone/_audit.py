@@ -1,9 +1,11 @@
 """Checking a stranger's partials: which rows to audit, and whether an audited row is right.
 
 A worker's answer to a call is first checked whole (shape, dtype, every value finite); then
-each of its assignment rows is audited with probability ``rate``, drawn from a generator
+each of its assignment rows is sampled with probability ``rate``, drawn from a generator
 seeded from the operating system after the answer arrived, so the worker cannot tell which
-rows are checked. An audited row is recomputed here from the checkpoint's weights and the
+rows are checked. A sampled row of a segment (the rows of one expert in the call) of at most
+``SEGMENT_ROWS`` rows brings the whole segment into the audit, every row of it checked for
+the one forward its reference costs anyway. An audited row is recomputed here from the checkpoint's weights and the
 rows this backbone sent.
 
 The comparison: a row equal bit for bit to this backbone's own kernel passes at once (the

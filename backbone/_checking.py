@@ -133,16 +133,21 @@ class AnswerChecker:
         picked = self._sampler.choose(sent.link.session_id, rec.rows)
         if not picked.numel():
             return out, None, None
-        x, w = sent.inputs(picked)
-        segments = {}
-        start = 0
+        # A sampled row of a segment of at most SEGMENT_ROWS rows brings the whole segment in:
+        # the reference is one forward over it either way, and then every row of it is checked.
+        parts, segments, start = [], {}, 0
         for r in sent.routes:
             n = len(r.token_idx)
             inside = picked[(picked >= start) & (picked < start + n)]
-            if inside.numel() and n <= SEGMENT_ROWS:
-                xs, ws = sent.inputs(torch.arange(start, start + n))
-                segments[r.expert] = (xs, ws, inside - start)
+            if inside.numel():
+                if n <= SEGMENT_ROWS:
+                    inside = torch.arange(start, start + n)
+                    xs, ws = sent.inputs(inside)
+                    segments[r.expert] = (xs, ws, torch.arange(n))
+                parts.append(inside)
             start += n
+        picked = torch.cat(parts)
+        x, w = sent.inputs(picked)
         sampled = SampledRows(layer=layer, act=act, session_id=sent.link.session_id, call_id=rec.call_id,
                               call_rows=rec.rows, picked=picked, experts=sent.experts()[picked], x=x, w=w,
                               got=out[picked], segments=segments)

@@ -126,3 +126,76 @@ def test_sampler_rate_first_call_and_unpredictability():
     assert RowSampler(0.0).choose("y", 100).numel() == 0
     with pytest.raises(ValueError):
         RowSampler(1.5)
+
+
+class _Weights:
+    """Experts by (layer, expert), as the checker reads them."""
+
+    def __init__(self, experts: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> None:
+        self.experts = experts
+
+    def get(self, layer: int, expert: int, *, keep: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.experts[expert]
+
+
+def _answered_call(session_id: str, sizes: dict[int, int], lie_at: int | None = None):  # type: ignore[no-untyped-def]
+    """A sent call with one segment per expert of ``sizes`` and a worker's answer to it
+    (each segment computed in one forward, as the Python worker does), wrong at ``lie_at``."""
+    import types
+    from concurrent.futures import Future
+
+    from backbone._checking import SentCall
+    from backbone._links import CallRecord
+    from kvasir_rpc import Route, encode_tensor, expert_pb2
+
+    g = torch.Generator().manual_seed(5)
+    experts = {e: (torch.randn(64, 64, generator=g) * 0.1, torch.randn(64, 32, generator=g) * 0.1) for e in sizes}
+    total = sum(sizes.values())
+    rows, weights = torch.randn(total, 64, generator=g), torch.rand(total, generator=g)
+    routes, parts, start = [], [], 0
+    for e, n in sizes.items():
+        routes.append(Route(expert=e, token_idx=torch.arange(start, start + n), top_k_pos=torch.zeros(n, dtype=torch.long)))
+        parts.append(expert_forward(rows[start : start + n], *experts[e], act, weights[start : start + n]))
+        start += n
+    out = torch.cat(parts)
+    if lie_at is not None:
+        out[lie_at] += 1e-3
+    record = CallRecord(call_id=1, session_id=session_id, layer=0, rows=total, sent_ns=0, future=Future())
+    sent = SentCall(record=record, routes=routes, link=types.SimpleNamespace(session_id=session_id),  # type: ignore[arg-type]
+                    rows=rows, weights=weights, index=None, request_bytes=0)
+    return sent, expert_pb2.ExpertPartials(partials=encode_tensor(out)), _Weights(experts)
+
+
+def test_a_sampled_row_brings_its_whole_small_segment_into_the_audit():
+    """Each session's first call has one row sampled. In a segment of at most SEGMENT_ROWS
+    rows, every row of the segment is then audited, bit-exact for an honest worker, and a
+    lie on another row of it is caught; in a larger segment only the sampled row is."""
+    from backbone._audit import SEGMENT_ROWS
+    from backbone._checking import AnswerChecker
+
+    sizes = {2: 10, 5: SEGMENT_ROWS + 12}
+    seen = set()
+    for i in range(200):  # the sampled row is random: until both segments were drawn
+        sent, msg, weights = _answered_call(f"s{i}", sizes)
+        checker = AnswerChecker(weights, audit_rate=1e-9)  # type: ignore[arg-type]
+        out, evidence, sampled = checker.check(0, act, sent, msg, 64)
+        assert out is not None and evidence is None and sampled is not None
+        small = bool((sampled.experts == 2).any())
+        seen.add(small)
+        assert checker.audit(sampled) is None
+        if small:  # every row of the segment, each equal bit for bit to the reference
+            assert sampled.picked.tolist() == list(range(10)) and checker.audit_exact_rows == 10
+        else:
+            assert len(sampled.picked) == 1 and int(sampled.picked[0]) >= 10
+        if small:
+            # A lie on a row that was not the sampled one is caught all the same.
+            sent, msg, weights = _answered_call(f"liar{i}", sizes, lie_at=7)
+            checker = AnswerChecker(weights, audit_rate=1e-9)  # type: ignore[arg-type]
+            _, _, sampled = checker.check(0, act, sent, msg, 64)
+            assert sampled is not None
+            if bool((sampled.experts == 2).any()):
+                caught = checker.audit(sampled)
+                assert caught is not None and caught.row == 7 and caught.expert == 2
+        if seen == {True, False}:
+            break
+    assert seen == {True, False}
