@@ -337,8 +337,9 @@ class Dispatcher:
 
     def _accept(self, sent: SentCall, out: torch.Tensor, dtype: torch.dtype, partials: dict[int, torch.Tensor],
                 sampled: SampledRows | None) -> None:
-        """Use an answer that passed its whole-answer checks. Paid now when none of its rows
-        was sampled, else once the audit thread has passed them."""
+        """Use an answer that passed its whole-answer checks; its sampled rows, if any, go to
+        the audit thread. Paid once every audit of its session up to it has passed (at once
+        when none is pending)."""
         # Paid: the request as sent and the partials at exactly their expected size.
         work = sent.request_bytes + out.numel() * out.element_size()
         if out.dtype != dtype:
