@@ -3,17 +3,17 @@
 A worker's answer to a call is first checked whole (shape, dtype, every value finite); then
 each of its assignment rows is sampled with probability ``rate``, drawn from a generator
 seeded from the operating system after the answer arrived, so the worker cannot tell which
-rows are checked. A sampled row of a segment (the rows of one expert in the call) of at most
-``SEGMENT_ROWS`` rows brings the whole segment into the audit, every row of it checked for
-the one forward its reference costs anyway. An audited row is recomputed here from the checkpoint's weights and the
+rows are checked. An audited row is recomputed here from the checkpoint's weights and the
 rows this backbone sent.
 
+A sampled row of a segment (the rows of one expert in the call) of at most ``SEGMENT_ROWS``
+rows brings the whole segment into the audit. A matmul rounds a row differently with the
+shape of the batch it is in; recomputed as the worker computed it, the whole segment in one
+pass, an honest worker's row comes out equal bit for bit, and every row of the segment is
+checked for that one forward.
+
 The comparison: a row equal bit for bit to this backbone's own kernel passes at once (the
-same exact path, as on one machine). A matmul rounds a row differently with the shape of
-the batch it is in, so the reference is computed, where that is cheap, over the whole
-segment the worker computed the row in (the rows of that expert in the call, as sent): an
-honest worker's row then comes out equal bit for bit, and the costly bound below is not
-needed. Otherwise it must lie within a bound derived from the
+same exact path, as on one machine). Otherwise it must lie within a bound derived from the
 dtype and the reduction sizes, element by element, against this backbone's own result::
 
     |partial - reference| <= C * (u_c * E + u_w * |reference|)
@@ -48,9 +48,9 @@ __all__ = ["DEFAULT_AUDIT_RATE", "SEGMENT_ROWS", "TOLERANCE_FACTOR", "AuditResul
 # One row in fifty; each session's first call in a run is audited too (see RowSampler).
 DEFAULT_AUDIT_RATE = 0.02
 TOLERANCE_FACTOR = 8.0
-# The reference is computed over the worker's whole segment when it has at most this many
-# rows. At Qwen3-30B-A3B's widths on one core: a forward over 32 rows takes 6.4 ms, over 3
-# rows 3.2 ms, and the error bound that an inexact row needs 7-10 ms.
+# A segment of at most this many rows is audited whole when one of its rows is sampled. At
+# Qwen3-30B-A3B's widths on one core: a forward over 32 rows takes 6.4 ms, over 3 rows
+# 3.2 ms, and the error bound that an inexact row needs 7-10 ms.
 SEGMENT_ROWS = 48
 
 
@@ -130,24 +130,16 @@ def audit_rows(
     act: Activation,
     w: torch.Tensor,  # [n] routing weights as sent
     row_ids: list[int],  # the rows' positions in the call, for the evidence
-    *,
-    segment: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> AuditResult:
     """Check audited rows of one expert. Pure: no I/O, no state.
 
     The reference is this backbone's own kernel: it errs by about one ``u_c * E`` itself, a
     small part of the bound, and costs one forward where a float64 recomputation of a large
-    expert cost forty. ``segment``: ``(xs [m, H], ws [m], at [n])``, the rows the worker
-    computed these rows with (its segment for this expert, as sent) and where these rows are
-    among them; the reference is then computed over all of them, as the worker's kernel
-    did, so an honest worker's rows match bit for bit."""
+    expert cost forty. It is computed over ``x`` in one pass: given a worker's whole segment,
+    in order, an honest worker's rows match it bit for bit."""
     compute = gate_up.dtype
     xc, wc = x.to(compute), w.to(compute)
-    if segment is not None:
-        xs, ws, at = segment
-        mine = expert_forward(xs.to(compute), gate_up, down, act, ws.to(compute))[at]
-    else:
-        mine = expert_forward(xc, gate_up, down, act, wc)
+    mine = expert_forward(xc, gate_up, down, act, wc)
     if mine.dtype != got.dtype:
         mine = mine.to(got.dtype)
     # Equal bits, NaN included (an honest overflow the backbone's own run has too).

@@ -71,9 +71,6 @@ class SampledRows:
     x: torch.Tensor  # [n, H] the rows as sent (wire dtype)
     w: torch.Tensor  # [n] their routing weights as sent
     got: torch.Tensor  # [n, H] the worker's partials for them
-    # expert -> (its whole segment's rows [m, H] and weights [m] as sent, where its audited
-    # rows are in it [k]), for segments of at most SEGMENT_ROWS rows (see audit_rows).
-    segments: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,24 +130,20 @@ class AnswerChecker:
         picked = self._sampler.choose(sent.link.session_id, rec.rows)
         if not picked.numel():
             return out, None, None
-        # A sampled row of a segment of at most SEGMENT_ROWS rows brings the whole segment in:
-        # the reference is one forward over it either way, and then every row of it is checked.
-        parts, segments, start = [], {}, 0
+        # A sampled row of a segment of at most SEGMENT_ROWS rows brings the whole segment in,
+        # in order: its reference is then computed as the worker computed it (see _audit.py).
+        parts, start = [], 0
         for r in sent.routes:
             n = len(r.token_idx)
             inside = picked[(picked >= start) & (picked < start + n)]
             if inside.numel():
-                if n <= SEGMENT_ROWS:
-                    inside = torch.arange(start, start + n)
-                    xs, ws = sent.inputs(inside)
-                    segments[r.expert] = (xs, ws, torch.arange(n))
-                parts.append(inside)
+                parts.append(torch.arange(start, start + n) if n <= SEGMENT_ROWS else inside)
             start += n
         picked = torch.cat(parts)
         x, w = sent.inputs(picked)
         sampled = SampledRows(layer=layer, act=act, session_id=sent.link.session_id, call_id=rec.call_id,
                               call_rows=rec.rows, picked=picked, experts=sent.experts()[picked], x=x, w=w,
-                              got=out[picked], segments=segments)
+                              got=out[picked])
         return out, None, sampled
 
     def audit(self, s: SampledRows) -> session_pb2.QuarantineRequest | None:
@@ -175,17 +168,17 @@ class AnswerChecker:
                     f"{verdict.max_abs_diff:.3g} > tolerance {verdict.tolerance:.3g}"))
 
     def _by_expert(self, layer: int,
-                   experts: torch.Tensor) -> Iterator[tuple[int, torch.Tensor, tuple[torch.Tensor, torch.Tensor]]]:
-        """For each expert among ``experts`` (one per row): the expert, which rows (a mask)
-        and its weights, read without keeping them (audits touch a sampled few)."""
+                   experts: torch.Tensor) -> Iterator[tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]]:
+        """For each expert among ``experts`` (one per row): which rows (a mask) and its
+        weights, read without keeping them (audits touch a sampled few)."""
         for e in experts.unique().tolist():
-            yield e, experts == e, self._weights.get(layer, e, keep=False)
+            yield experts == e, self._weights.get(layer, e, keep=False)
 
     def _recompute(self, layer: int, act: Activation, sent: SentCall, picked: torch.Tensor) -> torch.Tensor:
         """This backbone's kernel on assignments ``picked`` of a call, in the wire dtype."""
         x, w = sent.inputs(picked)
         result = torch.empty(len(picked), x.shape[1], dtype=sent.rows.dtype)
-        for _, sel, (gate_up, down) in self._by_expert(layer, sent.experts()[picked]):
+        for sel, (gate_up, down) in self._by_expert(layer, sent.experts()[picked]):
             part = expert_forward(x[sel].to(gate_up.dtype), gate_up, down, act, w[sel].to(gate_up.dtype))
             result[sel] = part.to(result.dtype)
         return result
@@ -193,9 +186,8 @@ class AnswerChecker:
     def _audit(self, s: SampledRows) -> AuditResult:
         """Audit the sampled rows, expert by expert; the first failure, or a pass."""
         rows = exact = 0
-        for e, sel, (gate_up, down) in self._by_expert(s.layer, s.experts):
-            v = audit_rows(s.got[sel], s.x[sel], gate_up, down, s.act, s.w[sel], s.picked[sel].tolist(),
-                           segment=s.segments.get(e))
+        for sel, (gate_up, down) in self._by_expert(s.layer, s.experts):
+            v = audit_rows(s.got[sel], s.x[sel], gate_up, down, s.act, s.w[sel], s.picked[sel].tolist())
             rows += v.rows
             exact += v.exact
             if not v.passed:

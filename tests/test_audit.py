@@ -74,20 +74,22 @@ def test_honest_answers_pass_and_liars_fail(size):
 @pytest.mark.parametrize("size", SIZES, ids=lambda s: f"H{s[0]}-I{s[1]}-x{s[2]}")
 def test_the_reference_over_the_workers_segment_matches_an_honest_row_bit_for_bit(size):
     """A row computed in a batch of 32 rounds differently from the same row computed alone or
-    with two others; recomputed over the worker's whole segment, an honest row is equal bit
-    for bit (no bound needed), and a liar's row in the same segment still fails."""
+    with two others; audited with its whole segment (as the checker audits a segment of at
+    most SEGMENT_ROWS rows), an honest row is equal bit for bit (no bound needed), and a
+    liar's row in the same segment still fails."""
     x, gate_up, down, w = _case(*size, seed=2)
     honest = expert_forward(x, gate_up, down, act, w)  # the worker's segment: 32 rows at once
     at = torch.tensor([3, 17, 30])
+    rows = list(range(32))
     alone = audit_rows(honest[at], x[at], gate_up, down, act, w[at], at.tolist())
-    with_segment = audit_rows(honest[at], x[at], gate_up, down, act, w[at], at.tolist(), segment=(x, w, at))
+    with_segment = audit_rows(honest, x, gate_up, down, act, w, rows)
     assert alone.passed and with_segment.passed
-    assert with_segment.exact == 3 and with_segment.max_abs_diff == 0.0
+    assert with_segment.exact == 32 and with_segment.max_abs_diff == 0.0
     assert alone.exact < 3  # alone, the rows round differently: only the bound passes them
     liar = honest.clone()
     liar[17] = _offset(x, gate_up, down, w)[17]
-    verdict = audit_rows(liar[at], x[at], gate_up, down, act, w[at], at.tolist(), segment=(x, w, at))
-    assert not verdict.passed and verdict.row == 17 and verdict.exact == 2, verdict
+    verdict = audit_rows(liar, x, gate_up, down, act, w, rows)
+    assert not verdict.passed and verdict.row == 17 and verdict.exact == 31, verdict
 
 
 @pytest.mark.parametrize("size", SIZES, ids=lambda s: f"H{s[0]}-I{s[1]}-x{s[2]}")
