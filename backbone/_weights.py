@@ -110,9 +110,10 @@ class CheckpointWeights(ExpertWeights):
             if keep:
                 held = self._loaded[key] = self.index.load(layer, expert)
                 return held
-        # Read for an audit, not kept: outside the lock, so the decode threads that compute
-        # experts here are not held up by the audit thread's read.
-        return self.index.load(layer, expert)
+        # For an audit, not kept: mapped rather than read (no copy of its bytes, and nothing
+        # left in memory once the audit drops it), outside the lock, so the decode threads
+        # that compute experts here are not held up by the audit thread.
+        return self.index.view(layer, expert)
 
     def digest(self, layer: int, expert: int) -> bytes:
         return self.index.expert_digest(layer, expert)

@@ -6,7 +6,8 @@ Published checkpoints store each expert as separate tensors
 (``model.layers.L.mlp.experts.E.{gate,up,down}_proj.weight``; Mixtral names them
 ``block_sparse_moe.experts.E.{w1,w3,w2}.weight``); some store the fused 3D form
 (``...experts.gate_up_proj`` [E, 2I, H] and ``...experts.down_proj`` [E, H, I]). Both are
-read here, through ``safe_open`` so only the requested bytes are read from disk.
+read here, through ``safe_open`` so only the requested bytes are read from disk, or mapped
+(``ExpertIndex.view``) so they are not even copied.
 """
 
 from __future__ import annotations
@@ -14,10 +15,12 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import mmap
 import os
 import pathlib
 import re
 import struct
+import sys
 from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -165,11 +168,79 @@ class _Loc:
     index: int | None  # row of a fused [E, ...] tensor, None for a per-expert tensor
 
 
+@dataclasses.dataclass(frozen=True)
+class _Span:
+    """Where one tensor's bytes are in its safetensors file."""
+
+    start: int  # absolute byte offset
+    end: int
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+
+# safetensors' dtype names for what expert weights come in; a tensor of another dtype is read
+# (load), not mapped.
+_SAFETENSORS_DTYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16", "F64": "float64"}
+_HEADER_MAX = 100 << 20  # the safetensors library's own limit on a header
+
+
+def _read_spans(file: pathlib.Path) -> dict[str, _Span]:
+    """The spans of the mappable tensors of one safetensors file, from its header (8 bytes of
+    little-endian length, then JSON): only entries whose offsets, shape and dtype agree, so a
+    damaged or unusual header leaves a tensor to ``safe_open``, which says what is wrong."""
+    import torch
+
+    with open(file, "rb") as f:
+        head = f.read(8)
+        if len(head) != 8:
+            return {}
+        n = int.from_bytes(head, "little")
+        if n > _HEADER_MAX:
+            return {}
+        try:
+            header = json.loads(f.read(n))
+        except ValueError:
+            return {}
+    size = file.stat().st_size
+    spans: dict[str, _Span] = {}
+    if not isinstance(header, dict):
+        return spans
+    for key, meta in header.items():
+        try:
+            dtype = getattr(torch, _SAFETENSORS_DTYPES[meta["dtype"]])
+            shape = tuple(int(d) for d in meta["shape"])
+            a, b = (8 + n + int(x) for x in meta["data_offsets"])
+        except (KeyError, TypeError, ValueError):
+            continue
+        count = 1
+        for d in shape:
+            count *= d
+        if count and b - a == count * dtype.itemsize and 8 + n <= a and b <= size:
+            spans[key] = _Span(a, b, dtype, shape)
+    return spans
+
+
+def _map_tensor(file: pathlib.Path, start: int, end: int, dtype: torch.dtype, shape: Sequence[int]) -> torch.Tensor:
+    """Bytes ``[start, end)`` of ``file`` as a tensor, not read but mapped: a private
+    (copy-on-write, so never written back) mapping of just those pages, unmapped when the
+    tensor and its views are gone."""
+    import torch
+
+    page = mmap.ALLOCATIONGRANULARITY
+    offset = start - start % page
+    with open(file, "rb") as f:
+        if os.fstat(f.fileno()).st_size < end:  # shorter than its header said: shrunk since
+            raise CheckpointError(f"{file} is shorter than its header says; was it changed while in use?")
+        m = mmap.mmap(f.fileno(), end - offset, access=mmap.ACCESS_COPY, offset=offset)
+    return torch.frombuffer(m, dtype=dtype, offset=start - offset, count=(end - start) // dtype.itemsize).view(*shape)
+
+
 class ExpertIndex:
     """Where each (layer, expert)'s gate, up and down weights live in a checkpoint.
 
     Opening reads only the safetensors headers. ``load(layer, expert)`` reads that expert's
-    bytes and returns ``(gate_up [2I, H], down [H, I])`` as the fused form transformers uses.
+    bytes and returns ``(gate_up [2I, H], down [H, I])`` as the fused form transformers uses;
+    ``view(layer, expert)`` returns the same tensors mapped from the files rather than read.
     """
 
     def __init__(self, model_dir: str | os.PathLike[str]) -> None:
@@ -177,6 +248,7 @@ class ExpertIndex:
         self.info = read_model_info(self.model_dir)
         self._locs: dict[tuple[int, int], dict[str, _Loc]] = {}
         self._others: dict[str, pathlib.Path] = {}
+        self._spans: dict[pathlib.Path, dict[str, _Span]] = {}  # by file, read when first mapped
         for file, keys in self._files_and_keys():
             for key in keys:
                 if m := _PER_EXPERT.match(key):
@@ -246,9 +318,57 @@ class ExpertIndex:
 
         return torch.cat([gate, up], dim=0).contiguous(), down.contiguous()
 
+    def view(self, layer: int, expert: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """What ``load`` returns, equal bit for bit, without reading the bytes: each tensor maps
+        its span of the file, and the mapping lasts as long as the tensor (and its views) do,
+        so nothing stays in memory after. The fused form's slice of one expert maps as it is,
+        and so do separate gate and up stored back to back (what sorted keys give
+        ``gate_proj``/``up_proj``); other gate/up pairs are joined, one copy, and a tensor
+        this cannot map (another dtype, a big-endian machine) is read as ``load`` reads it.
+
+        For reads that are used once (audits): an expert ``load``-ed costs a read of its bytes
+        into memory and, stored as separate tensors, a second copy to join gate and up; mapped,
+        the kernel reads the page cache in place. A file must not be truncated while a
+        mapping of it is in use (the process would get SIGBUS); replace checkpoints by rename."""
+        slot = self._locs[(layer, expert)]
+        if sys.byteorder != "little":
+            return self.load(layer, expert)
+        if "gate_up_proj" in slot:
+            fused_gu, fused_down = (self._map_slice(slot[p]) for p in ("gate_up_proj", "down_proj"))
+            if fused_gu is None or fused_down is None:
+                return self.load(layer, expert)
+            return fused_gu, fused_down
+        gate, up, down = (slot[p] for p in ("gate", "up", "down"))
+        sg, su, sd = (self._span(loc) for loc in (gate, up, down))
+        if sg is None or su is None or sd is None:
+            return self.load(layer, expert)
+        down_t = _map_tensor(down.file, sd.start, sd.end, sd.dtype, sd.shape)
+        if (gate.file == up.file and sg.end == su.start and sg.dtype == su.dtype and len(sg.shape) == len(su.shape) == 2
+                and sg.shape[1] == su.shape[1]):
+            return _map_tensor(gate.file, sg.start, su.end, sg.dtype, (sg.shape[0] + su.shape[0], sg.shape[1])), down_t
+        import torch
+
+        parts = [_map_tensor(loc.file, s.start, s.end, s.dtype, s.shape) for loc, s in ((gate, sg), (up, su))]
+        return torch.cat(parts, dim=0), down_t
+
+    def _span(self, loc: _Loc) -> _Span | None:
+        spans = self._spans.get(loc.file)
+        if spans is None:  # two threads may both read it; either result is the same
+            spans = self._spans[loc.file] = _read_spans(loc.file)
+        return spans.get(loc.key)
+
+    def _map_slice(self, loc: _Loc) -> torch.Tensor | None:
+        """Row ``loc.index`` of a fused [E, ...] tensor, mapped; None where it cannot be."""
+        span = self._span(loc)
+        if span is None or loc.index is None or not span.shape or not 0 <= loc.index < span.shape[0]:
+            return None
+        per = (span.end - span.start) // span.shape[0]
+        start = span.start + loc.index * per
+        return _map_tensor(loc.file, start, start + per, span.dtype, span.shape[1:])
+
     def expert_digest(self, layer: int, expert: int) -> bytes:
         """sha256 of one expert's weights in the fused form, with dtype and shapes."""
-        gate_up, down = self.load(layer, expert)
+        gate_up, down = self.view(layer, expert)
         return expert_digest(gate_up, down)
 
 
@@ -261,7 +381,7 @@ def expert_digest(gate_up: torch.Tensor, down: torch.Tensor) -> bytes:
     for t in (gate_up, down):
         t = t.detach().cpu().contiguous()
         h.update(str(t.dtype).encode() + b"\x00" + struct.pack(f"<{t.dim()}Q", *t.shape))
-        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+        h.update(t.reshape(-1).view(torch.uint8).numpy().data)  # hashed in place, not copied to bytes first
     return h.digest()
 
 
