@@ -9,7 +9,8 @@ import torch
 
 from kvasir_rpc._gen.kvasir.v1 import tensor_pb2
 
-__all__ = ["TensorCodecError", "decode_tensor", "encode_tensor", "encode_tensor_into", "DTYPE_TO_WIRE", "WIRE_TO_DTYPE"]
+__all__ = ["TensorCodecError", "decode_tensor", "encode_tensor", "encode_tensor_into", "serialize_dispatch_response",
+           "DTYPE_TO_WIRE", "WIRE_TO_DTYPE"]
 
 DTYPE_TO_WIRE: dict[torch.dtype, tensor_pb2.DType] = {
     torch.float32: tensor_pb2.D_TYPE_FLOAT32,
@@ -63,6 +64,58 @@ def encode_tensor_into(tensor: torch.Tensor, msg: tensor_pb2.Tensor) -> tensor_p
     msg.shape.extend(t.shape)
     msg.data = data
     return msg
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while n > 0x7F:
+        out.append((n & 0x7F) | 0x80)
+        n >>= 7
+    out.append(n)
+    return bytes(out)
+
+
+def _uint_field(tag: int, value: int) -> bytes:
+    """A proto3 uint64/enum field: absent when 0."""
+    return bytes([tag]) + _varint(value) if value else b""
+
+
+def serialize_dispatch_response(call_id: int, partials: torch.Tensor, compute_micros: int) -> bytes:
+    """The serialized ``kvasir.v1.DispatchResponse`` of one answer, byte for byte what
+    protobuf's ``SerializeToString`` gives for it, with the payload copied once, straight
+    from the tensor into the result.
+
+    Through protobuf the payload is copied three times or more (into a bytes object, into the
+    message, then into the serialized string as upb's encoder grows its buffer): a tenth of
+    a worker's CPU in a decode, for a 4 MiB answer. The layout is the proto's (field numbers
+    in ``expert.proto`` and ``tensor.proto``): DispatchResponse.partials (1) = ExpertPartials
+    {call_id (1), partials (2) = Tensor {dtype (1), shape (2, packed), data (3)},
+    compute_micros (3)}, zero scalars and empty fields left out as proto3 leaves them.
+
+    Raises TensorCodecError for a dtype the wire does not carry."""
+    wire = DTYPE_TO_WIRE.get(partials.dtype)
+    if wire is None:
+        raise TensorCodecError(
+            f"dtype {partials.dtype} has no wire form; use one of {sorted(str(d) for d in DTYPE_TO_WIRE)}"
+        )
+    t = partials.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    t = t.contiguous()
+    nbytes = t.numel() * t.element_size()
+    packed = b"".join(_varint(d) for d in t.shape)
+    head = _uint_field(0x08, int(wire))  # Tensor.dtype
+    if packed:
+        head += b"\x12" + _varint(len(packed)) + packed  # Tensor.shape
+    if nbytes:
+        head += b"\x1a" + _varint(nbytes)  # Tensor.data
+    tensor_len = len(head) + nbytes
+    before = _uint_field(0x08, call_id) + b"\x12" + _varint(tensor_len) + head  # ExpertPartials.call_id, .partials
+    after = _uint_field(0x18, compute_micros)  # ExpertPartials.compute_micros
+    prefix = b"\x0a" + _varint(len(before) + nbytes + len(after)) + before  # DispatchResponse.partials
+    if not nbytes:
+        return prefix + after
+    return b"".join((prefix, t.reshape(-1).view(torch.uint8).numpy().data, after))
 
 
 def decode_tensor(msg: tensor_pb2.Tensor) -> torch.Tensor:

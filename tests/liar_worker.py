@@ -77,9 +77,8 @@ def main() -> int:
         padding = b"\x9a\x06" + bytes([0x80, 0x80, 0x40]) + b"\x00" * (1 << 20)
 
         def dispatch(self, request_iterator, context):  # type: ignore[no-untyped-def]
-            for resp in original_dispatch(self, request_iterator, context):
-                resp.MergeFromString(padding)
-                yield resp
+            for resp in original_dispatch(self, request_iterator, context):  # serialized answers
+                yield resp + padding
 
         service.ExpertServicer.Dispatch = dispatch  # type: ignore[method-assign]
     return worker_main(argv[split + 1 :])

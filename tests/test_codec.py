@@ -23,6 +23,8 @@ from kvasir_rpc._codec import (
     TensorCodecError,
     decode_tensor,
     encode_tensor,
+    encode_tensor_into,
+    serialize_dispatch_response,
 )
 from kvasir_rpc._gen.kvasir.v1 import tensor_pb2
 
@@ -378,3 +380,40 @@ def test_trailing_bytes_after_a_valid_tensor_message():
 
     with pytest.raises(DecodeError):
         tensor_pb2.Tensor().ParseFromString(wire + b"\xff")
+
+
+# --- a worker's serialized answer ----------------------------------------------------------
+
+
+def _through_protobuf(call_id: int, t: torch.Tensor, micros: int) -> bytes:
+    from kvasir_rpc import expert_pb2
+
+    resp = expert_pb2.DispatchResponse()
+    encode_tensor_into(t, resp.partials.partials)
+    resp.partials.call_id = call_id
+    resp.partials.compute_micros = micros
+    return resp.SerializeToString()
+
+
+@SETTINGS
+@given(dtype=st.sampled_from(DTYPES), shape=shapes, seed=st.integers(0, 2**32 - 1),
+       call_id=st.one_of(st.just(0), st.integers(0, 2**64 - 1)), micros=st.one_of(st.just(0), st.integers(0, 2**64 - 1)))
+def test_serialized_answer_is_what_protobuf_serializes(dtype, shape, seed, call_id, micros):
+    t = _random_tensor(shape, dtype, seed)
+    assert serialize_dispatch_response(call_id, t, micros) == _through_protobuf(call_id, t, micros)
+
+
+@pytest.mark.parametrize("shape", [(512, 2048), (3, 128 * 1024)])  # payload lengths of 3 and 4 varint bytes
+def test_serialized_answer_of_a_large_payload(shape):
+    t = torch.randn(shape)[:, 1:]  # not contiguous: serialized as its contiguous copy
+    got = serialize_dispatch_response(2**40, t, 123_456)
+    assert got == _through_protobuf(2**40, t, 123_456)
+    from kvasir_rpc import expert_pb2
+
+    out = decode_tensor(expert_pb2.DispatchResponse.FromString(got).partials.partials)
+    assert _raw(out) == _raw(t)
+
+
+def test_serialized_answer_refuses_a_dtype_without_wire_form():
+    with pytest.raises(TensorCodecError, match="no wire form"):
+        serialize_dispatch_response(1, torch.zeros(2, dtype=torch.uint8), 0)

@@ -26,7 +26,7 @@ from hypothesis import strategies as st
 from kvasir_rpc import decode_tensor, encode_tensor, expert_pb2, expert_pb2_grpc
 from kvasir_rpc.dev.tiny import make_tiny_checkpoint
 from worker._load import load_experts
-from worker._service import ExpertServicer
+from worker._service import ExpertServicer, add_to_server
 
 pytestmark = [pytest.mark.fuzz, pytest.mark.integration]  # a gRPC server on 127.0.0.1
 FUZZ = settings.get_profile("fuzz")
@@ -43,7 +43,7 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ExpertSer
     assert sorted(experts.weights) == HELD
     servicer = ExpertServicer(experts, "0" * 64)
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
-    expert_pb2_grpc.add_ExpertServiceServicer_to_server(servicer, server)
+    add_to_server(servicer, server)
     port = server.add_insecure_port("127.0.0.1:0")
     server.start()
     channel = grpc.insecure_channel(f"127.0.0.1:{port}")

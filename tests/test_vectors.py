@@ -379,7 +379,8 @@ def _dispatch(req: expert_pb2.DispatchRequest, weights: dict, act_name: str,  # 
     experts = LoadedExperts({(0, e): gd for e, gd in weights.items()}, act=get_activation(act_name),
                             hidden_size=hidden_size, dtype=torch.float32, device=torch.device("cpu"),
                             model_type="qwen3_moe", weights_digest=bytes(32))
-    (resp,) = list(ExpertServicer(experts, "0" * 64).Dispatch(iter([req]), None))
+    (answer,) = list(ExpertServicer(experts, "0" * 64).Dispatch(iter([req]), None))
+    resp = expert_pb2.DispatchResponse.FromString(answer)
     assert resp.partials.call_id == req.call_id
     return resp.partials.partials
 

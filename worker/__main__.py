@@ -41,7 +41,6 @@ from kvasir_rpc import (
     configure_logging,
     enable_reflection,
     expert_pb2,
-    expert_pb2_grpc,
     fail,
     format_slices,
     get_logger,
@@ -312,6 +311,7 @@ def _grpc_server(servicer: ExpertServicer, args: argparse.Namespace, uds_path: s
     """The started gRPC server of ``servicer`` on ``uds_path`` (and --direct-grpc); raises
     ListenError."""
     from kvasir_rpc import threads_initializer
+    from worker._service import add_to_server
 
     server = grpc.server(
         # Carry --threads into the pool's threads (see threads_initializer). A backbone keeps
@@ -321,7 +321,7 @@ def _grpc_server(servicer: ExpertServicer, args: argparse.Namespace, uds_path: s
         options=[("grpc.max_receive_message_length", 256 << 20), ("grpc.max_send_message_length", 256 << 20),
                  NO_PORT_SHARING],
     )
-    expert_pb2_grpc.add_ExpertServiceServicer_to_server(servicer, server)
+    add_to_server(servicer, server)
     # Reflection reaches only those who reach the server: the key holder through the hub's target.
     enable_reflection(server, [expert_pb2.DESCRIPTOR.services_by_name["ExpertService"].full_name])
     bind_grpc(server, f"unix:{uds_path}")

@@ -14,17 +14,17 @@ from kvasir_rpc import (
     DispatchInputError,
     TensorCodecError,
     decode_tensor,
-    encode_tensor_into,
     expert_forward,
     expert_pb2,
     expert_pb2_grpc,
     get_logger,
+    serialize_dispatch_response,
     slices_digest,
     slices_to_proto,
     validate_dispatch,
 )
 
-__all__ = ["ExpertServicer", "LoadedExperts"]
+__all__ = ["ExpertServicer", "LoadedExperts", "add_to_server"]
 
 log = get_logger("worker.service")
 
@@ -88,8 +88,30 @@ def _slices_of(pairs: Sequence[tuple[int, int]]) -> dict[int, tuple[int, ...]]:
     return {k: tuple(v) for k, v in out.items()}
 
 
+def _serialize_answer(answer: bytes | expert_pb2.DispatchResponse) -> bytes:
+    return answer if isinstance(answer, bytes) else answer.SerializeToString()
+
+
+def add_to_server(servicer: ExpertServicer, server: grpc.Server) -> None:
+    """Register ``servicer`` as ``kvasir.v1.ExpertService`` on ``server``: the generated
+    ``add_ExpertServiceServicer_to_server`` but for Dispatch's answers, which the servicer
+    yields already serialized (``serialize_dispatch_response``) and pass through as they are."""
+    handlers = {
+        "Dispatch": grpc.stream_stream_rpc_method_handler(
+            servicer.Dispatch, request_deserializer=expert_pb2.DispatchRequest.FromString,
+            response_serializer=_serialize_answer),
+        "Describe": grpc.unary_unary_rpc_method_handler(
+            servicer.Describe, request_deserializer=expert_pb2.DescribeRequest.FromString,
+            response_serializer=expert_pb2.DescribeResponse.SerializeToString),
+    }
+    name = expert_pb2.DESCRIPTOR.services_by_name["ExpertService"].full_name
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(name, handlers),))
+    server.add_registered_method_handlers(name, handlers)
+
+
 class ExpertServicer(expert_pb2_grpc.ExpertServiceServicer):
-    """Serves ``Dispatch`` (a stream of batched calls) and ``Describe``.
+    """Serves ``Dispatch`` (a stream of batched calls, each answer yielded as its serialized
+    DispatchResponse: register it with ``add_to_server``) and ``Describe``.
 
     Bad input aborts the stream with INVALID_ARGUMENT (malformed) or FAILED_PRECONDITION (an
     expert this worker does not hold); the caller recomputes what it had in flight.
@@ -134,13 +156,12 @@ class ExpertServicer(expert_pb2_grpc.ExpertServiceServicer):
                 if self._draining.is_set():
                     context.abort(grpc.StatusCode.UNAVAILABLE, "worker is draining for shutdown; send elsewhere")
                 self._computing += 1
-            # The answer is built in place: its payload is copied into the message once.
-            response = expert_pb2.DispatchResponse()
-            answer = response.partials
             try:
                 t0 = time.perf_counter_ns()
-                encode_tensor_into(self._compute(req), answer.partials)
+                partials = self._compute(req)
                 micros = (time.perf_counter_ns() - t0) // 1000
+                # Serialized here, its payload copied once (see add_to_server).
+                answer = serialize_dispatch_response(req.call_id, partials, micros)
             except DispatchInputError as exc:
                 code = grpc.StatusCode.FAILED_PRECONDITION if exc.precondition else grpc.StatusCode.INVALID_ARGUMENT
                 context.abort(code, f"call {req.call_id}: {exc}")
@@ -150,9 +171,7 @@ class ExpertServicer(expert_pb2_grpc.ExpertServiceServicer):
                 with self._idle:
                     self._computing -= 1
                     self._idle.notify_all()
-            answer.call_id = req.call_id
-            answer.compute_micros = micros
-            yield response
+            yield answer
 
     def _compute(self, req: expert_pb2.DispatchRequest) -> torch.Tensor:
         """The call's partials, [rows, hidden_size] in the dtype the hidden rows came in."""
