@@ -42,11 +42,11 @@ from kvasir_rpc import (
     Activation,
     ExpertIndex,
     Route,
-    encode_tensor,
     expert_forward,
     expert_pb2,
     get_logger,
     plan_routes,
+    serialize_dispatch_request,
     session_pb2,
     threads_initializer,
 )
@@ -223,14 +223,11 @@ class Dispatcher:
         if self.wire_dtype is not None and rows.dtype != self.wire_dtype:
             rows = rows.to(self.wire_dtype)
         weights = torch.cat([top_k_weights[r.token_idx, r.top_k_pos] for r in routes])  # [assignments]
-        req = expert_pb2.DispatchRequest(
-            layer=layer,
-            hidden=encode_tensor(rows),
-            weights=encode_tensor(weights),
-            segments=[expert_pb2.ExpertSegment(expert=r.expert, rows=len(r.token_idx)) for r in routes],
-            row_index=index.tolist() if dedupe else (),
-        )
-        rec = link.submit(layer, req, self.policy)
+        segments = [(r.expert, len(r.token_idx)) for r in routes]
+        row_index = index.tolist() if dedupe else ()
+        rec = link.submit(layer, len(tokens),
+                          lambda call_id: serialize_dispatch_request(call_id, layer, rows, weights, segments, row_index),
+                          self.policy)
         with self._lock:
             self.sent_bytes += rec.request_bytes
         return SentCall(rec, routes, link, rows, weights, index if dedupe else None, rec.request_bytes)

@@ -17,7 +17,6 @@ from kvasir_rpc import (
     TARGET_KEY_METADATA,
     bearer,
     expert_pb2,
-    expert_pb2_grpc,
     get_logger,
     session_pb2,
     session_pb2_grpc,
@@ -56,6 +55,10 @@ class CallRecord:
     answered_ns: int = 0  # 0 until the answer arrives
 
 
+def _as_sent(request: bytes) -> bytes:
+    return request
+
+
 class WorkerLink:
     """A long-lived ``Dispatch`` stream to one worker session through the hub.
 
@@ -80,7 +83,11 @@ class WorkerLink:
         self.target = session.target
         self.slices = slices_from_proto(session.slices)
         self._channel = grpc.insecure_channel(self.target, options=_CHANNEL_OPTIONS)
-        self._stub = expert_pb2_grpc.ExpertServiceStub(self._channel)
+        # Dispatch with requests serialized by the caller (serialize_dispatch_request): their
+        # bytes go out as they are.
+        self._dispatch = self._channel.stream_stream(
+            "/kvasir.v1.ExpertService/Dispatch", request_serializer=_as_sent,
+            response_deserializer=expert_pb2.DispatchResponse.FromString)
         self._requests: queue.SimpleQueue[object] = queue.SimpleQueue()
         self._pending: dict[int, CallRecord] = {}
         self._lock = threading.Lock()
@@ -88,7 +95,7 @@ class WorkerLink:
         self.dead: BaseException | None = None
         self._rtt = RttEstimator()
         self.misses = 0
-        self._responses = self._stub.Dispatch(
+        self._responses = self._dispatch(
             self._iter_requests(), metadata=((TARGET_KEY_METADATA, target_key(token, self.session_id)),))
         self._reader = threading.Thread(target=self._read, name=f"link-{self.session_id}", daemon=True)
         self._reader.start()
@@ -100,13 +107,14 @@ class WorkerLink:
                 return
             yield item
 
-    def submit(self, layer: int, request: expert_pb2.DispatchRequest, policy: StragglerPolicy) -> CallRecord:
-        """Send one call with its deadline from ``policy`` and this link's round trips; the
-        record's future resolves to ExpertPartials or an exception."""
+    def submit(self, layer: int, assignments: int, serialize: Callable[[int], bytes],
+               policy: StragglerPolicy) -> CallRecord:
+        """Send one call of ``assignments`` rows, serialized by ``serialize(call_id)``, with its
+        deadline from ``policy`` and this link's round trips; the record's future resolves to
+        ExpertPartials or an exception."""
         fut: Future[expert_pb2.ExpertPartials] = Future()
         with self._lock:
             call_id = next(self._ids)
-            assignments = sum(seg.rows for seg in request.segments)  # the rows of the answer
             sent_ns = time.perf_counter_ns()
             rec = CallRecord(call_id, self.session_id, layer, assignments, sent_ns, fut,
                              deadline_ns=sent_ns + int(self._rtt.deadline_s(policy, assignments) * 1e9))
@@ -114,8 +122,8 @@ class WorkerLink:
                 fut.set_exception(self.dead)
                 return rec
             self._pending[call_id] = rec
-        request.call_id = call_id
-        rec.request_bytes = request.ByteSize()
+        request = serialize(call_id)
+        rec.request_bytes = len(request)
         self._requests.put(request)
         return rec
 

@@ -106,6 +106,7 @@ if TYPE_CHECKING:  # the real names, for type checkers; at run time __getattr__ 
         decode_tensor,
         encode_tensor,
         encode_tensor_into,
+        serialize_dispatch_request,
         serialize_dispatch_response,
     )
     from kvasir_rpc._fastmask import install_fast_masking, xor_mask_into
@@ -236,6 +237,7 @@ _LAZY = {
     "TensorCodecError": "kvasir_rpc._codec",
     "encode_tensor": "kvasir_rpc._codec",
     "encode_tensor_into": "kvasir_rpc._codec",
+    "serialize_dispatch_request": "kvasir_rpc._codec",
     "serialize_dispatch_response": "kvasir_rpc._codec",
     "decode_tensor": "kvasir_rpc._codec",
     "CHECKPOINT_HINT": "kvasir_rpc._checkpoint",

@@ -24,6 +24,7 @@ from kvasir_rpc._codec import (
     decode_tensor,
     encode_tensor,
     encode_tensor_into,
+    serialize_dispatch_request,
     serialize_dispatch_response,
 )
 from kvasir_rpc._gen.kvasir.v1 import tensor_pb2
@@ -417,3 +418,22 @@ def test_serialized_answer_of_a_large_payload(shape):
 def test_serialized_answer_refuses_a_dtype_without_wire_form():
     with pytest.raises(TensorCodecError, match="no wire form"):
         serialize_dispatch_response(1, torch.zeros(2, dtype=torch.uint8), 0)
+
+
+@SETTINGS
+@given(hidden_dtype=st.sampled_from(DTYPES), hidden_shape=shapes, seed=st.integers(0, 2**32 - 1),
+       call_id=st.integers(0, 2**64 - 1), layer=st.integers(0, 2**32 - 1),
+       segments=st.lists(st.tuples(st.integers(0, 2**32 - 1), st.integers(0, 2**32 - 1)), max_size=6),
+       row_index=st.lists(st.integers(0, 2**32 - 1), max_size=20), weights_len=st.integers(0, 9))
+def test_serialized_call_is_what_protobuf_serializes(hidden_dtype, hidden_shape, seed, call_id, layer, segments,
+                                                     row_index, weights_len):
+    from kvasir_rpc import expert_pb2
+
+    hidden = _random_tensor(hidden_shape, hidden_dtype, seed)
+    weights = _random_tensor((weights_len,), torch.float32, seed + 1)
+    req = expert_pb2.DispatchRequest(
+        call_id=call_id, layer=layer, hidden=encode_tensor(hidden), weights=encode_tensor(weights),
+        segments=[expert_pb2.ExpertSegment(expert=e, rows=r) for e, r in segments], row_index=row_index)
+    got = serialize_dispatch_request(call_id, layer, hidden, weights, segments, row_index)
+    assert got == req.SerializeToString()
+    assert len(got) == req.ByteSize()
