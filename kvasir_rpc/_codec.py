@@ -41,6 +41,20 @@ def encode_tensor(tensor: torch.Tensor) -> tensor_pb2.Tensor:
     return encode_tensor_into(tensor, tensor_pb2.Tensor())
 
 
+def _on_the_wire(tensor: torch.Tensor) -> tuple[tensor_pb2.DType, torch.Tensor]:
+    """``tensor``'s wire dtype and its bytes as they travel: on the CPU, contiguous. Raises
+    TensorCodecError for a dtype the wire does not carry."""
+    wire = DTYPE_TO_WIRE.get(tensor.dtype)
+    if wire is None:
+        raise TensorCodecError(
+            f"dtype {tensor.dtype} has no wire form; use one of {sorted(str(d) for d in DTYPE_TO_WIRE)}"
+        )
+    t = tensor.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    return wire, t.contiguous()
+
+
 def encode_tensor_into(tensor: torch.Tensor, msg: tensor_pb2.Tensor) -> tensor_pb2.Tensor:
     """Encode ``tensor`` into ``msg``, an empty Tensor, which may be a field of a larger
     message (``response.partials.partials``): the payload is copied into the message once.
@@ -50,15 +64,7 @@ def encode_tensor_into(tensor: torch.Tensor, msg: tensor_pb2.Tensor) -> tensor_p
 
     Raises TensorCodecError for a dtype the wire does not carry.
     """
-    wire = DTYPE_TO_WIRE.get(tensor.dtype)
-    if wire is None:
-        raise TensorCodecError(
-            f"dtype {tensor.dtype} has no wire form; use one of {sorted(str(d) for d in DTYPE_TO_WIRE)}"
-        )
-    t = tensor.detach()
-    if t.device.type != "cpu":
-        t = t.cpu()
-    t = t.contiguous()
+    wire, t = _on_the_wire(tensor)
     # uint8 view of the storage: one copy into the bytes object, no numpy round trip.
     data = t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
     msg.dtype = wire
@@ -86,15 +92,7 @@ def _tensor_field(tag: int, tensor: torch.Tensor) -> tuple[bytes, memoryview | N
     payload, its payload as a view of the tensor's memory or None when it has none).
 
     Raises TensorCodecError for a dtype the wire does not carry."""
-    wire = DTYPE_TO_WIRE.get(tensor.dtype)
-    if wire is None:
-        raise TensorCodecError(
-            f"dtype {tensor.dtype} has no wire form; use one of {sorted(str(d) for d in DTYPE_TO_WIRE)}"
-        )
-    t = tensor.detach()
-    if t.device.type != "cpu":
-        t = t.cpu()
-    t = t.contiguous()
+    wire, t = _on_the_wire(tensor)
     nbytes = t.numel() * t.element_size()
     packed = b"".join(_varint(d) for d in t.shape)
     head = _uint_field(0x08, int(wire))  # Tensor.dtype
