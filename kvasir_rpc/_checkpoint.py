@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 import mmap
 import os
 import pathlib
@@ -212,9 +213,7 @@ def _read_spans(file: pathlib.Path) -> dict[str, _Span]:
             a, b = (8 + n + int(x) for x in meta["data_offsets"])
         except (KeyError, TypeError, ValueError):
             continue
-        count = 1
-        for d in shape:
-            count *= d
+        count = math.prod(shape)
         if count and b - a == count * dtype.itemsize and 8 + n <= a and b <= size:
             spans[key] = _Span(a, b, dtype, shape)
     return spans
