@@ -27,7 +27,7 @@ from kvasir_rpc import (
     expert_pb2,
     session_pb2,
 )
-from backbone._audit import SEGMENT_ROWS, AuditResult, RowSampler, audit_rows
+from backbone._audit import AuditResult, RowSampler, audit_rows
 from backbone._links import CallRecord, WorkerLink
 from backbone._weights import ExpertWeights
 
@@ -127,19 +127,11 @@ class AnswerChecker:
                 evidence.max_abs_diff = float("inf")
                 evidence.detail = f"row {bad} of {rec.rows} holds NaN or Inf; this backbone's result is finite"
                 return None, evidence, None
-        picked = self._sampler.choose(sent.link.session_id, rec.rows)
+        # Whole segments of at most SEGMENT_ROWS rows, in order: their reference is then
+        # computed as the worker computed it (see _audit.py).
+        picked = self._sampler.choose(sent.link.session_id, [len(r.token_idx) for r in sent.routes])
         if not picked.numel():
             return out, None, None
-        # A sampled row of a segment of at most SEGMENT_ROWS rows brings the whole segment in,
-        # in order: its reference is then computed as the worker computed it (see _audit.py).
-        parts, start = [], 0
-        for r in sent.routes:
-            n = len(r.token_idx)
-            inside = picked[(picked >= start) & (picked < start + n)]
-            if inside.numel():
-                parts.append(torch.arange(start, start + n) if n <= SEGMENT_ROWS else inside)
-            start += n
-        picked = torch.cat(parts)
         x, w = sent.inputs(picked)
         sampled = SampledRows(layer=layer, act=act, session_id=sent.link.session_id, call_id=rec.call_id,
                               call_rows=rec.rows, picked=picked, experts=sent.experts()[picked], x=x, w=w,

@@ -118,16 +118,46 @@ def test_narrow_wire_partials_get_their_rounding():
 
 def test_sampler_rate_first_call_and_unpredictability():
     s = RowSampler(0.02)
-    first = s.choose("s1", 10)
-    assert first.numel() >= 1  # a session's first call is always audited
-    counts = sum(s.choose("s1", 1000).numel() for _ in range(50))
-    assert 600 < counts < 1400  # 2% of 50,000 rows = 1000
+    first = s.choose("s1", [10])
+    assert first.tolist() == list(range(10))  # a session's first call is always audited, a small segment whole
+    counts = sum(s.choose("s1", [1000]).numel() for _ in range(50))
+    assert 600 < counts < 1400  # a large segment row by row: 2% of 50,000 rows = 1000
     # Two samplers (two backbones, or one restarted) choose differently: seeded from the OS.
     a, b = RowSampler(0.5), RowSampler(0.5)
-    assert not torch.equal(a.choose("x", 256), b.choose("x", 256))
-    assert RowSampler(0.0).choose("y", 100).numel() == 0
+    assert not torch.equal(a.choose("x", [256]), b.choose("x", [256]))
+    assert RowSampler(0.0).choose("y", [100]).numel() == 0
+    assert RowSampler(0.5).choose("z", []).numel() == 0
     with pytest.raises(ValueError):
         RowSampler(1.5)
+
+
+def test_sampler_audits_the_rate_of_the_work_not_more():
+    """Small segments are drawn whole with probability ``rate``, so the audits recompute a
+    ``rate`` share of the rows, and each row is audited with probability ``rate``: drawing
+    rows and bringing in each drawn row's segment audited 1 - 0.98^16 = 28% of 16-row
+    segments at a 2% rate."""
+    from backbone._audit import SEGMENT_ROWS
+
+    s = RowSampler(0.02)
+    s.choose("s", [1])  # the first call, audited whatever the draw
+    sizes = [16] * 8 + [SEGMENT_ROWS] + [1, 0, 3]
+    rows = sum(sizes)
+    per_row = torch.zeros(rows)
+    calls = 2000
+    for _ in range(calls):
+        picked = s.choose("s", sizes)
+        per_row[picked] += 1
+        # Whole segments or nothing, in ascending order.
+        start, chosen = 0, set(picked.tolist())
+        for n in sizes:
+            seg = set(range(start, start + n))
+            assert seg <= chosen or not (seg & chosen)
+            start += n
+        assert picked.tolist() == sorted(chosen)
+    share = float(per_row.sum()) / (rows * calls)
+    assert 0.014 < share < 0.026, share  # 2%, not 28%
+    # Every row, in a segment of 16 or alone, audited at the rate: 40 expected of 2000 calls.
+    assert 15 < float(per_row[:16].mean()) < 70 and 15 < float(per_row[128 + SEGMENT_ROWS]) < 70
 
 
 class _Weights:
