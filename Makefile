@@ -11,7 +11,7 @@ STAMP := $(VENV)/.installed
 TS := clients/ts
 NODE_STAMP := $(TS)/node_modules/.installed
 
-.PHONY: demo test test-fast fuzz soak bench profile proto lint venv clean system-deps bench-deps node-deps bytecode
+.PHONY: demo test test-fast fuzz soak bench profile profile-decode proto lint venv clean system-deps bench-deps node-deps bytecode
 
 venv: $(STAMP)
 
@@ -68,6 +68,10 @@ bench: $(STAMP) bench-deps
 profile: $(STAMP)
 	$(PY) -m pip install --quiet -c constraints.txt py-spy
 	$(PY) tools/profile_relays.py
+
+# Where a remote decode's CPU goes per step, kernel included (Linux perf); see tools/profile_decode.py.
+profile-decode: $(STAMP)
+	$(PY) tools/profile_decode.py
 
 bench-deps:
 	@command -v nginx >/dev/null 2>&1 || [ -x /usr/sbin/nginx ] || { \
