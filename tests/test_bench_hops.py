@@ -131,11 +131,11 @@ def test_echo_worker_answers_in_shape_and_an_audited_backbone_quarantines_it(tin
         assert result["sessions_quarantined"] == [echo.session_id]
 
 
-@pytest.mark.parametrize("rtt_ms", [0, 40])
-def test_latency_proxy_delivers_every_byte_in_order_late_by_the_rtt(rtt_ms, tmp_path):
+@pytest.mark.parametrize(("rtt_ms", "mode"), [(0, []), (40, []), (40, ["--copy"])], ids=["rtt0", "rtt40", "rtt40-copy"])
+def test_latency_proxy_delivers_every_byte_in_order_late_by_the_rtt(rtt_ms, mode, tmp_path):
     """Megabytes each way through the proxy arrive intact; a small message's round trip
     takes the emulated RTT (not much more), and a new one written to the RTT file; a
-    half-close passes through both ways."""
+    half-close passes through both ways. By splice(2), and copying where there is none."""
     import socket
     import threading
 
@@ -147,7 +147,7 @@ def test_latency_proxy_delivers_every_byte_in_order_late_by_the_rtt(rtt_ms, tmp_
         ready = tmp_path / "ready.json"
         proxy = subprocess.Popen([sys.executable, "-m", "kvasir_rpc.dev.latency", "--upstream",
                                   f"127.0.0.1:{server.getsockname()[1]}", "--rtt-file", str(rtt_file),
-                                  "--ready-file", str(ready)])
+                                  "--ready-file", str(ready), *mode])
         try:
             wait_until(lambda: ready.exists() or proxy.poll() is not None, 30, "the proxy to start")
             assert proxy.poll() is None, "the proxy ended at start"

@@ -2,18 +2,28 @@
 ``rtt/2`` after it arrived, in order, so a loopback link behaves like a WAN link of that
 round-trip time (Linux netem is not available on these machines). The delay can be changed
 while it runs by rewriting ``--rtt-file`` (looked at while bytes flow, at most every 0.1 s);
-bandwidth is not limited."""
+bandwidth is not limited.
+
+The emulation must not charge the remote path CPU of its own (``latency_proxy_cpu_share`` in
+``kvasir bench``), so this is one thread around ``selectors`` and each direction's queue of
+due times, not an async framework: under trio, 70% of the proxy's CPU in the decode bench was the
+interpreter (trio's scheduler and the proxy's tasks, about 70 wake-ups per decode step),
+against 25% for the kernel's socket work (``tools/profile_decode.py``). This way it costs
+half as much: 7.9 ms of CPU per decode step at RTT 13 ms against 13.5.
+"""
 
 from __future__ import annotations
 
 import argparse
+import collections
+import dataclasses
 import os
 import pathlib
+import selectors
 import signal
+import socket
 import sys
-from typing import TypeVar
-
-import trio
+import time
 
 from kvasir_rpc import ListenError, as_listen_error, hostport, write_ready_file
 
@@ -25,8 +35,11 @@ IOV_MAX = 64  # buffers per gathered write (Linux allows 1024)
 # direction holds what is in flight (waiting its rtt/2) in a ring of pipes of up to 1 MiB
 # each (the unprivileged pipe-max-size): 16 hold 16 MiB, 640 MB/s at 50 ms round trip.
 PIPES = 16
+# Without splice, a direction holds at most this much in this process's memory.
+COPY_MAX_BYTES = 16 << 20
 RTT_FILE_CHECK_S = 0.1
 PIPE_BYTES = 1 << 20
+CONNECT_TIMEOUT_S = 10.0
 _SPLICE_FLAGS = getattr(os, "SPLICE_F_NONBLOCK", 0) | getattr(os, "SPLICE_F_MOVE", 0)
 
 
@@ -57,52 +70,205 @@ def _close_pipes(pipes: list[tuple[int, int, int]]) -> None:
         os.close(w)
 
 
-async def _send_chunks(dst: trio.SocketStream, chunks: list[bytes]) -> None:
-    """Send ``chunks`` in order with gathered writes (no joined copy of them); raises
-    trio.BrokenResourceError when the peer is gone."""
-    views = [memoryview(c) for c in chunks]
-    while views:
+@dataclasses.dataclass
+class _Note:
+    """Bytes that arrived together and are due together: ``size`` bytes in pipe ``pipe``
+    (splice), or ``data`` (copy); ``size == 0`` and no data: the sender's EOF."""
+
+    due: float
+    pipe: int = -1
+    size: int = 0
+    data: bytes = b""
+
+
+class _Direction:
+    """One direction of one connection: reads ``src`` when it is readable and has room, notes
+    what arrived with its due time, and writes each note to ``dst`` once due."""
+
+    def __init__(self, proxy: LatencyProxy, src: socket.socket, dst: socket.socket, splice: bool) -> None:
+        self.proxy = proxy
+        self.src, self.dst = src, dst
+        self.notes: collections.deque[_Note] = collections.deque()
+        self.pipes: list[tuple[int, int, int]] = []
+        if splice:
+            try:
+                self.pipes = _open_pipes(PIPES)
+            except OSError:
+                pass
+        self.fill = [0] * len(self.pipes)
+        self.cur = 0
+        self.held = 0  # bytes held in copy mode
+        self.buf = bytearray(CHUNK) if not self.pipes else bytearray()
+        self.ring_full = False  # every pipe holds bytes not yet due: reading waits for the writer
+        self.src_eof = False  # the sender's EOF was read (and noted)
+        self.done = False  # the EOF went out, or this direction failed
+        self.want_write = False  # dst was full: waiting for it to drain
+
+    def close(self) -> None:
+        _close_pipes(self.pipes)
+        self.pipes = []
+
+    def can_read(self) -> bool:
+        if self.src_eof or self.done:
+            return False
+        return not self.ring_full if self.pipes else self.held < COPY_MAX_BYTES
+
+    def _advance(self) -> bool:
+        """On to the next pipe of the ring, if the writer has emptied it; else the ring is
+        full and reading waits for the writer."""
+        nxt = (self.cur + 1) % len(self.pipes)
+        if self.fill[nxt]:
+            self.ring_full = True
+            return False
+        self.cur = nxt
+        return True
+
+    def _src_has_bytes(self) -> bool:
         try:
-            sent = await dst.socket.sendmsg(views[:IOV_MAX])
-        except OSError as exc:
-            raise trio.BrokenResourceError(f"latency proxy: send failed: {exc}") from exc
-        while sent:
-            if sent >= len(views[0]):
-                sent -= len(views.pop(0))
+            return bool(self.src.recv(1, socket.MSG_PEEK))
+        except OSError:  # BlockingIOError included: nothing there
+            return False
+
+    def read(self, now: float) -> None:
+        """Take what ``src`` has, up to the room there is; one note per pipe filled."""
+        due = self.proxy.due(now)
+        while self.can_read():
+            if self.pipes:
+                room = self.pipes[self.cur][2] - self.fill[self.cur]
+                if room == 0:
+                    if not self._advance():
+                        return
+                    continue
+                try:
+                    got = os.splice(self.src.fileno(), self.pipes[self.cur][1], room, flags=_SPLICE_FLAGS)
+                except BlockingIOError:
+                    # Nothing to read, or the pipe is full (it counts pages, not bytes, so
+                    # that can happen before ``room`` is used up); an empty one cannot be.
+                    if self.fill[self.cur] == 0 or not self._src_has_bytes() or not self._advance():
+                        return
+                    continue
+                except OSError:
+                    got = 0
+                if got:
+                    self.fill[self.cur] += got
+                    last = self.notes[-1] if self.notes else None
+                    if last is not None and last.pipe == self.cur and last.due == due and last.size:
+                        last.size += got
+                    else:
+                        self.notes.append(_Note(due, self.cur, got))
+                    continue
             else:
-                views[0] = views[0][sent:]
-                sent = 0
+                try:
+                    got = self.src.recv_into(self.buf)
+                except BlockingIOError:
+                    return
+                except OSError:
+                    got = 0
+                if got:
+                    self.held += got
+                    self.notes.append(_Note(due, data=bytes(memoryview(self.buf)[:got])))
+                    continue
+            self.src_eof = True
+            self.notes.append(_Note(due))
+            return
 
-
-_Note = TypeVar("_Note", bound=tuple)  # (due, ...): what a direction's reader hands its writer
-
-
-async def _next_due(recv: trio.MemoryReceiveChannel[_Note], carry: _Note | None) -> _Note | None:
-    """The note ``carry`` (one taken early and put back), else the channel's next, once it is
-    due (its first field, trio's clock); None when the reader has ended the channel."""
-    if carry is None:
-        try:
-            carry = await recv.receive()
-        except trio.EndOfChannel:
+    def next_due(self) -> float | None:
+        if self.done or self.want_write or not self.notes:
             return None
-    if carry[0] > trio.current_time():
-        await trio.sleep_until(carry[0])
-    return carry
+        return self.notes[0].due
+
+    def write(self, now: float) -> None:
+        """Send every note already due, in order, as far as ``dst`` takes them."""
+        while self.notes and self.notes[0].due <= now and not self.done:
+            note = self.notes[0]
+            if note.size == 0 and not note.data:
+                self.notes.popleft()
+                try:
+                    self.dst.shutdown(socket.SHUT_WR)
+                except OSError:
+                    pass
+                self.done = True
+                return
+            try:
+                if self.pipes:
+                    # The notes already due in the same pipe go in one splice.
+                    size = note.size
+                    for nxt in list(self.notes)[1:]:
+                        if nxt.pipe != note.pipe or not nxt.size or nxt.due > now:
+                            break
+                        size += nxt.size
+                    sent = os.splice(self.pipes[note.pipe][0], self.dst.fileno(), size, flags=_SPLICE_FLAGS)
+                    if not sent:  # an empty pipe where bytes were noted: never; end, don't spin
+                        self.done = True
+                        return
+                    self.fill[note.pipe] -= sent
+                    if not self.fill[note.pipe]:
+                        self.ring_full = False
+                    while sent:
+                        head = self.notes[0]
+                        if sent >= head.size:
+                            sent -= head.size
+                            self.notes.popleft()
+                        else:
+                            head.size -= sent
+                            sent = 0
+                else:
+                    views: list[memoryview] = []
+                    for nxt in self.notes:
+                        if not nxt.data or nxt.due > now or len(views) == IOV_MAX:
+                            break
+                        views.append(memoryview(nxt.data))
+                    sent = self.dst.sendmsg(views)
+                    self.held -= sent
+                    while sent:
+                        head = self.notes[0]
+                        if sent >= len(head.data):
+                            sent -= len(head.data)
+                            self.notes.popleft()
+                        else:
+                            head.data = head.data[sent:]
+                            sent = 0
+            except BlockingIOError:
+                self.want_write = True
+                return
+            except OSError:
+                self.done = True  # the peer is gone: so is this direction
+                return
+
+
+class _Connection:
+    def __init__(self, proxy: LatencyProxy, client: socket.socket, upstream: socket.socket, splice: bool) -> None:
+        self.socks = (client, upstream)
+        self.ways = (_Direction(proxy, client, upstream, splice), _Direction(proxy, upstream, client, splice))
+
+    @property
+    def over(self) -> bool:
+        return all(w.done for w in self.ways)
+
+    def close(self) -> None:
+        for w in self.ways:
+            w.close()
+        for s in self.socks:
+            s.close()
 
 
 class LatencyProxy:
-    def __init__(self, upstream: tuple[str, int], rtt_ms: float, rtt_file: pathlib.Path | None = None) -> None:
+    def __init__(self, upstream: tuple[str, int], rtt_ms: float, rtt_file: pathlib.Path | None = None,
+                 *, splice: bool | None = None) -> None:
         self.upstream = upstream
         self.rtt_ms = rtt_ms
         self.rtt_file = rtt_file
+        self.splice = hasattr(os, "splice") if splice is None else splice
         self._mtime = 0.0
         self._checked = -float("inf")
+        self._sel = selectors.DefaultSelector()
+        self._conns: set[_Connection] = set()
+        self._masks: dict[int, int] = {}
 
-    def due(self) -> float:
-        """When a chunk that came now is to be delivered (trio's clock). The RTT file is
+    def due(self, now: float) -> float:
+        """When a chunk that came ``now`` is to be delivered (monotonic clock). The RTT file is
         looked at here, at most every 0.1 s, while bytes flow: an idle proxy wakes for
         nothing (a 10 Hz poll cost ~3 ms of CPU a second, charged to every run measured)."""
-        now = trio.current_time()
         if self.rtt_file is not None and now - self._checked >= RTT_FILE_CHECK_S:
             self._checked = now
             try:
@@ -114,204 +280,129 @@ class LatencyProxy:
                 pass
         return now + self.rtt_ms / 2000.0
 
-    async def _pipe(self, src: trio.SocketStream, dst: trio.SocketStream) -> None:
-        """Copy ``src`` to ``dst``, each chunk ``rtt/2`` after it came: by splice(2) where
-        the system has it, else through this process's memory."""
-        if hasattr(os, "splice"):
-            try:
-                pipes = _open_pipes(PIPES)
-            except OSError:
-                pass
-            else:
-                try:
-                    return await self._splice(src, dst, pipes)
-                finally:
-                    _close_pipes(pipes)
-        await self._copy(src, dst)
-
-    async def _splice(self, src: trio.SocketStream, dst: trio.SocketStream, pipes: list[tuple[int, int, int]]) -> None:
-        """The reader splices what ``src`` has into the current pipe of the ring (the next
-        one when it is full, waiting until the writer emptied it) and notes (due, pipe,
-        bytes); the writer splices each note's bytes to ``dst`` once due, every note already
-        due in the same pipe in one call."""
-        src_fd, dst_fd = src.socket.fileno(), dst.socket.fileno()
-        fill = [0] * len(pipes)
-        emptied = trio.lowlevel.ParkingLot()
-        send, recv = trio.open_memory_channel[tuple[float, int, int]](4 * len(pipes))
-
-        async def reader() -> None:
-            cur = 0
-            waited = False
-            async with send:
-                while True:
-                    room = pipes[cur][2] - fill[cur]
-                    try:
-                        got = os.splice(src_fd, pipes[cur][1], room, flags=_SPLICE_FLAGS) if room else -1
-                    except BlockingIOError:
-                        # Nothing to read, or the pipe is full (it counts pages, not bytes):
-                        # an empty one cannot be, nor can a socket that just said readable.
-                        if fill[cur] == 0 or not waited:
-                            await trio.lowlevel.wait_readable(src_fd)
-                            waited = True
-                            continue
-                        got = -1
-                    except OSError:
-                        got = 0
-                    waited = False
-                    if got < 0:  # this pipe is full: on to the next, once the writer emptied it
-                        cur = (cur + 1) % len(pipes)
-                        while fill[cur]:
-                            await emptied.park()
-                        continue
-                    fill[cur] += got
-                    await send.send((self.due(), cur, got))
-                    if not got:
-                        return
-
-        async def writer() -> None:
-            carry: tuple[float, int, int] | None = None
-            async with recv:
-                while True:
-                    note = await _next_due(recv, carry)
-                    if note is None:
-                        return
-                    _, pipe, size = note
-                    carry = None
-                    while size:  # the notes already due in the same pipe go in one splice
-                        try:
-                            nxt = recv.receive_nowait()
-                        except (trio.WouldBlock, trio.EndOfChannel):
-                            break
-                        if nxt[1] != pipe or not nxt[2] or nxt[0] > trio.current_time():
-                            carry = nxt
-                            break
-                        size += nxt[2]
-                    if not size:
-                        try:
-                            await dst.send_eof()
-                        except (trio.BrokenResourceError, trio.ClosedResourceError):
-                            pass
-                        return
-                    while size:
-                        try:
-                            sent = os.splice(pipes[pipe][0], dst_fd, size, flags=_SPLICE_FLAGS)
-                        except BlockingIOError:
-                            await trio.lowlevel.wait_writable(dst_fd)
-                            continue
-                        except OSError:
-                            nursery.cancel_scope.cancel()  # the peer is gone: so is this direction
-                            return
-                        if not sent:  # an empty pipe where bytes were noted: never; end, don't spin
-                            nursery.cancel_scope.cancel()
-                            return
-                        size -= sent
-                        fill[pipe] -= sent
-                    emptied.unpark_all()
-
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(reader)
-            nursery.start_soon(writer)
-
-    async def _copy(self, src: trio.SocketStream, dst: trio.SocketStream) -> None:
-        """Copy ``src`` to ``dst``, each chunk ``rtt/2`` after it came. The emulation must not
-        charge the remote path CPU of its own (``latency_proxy_cpu_share`` in ``kvasir
-        bench``): the reader reads up to 1 MiB at a time, and the writer sends every chunk
-        already due in one write, sleeping only when the next one is not due yet."""
-        send, recv = trio.open_memory_channel[tuple[float, bytes]](64)  # bounded: backpressure holds
-
-        async def reader() -> None:
-            # One buffer for every read (recv of 1 MiB would allocate, and fault in, 1 MiB
-            # each time); a chunk is copied out at its size.
-            buf = bytearray(CHUNK)
-            view = memoryview(buf)
-            async with send:
-                while True:
-                    try:
-                        got = await src.socket.recv_into(buf)
-                    except OSError:
-                        got = 0
-                    data = bytes(view[:got])
-                    await send.send((self.due(), data))
-                    if not data:
-                        return
-
-        async def writer() -> None:
-            carry: tuple[float, bytes] | None = None
-            async with recv:
-                while True:
-                    note = await _next_due(recv, carry)
-                    if note is None:
-                        return
-                    _, data = note
-                    carry = None
-                    # What else is due goes in the same write (the reader may be ahead).
-                    batch = [data] if data else []
-                    eof = not data
-                    while not eof:
-                        try:
-                            nxt = recv.receive_nowait()
-                        except (trio.WouldBlock, trio.EndOfChannel):
-                            break
-                        if nxt[0] > trio.current_time():
-                            carry = nxt
-                            break
-                        eof = not nxt[1]
-                        if nxt[1]:
-                            batch.append(nxt[1])
-                    try:
-                        if batch:
-                            await _send_chunks(dst, batch)
-                        if eof:
-                            await dst.send_eof()
-                            return
-                    except (trio.BrokenResourceError, trio.ClosedResourceError):
-                        return
-
-        async with trio.open_nursery() as n:
-            n.start_soon(reader)
-            n.start_soon(writer)
-
-    async def handle(self, client: trio.SocketStream) -> None:
-        try:
-            upstream = await trio.open_tcp_stream(*self.upstream)
-        except OSError:
-            await client.aclose()
+    def _watch(self, sock: socket.socket, mask: int, data: object) -> None:
+        """Register or change what ``sock`` is watched for (nothing: unregistered)."""
+        fd = sock.fileno()
+        old = self._masks.get(fd, 0)
+        if mask == old:
             return
-        async with client, upstream, trio.open_nursery() as n:
-            n.start_soon(self._pipe, client, upstream)
-            n.start_soon(self._pipe, upstream, client)
+        if not mask:
+            self._sel.unregister(fd)
+            del self._masks[fd]
+        elif not old:
+            self._sel.register(fd, mask, data)
+            self._masks[fd] = mask
+        else:
+            self._sel.modify(fd, mask, data)
+            self._masks[fd] = mask
+
+    def _rewatch(self, conn: _Connection) -> None:
+        for sock in conn.socks:
+            mask = 0
+            for way in conn.ways:
+                if way.src is sock and way.can_read():
+                    mask |= selectors.EVENT_READ
+                if way.dst is sock and way.want_write and not way.done:
+                    mask |= selectors.EVENT_WRITE
+            self._watch(sock, mask, conn)
+
+    def _accept(self, listener: socket.socket) -> None:
+        try:
+            client, _ = listener.accept()
+        except OSError:
+            return
+        try:
+            upstream = socket.create_connection(self.upstream, timeout=CONNECT_TIMEOUT_S)
+        except OSError:
+            client.close()
+            return
+        for s in (client, upstream):
+            s.setblocking(False)
+            s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        conn = _Connection(self, client, upstream, self.splice)
+        self._conns.add(conn)
+        self._rewatch(conn)
+
+    def _end(self, conn: _Connection) -> None:
+        for sock in conn.socks:
+            self._watch(sock, 0, None)
+        conn.close()
+        self._conns.discard(conn)
+
+    def _step(self, conn: _Connection, now: float) -> None:
+        """Read what can be read and write what is due on ``conn``; end it when both ways are."""
+        for way in conn.ways:
+            way.read(now)
+            way.write(now)
+        if conn.over:
+            self._end(conn)
+        else:
+            self._rewatch(conn)
+
+    def serve(self, listener: socket.socket) -> None:
+        """Run until a signal handler raises (SIGTERM, SIGINT): every connection is closed."""
+        listener.setblocking(False)
+        self._sel.register(listener.fileno(), selectors.EVENT_READ, None)
+        try:
+            while True:
+                due = [d for c in self._conns for w in c.ways if (d := w.next_due()) is not None]
+                timeout = max(0.0, min(due) - time.monotonic()) if due else None
+                events = self._sel.select(timeout)
+                now = time.monotonic()
+                touched: set[_Connection] = set()
+                for key, mask in events:
+                    conn = key.data
+                    if conn is None:
+                        self._accept(listener)
+                        continue
+                    if mask & selectors.EVENT_WRITE:
+                        for way in conn.ways:
+                            if way.dst.fileno() == key.fd:
+                                way.want_write = False
+                    touched.add(conn)
+                for conn in list(self._conns):
+                    if conn in touched or any((d := w.next_due()) is not None and d <= now for w in conn.ways):
+                        self._step(conn, now)
+        finally:
+            for conn in list(self._conns):
+                self._end(conn)
+            self._sel.close()
+
+
+class _Stop(Exception):
+    pass
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="kvasir latency-proxy", description=__doc__)
+    p = argparse.ArgumentParser(prog="kvasir latency-proxy", description=__doc__.split("\n\n")[0])
     p.add_argument("--listen", type=hostport(), default=("127.0.0.1", 0))
     p.add_argument("--upstream", type=hostport(), required=True)
     p.add_argument("--rtt-ms", type=float, default=0.0)
     p.add_argument("--rtt-file", type=pathlib.Path, help="a file holding the RTT in ms, re-read when it changes")
     p.add_argument("--ready-file", type=pathlib.Path)
+    p.add_argument("--copy", action="store_true", help="copy through this process instead of splice(2)")
     args = p.parse_args(argv)
-    proxy = LatencyProxy(args.upstream, args.rtt_ms, args.rtt_file)
+    proxy = LatencyProxy(args.upstream, args.rtt_ms, args.rtt_file, splice=False if args.copy else None)
 
     address = f"{args.listen[0]}:{args.listen[1]}"
-
-    async def run() -> None:
-        try:
-            listeners = await trio.open_tcp_listeners(args.listen[1], host=args.listen[0])
-        except OSError as exc:
-            raise as_listen_error(address, exc) or exc from None
-        write_ready_file(args.ready_file, {"port": listeners[0].socket.getsockname()[1]})
-        async with trio.open_nursery() as n:
-            n.start_soon(trio.serve_listeners, proxy.handle, listeners)
-            with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
-                async for _ in signals:
-                    n.cancel_scope.cancel()
-                    return
-
     try:
-        trio.run(run)
-    except ListenError as exc:
-        print(f"kvasir latency-proxy: {exc}", file=sys.stderr)
+        listener = socket.create_server(args.listen, backlog=128)
+    except OSError as exc:
+        err: ListenError | None = as_listen_error(address, exc)
+        print(f"kvasir latency-proxy: {err or exc}", file=sys.stderr)
         return 1
+
+    def stop(*_: object) -> None:
+        raise _Stop
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    write_ready_file(args.ready_file, {"port": listener.getsockname()[1]})
+    with listener:
+        try:
+            proxy.serve(listener)
+        except _Stop:
+            pass
     return 0
 
 
