@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import collections
 import dataclasses
+import itertools
 import os
 import pathlib
 import selectors
@@ -193,7 +194,7 @@ class _Direction:
                 if self.pipes:
                     # The notes already due in the same pipe go in one splice.
                     size = note.size
-                    for nxt in list(self.notes)[1:]:
+                    for nxt in itertools.islice(self.notes, 1, None):
                         if nxt.pipe != note.pipe or not nxt.size or nxt.due > now:
                             break
                         size += nxt.size
