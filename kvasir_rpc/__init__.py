@@ -145,7 +145,7 @@ if TYPE_CHECKING:  # the real names, for type checkers; at run time __getattr__ 
         receive_message,
         send_whole,
     )
-    from kvasir_rpc._channel import TunnelCipher
+    from kvasir_rpc._channel import TunnelCipher, preferred_aeads
     from kvasir_rpc._metrics import (
         LATENCY_BUCKETS_S,
         METRICS_PATH,
@@ -266,6 +266,7 @@ _LAZY = {
     "send_whole": "kvasir_rpc._tunnel",
     "receive_message": "kvasir_rpc._tunnel",
     "TunnelCipher": "kvasir_rpc._channel",
+    "preferred_aeads": "kvasir_rpc._channel",
     "open_websocket_url": "kvasir_rpc._tls",
     "LATENCY_BUCKETS_S": "kvasir_rpc._metrics",
     "METRICS_PATH": "kvasir_rpc._metrics",

@@ -38,7 +38,11 @@ from kvasir_rpc._experts import ExpertSet, ModelShape
 from kvasir_rpc._gen.kvasir.v1 import session_pb2
 from kvasir_rpc._wallet import Wallet, is_address, verify_signature
 from kvasir_rpc.protocol import (
+    ACCEPT_AEAD_SIGNATURE_DOMAIN,
     ACCEPT_SIGNATURE_DOMAIN,
+    AEAD_CHACHA20_POLY1305,
+    AEAD_NAMES,
+    MAX_AEADS_OFFERED,
     E2E_HUB_MODES,
     HELLO_SIGNATURE_DOMAIN,
     KX_PUBLIC_BYTES,
@@ -147,10 +151,16 @@ _WORKER_TRANSITIONS = {
 }
 
 
-def accept_signed_message(transcript: bytes, session_id: str, encrypted: bool) -> bytes:
+def accept_signed_message(transcript: bytes, session_id: str, encrypted: bool,
+                          aead: int = AEAD_CHACHA20_POLY1305) -> bytes:
     """What the hub signs in SessionAccept: the domain, the transcript hash, the session id
-    (UTF-8) and one byte, 1 when the tunnel is encrypted."""
-    return ACCEPT_SIGNATURE_DOMAIN + transcript + session_id.encode() + (b"\x01" if encrypted else b"\x00")
+    (UTF-8) and one byte, 1 when the tunnel is encrypted. With another AEAD than the default,
+    a domain of its own, the transcript hash, the AEAD and encrypted bytes, then the session
+    id (fixed-size fields first: no accept's bytes read as another's)."""
+    flag = b"\x01" if encrypted else b"\x00"
+    if aead == AEAD_CHACHA20_POLY1305:
+        return ACCEPT_SIGNATURE_DOMAIN + transcript + session_id.encode() + flag
+    return ACCEPT_AEAD_SIGNATURE_DOMAIN + transcript + bytes([aead]) + flag + session_id.encode()
 
 
 def _parse(cls: type, data: bytes, what: str):  # type: ignore[no-untyped-def]
@@ -201,6 +211,9 @@ class HubHandshake:
         self._transcript = b""
         self._keys: tuple[bytes, bytes] | None = None
         self.encrypted = False
+        # The AEAD sealing the tunnel (a TunnelAead value): the hello's first offer this hub
+        # supports when encrypted, else the default.
+        self.aead = AEAD_CHACHA20_POLY1305
         self.cipher: TunnelCipher | None = None
         self.state = _HubState.START
 
@@ -268,7 +281,8 @@ class HubHandshake:
                 raise RemoteProtocolError("hello: hub_kx_public is not the key exchange this hub sent "
                                           "(a relay put its own in)", close_code=CloseCode.POLICY_VIOLATION)
             if self.encrypted:
-                self._keys = derive_tunnel_keys(self._kx.shared_secret(body.kx_public), self._transcript)
+                self.aead = next((a for a in body.aeads if a in AEAD_NAMES), AEAD_CHACHA20_POLY1305)
+                self._keys = derive_tunnel_keys(self._kx.shared_secret(body.kx_public), self._transcript, self.aead)
         return HelloInfo(
             wallet=body.wallet,
             slices=slices,
@@ -292,16 +306,19 @@ class HubHandshake:
         if body.kx_public and len(body.kx_public) != KX_PUBLIC_BYTES:
             raise RemoteProtocolError(f"hello: kx_public must be {KX_PUBLIC_BYTES} bytes, got {len(body.kx_public)}",
                                       close_code=CloseCode.POLICY_VIOLATION)
+        if len(body.aeads) > MAX_AEADS_OFFERED:
+            raise RemoteProtocolError(f"hello: offers {len(body.aeads)} AEADs, at most {MAX_AEADS_OFFERED}",
+                                      close_code=CloseCode.POLICY_VIOLATION)
         return must
 
     def accept(self, session_id: str) -> bytes:
         """The signed SessionAccept; from now on ``cipher`` seals the tunnel when ``encrypted``."""
         self._step("accept")
-        signature = self._key.sign(accept_signed_message(self._transcript, session_id, self.encrypted))
+        signature = self._key.sign(accept_signed_message(self._transcript, session_id, self.encrypted, self.aead))
         if self._keys is not None:
-            self.cipher = TunnelCipher.for_hub(self._keys)
-        return session_pb2.SessionAccept(session_id=session_id, encrypted=self.encrypted,
-                                         signature=signature).SerializeToString()
+            self.cipher = TunnelCipher.for_hub(self._keys, self.aead)
+        return session_pb2.SessionAccept(session_id=session_id, encrypted=self.encrypted, signature=signature,
+                                         aead=self.aead).SerializeToString()  # type: ignore[arg-type]
 
 
 class WorkerHandshake:
@@ -321,10 +338,12 @@ class WorkerHandshake:
         expected_hub_key: str | None = None,
         require_encryption: bool = False,
         kx_private: bytes | None = None,
+        aeads: Sequence[int] = (),
     ) -> None:
         """``expected_hub_key``: the pinned hub key (a challenge from another is refused,
         1008). ``require_encryption``: refuse an accept that does not encrypt (1008).
-        ``kx_private``: the ephemeral X25519 key, fresh unless given."""
+        ``kx_private``: the ephemeral X25519 key, fresh unless given. ``aeads``: the AEADs
+        offered besides the default, most preferred first (``preferred_aeads()``)."""
         self._wallet = wallet
         self._slices = slices
         self._digest = weights_digest
@@ -334,11 +353,17 @@ class WorkerHandshake:
         self._expected_hub_key = expected_hub_key
         self._require = require_encryption
         self._kx = KeyExchange(kx_private)
+        self._aeads = tuple(aeads)
+        unknown = [a for a in self._aeads if a not in AEAD_NAMES or a == AEAD_CHACHA20_POLY1305]
+        if unknown or len(self._aeads) > MAX_AEADS_OFFERED:
+            raise ValueError(f"aeads: offer at most {MAX_AEADS_OFFERED} of {sorted(AEAD_NAMES)[1:]} "
+                             f"(the default is always supported), not {list(aeads)}")
         self._challenge = b""
         self._hello = b""
         self._hub_kx = b""
         self.hub_key: str | None = None
         self.encrypted = False
+        self.aead = AEAD_CHACHA20_POLY1305
         self.cipher: TunnelCipher | None = None
         self.state = _WorkerState.AWAIT_CHALLENGE
 
@@ -388,6 +413,7 @@ class WorkerHandshake:
             kx_public=self._kx.public,
             hub_kx_public=self._hub_kx,
             require_encryption=self._require,
+            aeads=self._aeads,  # type: ignore[arg-type]
         ).SerializeToString()
         self._step("receive_challenge")
         signature = self._wallet.sign(HELLO_SIGNATURE_DOMAIN + body)
@@ -410,10 +436,17 @@ class WorkerHandshake:
         if not msg.signature:
             raise self._fail("accept: not signed by the hub (a hub too old for this worker, or a relay that "
                              "stripped the signature)", CloseCode.POLICY_VIOLATION)
-        if not verify_signature(self.hub_key, accept_signed_message(transcript, msg.session_id, msg.encrypted),
+        aead = int(msg.aead)
+        if not verify_signature(self.hub_key, accept_signed_message(transcript, msg.session_id, msg.encrypted, aead),
                                 msg.signature):
             raise self._fail(f"accept: bad signature (not hub {self.hub_key[:16]}… over this connection's handshake: "
                              "altered on the way, or replayed)", CloseCode.POLICY_VIOLATION)
+        if aead != AEAD_CHACHA20_POLY1305 and (aead not in self._aeads or not msg.encrypted):
+            # Signed by the hub itself: a hub that misbehaves (or a bug), not a relay.
+            raise self._fail(f"accept: tunnel AEAD {aead}, which this worker did not offer "
+                             f"(it offered {[AEAD_NAMES[a] for a in self._aeads] or 'only the default'})"
+                             if msg.encrypted else "accept: an AEAD named for a tunnel that is not encrypted",
+                             CloseCode.POLICY_VIOLATION)
         if msg.encrypted:
             if not self._hub_kx:
                 raise self._fail("accept: encrypted, but the challenge had no key exchange",
@@ -423,7 +456,8 @@ class WorkerHandshake:
             except RemoteProtocolError:
                 self.state = _WorkerState.FAILED
                 raise
-            self.cipher = TunnelCipher.for_worker(derive_tunnel_keys(shared, transcript))
+            self.cipher = TunnelCipher.for_worker(derive_tunnel_keys(shared, transcript, aead), aead)
+            self.aead = aead
         elif self._require:
             raise self._fail("accept: the hub did not encrypt this session and this worker requires it "
                              "(--e2e require); the hub runs with --e2e off?", CloseCode.POLICY_VIOLATION)

@@ -29,7 +29,11 @@ from collections.abc import Sequence
 from kvasir_rpc._errors import CloseCode, LocalProtocolError, RemoteProtocolError
 
 __all__ = [
+    "ACCEPT_AEAD_SIGNATURE_DOMAIN",
     "ACCEPT_SIGNATURE_DOMAIN",
+    "AEAD_AES_256_GCM",
+    "AEAD_CHACHA20_POLY1305",
+    "AEAD_NAMES",
     "CLOSE_TIMEOUT_S",
     "CONTROL_WORDS",
     "GATEWAY_SUBPROTOCOL",
@@ -37,6 +41,7 @@ __all__ = [
     "HELLO_SIGNATURE_DOMAIN",
     "MAX_CHALLENGE_AGE_MS",
     "MAX_EXPERTS_PER_LAYER",
+    "MAX_AEADS_OFFERED",
     "MAX_HELLO_BYTES",
     "MAX_LAYERS",
     "MAX_SESSION_ID_CHARS",
@@ -138,8 +143,19 @@ MAX_SESSION_ID_CHARS = 128
 ACCEPT_SIGNATURE_DOMAIN = b"kvasir.v1.SessionAccept\x00"
 # X25519 public keys, one fresh pair per connection on each side.
 KX_PUBLIC_BYTES = 32
-# HKDF-SHA256 info for the two tunnel keys (hub -> worker, then worker -> hub).
+# HKDF-SHA256 info for the two tunnel keys (hub -> worker, then worker -> hub); for a tunnel
+# sealed with another AEAD than the default, followed by a space and the AEAD's name.
 TUNNEL_KEYS_INFO = b"kvasir.v1.tunnel keys"
+# The AEADs that can seal a tunnel (TunnelAead in session.proto), by wire value: the default
+# (0, which every side supports) and AES-256-GCM, which a worker offers where it seals faster.
+AEAD_CHACHA20_POLY1305 = 0
+AEAD_AES_256_GCM = 1
+AEAD_NAMES = {AEAD_CHACHA20_POLY1305: "chacha20-poly1305", AEAD_AES_256_GCM: "aes-256-gcm"}
+# A hello offers at most this many AEADs (more is refused, 1008).
+MAX_AEADS_OFFERED = 16
+# With another AEAD than the default the hub signs ACCEPT_AEAD_SIGNATURE_DOMAIN + transcript
+# hash + AEAD byte + encrypted flag byte + session id.
+ACCEPT_AEAD_SIGNATURE_DOMAIN = b"kvasir.v1.SessionAccept.aead\x00"
 # The first plaintext byte of a sealed message: what the rest is.
 SEALED_DATA = 0  # HTTP/2 bytes
 SEALED_CONTROL = 1  # a control word in UTF-8 ("open", "eof", "close", "closed")

@@ -42,6 +42,7 @@ from kvasir_rpc import (
     session_pb2_grpc,
 )
 from kvasir_rpc.protocol import (
+    AEAD_NAMES,
     CLOSE_TIMEOUT_S,
     HUB_HANDSHAKE_TIMEOUT_S,
     KEEPALIVE_S,
@@ -583,7 +584,7 @@ class _Hub:
                 self.registry.add(session_id, info, target=target, remote=remote, kick=kick,
                                   encrypted=cipher is not None, via_gateway=via_gateway)
                 slog.info("session open", target=target, device=info.device, layers=len(info.slices),
-                          encrypted=cipher is not None)
+                          encrypted=cipher is not None, aead=AEAD_NAMES[cipher.aead] if cipher is not None else None)
         except* ConnectionClosed as eg:
             reason = leaf_exception(eg).reason  # type: ignore[attr-defined]
             ended = "worker_closed"

@@ -22,8 +22,10 @@ from kvasir_rpc._channel import (
 from kvasir_rpc._errors import CloseCode, LocalProtocolError, RemoteProtocolError
 from kvasir_rpc._gen.kvasir.v1 import session_pb2
 from kvasir_rpc._handshake import HubHandshake, WorkerHandshake, accept_signed_message
-from kvasir_rpc._wallet import Wallet
-from kvasir_rpc.protocol import HEARTBEAT_SEQ_BYTES, HELLO_SIGNATURE_DOMAIN, SEAL_OVERHEAD
+from kvasir_rpc._wallet import Wallet, verify_signature
+from kvasir_rpc.protocol import (ACCEPT_AEAD_SIGNATURE_DOMAIN, AEAD_AES_256_GCM, AEAD_CHACHA20_POLY1305,
+                                 HEARTBEAT_SEQ_BYTES, HELLO_SIGNATURE_DOMAIN, MAX_AEADS_OFFERED, SEAL_OVERHEAD,
+                                 TUNNEL_KEYS_INFO)
 
 HUB = Wallet.generate()
 RELAY = Wallet.generate()
@@ -207,16 +209,26 @@ def test_a_low_order_or_short_key_exchange_is_refused(key, words):
 # --- the sealed tunnel ----------------------------------------------------------------------
 
 
-def ciphers():
-    hub, worker = hub_side(via_gateway=True), worker_side()
+# Each sealed-tunnel test runs with both AEADs: the default, and AES-256-GCM offered.
+_AEAD_OFFERS = {"chacha20-poly1305": (), "aes-256-gcm": (AEAD_AES_256_GCM,)}
+
+
+@pytest.fixture(params=list(_AEAD_OFFERS))
+def aead_offer(request):
+    return _AEAD_OFFERS[request.param]
+
+
+def ciphers(offer: tuple[int, ...] = ()):
+    hub, worker = hub_side(via_gateway=True), worker_side(aeads=offer)
     run(hub, worker)
     assert hub.cipher is not None and worker.cipher is not None
+    assert hub.cipher.aead == worker.cipher.aead == (offer[0] if offer else AEAD_CHACHA20_POLY1305)
     return hub.cipher, worker.cipher
 
 
 @pytest.mark.parametrize("hub_sends", [True, False])
-def test_seal_and_open_both_ways(hub_sends):
-    hub, worker = ciphers()
+def test_seal_and_open_both_ways(hub_sends, aead_offer):
+    hub, worker = ciphers(aead_offer)
     tx, rx = (hub, worker) if hub_sends else (worker, hub)
     for msg in ("open", b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n", b"", bytes(range(256)) * 4096, "closed", "eof"):
         sealed = tx.seal(msg)
@@ -234,10 +246,10 @@ def test_seal_and_open_both_ways(hub_sends):
 
 
 @pytest.mark.parametrize("kind", [bytearray, memoryview])
-def test_seal_and_open_views_without_touching_them(kind):
+def test_seal_and_open_views_without_touching_them(kind, aead_offer):
     """Data given as a bytearray or a view (a slice of a read buffer) seals like bytes, and
     neither seal nor open changes what it was given."""
-    hub, worker = ciphers()
+    hub, worker = ciphers(aead_offer)
     payload = bytes(range(256)) * 4097
     buffer = bytearray(b"\xff" + payload + b"\xee")
     message = memoryview(buffer)[1:-1] if kind is memoryview else bytearray(payload)
@@ -262,29 +274,29 @@ def _broken(cipher: TunnelCipher, data, words):
 
 
 @pytest.mark.parametrize("bit", [0, 7, 8 * 20, -1])
-def test_a_flipped_bit_is_refused(bit):
-    hub, worker = ciphers()
+def test_a_flipped_bit_is_refused(bit, aead_offer):
+    hub, worker = ciphers(aead_offer)
     sealed = bytearray(hub.seal(b"partials" * 100))
     sealed[bit // 8] ^= 1 << (bit % 8)
     _broken(worker, bytes(sealed), "authentication tag")
 
 
-def test_a_replayed_message_is_refused():
-    hub, worker = ciphers()
+def test_a_replayed_message_is_refused(aead_offer):
+    hub, worker = ciphers(aead_offer)
     first = hub.seal(b"one")
     assert worker.open(first) == b"one"
     _broken(worker, first, "authentication tag")
 
 
-def test_reordered_messages_are_refused():
-    hub, worker = ciphers()
+def test_reordered_messages_are_refused(aead_offer):
+    hub, worker = ciphers(aead_offer)
     a, b = hub.seal(b"a"), hub.seal(b"b")
     _broken(worker, b, "authentication tag")
     del a
 
 
-def test_a_dropped_message_is_noticed_at_the_next():
-    hub, worker = ciphers()
+def test_a_dropped_message_is_noticed_at_the_next(aead_offer):
+    hub, worker = ciphers(aead_offer)
     hub.seal("open")  # lost on the way
     _broken(worker, hub.seal(b"data"), "authentication tag")
 
@@ -295,8 +307,8 @@ def test_a_message_shorter_than_the_overhead_is_refused(n):
     _broken(worker, hub.seal(b"")[:n], "shorter than")
 
 
-def test_a_truncated_message_is_refused():
-    hub, worker = ciphers()
+def test_a_truncated_message_is_refused(aead_offer):
+    hub, worker = ciphers(aead_offer)
     _broken(worker, hub.seal(b"z" * 100)[:-1], "authentication tag")
 
 
@@ -305,17 +317,17 @@ def test_a_text_message_is_refused():
     _broken(worker, "open", "text message")
 
 
-def test_a_message_sealed_for_the_other_direction_is_refused():
+def test_a_message_sealed_for_the_other_direction_is_refused(aead_offer):
     """Each direction has its own key: a relay cannot reflect the worker's messages back."""
-    hub, worker = ciphers()
+    hub, worker = ciphers(aead_offer)
     _broken(worker, worker.seal(b"mine"), "authentication tag")
-    hub2, worker2 = ciphers()
+    hub2, worker2 = ciphers(aead_offer)
     _broken(hub2, hub2.seal("open"), "authentication tag")
 
 
-def test_another_sessions_keys_do_not_open():
-    hub_a, _ = ciphers()
-    _, worker_b = ciphers()
+def test_another_sessions_keys_do_not_open(aead_offer):
+    hub_a, _ = ciphers(aead_offer)
+    _, worker_b = ciphers(aead_offer)
     _broken(worker_b, hub_a.seal(b"x"), "authentication tag")
 
 
@@ -412,3 +424,122 @@ def test_key_schedule_is_the_documented_one():
     assert derive_tunnel_keys(a.shared_secret(b.public), transcript_hash(b"challenge", b"hellp")) != k1
     # The length prefixes keep the split between the two messages in the hash.
     assert transcript_hash(b"ab", b"c") != transcript_hash(b"a", b"bc")
+
+
+# --- which AEAD seals the tunnel ------------------------------------------------------------
+
+
+def test_a_worker_that_offers_aes_gets_it_and_the_accept_signs_the_choice():
+    hub, worker = hub_side(via_gateway=True), worker_side(aeads=(AEAD_AES_256_GCM,))
+    ch, hello, accept = run(hub, worker)
+    msg = session_pb2.SessionAccept.FromString(accept)
+    assert msg.aead == AEAD_AES_256_GCM and msg.encrypted
+    signed = accept_signed_message(transcript_hash(ch, hello), "s1-abc", True, AEAD_AES_256_GCM)
+    assert signed == ACCEPT_AEAD_SIGNATURE_DOMAIN + transcript_hash(ch, hello) + b"\x01\x01" + b"s1-abc"
+    assert verify_signature(HUB.address, signed, msg.signature)
+    assert hub.aead == worker.aead == AEAD_AES_256_GCM
+    # Keys of their own (HKDF info names the AEAD), sealed exactly as AES-256-GCM by hand.
+    from cryptography.hazmat.primitives import hashes
+    from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+    from cryptography.hazmat.primitives.kdf.hkdf import HKDF
+
+    shared = hub._kx.shared_secret(worker._kx.public)
+    okm = HKDF(algorithm=hashes.SHA256(), length=64, salt=transcript_hash(ch, hello),
+               info=TUNNEL_KEYS_INFO + b" aes-256-gcm").derive(shared)
+    assert derive_tunnel_keys(shared, transcript_hash(ch, hello), AEAD_AES_256_GCM) == (okm[:32], okm[32:])
+    assert derive_tunnel_keys(shared, transcript_hash(ch, hello)) != (okm[:32], okm[32:])
+    sealed = hub.cipher.seal(b"rows")
+    assert sealed == AESGCM(okm[:32]).encrypt(bytes(12), bytes([0]) + b"rows", None)
+    assert worker.cipher.open(sealed) == b"rows"
+
+
+def test_no_offer_means_the_default_and_the_accept_of_before():
+    """A worker that offers nothing (an older one, or one where ChaCha20-Poly1305 is faster)
+    gets the default, and the accept's bytes and signed message are what they were."""
+    hub, worker = hub_side(via_gateway=True), worker_side()
+    ch, hello, accept = run(hub, worker)
+    msg = session_pb2.SessionAccept.FromString(accept)
+    assert msg.aead == AEAD_CHACHA20_POLY1305
+    assert verify_signature(HUB.address, accept_signed_message(transcript_hash(ch, hello), "s1-abc", True),
+                            msg.signature)
+    assert accept == session_pb2.SessionAccept(session_id="s1-abc", encrypted=True,
+                                               signature=msg.signature).SerializeToString()
+    assert hub.cipher.aead == worker.cipher.aead == AEAD_CHACHA20_POLY1305
+
+
+def test_unknown_offers_are_skipped_and_an_unencrypted_session_names_no_aead():
+    hub, worker = hub_side(via_gateway=True), worker_side(aeads=(AEAD_AES_256_GCM,))
+    ch = hub.challenge()
+    body = session_pb2.HelloBody.FromString(session_pb2.SessionHello.FromString(worker.receive_challenge(ch)).body)
+    body.aeads[:] = [77, 99, AEAD_AES_256_GCM]
+    data = body.SerializeToString()
+    hello = session_pb2.SessionHello(body=data, signature=WORKER.sign(HELLO_SIGNATURE_DOMAIN + data))
+    hub.receive_hello(hello.SerializeToString())
+    assert hub.aead == AEAD_AES_256_GCM
+    plain, worker2 = hub_side(via_gateway=False), worker_side(aeads=(AEAD_AES_256_GCM,))
+    run(plain, worker2)
+    assert not plain.encrypted and plain.aead == worker2.aead == AEAD_CHACHA20_POLY1305 and plain.cipher is None
+
+
+def test_a_hello_offering_too_many_aeads_is_refused():
+    hub, worker = hub_side(via_gateway=True), worker_side()
+    ch = hub.challenge()
+    body = session_pb2.HelloBody.FromString(session_pb2.SessionHello.FromString(worker.receive_challenge(ch)).body)
+    body.aeads[:] = [AEAD_AES_256_GCM] * (MAX_AEADS_OFFERED + 1)
+    data = body.SerializeToString()
+    hello = session_pb2.SessionHello(body=data, signature=WORKER.sign(HELLO_SIGNATURE_DOMAIN + data))
+    refused(hub.receive_hello, hello.SerializeToString(), CloseCode.POLICY_VIOLATION, "at most 16")
+
+
+def test_a_worker_refuses_to_offer_what_it_cannot_seal():
+    for bad in ((AEAD_CHACHA20_POLY1305,), (5,), (AEAD_AES_256_GCM,) * (MAX_AEADS_OFFERED + 1)):
+        with pytest.raises(ValueError, match="aeads"):
+            worker_side(aeads=bad)
+
+
+def test_a_relay_that_strips_the_offer_breaks_the_wallet_signature():
+    hub, worker = hub_side(via_gateway=True), worker_side(aeads=(AEAD_AES_256_GCM,))
+    hello = session_pb2.SessionHello.FromString(worker.receive_challenge(hub.challenge()))
+    body = session_pb2.HelloBody.FromString(hello.body)
+    del body.aeads[:]
+    hello.body = body.SerializeToString()
+    refused(hub.receive_hello, hello.SerializeToString(), CloseCode.POLICY_VIOLATION, "bad signature")
+
+
+@pytest.mark.parametrize("offer, aead", [
+    ((AEAD_AES_256_GCM,), AEAD_CHACHA20_POLY1305),  # a relay downgrades the choice
+    ((), AEAD_AES_256_GCM),  # or names one the worker never offered
+    ((AEAD_AES_256_GCM,), 9),
+])
+def test_a_relay_that_changes_the_accepts_aead_is_refused(offer, aead):
+    _, worker, accept = _accept_pair(aeads=offer)
+    err = refused(worker.receive_accept, _edit_accept(accept, aead=aead), CloseCode.POLICY_VIOLATION,
+                  "bad signature")
+    assert worker.cipher is None, err
+
+
+@pytest.mark.parametrize("via_gateway, words", [(True, "did not offer"), (False, "not encrypted")])
+def test_a_hub_that_signs_an_aead_the_worker_did_not_offer_is_refused(via_gateway, words):
+    """Not a relay's doing (the signature holds): a hub that misbehaves. The worker leaves."""
+    hub, worker = hub_side(via_gateway=via_gateway), worker_side()
+    hub.receive_hello(worker.receive_challenge(hub.challenge()))
+    hub.aead = AEAD_AES_256_GCM
+    err = refused(worker.receive_accept, hub.accept("s1-abc"), CloseCode.POLICY_VIOLATION, words)
+    assert worker.cipher is None, err
+
+
+def test_the_two_signed_forms_never_read_as_each_other():
+    """The AEAD form has its own domain and fixed-size fields before the session id: no
+    (session id, encrypted, AEAD) signs the same bytes as another."""
+    th = bytes(32)
+    a = accept_signed_message(th, "abc", True, AEAD_AES_256_GCM)
+    assert a != accept_signed_message(th, "abc\x01", True)
+    assert a != accept_signed_message(th, "\x01abc", True)
+    assert not a.startswith(accept_signed_message(th, "", True)[:-1])
+
+
+def test_preferred_aeads_offers_only_what_seals_faster_here():
+    from kvasir_rpc._channel import preferred_aeads
+
+    assert preferred_aeads() in ((), (AEAD_AES_256_GCM,))
+    worker_side(aeads=preferred_aeads())  # a valid offer either way

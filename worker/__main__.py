@@ -23,6 +23,7 @@ import grpc
 import trio
 
 from kvasir_rpc import (
+    preferred_aeads,
     NO_PORT_SHARING,
     EXIT_INTERRUPTED,
     CheckpointError,
@@ -262,6 +263,7 @@ def _serve(args: argparse.Namespace, *, url: str, ssl_context: ssl.SSLContext | 
             worker_version=__version__,
             expected_hub_key=args.hub_key,
             require_encryption=require_e2e,
+            aeads=preferred_aeads(),
         )
 
     holders = [TunnelHolder(url) for _ in shares]

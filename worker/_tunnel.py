@@ -28,6 +28,7 @@ from kvasir_rpc import (
     TunnelCipher,
 )
 from kvasir_rpc.protocol import (
+    AEAD_NAMES,
     KEEPALIVE_S,
     KEEPALIVE_TIMEOUT_S,
     MAX_MESSAGE_BYTES,
@@ -314,7 +315,7 @@ async def run_tunnel(
                 holder.last_error = ""
                 holder.sessions += 1
                 log.info("session established", session_id=session_id, hub_key=hs.hub_key, url=url,
-                         encrypted=hs.encrypted)
+                         encrypted=hs.encrypted, aead=AEAD_NAMES[hs.aead] if hs.encrypted else None)
                 try:
                     await serve_session(ws, uds_path, cipher=hs.cipher, counts=holder)
                 except* ConnectionClosed as eg:

@@ -7,12 +7,19 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class TunnelAead(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    TUNNEL_AEAD_UNSPECIFIED: _ClassVar[TunnelAead]
+    TUNNEL_AEAD_AES_256_GCM: _ClassVar[TunnelAead]
+
 class Violation(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     VIOLATION_UNSPECIFIED: _ClassVar[Violation]
     VIOLATION_NON_FINITE: _ClassVar[Violation]
     VIOLATION_AUDIT_MISMATCH: _ClassVar[Violation]
     VIOLATION_MALFORMED: _ClassVar[Violation]
+TUNNEL_AEAD_UNSPECIFIED: TunnelAead
+TUNNEL_AEAD_AES_256_GCM: TunnelAead
 VIOLATION_UNSPECIFIED: Violation
 VIOLATION_NON_FINITE: Violation
 VIOLATION_AUDIT_MISMATCH: Violation
@@ -39,7 +46,7 @@ class SessionChallenge(_message.Message):
     def __init__(self, nonce: _Optional[bytes] = ..., hub_key: _Optional[str] = ..., issued_at_unix_ms: _Optional[int] = ..., kx_public: _Optional[bytes] = ...) -> None: ...
 
 class HelloBody(_message.Message):
-    __slots__ = ("nonce", "hub_key", "wallet", "slices", "weights_digest", "device", "model_type", "worker_version", "kx_public", "hub_kx_public", "require_encryption")
+    __slots__ = ("nonce", "hub_key", "wallet", "slices", "weights_digest", "device", "model_type", "worker_version", "kx_public", "hub_kx_public", "require_encryption", "aeads")
     NONCE_FIELD_NUMBER: _ClassVar[int]
     HUB_KEY_FIELD_NUMBER: _ClassVar[int]
     WALLET_FIELD_NUMBER: _ClassVar[int]
@@ -51,6 +58,7 @@ class HelloBody(_message.Message):
     KX_PUBLIC_FIELD_NUMBER: _ClassVar[int]
     HUB_KX_PUBLIC_FIELD_NUMBER: _ClassVar[int]
     REQUIRE_ENCRYPTION_FIELD_NUMBER: _ClassVar[int]
+    AEADS_FIELD_NUMBER: _ClassVar[int]
     nonce: bytes
     hub_key: str
     wallet: str
@@ -62,7 +70,8 @@ class HelloBody(_message.Message):
     kx_public: bytes
     hub_kx_public: bytes
     require_encryption: bool
-    def __init__(self, nonce: _Optional[bytes] = ..., hub_key: _Optional[str] = ..., wallet: _Optional[str] = ..., slices: _Optional[_Iterable[_Union[ExpertSlice, _Mapping]]] = ..., weights_digest: _Optional[bytes] = ..., device: _Optional[str] = ..., model_type: _Optional[str] = ..., worker_version: _Optional[str] = ..., kx_public: _Optional[bytes] = ..., hub_kx_public: _Optional[bytes] = ..., require_encryption: _Optional[bool] = ...) -> None: ...
+    aeads: _containers.RepeatedScalarFieldContainer[TunnelAead]
+    def __init__(self, nonce: _Optional[bytes] = ..., hub_key: _Optional[str] = ..., wallet: _Optional[str] = ..., slices: _Optional[_Iterable[_Union[ExpertSlice, _Mapping]]] = ..., weights_digest: _Optional[bytes] = ..., device: _Optional[str] = ..., model_type: _Optional[str] = ..., worker_version: _Optional[str] = ..., kx_public: _Optional[bytes] = ..., hub_kx_public: _Optional[bytes] = ..., require_encryption: _Optional[bool] = ..., aeads: _Optional[_Iterable[_Union[TunnelAead, str]]] = ...) -> None: ...
 
 class SessionHello(_message.Message):
     __slots__ = ("body", "signature")
@@ -73,14 +82,16 @@ class SessionHello(_message.Message):
     def __init__(self, body: _Optional[bytes] = ..., signature: _Optional[bytes] = ...) -> None: ...
 
 class SessionAccept(_message.Message):
-    __slots__ = ("session_id", "encrypted", "signature")
+    __slots__ = ("session_id", "encrypted", "signature", "aead")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     ENCRYPTED_FIELD_NUMBER: _ClassVar[int]
     SIGNATURE_FIELD_NUMBER: _ClassVar[int]
+    AEAD_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     encrypted: bool
     signature: bytes
-    def __init__(self, session_id: _Optional[str] = ..., encrypted: _Optional[bool] = ..., signature: _Optional[bytes] = ...) -> None: ...
+    aead: TunnelAead
+    def __init__(self, session_id: _Optional[str] = ..., encrypted: _Optional[bool] = ..., signature: _Optional[bytes] = ..., aead: _Optional[_Union[TunnelAead, str]] = ...) -> None: ...
 
 class Session(_message.Message):
     __slots__ = ("session_id", "wallet", "slices", "weights_digest", "device", "model_type", "connected_since_unix_ms", "bytes_to_worker", "bytes_from_worker", "target", "remote_address", "work_bytes", "encrypted", "via_gateway", "rtt_ms", "work_calls", "work_rows", "credited_bytes", "credited_nano_kvr")

@@ -10,7 +10,7 @@ import type { Message } from "@bufbuild/protobuf";
  * Describes the file kvasir/v1/session.proto.
  */
 export const file_kvasir_v1_session: GenFile = /*@__PURE__*/
-  fileDesc("ChdrdmFzaXIvdjEvc2Vzc2lvbi5wcm90bxIJa3Zhc2lyLnYxIi0KC0V4cGVydFNsaWNlEg0KBWxheWVyGAEgASgNEg8KB2V4cGVydHMYAiADKA0iYAoQU2Vzc2lvbkNoYWxsZW5nZRINCgVub25jZRgBIAEoDBIPCgdodWJfa2V5GAIgASgJEhkKEWlzc3VlZF9hdF91bml4X21zGAMgASgDEhEKCWt4X3B1YmxpYxgEIAEoDCL9AQoJSGVsbG9Cb2R5Eg0KBW5vbmNlGAEgASgMEg8KB2h1Yl9rZXkYAiABKAkSDgoGd2FsbGV0GAMgASgJEiYKBnNsaWNlcxgEIAMoCzIWLmt2YXNpci52MS5FeHBlcnRTbGljZRIWCg53ZWlnaHRzX2RpZ2VzdBgFIAEoDBIOCgZkZXZpY2UYBiABKAkSEgoKbW9kZWxfdHlwZRgHIAEoCRIWCg53b3JrZXJfdmVyc2lvbhgIIAEoCRIRCglreF9wdWJsaWMYCSABKAwSFQoNaHViX2t4X3B1YmxpYxgKIAEoDBIaChJyZXF1aXJlX2VuY3J5cHRpb24YCyABKAgiLwoMU2Vzc2lvbkhlbGxvEgwKBGJvZHkYASABKAwSEQoJc2lnbmF0dXJlGAIgASgMIkkKDVNlc3Npb25BY2NlcHQSEgoKc2Vzc2lvbl9pZBgBIAEoCRIRCgllbmNyeXB0ZWQYAiABKAgSEQoJc2lnbmF0dXJlGAMgASgMIrQDCgdTZXNzaW9uEhIKCnNlc3Npb25faWQYASABKAkSDgoGd2FsbGV0GAIgASgJEiYKBnNsaWNlcxgDIAMoCzIWLmt2YXNpci52MS5FeHBlcnRTbGljZRIWCg53ZWlnaHRzX2RpZ2VzdBgEIAEoDBIOCgZkZXZpY2UYBSABKAkSEgoKbW9kZWxfdHlwZRgGIAEoCRIfChdjb25uZWN0ZWRfc2luY2VfdW5peF9tcxgHIAEoAxIXCg9ieXRlc190b193b3JrZXIYCCABKAQSGQoRYnl0ZXNfZnJvbV93b3JrZXIYCSABKAQSDgoGdGFyZ2V0GAogASgJEhYKDnJlbW90ZV9hZGRyZXNzGAsgASgJEhIKCndvcmtfYnl0ZXMYDCABKAQSEQoJZW5jcnlwdGVkGA0gASgIEhMKC3ZpYV9nYXRld2F5GA4gASgIEg4KBnJ0dF9tcxgPIAEoARISCgp3b3JrX2NhbGxzGBAgASgEEhEKCXdvcmtfcm93cxgRIAEoBBIWCg5jcmVkaXRlZF9ieXRlcxgSIAEoBBIZChFjcmVkaXRlZF9uYW5vX2t2chgTIAEoBCIVChNMaXN0U2Vzc2lvbnNSZXF1ZXN0IjwKFExpc3RTZXNzaW9uc1Jlc3BvbnNlEiQKCHNlc3Npb25zGAEgAygLMhIua3Zhc2lyLnYxLlNlc3Npb24iFgoUV2F0Y2hTZXNzaW9uc1JlcXVlc3QisAEKDFNlc3Npb25FdmVudBIqCgRraW5kGAEgASgOMhwua3Zhc2lyLnYxLlNlc3Npb25FdmVudC5LaW5kEiMKB3Nlc3Npb24YAiABKAsyEi5rdmFzaXIudjEuU2Vzc2lvbiJPCgRLaW5kEhQKEEtJTkRfVU5TUEVDSUZJRUQQABIOCgpLSU5EX0FEREVEEAESEAoMS0lORF9SRU1PVkVEEAISDwoLS0lORF9TWU5DRUQQAyI/ChVXYXRjaFNlc3Npb25zUmVzcG9uc2USJgoFZXZlbnQYASABKAsyFy5rdmFzaXIudjEuU2Vzc2lvbkV2ZW50IlcKCldvcmtSZXBvcnQSEgoKc2Vzc2lvbl9pZBgBIAEoCRIYChBjdW11bGF0aXZlX2J5dGVzGAIgASgEEg0KBWNhbGxzGAMgASgEEgwKBHJvd3MYBCABKAQiSwoRUmVwb3J0V29ya1JlcXVlc3QSDgoGcnVuX2lkGAEgASgJEiYKB3JlcG9ydHMYAiADKAsyFS5rdmFzaXIudjEuV29ya1JlcG9ydCIxChJSZXBvcnRXb3JrUmVzcG9uc2USGwoTcmVmdXNlZF9zZXNzaW9uX2lkcxgBIAMoCSLcAQoRUXVhcmFudGluZVJlcXVlc3QSEgoKc2Vzc2lvbl9pZBgBIAEoCRInCgl2aW9sYXRpb24YAiABKA4yFC5rdmFzaXIudjEuVmlvbGF0aW9uEg0KBWxheWVyGAMgASgNEg4KBmV4cGVydBgEIAEoDRIPCgdjYWxsX2lkGAUgASgEEgsKA3JvdxgGIAEoDRIUCgxtYXhfYWJzX2RpZmYYByABKAESEQoJdG9sZXJhbmNlGAggASgBEhQKDGF1ZGl0ZWRfcm93cxgJIAEoBBIOCgZkZXRhaWwYCiABKAkiMwoSUXVhcmFudGluZVJlc3BvbnNlEh0KFXJlZnVzZWRfdW50aWxfdW5peF9tcxgBIAEoAyp3CglWaW9sYXRpb24SGQoVVklPTEFUSU9OX1VOU1BFQ0lGSUVEEAASGAoUVklPTEFUSU9OX05PTl9GSU5JVEUQARIcChhWSU9MQVRJT05fQVVESVRfTUlTTUFUQ0gQAhIXChNWSU9MQVRJT05fTUFMRk9STUVEEAMyzQIKDlNlc3Npb25TZXJ2aWNlEk8KDExpc3RTZXNzaW9ucxIeLmt2YXNpci52MS5MaXN0U2Vzc2lvbnNSZXF1ZXN0Gh8ua3Zhc2lyLnYxLkxpc3RTZXNzaW9uc1Jlc3BvbnNlElQKDVdhdGNoU2Vzc2lvbnMSHy5rdmFzaXIudjEuV2F0Y2hTZXNzaW9uc1JlcXVlc3QaIC5rdmFzaXIudjEuV2F0Y2hTZXNzaW9uc1Jlc3BvbnNlMAESSQoKUmVwb3J0V29yaxIcLmt2YXNpci52MS5SZXBvcnRXb3JrUmVxdWVzdBodLmt2YXNpci52MS5SZXBvcnRXb3JrUmVzcG9uc2USSQoKUXVhcmFudGluZRIcLmt2YXNpci52MS5RdWFyYW50aW5lUmVxdWVzdBodLmt2YXNpci52MS5RdWFyYW50aW5lUmVzcG9uc2ViBnByb3RvMw");
+  fileDesc("ChdrdmFzaXIvdjEvc2Vzc2lvbi5wcm90bxIJa3Zhc2lyLnYxIi0KC0V4cGVydFNsaWNlEg0KBWxheWVyGAEgASgNEg8KB2V4cGVydHMYAiADKA0iYAoQU2Vzc2lvbkNoYWxsZW5nZRINCgVub25jZRgBIAEoDBIPCgdodWJfa2V5GAIgASgJEhkKEWlzc3VlZF9hdF91bml4X21zGAMgASgDEhEKCWt4X3B1YmxpYxgEIAEoDCKjAgoJSGVsbG9Cb2R5Eg0KBW5vbmNlGAEgASgMEg8KB2h1Yl9rZXkYAiABKAkSDgoGd2FsbGV0GAMgASgJEiYKBnNsaWNlcxgEIAMoCzIWLmt2YXNpci52MS5FeHBlcnRTbGljZRIWCg53ZWlnaHRzX2RpZ2VzdBgFIAEoDBIOCgZkZXZpY2UYBiABKAkSEgoKbW9kZWxfdHlwZRgHIAEoCRIWCg53b3JrZXJfdmVyc2lvbhgIIAEoCRIRCglreF9wdWJsaWMYCSABKAwSFQoNaHViX2t4X3B1YmxpYxgKIAEoDBIaChJyZXF1aXJlX2VuY3J5cHRpb24YCyABKAgSJAoFYWVhZHMYDCADKA4yFS5rdmFzaXIudjEuVHVubmVsQWVhZCIvCgxTZXNzaW9uSGVsbG8SDAoEYm9keRgBIAEoDBIRCglzaWduYXR1cmUYAiABKAwibgoNU2Vzc2lvbkFjY2VwdBISCgpzZXNzaW9uX2lkGAEgASgJEhEKCWVuY3J5cHRlZBgCIAEoCBIRCglzaWduYXR1cmUYAyABKAwSIwoEYWVhZBgEIAEoDjIVLmt2YXNpci52MS5UdW5uZWxBZWFkIrQDCgdTZXNzaW9uEhIKCnNlc3Npb25faWQYASABKAkSDgoGd2FsbGV0GAIgASgJEiYKBnNsaWNlcxgDIAMoCzIWLmt2YXNpci52MS5FeHBlcnRTbGljZRIWCg53ZWlnaHRzX2RpZ2VzdBgEIAEoDBIOCgZkZXZpY2UYBSABKAkSEgoKbW9kZWxfdHlwZRgGIAEoCRIfChdjb25uZWN0ZWRfc2luY2VfdW5peF9tcxgHIAEoAxIXCg9ieXRlc190b193b3JrZXIYCCABKAQSGQoRYnl0ZXNfZnJvbV93b3JrZXIYCSABKAQSDgoGdGFyZ2V0GAogASgJEhYKDnJlbW90ZV9hZGRyZXNzGAsgASgJEhIKCndvcmtfYnl0ZXMYDCABKAQSEQoJZW5jcnlwdGVkGA0gASgIEhMKC3ZpYV9nYXRld2F5GA4gASgIEg4KBnJ0dF9tcxgPIAEoARISCgp3b3JrX2NhbGxzGBAgASgEEhEKCXdvcmtfcm93cxgRIAEoBBIWCg5jcmVkaXRlZF9ieXRlcxgSIAEoBBIZChFjcmVkaXRlZF9uYW5vX2t2chgTIAEoBCIVChNMaXN0U2Vzc2lvbnNSZXF1ZXN0IjwKFExpc3RTZXNzaW9uc1Jlc3BvbnNlEiQKCHNlc3Npb25zGAEgAygLMhIua3Zhc2lyLnYxLlNlc3Npb24iFgoUV2F0Y2hTZXNzaW9uc1JlcXVlc3QisAEKDFNlc3Npb25FdmVudBIqCgRraW5kGAEgASgOMhwua3Zhc2lyLnYxLlNlc3Npb25FdmVudC5LaW5kEiMKB3Nlc3Npb24YAiABKAsyEi5rdmFzaXIudjEuU2Vzc2lvbiJPCgRLaW5kEhQKEEtJTkRfVU5TUEVDSUZJRUQQABIOCgpLSU5EX0FEREVEEAESEAoMS0lORF9SRU1PVkVEEAISDwoLS0lORF9TWU5DRUQQAyI/ChVXYXRjaFNlc3Npb25zUmVzcG9uc2USJgoFZXZlbnQYASABKAsyFy5rdmFzaXIudjEuU2Vzc2lvbkV2ZW50IlcKCldvcmtSZXBvcnQSEgoKc2Vzc2lvbl9pZBgBIAEoCRIYChBjdW11bGF0aXZlX2J5dGVzGAIgASgEEg0KBWNhbGxzGAMgASgEEgwKBHJvd3MYBCABKAQiSwoRUmVwb3J0V29ya1JlcXVlc3QSDgoGcnVuX2lkGAEgASgJEiYKB3JlcG9ydHMYAiADKAsyFS5rdmFzaXIudjEuV29ya1JlcG9ydCIxChJSZXBvcnRXb3JrUmVzcG9uc2USGwoTcmVmdXNlZF9zZXNzaW9uX2lkcxgBIAMoCSLcAQoRUXVhcmFudGluZVJlcXVlc3QSEgoKc2Vzc2lvbl9pZBgBIAEoCRInCgl2aW9sYXRpb24YAiABKA4yFC5rdmFzaXIudjEuVmlvbGF0aW9uEg0KBWxheWVyGAMgASgNEg4KBmV4cGVydBgEIAEoDRIPCgdjYWxsX2lkGAUgASgEEgsKA3JvdxgGIAEoDRIUCgxtYXhfYWJzX2RpZmYYByABKAESEQoJdG9sZXJhbmNlGAggASgBEhQKDGF1ZGl0ZWRfcm93cxgJIAEoBBIOCgZkZXRhaWwYCiABKAkiMwoSUXVhcmFudGluZVJlc3BvbnNlEh0KFXJlZnVzZWRfdW50aWxfdW5peF9tcxgBIAEoAypGCgpUdW5uZWxBZWFkEhsKF1RVTk5FTF9BRUFEX1VOU1BFQ0lGSUVEEAASGwoXVFVOTkVMX0FFQURfQUVTXzI1Nl9HQ00QASp3CglWaW9sYXRpb24SGQoVVklPTEFUSU9OX1VOU1BFQ0lGSUVEEAASGAoUVklPTEFUSU9OX05PTl9GSU5JVEUQARIcChhWSU9MQVRJT05fQVVESVRfTUlTTUFUQ0gQAhIXChNWSU9MQVRJT05fTUFMRk9STUVEEAMyzQIKDlNlc3Npb25TZXJ2aWNlEk8KDExpc3RTZXNzaW9ucxIeLmt2YXNpci52MS5MaXN0U2Vzc2lvbnNSZXF1ZXN0Gh8ua3Zhc2lyLnYxLkxpc3RTZXNzaW9uc1Jlc3BvbnNlElQKDVdhdGNoU2Vzc2lvbnMSHy5rdmFzaXIudjEuV2F0Y2hTZXNzaW9uc1JlcXVlc3QaIC5rdmFzaXIudjEuV2F0Y2hTZXNzaW9uc1Jlc3BvbnNlMAESSQoKUmVwb3J0V29yaxIcLmt2YXNpci52MS5SZXBvcnRXb3JrUmVxdWVzdBodLmt2YXNpci52MS5SZXBvcnRXb3JrUmVzcG9uc2USSQoKUXVhcmFudGluZRIcLmt2YXNpci52MS5RdWFyYW50aW5lUmVxdWVzdBodLmt2YXNpci52MS5RdWFyYW50aW5lUmVzcG9uc2ViBnByb3RvMw");
 
 /**
  * ExpertSlice names the experts of one layer that a worker holds.
@@ -166,6 +166,17 @@ export type HelloBody = Message<"kvasir.v1.HelloBody"> & {
    * @generated from field: bool require_encryption = 11;
    */
   requireEncryption: boolean;
+
+  /**
+   * AEADs besides the default (ChaCha20-Poly1305, which every worker and hub
+   * supports) this worker can seal the tunnel with, most preferred first; at
+   * most 16. A worker offers AES-256-GCM where it seals faster (AES
+   * instructions). The hub picks the first it supports, else the default;
+   * values it does not know are skipped.
+   *
+   * @generated from field: repeated kvasir.v1.TunnelAead aeads = 12;
+   */
+  aeads: TunnelAead[];
 };
 
 /**
@@ -222,8 +233,8 @@ export type SessionAccept = Message<"kvasir.v1.SessionAccept"> & {
   sessionId: string;
 
   /**
-   * Every tunnel message after this one is sealed (ChaCha20-Poly1305 with
-   * keys from the X25519 exchange); see "End-to-end channel".
+   * Every tunnel message after this one is sealed (with `aead`, keys from the
+   * X25519 exchange); see "End-to-end channel".
    *
    * @generated from field: bool encrypted = 2;
    */
@@ -234,11 +245,21 @@ export type SessionAccept = Message<"kvasir.v1.SessionAccept"> & {
    * "kvasir.v1.SessionAccept\x00" + sha256 transcript hash of the challenge
    * and hello bytes as sent + session_id + one byte (1 if encrypted, else 0).
    * Binds the session to this connection; a worker refuses an accept without
-   * a valid one (close 1008).
+   * a valid one (close 1008). With an aead other than the default the signed
+   * bytes are instead "kvasir.v1.SessionAccept.aead\x00" + transcript hash +
+   * one byte aead + one byte encrypted + session_id.
    *
    * @generated from field: bytes signature = 3;
    */
   signature: Uint8Array;
+
+  /**
+   * The AEAD that seals the tunnel when encrypted: one the hello offered, or
+   * the default. Always the default when not encrypted.
+   *
+   * @generated from field: kvasir.v1.TunnelAead aead = 4;
+   */
+  aead: TunnelAead;
 };
 
 /**
@@ -674,6 +695,36 @@ export const QuarantineResponseSchema: GenMessage<QuarantineResponse> = /*@__PUR
   messageDesc(file_kvasir_v1_session, 15);
 
 /**
+ * TunnelAead names the AEAD that seals an encrypted tunnel ("End-to-end
+ * channel" in docs/PROTOCOL.md). Both use 32-byte keys, 12-byte nonces and
+ * 16-byte tags.
+ *
+ * @generated from enum kvasir.v1.TunnelAead
+ */
+export enum TunnelAead {
+  /**
+   * ChaCha20-Poly1305: the default, and what an accept without the field
+   * means.
+   *
+   * @generated from enum value: TUNNEL_AEAD_UNSPECIFIED = 0;
+   */
+  UNSPECIFIED = 0,
+
+  /**
+   * AES-256-GCM.
+   *
+   * @generated from enum value: TUNNEL_AEAD_AES_256_GCM = 1;
+   */
+  AES_256_GCM = 1,
+}
+
+/**
+ * Describes the enum kvasir.v1.TunnelAead.
+ */
+export const TunnelAeadSchema: GenEnum<TunnelAead> = /*@__PURE__*/
+  enumDesc(file_kvasir_v1_session, 0);
+
+/**
  * Violation is why a backbone quarantined a session.
  *
  * @generated from enum kvasir.v1.Violation
@@ -711,7 +762,7 @@ export enum Violation {
  * Describes the enum kvasir.v1.Violation.
  */
 export const ViolationSchema: GenEnum<Violation> = /*@__PURE__*/
-  enumDesc(file_kvasir_v1_session, 0);
+  enumDesc(file_kvasir_v1_session, 1);
 
 /**
  * SessionService is served by the hub: who is connected and what they hold.
