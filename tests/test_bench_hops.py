@@ -24,6 +24,7 @@ from kvasir_rpc import (
 )
 from kvasir_rpc.dev.bench import decode_hop_figures, hop_figures, hop_table
 from kvasir_rpc.dev.cpu import CpuMeter, ProcessGoneError, cpu_seconds, ns_per_byte
+from kvasir_rpc.dev.floors import hop_floors, measure_primitives
 from kvasir_rpc.dev.swarm import LocalSwarm, SwarmError
 
 BURN = "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.3: pass\nprint('done', flush=True)\ninput()"
@@ -86,6 +87,33 @@ def test_hop_figures_and_table_of_a_result():
     assert figures["decode_rtt0_ns_per_byte_hub"] == 2.5 and figures["latency_proxy_cpu_share_rtt50"] == 0.02
     assert figures["decode_backbone_cpu_ms_per_token_local"] == 4.0
     assert decode_hop_figures({}) == {}
+
+
+def test_each_hops_floor_adds_up_what_it_must_do_to_a_byte():
+    """One byte in each direction through each hop: kernel copies in and out, TLS on the
+    gateway's legs, the end-to-end AEAD, the mask on what WebSocket clients send."""
+    p = {"tcp_send": 0.2, "tcp_receive": 0.3, "unix_send": 0.1, "unix_receive": 0.1, "tls_encrypt": 0.6,
+         "tls_decrypt": 0.4, "aes_256_gcm_seal": 0.14, "aes_256_gcm_open": 0.1, "chacha20_poly1305_seal": 0.5,
+         "chacha20_poly1305_open": 0.3, "mask": 0.04, "tls_cipher": "TLS_AES_256_GCM_SHA384"}
+    f = hop_floors(p)
+    assert f["gateway"]["gateway"] == pytest.approx(0.5 + 1.0 + 0.04)
+    assert f["gateway"]["hub"] == pytest.approx(0.5 + 0.5 + 0.12 + 0.02)
+    assert f["gateway"]["worker"] == pytest.approx(0.25 + 0.5 + 0.12 + 0.02 + 0.2)
+    assert f["hub"]["hub"] == pytest.approx(0.52) and f["hub"]["client"] == pytest.approx(0.25)
+    assert hop_floors(p, aead="chacha20_poly1305")["gateway"]["hub"] == pytest.approx(0.5 + 0.5 + 0.4 + 0.02)
+    point = {"ns_per_byte": {"client": 0.5, "hub": 2.0, "gateway": 3.0, "worker": 4.0}, "ns_per_byte_total": 9.5,
+             "mb_s": 90.0, "floor_ns_per_byte": {"client": 0.25, "hub": 1.14, "gateway": 1.54, "worker": 1.09}}
+    hops = {"batch": 512, "calls": 4, "fabric": point}
+    assert hop_figures(hops)["fabric_floor_ns_per_byte_gateway_b512"] == 1.54
+    assert hop_table(hops).splitlines()[3].split() == ["floor", "0.25", "1.14", "1.54", "1.09"]
+
+
+def test_the_primitives_are_measured_here():
+    got = measure_primitives(reps=1, runs=1)
+    names = ("tcp_send", "tcp_receive", "unix_send", "unix_receive", "tls_encrypt", "tls_decrypt",
+             "chacha20_poly1305_seal", "chacha20_poly1305_open", "aes_256_gcm_seal", "aes_256_gcm_open", "mask")
+    assert all(isinstance(got[n], float) and got[n] > 0 for n in names), got
+    assert str(got["tls_cipher"]).startswith("TLS_") and "OpenSSL" in str(got["openssl"])
 
 
 def test_swarm_pid_of_an_unknown_process(tmp_path):

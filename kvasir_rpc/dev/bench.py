@@ -613,7 +613,27 @@ def run_hop_bench(*, quick: bool = False, say: Callable[[str], None] = print) ->
                 out[path] = point
                 say(f"  {path}: " + ", ".join(f"{h} {v} ns/B" for h, v in point["ns_per_byte"].items())  # type: ignore[attr-defined]
                     + f"; {point['mb_s']} MB/s")
+    add_floors(out, say=say)
     return out
+
+
+def add_floors(hops: dict[str, object], *, say: Callable[[str], None] = print) -> None:
+    """Put under ``hops`` each hop's floor (``kvasir_rpc.dev.floors``: what its kernel copies,
+    TLS, end-to-end AEAD and masking alone cost per byte on this machine, measured now) and,
+    per path, ``floor_ns_per_byte`` and ``over_floor`` (measured / floor) by hop."""
+    from kvasir_rpc.dev.floors import hop_floors, measure_primitives
+
+    say("hops: the primitives' CPU ns per byte (sockets, TLS, AEADs, mask), for each hop's floor")
+    primitives = measure_primitives()
+    hops["primitives"] = primitives
+    floors = hop_floors(primitives)
+    for path, point in hops.items():
+        if path not in HOP_PATHS or not isinstance(point, dict):
+            continue
+        floor = floors["hub" if path == "hub" else "gateway"]
+        point["floor_ns_per_byte"] = {h: round(floor[h], 3) for h in point["ns_per_byte"]}
+        point["over_floor"] = {h: round(v / floor[h], 2) if v is not None else None
+                               for h, v in point["ns_per_byte"].items()}
 
 
 def hop_figures(hops: dict[str, object]) -> dict[str, object]:
@@ -625,6 +645,8 @@ def hop_figures(hops: dict[str, object]) -> dict[str, object]:
             for hop, v in point["ns_per_byte"].items():
                 figures[f"{path}_ns_per_byte_{hop}_b512"] = v
             figures[f"{path}_ns_per_byte_total_b512"] = point["ns_per_byte_total"]
+            for hop, v in point.get("floor_ns_per_byte", {}).items():
+                figures[f"{path}_floor_ns_per_byte_{hop}_b512"] = v
     if isinstance(hops.get("fabric"), dict):
         figures["fabric_mb_s_b512"] = hops["fabric"]["mb_s"]  # type: ignore[index]
     if isinstance(hops.get("fabric_b1"), dict):
@@ -635,7 +657,8 @@ def hop_figures(hops: dict[str, object]) -> dict[str, object]:
 def hop_table(hops: dict[str, object]) -> str:
     """The hop bench as a text table: ns of CPU per byte, a row per path, a column per hop."""
     cols = ("client", "hub", "gateway", "worker")
-    lines = [f"CPU ns per byte of tensor payload, batch {hops['batch']}, {hops['calls']} calls",
+    lines = [f"CPU ns per byte of tensor payload, batch {hops['batch']}, {hops['calls']} calls (floor: what the hop's "
+             "socket copies, TLS, end-to-end AEAD and masking alone cost here)",
              f"{'path':<10}" + "".join(f"{c:>10}" for c in cols) + f"{'total':>10}{'MB/s':>10}"]
     for path in HOP_PATHS:
         point = hops.get(path)
@@ -643,6 +666,9 @@ def hop_table(hops: dict[str, object]) -> str:
             continue
         cells = "".join(f"{point['ns_per_byte'].get(c, '-')!s:>10}" for c in cols)
         lines.append(f"{path:<10}{cells}{point['ns_per_byte_total']!s:>10}{point['mb_s']!s:>10}")
+        if "floor_ns_per_byte" in point:
+            floor = "".join(f"{point['floor_ns_per_byte'].get(c, '-')!s:>10}" for c in cols)
+            lines.append(f"{'  floor':<10}{floor}")
     if isinstance(hops.get("fabric_b1"), dict):
         lines.append(f"fabric p50 at batch 1: {hops['fabric_b1']['p50_ms']} ms")  # type: ignore[index]
     return "\n".join(lines)
