@@ -582,7 +582,8 @@ class _Hub:
 
                 target = await nursery.start(session.run)
                 self.registry.add(session_id, info, target=target, remote=remote, kick=kick,
-                                  encrypted=cipher is not None, via_gateway=via_gateway)
+                                  encrypted=cipher is not None, via_gateway=via_gateway,
+                                  aead=cipher.aead if cipher is not None else 0)
                 slog.info("session open", target=target, device=info.device, layers=len(info.slices),
                           encrypted=cipher is not None, aead=AEAD_NAMES[cipher.aead] if cipher is not None else None)
         except* ConnectionClosed as eg:

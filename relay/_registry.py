@@ -33,6 +33,8 @@ class SessionStats:
     remote_address: str
     work_bytes: int = 0
     encrypted: bool = False
+    # The AEAD sealing the tunnel when encrypted (a TunnelAead value; 0: ChaCha20-Poly1305).
+    aead: int = 0
     # Through a gateway (False: the worker dialled the hub directly).
     via_gateway: bool = False
     # The last keepalive round trip (a sealed heartbeat's, or a WebSocket ping's); None
@@ -61,6 +63,7 @@ class SessionStats:
             remote_address=self.remote_address,
             work_bytes=self.work_bytes,
             encrypted=self.encrypted,
+            aead=self.aead,  # type: ignore[arg-type]
             via_gateway=self.via_gateway,
             rtt_ms=self.rtt_ms or 0.0,
             work_calls=self.work_calls,
@@ -110,6 +113,7 @@ class _Entry:
     work_calls: int = 0
     work_rows: int = 0
     encrypted: bool = False
+    aead: int = 0
     via_gateway: bool = False
     rtt_ms: float | None = None
     credited_bytes: int = 0
@@ -154,6 +158,7 @@ class SessionRegistry:
             remote_address=e.remote,
             work_bytes=e.work_bytes,
             encrypted=e.encrypted,
+            aead=e.aead,
             via_gateway=e.via_gateway,
             rtt_ms=e.rtt_ms,
             work_calls=e.work_calls,
@@ -168,10 +173,11 @@ class SessionRegistry:
             w.put(change)
 
     def add(self, session_id: str, hello: HelloInfo, *, target: str, remote: str,
-            kick: Callable[[str], None] | None = None, encrypted: bool = False, via_gateway: bool = False) -> None:
+            kick: Callable[[str], None] | None = None, encrypted: bool = False, via_gateway: bool = False,
+            aead: int = 0) -> None:
         with self._lock:
             entry = _Entry(hello=hello, since_ms=time.time_ns() // 1_000_000, target=target, remote=remote,
-                           kick=kick, encrypted=encrypted, via_gateway=via_gateway)
+                           kick=kick, encrypted=encrypted, via_gateway=via_gateway, aead=aead)
             self._sessions[session_id] = entry
             self._opened += 1
             self._generation += 1

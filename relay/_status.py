@@ -18,6 +18,7 @@ from collections.abc import Callable
 import numpy as np
 
 from kvasir_rpc import ModelShape, format_kvr
+from kvasir_rpc.protocol import AEAD_NAMES
 from relay._receipt_sender import ReceiptSenderStats
 from relay._registry import SessionRegistry, SessionStats
 from relay._work import WorkDeskStats
@@ -150,6 +151,7 @@ class StatusBoard:
             "device": s.device,
             "model_type": s.model_type,
             "encrypted": s.encrypted,
+            "aead": AEAD_NAMES.get(s.aead, str(s.aead)) if s.encrypted else None,
             "via": "gateway" if s.via_gateway else "direct",
             "connected_since_unix_ms": s.connected_since_unix_ms,
             "rtt_ms": None if s.rtt_ms is None else round(s.rtt_ms, 3),

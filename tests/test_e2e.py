@@ -25,7 +25,8 @@ import pytest
 import torch
 from helpers import trustme_certs, wait_until
 
-from kvasir_rpc import TARGET_KEY_METADATA, encode_tensor, expert_pb2, expert_pb2_grpc, target_key
+from kvasir_rpc import TARGET_KEY_METADATA, encode_tensor, expert_pb2, expert_pb2_grpc, preferred_aeads, target_key
+from kvasir_rpc.protocol import AEAD_CHACHA20_POLY1305, AEAD_NAMES
 from kvasir_rpc.dev.swarm import LocalSwarm
 
 # Integration: real gateway, hub, relays, workers and a backbone.
@@ -94,6 +95,10 @@ def test_an_eavesdropping_relay_sees_only_ciphertext(sw):
                "both workers' sessions")
     sealed, clear = session_of(sw, "sealed"), session_of(sw, "clear")
     assert sealed.encrypted and not clear.encrypted
+    # Sealed with what the worker offered: AES-256-GCM where it seals faster, as here on x86.
+    offered = preferred_aeads()
+    assert sealed.aead == (offered[0] if offered else AEAD_CHACHA20_POLY1305) and clear.aead == 0
+    assert f'"aead": "{AEAD_NAMES[sealed.aead]}"' in (sw.logs / "sealed.log").read_text()
     hidden = torch.randn(16, 64, generator=torch.Generator().manual_seed(3))
     for session in (sealed, clear):
         dispatch(sw, session, hidden)

@@ -271,6 +271,7 @@ def _cmd_status(args: argparse.Namespace) -> int:
     from google.protobuf import json_format
 
     from kvasir_rpc import format_kvr, session_pb2, session_pb2_grpc
+    from kvasir_rpc.protocol import AEAD_NAMES
 
     try:
         with grpc.insecure_channel(args.hub) as channel:
@@ -298,7 +299,7 @@ def _cmd_status(args: argparse.Namespace) -> int:
               f"rtt {f'{s.rtt_ms:.1f} ms' if s.rtt_ms else '?'}  "
               f"work {int(s.work_bytes):,} bytes ({int(s.work_calls):,} calls, {int(s.work_rows):,} rows)  "
               f"credited {format_kvr(int(s.credited_nano_kvr))} KVR  tunnel in {int(s.bytes_to_worker):,} / out "
-              f"{int(s.bytes_from_worker):,}  {'encrypted' if s.encrypted else 'in clear'}")
+              f"{int(s.bytes_from_worker):,}  {f'encrypted ({AEAD_NAMES.get(s.aead, s.aead)})' if s.encrypted else 'in clear'}")
     for layer in sorted(covered):
         print(f"  layer {layer}: experts {_ranges(sorted(covered[layer]))} served")
     return 0

@@ -94,7 +94,7 @@ class SessionAccept(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., encrypted: _Optional[bool] = ..., signature: _Optional[bytes] = ..., aead: _Optional[_Union[TunnelAead, str]] = ...) -> None: ...
 
 class Session(_message.Message):
-    __slots__ = ("session_id", "wallet", "slices", "weights_digest", "device", "model_type", "connected_since_unix_ms", "bytes_to_worker", "bytes_from_worker", "target", "remote_address", "work_bytes", "encrypted", "via_gateway", "rtt_ms", "work_calls", "work_rows", "credited_bytes", "credited_nano_kvr")
+    __slots__ = ("session_id", "wallet", "slices", "weights_digest", "device", "model_type", "connected_since_unix_ms", "bytes_to_worker", "bytes_from_worker", "target", "remote_address", "work_bytes", "encrypted", "via_gateway", "rtt_ms", "work_calls", "work_rows", "credited_bytes", "credited_nano_kvr", "aead")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     WALLET_FIELD_NUMBER: _ClassVar[int]
     SLICES_FIELD_NUMBER: _ClassVar[int]
@@ -114,6 +114,7 @@ class Session(_message.Message):
     WORK_ROWS_FIELD_NUMBER: _ClassVar[int]
     CREDITED_BYTES_FIELD_NUMBER: _ClassVar[int]
     CREDITED_NANO_KVR_FIELD_NUMBER: _ClassVar[int]
+    AEAD_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     wallet: str
     slices: _containers.RepeatedCompositeFieldContainer[ExpertSlice]
@@ -133,7 +134,8 @@ class Session(_message.Message):
     work_rows: int
     credited_bytes: int
     credited_nano_kvr: int
-    def __init__(self, session_id: _Optional[str] = ..., wallet: _Optional[str] = ..., slices: _Optional[_Iterable[_Union[ExpertSlice, _Mapping]]] = ..., weights_digest: _Optional[bytes] = ..., device: _Optional[str] = ..., model_type: _Optional[str] = ..., connected_since_unix_ms: _Optional[int] = ..., bytes_to_worker: _Optional[int] = ..., bytes_from_worker: _Optional[int] = ..., target: _Optional[str] = ..., remote_address: _Optional[str] = ..., work_bytes: _Optional[int] = ..., encrypted: _Optional[bool] = ..., via_gateway: _Optional[bool] = ..., rtt_ms: _Optional[float] = ..., work_calls: _Optional[int] = ..., work_rows: _Optional[int] = ..., credited_bytes: _Optional[int] = ..., credited_nano_kvr: _Optional[int] = ...) -> None: ...
+    aead: TunnelAead
+    def __init__(self, session_id: _Optional[str] = ..., wallet: _Optional[str] = ..., slices: _Optional[_Iterable[_Union[ExpertSlice, _Mapping]]] = ..., weights_digest: _Optional[bytes] = ..., device: _Optional[str] = ..., model_type: _Optional[str] = ..., connected_since_unix_ms: _Optional[int] = ..., bytes_to_worker: _Optional[int] = ..., bytes_from_worker: _Optional[int] = ..., target: _Optional[str] = ..., remote_address: _Optional[str] = ..., work_bytes: _Optional[int] = ..., encrypted: _Optional[bool] = ..., via_gateway: _Optional[bool] = ..., rtt_ms: _Optional[float] = ..., work_calls: _Optional[int] = ..., work_rows: _Optional[int] = ..., credited_bytes: _Optional[int] = ..., credited_nano_kvr: _Optional[int] = ..., aead: _Optional[_Union[TunnelAead, str]] = ...) -> None: ...
 
 class ListSessionsRequest(_message.Message):
     __slots__ = ()
