@@ -437,6 +437,9 @@ class WorkerHandshake:
             raise self._fail("accept: not signed by the hub (a hub too old for this worker, or a relay that "
                              "stripped the signature)", CloseCode.POLICY_VIOLATION)
         aead = int(msg.aead)
+        if aead not in AEAD_NAMES:  # nothing this worker offered (and not one byte to check a signature over)
+            raise self._fail(f"accept: unknown tunnel AEAD {aead}, which this worker did not offer",
+                             CloseCode.POLICY_VIOLATION)
         if not verify_signature(self.hub_key, accept_signed_message(transcript, msg.session_id, msg.encrypted, aead),
                                 msg.signature):
             raise self._fail(f"accept: bad signature (not hub {self.hub_key[:16]}… over this connection's handshake: "

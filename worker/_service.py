@@ -129,6 +129,24 @@ class ExpertServicer(expert_pb2_grpc.ExpertServiceServicer):
         self._draining = threading.Event()
         self.calls = 0
         self.rows = 0
+        # The layer of the last call computed and its experts in the order computed (_order).
+        self._last: tuple[int, list[int]] = (-1, [])
+
+    def _order(self, layer: int, experts: list[int]) -> list[int]:
+        """The order to compute a call's segments in (indices into ``experts``): when the call
+        before was of the same layer (the backbone's next micro-batch group), the experts it
+        computed last come first, most recent first, while their weights may still be in the
+        CPU's last-level cache; otherwise as sent. Same-layer calls so alternate their order.
+        Each segment's partials are the same bits in any order (they are placed by index);
+        only the memory traffic changes: an expert of Qwen3-30B-A3B's widths in float32 is 19
+        MB, and streaming the weights of every expert once per group is most of a decode's
+        expert time at 16 rows an expert. Two groups of 4 experts x 16 rows, one core: 78
+        against 69 ms a pair of calls."""
+        last_layer, last = self._last
+        if layer != last_layer or not last:
+            return list(range(len(experts)))
+        recency = {x: r for r, x in enumerate(reversed(last))}
+        return sorted(range(len(experts)), key=lambda i: (recency.get(experts[i], len(last)), i))
 
     def drain(self, timeout: float) -> bool:
         """Stop taking calls; wait until none is being computed. True if drained in time."""
@@ -200,14 +218,21 @@ class ExpertServicer(expert_pb2_grpc.ExpertServiceServicer):
         # Activations sent narrower than the model are widened here; partials go back narrow.
         hidden = hidden.to(device=e.device, dtype=e.dtype)
         weights = weights.to(e.device)
-        out = []
+        starts = []
         start = 0
+        for _, rows in segments:
+            starts.append(start)
+            start += rows
+        experts = [x for x, _ in segments]
+        order = self._order(req.layer, experts)
+        out: list[torch.Tensor] = [hidden] * len(segments)  # each replaced by its segment's partials
         with torch.inference_mode():
-            for expert, rows in segments:
+            for i in order:
+                (expert, rows), s0 = segments[i], starts[i]
                 gate_up, down = e.weights[(req.layer, expert)]
-                x = hidden[start : start + rows] if index is None else hidden[index[start : start + rows]]
-                out.append(expert_forward(x, gate_up, down, e.act, weights[start : start + rows]))
-                start += rows
+                x = hidden[s0 : s0 + rows] if index is None else hidden[index[s0 : s0 + rows]]
+                out[i] = expert_forward(x, gate_up, down, e.act, weights[s0 : s0 + rows])
+            self._last = (req.layer, [experts[i] for i in order])
             if not out:  # a call with no assignments is valid: its partials are [0, hidden_size]
                 partials = hidden.new_empty((0, e.hidden_size))
             else:
