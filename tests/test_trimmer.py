@@ -23,6 +23,16 @@ def _run(fn) -> None:  # type: ignore[no-untyped-def]
     trio.run(fn, clock=trio.testing.MockClock(autojump_threshold=0))
 
 
+async def _traffic(t: Trimmer, seconds: float, nbytes: int, every: float) -> float:
+    """Free ``nbytes`` every ``every`` seconds for ``seconds``, as a relay under steady
+    traffic; the fake clock's time it started."""
+    start = trio.current_time()
+    while trio.current_time() - start < seconds:
+        t.dropped(nbytes)
+        await trio.sleep(every)
+    return start
+
+
 def test_steady_traffic_is_not_trimmed_until_it_pauses(trims: list[float]) -> None:
     """Messages of 1 MiB freed five times a second for 30 s: no trim while they flow (they
     are the relay's working set); one within quiet_s + interval_s of the last."""
@@ -31,10 +41,7 @@ def test_steady_traffic_is_not_trimmed_until_it_pauses(trims: list[float]) -> No
     async def main() -> None:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(t.run)
-            start = trio.current_time()
-            while trio.current_time() - start < 30:
-                t.dropped(1 << 20)
-                await trio.sleep(0.2)
+            await _traffic(t, 30, 1 << 20, 0.2)
             assert trims == []
             last = trio.current_time()
             await trio.sleep(2.5)
@@ -51,10 +58,7 @@ def test_traffic_that_never_pauses_is_trimmed_every_busy_period(trims: list[floa
     async def main() -> None:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(t.run)
-            start = trio.current_time()
-            while trio.current_time() - start < 130:
-                t.dropped(64 << 10)
-                await trio.sleep(0.1)
+            start = await _traffic(t, 130, 64 << 10, 0.1)
             nursery.cancel_scope.cancel()
         assert len(trims) == 2
         assert [round(x - start) for x in trims] == [60, 120]
