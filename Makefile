@@ -1,6 +1,7 @@
 # make demo  - set up .venv on first use, then run the whole swarm on this machine
 # make test  - set up .venv on first use, then lint the protos and run the tests
 # make test-fast - the tests without real processes, servers or models (seconds)
+# make test-other-cpu - the same with MKL and ATen forced down other kernels (make test runs it)
 # make fuzz  - the fuzz tier with FUZZ_EXAMPLES random examples per target (make test runs it short)
 # make proto - regenerate the Python (kvasir_rpc/_gen) and TypeScript (clients/ts/src/gen) code
 # make soak  - 32 worker sessions through one gateway and hub for SOAK_SECONDS (make test runs it short)
@@ -11,7 +12,7 @@ STAMP := $(VENV)/.installed
 TS := clients/ts
 NODE_STAMP := $(TS)/node_modules/.installed
 
-.PHONY: demo test test-fast fuzz soak bench profile profile-decode proto lint venv clean system-deps bench-deps node-deps bytecode
+.PHONY: demo test test-fast test-other-cpu fuzz soak bench profile profile-decode proto lint venv clean system-deps bench-deps node-deps bytecode
 
 venv: $(STAMP)
 
@@ -44,11 +45,20 @@ bytecode: $(STAMP)
 TEST_PROCS ?= 2
 test: $(STAMP) system-deps node-deps lint bytecode
 	$(PY) -m pytest -q -n $(TEST_PROCS) -m "not integration and not soak" --durations=10
+	$(MAKE) --no-print-directory test-other-cpu
 	$(PY) -m pytest -q -m "integration or soak" --durations=25
 
 # Protocol cores, stores and in-memory streams only: no process, port, database server or model.
 test-fast: $(STAMP) bytecode
 	$(PY) -m pytest -q -n $(TEST_PROCS) -m "not integration and not fuzz"
+
+# The in-process tier again with the math libraries forced down other code paths, as another
+# CPU would take them: MKL's SSE2-compatible GEMM (MKL_CBWR=COMPATIBLE; it rounds otherwise than
+# the AVX2 and AVX-512 kernels) and ATen's scalar kernels (ATEN_CPU_CAPABILITY=default). A test
+# that asserts how this machine's BLAS rounds fails here, not on the next machine's CI.
+OTHER_CPU_ENV ?= MKL_CBWR=COMPATIBLE ATEN_CPU_CAPABILITY=default
+test-other-cpu: $(STAMP) bytecode
+	$(OTHER_CPU_ENV) $(PY) -m pytest -q -n $(TEST_PROCS) -m "not integration and not soak and not fuzz"
 
 # The fuzz tier, long: random (not derandomized) examples, failures kept in .hypothesis/.
 FUZZ_EXAMPLES ?= 5000

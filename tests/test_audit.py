@@ -62,9 +62,9 @@ def test_honest_answers_pass_and_liars_fail(size):
     rows = list(range(32))
     same = audit_rows(expert_forward(x, gate_up, down, act, w), x, gate_up, down, act, w, rows)
     assert same.passed and same.exact == 32 and same.max_abs_diff == 0.0
+    # Whether another summation order gives other bits depends on the BLAS; it passes either way.
     other = audit_rows(_reordered(x, gate_up, down, w), x, gate_up, down, act, w, rows)
-    assert other.passed and other.exact < 32, other
-    assert other.max_abs_diff > 0.0
+    assert other.passed, other
     for liar in (_offset, _zeros, _nan):
         verdict = audit_rows(liar(x, gate_up, down, w), x, gate_up, down, act, w, rows)
         assert not verdict.passed, (liar.__name__, verdict)
@@ -73,10 +73,11 @@ def test_honest_answers_pass_and_liars_fail(size):
 
 @pytest.mark.parametrize("size", SIZES, ids=lambda s: f"H{s[0]}-I{s[1]}-x{s[2]}")
 def test_the_reference_over_the_workers_segment_matches_an_honest_row_bit_for_bit(size):
-    """A row computed in a batch of 32 rounds differently from the same row computed alone or
-    with two others; audited with its whole segment (as the checker audits a segment of at
-    most SEGMENT_ROWS rows), an honest row is equal bit for bit (no bound needed), and a
-    liar's row in the same segment still fails."""
+    """A matmul may round a row differently alone than inside a batch of 32 (whether it does
+    depends on the CPU's BLAS path: it does on an AMD EPYC, not on an AVX-512 Xeon). Audited
+    with its whole segment (as the checker audits a segment of at most SEGMENT_ROWS rows), an
+    honest row is equal bit for bit (no bound needed); audited alone it passes either way,
+    by equal bits or by the bound; and a liar's row in the same segment still fails."""
     x, gate_up, down, w = _case(*size, seed=2)
     honest = expert_forward(x, gate_up, down, act, w)  # the worker's segment: 32 rows at once
     at = torch.tensor([3, 17, 30])
@@ -85,7 +86,12 @@ def test_the_reference_over_the_workers_segment_matches_an_honest_row_bit_for_bi
     with_segment = audit_rows(honest, x, gate_up, down, act, w, rows)
     assert alone.passed and with_segment.passed
     assert with_segment.exact == 32 and with_segment.max_abs_diff == 0.0
-    assert alone.exact < 3  # alone, the rows round differently: only the bound passes them
+    # Rows that round differently on purpose (one ulp off the reference's own bits, on every
+    # CPU) are not counted exact, and only the bound passes them.
+    ref_alone = expert_forward(x[at], gate_up, down, act, w[at])
+    off_by_one_ulp = torch.nextafter(ref_alone, torch.full_like(ref_alone, float("inf")))
+    nudged = audit_rows(off_by_one_ulp, x[at], gate_up, down, act, w[at], at.tolist())
+    assert nudged.passed and nudged.exact == 0 and 0.0 < nudged.max_abs_diff <= nudged.tolerance, nudged
     liar = honest.clone()
     liar[17] = _offset(x, gate_up, down, w)[17]
     verdict = audit_rows(liar, x, gate_up, down, act, w, rows)
