@@ -19,18 +19,23 @@ linear-attention states (which cannot be cut back) are refused.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import threading
 import time
-from collections.abc import Callable
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 import torch
 
-from backbone._experts import IMPLEMENTATION, ReplayNeeded
-from backbone._generate import MAX_REPLAYS, Decode, OnStep, _dispatcher_of
+from backbone._attempt import DecodeAttempt, ReplayNeeded
+from backbone._engine import cut_cache
+from backbone._experts import IMPLEMENTATION
+from backbone._generate import Decode, OnStep, _dispatcher_of
 from kvasir_rpc import get_logger
+
+if TYPE_CHECKING:
+    from transformers import DynamicCache
 
 log = get_logger("backbone.assist")
 
@@ -205,90 +210,122 @@ def decode_assisted(model, tokenizer, prompt: str, max_new_tokens: int, drafter:
                     stop: threading.Event | None = None, on_step: OnStep | None = None) -> tuple[Decode, AssistStats]:
     """Greedy decode of ``max_new_tokens`` for one prompt, ``k`` drafts verified per forward
     pass; fewer tokens (at least one) when ``stop`` is set. ``on_step([0], new_tokens)``
-    runs after each step. A worker caught delivering wrong work replays the decode from the
-    prompt without it, as :func:`decode` does. Returns the decode (logits [new, 1, V], the
-    big model's for each emitted token) and what the drafts did."""
+    runs after each step. A worker caught delivering wrong work makes the decode recompute
+    from the first pass it tainted, the cache cut back to the tokens before it, as
+    :func:`decode` does. Returns the decode (logits [new, 1, V], the big model's for each
+    emitted token) and what the drafts did."""
     if k < 1:
         raise ValueError("k must be at least 1")
     model.set_experts_implementation(implementation)
     dispatcher = _dispatcher_of(model) if implementation == IMPLEMENTATION else None
+    attempt = DecodeAttempt(dispatcher) if dispatcher is not None else None
     prompt_ids = [int(t) for t in tokenizer(prompt)["input_ids"]]
-    for attempt in range(MAX_REPLAYS + 1):
-        if dispatcher is not None:
-            dispatcher.begin_attempt()
-        try:
-            with torch.inference_mode():
-                tokens, logits, stats, rate = _run(model, prompt_ids, max_new_tokens, drafter, k, mode, stop, on_step,
-                                                   dispatcher.settle if dispatcher is not None else None)
-            if dispatcher is not None:
-                dispatcher.settle()
-            break
-        except ReplayNeeded as exc:
-            assert dispatcher is not None
-            dispatcher.note_replay()
-            log.warning("replaying the assisted decode without a quarantined worker", attempt=attempt + 1,
-                        reason=str(exc))
-    else:
-        raise RuntimeError(f"the decode was replayed {MAX_REPLAYS} times, each after catching a worker "
-                           "delivering wrong work; stopping")
+    run = _Assisted(model, prompt_ids, max_new_tokens, drafter, k, mode, stop, on_step, attempt)
+    with attempt.active() if attempt is not None else contextlib.nullcontext():
+        while True:
+            try:
+                with torch.inference_mode():
+                    run.run()
+                if attempt is not None:
+                    attempt.check()
+                break
+            except ReplayNeeded as exc:
+                assert attempt is not None
+                attempt.replaying(exc)
+                log.warning("recomputing the assisted decode without an untrusted worker", from_pass=exc.from_pass,
+                            reason=str(exc), rewinds=attempt.rewinds, retries=attempt.retries)
+                run.rewind(exc.from_pass)
+    tokens, logits = run.tokens, run.logits
     new = torch.tensor([tokens], dtype=torch.long)
     decode = Decode(sequences=torch.tensor([prompt_ids + tokens], dtype=torch.long), new_tokens=new,
                     logits=torch.stack(logits)[:, None, :], texts=tokenizer.batch_decode(new, skip_special_tokens=True),
-                    step_rates=[rate] if rate else [])
-    return decode, stats
+                    step_rates=[run.rate()] if run.rate() else [])
+    return decode, run.stats
 
 
-def _run(model, prompt_ids: list[int], max_new_tokens: int, drafter: Drafter, k: int, mode: str,  # type: ignore[no-untyped-def]
-         stop: threading.Event | None, on_step: OnStep | None,
-         settle: Callable[[], None] | None) -> tuple[list[int], list[torch.Tensor], AssistStats, float]:
-    """One attempt: ``(new tokens, their logits [V] each, stats, decode tokens/s)``.
-    ``settle`` runs after each forward pass, before its tokens are chosen (the Dispatcher's
-    audits of that pass)."""
-    from transformers import DynamicCache
+class _Assisted:
+    """The passes of one assisted decode: the prefill (pass 0, the first token), then one
+    pass per step verifying its drafts. After each settled pass the cache holds every token
+    but the last emitted one (which leads the next pass), so going back to pass ``p`` is
+    cutting the tokens, their logits and the cache back to what they were after pass ``p - 1``."""
 
-    settle = settle or (lambda: None)
+    def __init__(self, model, prompt_ids: list[int], max_new_tokens: int, drafter: Drafter, k: int,  # type: ignore[no-untyped-def]
+                 mode: str, stop: threading.Event | None, on_step: OnStep | None,
+                 attempt: DecodeAttempt | None) -> None:
+        self.model, self.prompt_ids, self.max_new_tokens = model, prompt_ids, max_new_tokens
+        self.drafter, self.k, self.stop, self.on_step, self.attempt = drafter, k, stop, on_step, attempt
+        self.eos = _eos_ids(model)
+        self.stats = AssistStats(mode=mode, assist_tokens=k)
+        self.tokens: list[int] = []
+        self.logits: list[torch.Tensor] = []  # [V] per emitted token
+        self.kept: list[int] = []  # len(tokens) after each settled pass
+        self.guesses = k
+        self.cache: DynamicCache | None = None
+        self.t_first = self.t_last = 0.0
+        drafter.reset()
 
-    drafter.reset()
-    stats = AssistStats(mode=mode, assist_tokens=k)
-    cache = DynamicCache(config=model.config)
-    out = model(input_ids=torch.tensor([prompt_ids], dtype=torch.long), cache=cache, use_cache=True,
-                logits_to_keep=1)
-    settle()
-    first = out.logits[0, -1].float()
-    eos = _eos_ids(model)
-    tokens, logits = [_greedy(first[None], eos)[0]], [first]
-    t_first = t_last = time.perf_counter()
-    if on_step is not None:
-        on_step([0], torch.tensor([tokens]))
-    guesses = k
-    # The cache holds every token but the last emitted one, which leads the next pass.
-    while len(tokens) < max_new_tokens and not (stop is not None and stop.is_set()):
-        t0 = time.perf_counter()
-        drafts = drafter.propose(prompt_ids + tokens, min(guesses, max_new_tokens - len(tokens) - 1))
-        stats.draft_seconds += time.perf_counter() - t0
-        out = model(input_ids=torch.tensor([[tokens[-1], *drafts]], dtype=torch.long), cache=cache, use_cache=True)
-        settle()
-        step_logits = out.logits[0].float()  # [1 + drafts, V]
-        choice = _greedy(step_logits, eos)
-        n = 0
-        while n < len(drafts) and choice[n] == drafts[n]:
-            n += 1
-        # Kept: the last token and the n accepted drafts; the model's own token after them leads next.
-        _drop(cache, len(drafts) - n)
-        tokens.extend([*drafts[:n], int(choice[n])])
-        logits.extend(step_logits[i] for i in range(n + 1))
-        # As transformers' assistant schedule: guess more after a step whose guesses all held,
-        # fewer after a miss (wrong guesses cost rows in every call), within 1..k.
-        guesses = min(k, guesses + 2) if drafts and n == len(drafts) else max(1, guesses - 1) if drafts else guesses
-        stats.steps += 1
-        stats.proposed += len(drafts)
-        stats.accepted += n
-        t_last = time.perf_counter()
-        if on_step is not None:
-            on_step([0], torch.tensor([tokens]))
-    stats.tokens = len(tokens)
-    rate = (len(tokens) - 1) / (t_last - t_first) if len(tokens) > 1 and t_last > t_first else 0.0
-    return tokens, logits, stats, rate
+    def _settle(self) -> None:
+        if self.attempt is not None:
+            self.attempt.settle()
+
+    def rewind(self, to_pass: int) -> None:
+        if to_pass == 0:
+            self.tokens, self.logits, self.kept, self.cache = [], [], [], None
+            self.guesses = self.k
+            return
+        n = self.kept[to_pass - 1]
+        del self.tokens[n:], self.logits[n:], self.kept[to_pass:]
+        cut_cache(self.cache, len(self.prompt_ids) + n - 1)  # the last kept token leads the next pass
+
+    def run(self) -> None:
+        from transformers import DynamicCache
+
+        if self.cache is None:
+            self.cache = DynamicCache(config=self.model.config)
+            out = self.model(input_ids=torch.tensor([self.prompt_ids], dtype=torch.long), cache=self.cache,
+                             use_cache=True, logits_to_keep=1)
+            self._settle()
+            first = out.logits[0, -1].float()
+            self.tokens, self.logits = [_greedy(first[None], self.eos)[0]], [first]
+            self.kept.append(1)
+            self.t_first = self.t_last = time.perf_counter()
+            if self.on_step is not None:
+                self.on_step([0], torch.tensor([self.tokens]))
+        stats, tokens, cache = self.stats, self.tokens, self.cache
+        while len(tokens) < self.max_new_tokens and not (self.stop is not None and self.stop.is_set()):
+            t0 = time.perf_counter()
+            drafts = self.drafter.propose(self.prompt_ids + tokens,
+                                          min(self.guesses, self.max_new_tokens - len(tokens) - 1))
+            stats.draft_seconds += time.perf_counter() - t0
+            out = self.model(input_ids=torch.tensor([[tokens[-1], *drafts]], dtype=torch.long), cache=cache,
+                             use_cache=True)
+            self._settle()
+            step_logits = out.logits[0].float()  # [1 + drafts, V]
+            choice = _greedy(step_logits, self.eos)
+            n = 0
+            while n < len(drafts) and choice[n] == drafts[n]:
+                n += 1
+            # Kept: the last token and the n accepted drafts; the model's own token after them leads next.
+            _drop(cache, len(drafts) - n)
+            tokens.extend([*drafts[:n], int(choice[n])])
+            self.logits.extend(step_logits[i] for i in range(n + 1))
+            self.kept.append(len(tokens))
+            # As transformers' assistant schedule: guess more after a step whose guesses all held,
+            # fewer after a miss (wrong guesses cost rows in every call), within 1..k.
+            if drafts:
+                self.guesses = min(self.k, self.guesses + 2) if n == len(drafts) else max(1, self.guesses - 1)
+            stats.steps += 1
+            stats.proposed += len(drafts)
+            stats.accepted += n
+            self.t_last = time.perf_counter()
+            if self.on_step is not None:
+                self.on_step([0], torch.tensor([tokens]))
+        stats.tokens = len(tokens)
+
+    def rate(self) -> float:
+        """Decode tokens/s after the first token."""
+        n = len(self.tokens)
+        return (n - 1) / (self.t_last - self.t_first) if n > 1 and self.t_last > self.t_first else 0.0
 
 
 def moe_layers(model) -> int:  # type: ignore[no-untyped-def]

@@ -12,13 +12,22 @@ ids and its own random generator, so a greedy request returns the tokens it retu
 alone (tests/test_serve.py checks 32 at once). Expert rows are tallied by request, so
 each summary tells where its own rows ran.
 
-A worker caught delivering wrong work (ReplayNeeded) makes the lane recompute every row
-from its prompt without it, checking that the tokens already sent were right; a request
-whose sent tokens the liar had changed ends with an error (the text sent was wrong).
+Each lane has its decode attempt (``_attempt.py``). A worker caught in a pass's audits
+makes the lane recompute that pass without it (the cache cut back to its length before the
+pass); a session whose earlier answers can no longer be trusted makes it recompute every row
+from its prompt, checking that the tokens already sent were right (a request whose sent tokens
+the liar had changed ends with an error: the text sent was wrong). Neither fails a request:
+past a few replays the experts concerned are computed here.
+
+A lane never dies silently: a failed step ends its own requests with an error and the lane
+goes on; a failure of the lane's loop itself ends its requests, marks the engine unhealthy
+(``serving()``, which the service's health check reports) and restarts the loop after a
+backoff, healthy again once it steps.
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import enum
 import hashlib
@@ -27,11 +36,15 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Iterator
+from typing import TypeVar
 
 import torch
 
-from backbone._experts import IMPLEMENTATION, Dispatcher, ReplayNeeded
+from backbone._attempt import DecodeAttempt, ReplayNeeded
+from backbone._experts import IMPLEMENTATION, Dispatcher
 from kvasir_rpc import get_logger, threads_initializer
+
+T = TypeVar("T")
 
 log = get_logger("backbone.engine")
 
@@ -42,8 +55,10 @@ DEFAULT_MAX_TOKENS = 16
 MAX_STOPS = 8
 MAX_STOP_CHARS = 256
 MAX_TEMPERATURE = 100.0
-# Replays of one lane in a row before its requests are failed (each follows a new quarantine).
-MAX_REPLAYS = 16
+# A lane whose loop failed is restarted after this long, doubled for each failure in the
+# last minute, at most RESTART_MAX_S.
+RESTART_BACKOFF_S = 0.25
+RESTART_MAX_S = 30.0
 # Tokens (padding included) of one pass that prefills several prompts together.
 PREFILL_TOKENS = 4096
 
@@ -241,6 +256,10 @@ class Engine:
         self.decode_steps = self.decode_rows = 0
         self._waiting: list[_Seq] = []
         self._closed = False
+        # Called with False when a lane's loop failed (it restarts after a backoff) and with
+        # True when every lane steps again: the service's health check.
+        self.on_health: Callable[[bool], None] | None = None
+        self.lane_restarts = 0
         self._lanes = [_Lane(self, i) for i in range(lanes)]
         for lane in self._lanes:
             lane.thread.start()
@@ -321,6 +340,47 @@ class Engine:
     def _running(self) -> int:
         return sum(len(lane.rows) + len(lane.joining) for lane in self._lanes)
 
+    def serving(self) -> bool:
+        """Whether every lane is running (none failed and waiting to restart) and the engine
+        is open."""
+        with self._cond:
+            return not self._closed and all(lane.healthy for lane in self._lanes)
+
+    def _lane_failed(self, lane: _Lane) -> bool:
+        """``lane``'s loop failed: mark it unhealthy and wait its backoff (doubled for each
+        failure in the last minute). False when the engine closed meanwhile."""
+        now = time.monotonic()
+        with self._cond:
+            lane.failures.append(now)
+            while lane.failures and lane.failures[0] < now - 60.0:
+                lane.failures.popleft()
+            self.lane_restarts += 1
+            was, lane.healthy = self.serving(), False
+            delay = min(RESTART_MAX_S, RESTART_BACKOFF_S * 2 ** (len(lane.failures) - 1))
+        if was:
+            self._health_changed(False)
+        with self._cond:
+            self._cond.wait_for(lambda: self._closed, timeout=delay)
+            return not self._closed
+
+    def _lane_ok(self, lane: _Lane) -> None:
+        """``lane`` stepped: healthy again if it was not."""
+        if lane.healthy:
+            return
+        with self._cond:
+            lane.healthy = True
+            now = self.serving()
+        if now:
+            self._health_changed(True)
+
+    def _health_changed(self, serving: bool) -> None:
+        log.warning("engine health changed", serving=serving)
+        if self.on_health is not None:
+            try:
+                self.on_health(serving)
+            except Exception:  # the listener's failure must not stop a lane
+                log.exception("health listener failed")
+
     def load(self) -> tuple[int, int]:
         """``(running, waiting)``."""
         with self._cond:
@@ -383,53 +443,98 @@ class _Lane:
         self.joining: list[_Seq] = []
         self.cache = None  # the batch's cache, row i is self.rows[i]
         self.mask: torch.Tensor | None = None  # [B, L] 1 for real positions, 0 for left padding
-        self.thread = threading.Thread(target=self._run, name=f"lane-{index}", daemon=True)
+        self.attempt = DecodeAttempt(engine.dispatcher)
+        self.replay_pending = False  # every row is to be recomputed from its prompt
+        self.healthy = True
+        self.failures: collections.deque[float] = collections.deque()  # monotonic times, last minute
+        self.thread = threading.Thread(target=self._supervise, name=f"lane-{index}", daemon=True)
 
     # -- the loop --------------------------------------------------------------------
 
-    def _run(self) -> None:
+    def _supervise(self) -> None:
+        """The lane's thread: runs the loop, and restarts it if it ever fails (a bug, or an
+        error outside any step), after ending the lane's requests with an error: a lane never
+        dies silently, and its requests never wait forever."""
         threads_initializer()()
-        engine = self.engine
-        engine.dispatcher.begin_attempt()
-        replays = 0
         while True:
-            with engine._cond:
-                self._drop_cancelled()
-                engine._take(self)
-                if engine._closed:
-                    break
             try:
-                with torch.inference_mode():
-                    while self.joining:
-                        n = self._prefill_count()
-                        self._join_many([s for s in self.joining[:n] if not s.stream.cancelled])
-                        self.joining = self.joining[n:]
-                    self._drop_cancelled()
-                    if self.rows:
-                        self._step()
-                replays = 0
-            except ReplayNeeded as exc:
-                replays += 1
-                engine.dispatcher.note_replay()
-                log.warning("replaying the lane's requests without a quarantined worker", lane=self.index,
-                            reason=str(exc), rows=len(self.rows) + len(self.joining))
-                if replays > MAX_REPLAYS:
-                    self._fail_all("the decode was replayed too many times, each after catching a worker "
-                                   "delivering wrong work", "aborted")
-                    replays = 0
-                else:
-                    self._replay()
-            except Exception as exc:  # a failure of one step ends its requests, not the service
-                log.exception("a decode step failed; ending its requests", lane=self.index)
+                self._loop()
+                break  # the engine closed
+            except Exception as exc:
+                log.exception("an engine lane failed; ending its requests and restarting it", lane=self.index)
                 self._fail_all(f"the decode failed: {type(exc).__name__}: {exc}", "internal")
+                if not self.engine._lane_failed(self):
+                    break
         self._fail_all("the backbone is shutting down", "unavailable")
 
+    def _loop(self) -> None:
+        engine = self.engine
+        with self.attempt.active():
+            while True:
+                with engine._cond:
+                    self._drop_cancelled()
+                    engine._take(self)
+                    if engine._closed:
+                        return
+                try:
+                    with torch.inference_mode():
+                        self._advance()
+                except Exception as exc:  # a failure of one step ends its requests, not the lane
+                    log.exception("a decode step failed; ending its requests", lane=self.index)
+                    self._fail_all(f"the decode failed: {type(exc).__name__}: {exc}", "internal")
+                if not self.rows and not self.joining:
+                    self.attempt.restart()  # the next requests start a decode of their own
+                engine._lane_ok(self)
+
+    def _advance(self) -> None:
+        """Admit the joining requests and step the batch once. A pass tainted by a worker
+        caught in it is recomputed in ``_pass``; when a session used before it can no longer
+        be trusted, every row is recomputed from its prompt (``_replay``)."""
+        while True:
+            try:
+                if self.replay_pending:
+                    self._replay()
+                    self.replay_pending = False
+                while self.joining:
+                    n = self._prefill_count()
+                    self._join_many([s for s in self.joining[:n] if not s.stream.cancelled])
+                    self.joining = self.joining[n:]
+                self._drop_cancelled()
+                if self.rows:
+                    self._step()
+                return
+            except ReplayNeeded as exc:
+                self.attempt.replaying(exc, from_pass=0)
+                log.warning("recomputing the lane's requests from their prompts without an untrusted worker",
+                            lane=self.index, reason=str(exc), rows=len(self.rows) + len(self.joining),
+                            rewinds=self.attempt.rewinds)
+                self.replay_pending = True
+
+    def _pass(self, forward: Callable[[], T], cut_back: Callable[[], None] | None) -> T:
+        """One forward pass and its settle, ``forward()``; recomputed while what taints it
+        is a worker caught in this very pass, after ``cut_back()`` restored the cache (None:
+        it cannot be; then, as for a taint from an earlier pass, ReplayNeeded propagates)."""
+        while True:
+            try:
+                return forward()
+            except ReplayNeeded as exc:
+                if cut_back is None or exc.from_pass < self.attempt.passes:
+                    raise
+                self.attempt.replaying(exc)
+                log.info("recomputing a pass without a worker caught in it", lane=self.index, reason=str(exc),
+                         retries=self.attempt.retries, all_local=self.attempt.local_pass)
+                cut_back()
+
     def _fail_all(self, message: str, kind: str) -> None:
-        for seq in self.rows + self.joining:
-            if not seq.stream.finished:
-                seq.stream._put(StreamEvent(error=message, error_kind=kind))
-        self.rows, self.joining, self.cache, self.mask = [], [], None, None
-        self.engine._wake()
+        try:
+            for seq in self.rows + self.joining:
+                if not seq.stream.finished:
+                    seq.stream._put(StreamEvent(error=message, error_kind=kind))
+        finally:
+            self.rows, self.joining, self.cache, self.mask = [], [], None, None
+            self.replay_pending = False
+            self.attempt.restart()
+            self.engine._wake()
 
     def _drop_cancelled(self) -> None:
         keep = [i for i, seq in enumerate(self.rows) if not seq.stream.cancelled and not seq.stream.finished]
@@ -468,11 +573,16 @@ class _Lane:
             mask[i, length - n:] = 1
         positions = (mask.cumsum(dim=1) - 1).clamp(min=0)
         owners = torch.arange(len(seqs))[:, None].expand(-1, length).masked_fill(mask == 0, -1).reshape(-1)
-        cache = DynamicCache(config=self.engine.model.config)
-        with self.engine.dispatcher.tally_rows(owners, len(seqs)) as tally:
-            out = self.engine.model(input_ids=ids, attention_mask=mask, position_ids=positions, cache=cache,
-                                    use_cache=True, logits_to_keep=1)
-            self.engine.dispatcher.settle()  # no token from these logits before their audits passed
+
+        def forward():  # type: ignore[no-untyped-def]
+            cache = DynamicCache(config=self.engine.model.config)
+            with self.engine.dispatcher.tally_rows(owners, len(seqs)) as tally:
+                out = self.engine.model(input_ids=ids, attention_mask=mask, position_ids=positions, cache=cache,
+                                        use_cache=True, logits_to_keep=1)
+                self.attempt.settle()  # no token from these logits before their audits passed
+            return cache, out, tally
+
+        cache, out, tally = self._pass(forward, cut_back=lambda: None)  # a new cache each time
         self._add_rows(tally, seqs)
         return cache, mask, out.logits[:, -1].float()
 
@@ -517,10 +627,16 @@ class _Lane:
         ids = torch.tensor([[s.next_token] for s in rows], dtype=torch.long)
         mask = torch.cat([self.mask, torch.ones(len(rows), 1, dtype=torch.long)], dim=1)
         positions = (mask.sum(dim=1, keepdim=True) - 1)
-        with self.engine.dispatcher.tally_rows(torch.arange(len(rows)), len(rows)) as tally:
-            out = self.engine.model(input_ids=ids, attention_mask=mask, position_ids=positions,
-                                    cache=self.cache, use_cache=True)
-            self.engine.dispatcher.settle()
+        cache = self.cache
+
+        def forward():  # type: ignore[no-untyped-def]
+            with self.engine.dispatcher.tally_rows(torch.arange(len(rows)), len(rows)) as tally:
+                out = self.engine.model(input_ids=ids, attention_mask=mask, position_ids=positions,
+                                        cache=cache, use_cache=True)
+                self.attempt.settle()
+            return out, tally
+
+        out, tally = self._pass(forward, _cut_back(cache))
         self.mask = mask  # the cache grew in place
         self.engine._stepped(len(rows))
         self._add_rows(tally, rows)
@@ -605,10 +721,10 @@ class _Lane:
     # -- replays ---------------------------------------------------------------------
 
     def _replay(self) -> None:
-        """Recompute every row from its prompt (the quarantined worker is no longer used)
+        """Recompute every row from its prompt (the untrusted worker is no longer used)
         and rebuild the batch; a row whose sent tokens come out different ends with an
-        error. A new ReplayNeeded propagates: the loop replays again, from the tokens sent."""
-        self.engine.dispatcher.begin_attempt()
+        error. A new ReplayNeeded from an earlier pass propagates: ``_advance`` replays
+        again, from the tokens sent."""
         pending = [s for s in self.rows + self.joining if not s.stream.finished and not s.stream.cancelled]
         self.rows, self.joining, self.cache, self.mask = [], pending, None, None
         with torch.inference_mode():
@@ -639,10 +755,16 @@ class _Lane:
     def _forward_one(self, seq: _Seq, cache, mask: torch.Tensor, token: int):  # type: ignore[no-untyped-def]
         """One more token of ``seq`` alone: its grown mask and next logits [1, V]."""
         mask = torch.cat([mask, torch.ones(1, 1, dtype=torch.long)], dim=1)
-        with self.engine.dispatcher.tally_rows(torch.zeros(1, dtype=torch.long), 1) as tally:
-            out = self.engine.model(input_ids=torch.tensor([[token]], dtype=torch.long), attention_mask=mask,
-                                    position_ids=torch.tensor([[mask.shape[1] - 1]]), cache=cache, use_cache=True)
-            self.engine.dispatcher.settle()
+
+        def forward():  # type: ignore[no-untyped-def]
+            with self.engine.dispatcher.tally_rows(torch.zeros(1, dtype=torch.long), 1) as tally:
+                out = self.engine.model(input_ids=torch.tensor([[token]], dtype=torch.long), attention_mask=mask,
+                                        position_ids=torch.tensor([[mask.shape[1] - 1]]), cache=cache,
+                                        use_cache=True)
+                self.attempt.settle()
+            return out, tally
+
+        out, tally = self._pass(forward, _cut_back(cache))
         self._add_rows(tally, [seq])
         return mask, out.logits[:, -1].float()
 
@@ -660,6 +782,26 @@ class _Lane:
         pad = _common_padding(mask)
         _select_cache(self.cache, index, pad)
         self.mask = mask[:, pad:]
+
+
+def _cut_back(cache) -> Callable[[], None] | None:  # type: ignore[no-untyped-def]
+    """A function that cuts ``cache`` back to the length each layer has now, or None when
+    its layers are not all attention keys/values (linear-attention states change in place)."""
+    if any(not _kv(layer) or hasattr(layer, "conv_states") for layer in cache.layers):
+        return None
+    lengths = [layer.keys.shape[-2] for layer in cache.layers]
+    return lambda: cut_cache(cache, lengths)
+
+
+def cut_cache(cache, length: int | list[int]) -> None:  # type: ignore[no-untyped-def]
+    """Cut every attention layer of ``cache`` back to ``length`` positions (one for all, or
+    one per layer) where it holds more. A pass stopped part way has grown the layers before
+    the one it stopped in, not the others, so each layer is cut on its own."""
+    lengths = length if isinstance(length, list) else [length] * len(cache.layers)
+    for layer, n in zip(cache.layers, lengths):
+        if _kv(layer) and layer.keys.shape[-2] > n:
+            layer.keys = layer.keys[..., :n, :]
+            layer.values = layer.values[..., :n, :]
 
 
 def _common_padding(mask: torch.Tensor) -> int:

@@ -18,10 +18,10 @@ The sampled audits run on the Dispatcher's audit thread, off the critical path: 
 that passes its whole-answer checks is used at once, its sampled rows are audited while
 the decode goes on (while the next layers' calls fly, the core is otherwise idle), and a
 session's calls are paid only once its audits submitted up to them have passed
-(``AuditGate``). A decode calls :meth:`Dispatcher.settle`
-before it chooses tokens from a forward pass: it waits for that pass's audits and raises
-ReplayNeeded if one caught a worker the attempt used, so no token leaves the backbone
-before the audits of the calls that made it have passed.
+(``AuditGate``). The decode attempt in force in the calling thread (``_attempt.py``) is told
+which sessions each pass used and which audits it waits for; it settles them before the
+decode chooses tokens, so no token leaves the backbone before the audits of the calls that
+made it have passed, and it decides what to recompute when a session turns out to have lied.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ import os
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping, Sequence
 
 import torch
 from transformers.integrations.moe import ExpertsInterface
@@ -50,6 +50,7 @@ from kvasir_rpc import (
     session_pb2,
     threads_initializer,
 )
+from backbone._attempt import DecodeAttempt, ReplayNeeded, current_attempt
 from backbone._audit import DEFAULT_AUDIT_RATE
 from backbone._checking import AnswerChecker, SampledRows, SentCall
 from backbone._deadlines import StragglerPolicy
@@ -59,7 +60,7 @@ from backbone._shared import SharedDeferral
 from backbone._weights import CheckpointWeights, ExpertWeights, HeldWeights, experts_modules
 from backbone._work import AuditGate, WorkReporter
 
-__all__ = ["IMPLEMENTATION", "Dispatcher", "DispatchStats", "ReplayNeeded", "install"]
+__all__ = ["IMPLEMENTATION", "Dispatcher", "DispatchStats", "ReplayNeeded", "install"]  # ReplayNeeded: _attempt's
 
 log = get_logger("backbone.experts")
 
@@ -120,11 +121,6 @@ class RowTally:
         self.counts[kind].index_add_(0, self.owners[token_idx], torch.ones_like(token_idx))
 
 
-class ReplayNeeded(RuntimeError):
-    """A session this decode used was caught delivering wrong work: everything it touched
-    must be recomputed without it (the decode restarts from the prompt)."""
-
-
 class Dispatcher:
     """Runs the experts path of ``model``: remote experts on the sessions ``watcher`` lists,
     the rest here.
@@ -175,7 +171,10 @@ class Dispatcher:
         self.wire_dtype = wire_dtype
         # The call timeout caps every deadline: a call unanswered that long is lost.
         self.policy = dataclasses.replace(stragglers or StragglerPolicy(), cap_s=call_timeout_s)
-        self._attempt = threading.local()  # sessions the current decode attempt of a thread used
+        # Sessions whose past answers cannot be trusted (they failed an audit, or were quarantined
+        # while answering without row checks), with what they served: decode attempts that used
+        # them recompute without them (``_attempt.py``). Replaced, never mutated.
+        self._untrusted: dict[str, Mapping[int, Sequence[int]]] = {}
         self._tally = threading.local()  # the RowTally of this thread's forward pass, if any
         self._lock = threading.Lock()
         # Called with each accepted call's round trip in seconds (metrics' latency histogram).
@@ -187,19 +186,18 @@ class Dispatcher:
     def forward(self, module: torch.nn.Module, layer: int, hidden: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> torch.Tensor:
         """The experts' output [T, H] for ``hidden`` [T, H] routed to ``top_k_index`` [T, K]
-        with ``top_k_weights`` [T, K]. Raises ReplayNeeded when a session this decode
-        attempt used is caught delivering wrong work."""
-        self.check_attempt()
+        with ``top_k_weights`` [T, K]. Raises ReplayNeeded when a session the decode attempt
+        in force used can no longer be trusted."""
+        attempt = current_attempt()
+        if attempt is not None:
+            attempt.check()
         num_experts = self.weights.num_experts(layer)
         assert num_experts is not None
         routes = plan_routes(top_k_index, num_experts)
         tally: RowTally | None = getattr(self._tally, "value", None)
         if tally is not None:
             routes = tally.without_padding(routes)
-        if self.remote and self.placement is not None:
-            placed, local = self.placement.split(layer, routes)
-        else:
-            placed, local = {}, routes
+        placed, local = self._place(layer, routes, attempt)
         act = module.act_fn
         assert callable(act)
 
@@ -210,7 +208,23 @@ class Dispatcher:
             self.local_rows += sum(len(r.token_idx) for r in local)
         self._count(RowTally.LOCAL, local)
         self._collect(layer, act, hidden, top_k_weights, inflight, partials)
+        if attempt is not None:
+            attempt.check()  # a session this pass refused may taint what earlier passes used
         return _combine(hidden, routes, partials)
+
+    def _place(self, layer: int, routes: list[Route], attempt: DecodeAttempt | None
+               ) -> tuple[dict[WorkerLink, list[Route]], list[Route]]:
+        """``(routes by the link that serves them, routes computed here)``: here when there is
+        no swarm, and for the experts the attempt keeps here after its replays."""
+        if not self.remote or self.placement is None:
+            return {}, routes
+        keep = attempt.keeps_local(layer) if attempt is not None else set()
+        if keep is None:
+            return {}, routes
+        placed, local = self.placement.split(layer, [r for r in routes if r.expert not in keep])
+        local.extend(r for r in routes if r.expert in keep)
+        local.sort(key=lambda r: r.expert)
+        return placed, local
 
     def _send(self, link: WorkerLink, layer: int, routes: list[Route], hidden: torch.Tensor,
               top_k_weights: torch.Tensor) -> SentCall:
@@ -243,7 +257,6 @@ class Dispatcher:
         """Each call's answer into ``partials``: accepted and paid, or lost, refused or late
         and recomputed here (a refused one's session quarantined). All calls are awaited
         together, in the order they finish, each until its own deadline."""
-        replay = False
         waiting = {sent.record.future: sent for sent in inflight}
         while waiting:
             nearest = min(sent.record.deadline_ns for sent in waiting.values())
@@ -259,7 +272,6 @@ class Dispatcher:
                 out, violation, sampled = self._answer(layer, act, hidden.shape[1], sent)
                 if violation is not None:
                     self._refuse(sent.link, violation)
-                    replay |= sent.link.session_id in self._attempt_sessions()
                 if out is None:  # lost or refused: recomputed here, not paid
                     self._fall_back(layer, act, hidden, top_k_weights, sent, partials)
                 else:
@@ -269,8 +281,6 @@ class Dispatcher:
                 self._count(RowTally.FALLBACK, sent.routes)
                 for r in sent.routes:
                     partials[r.expert] = self._compute(layer, act, hidden, top_k_weights, r)
-        if replay:
-            raise ReplayNeeded("a worker this decode used was caught delivering wrong work")
 
     def _fall_back(self, layer: int, act: Activation, hidden: torch.Tensor, top_k_weights: torch.Tensor,
                    sent: SentCall, partials: dict[int, torch.Tensor]) -> None:
@@ -353,30 +363,39 @@ class Dispatcher:
             self.remote_calls += 1
             self.remote_rows += sent.record.rows
             self._used.add(sid)
-        self._attempt_sessions().add(sid)
+        attempt = current_attempt()
+        if attempt is not None:
+            attempt.used(sid)
         if self.observe_call is not None and sent.record.answered_ns:
             self.observe_call((sent.record.answered_ns - sent.record.sent_ns) / 1e9)
         number = self.payments.accepted(sid, work, sent.record.rows, audited=sampled is not None)
         if sampled is not None:
-            self._pending_audits().append(self._auditor.submit(self._audit, sent.link, sampled, number))
+            audit = self._auditor.submit(self._audit, sent.link, sampled, number)
+            if attempt is not None:
+                attempt.audit_pending(audit)
 
-    def _audit(self, link: WorkerLink, sampled: SampledRows, number: int) -> None:
+    def _audit(self, link: WorkerLink, sampled: SampledRows, number: int) -> bool:
         """On the audit thread: the sampled rows of an accepted call. If they pass, the
         session's calls that waited for this audit are paid; else nothing it has waiting is,
-        and it is quarantined (the decode that used it replays at its next settle)."""
+        it is quarantined and no longer trusted (decodes that used it replay at their next
+        settle). Whether they passed."""
         evidence = self.checker.audit(sampled)
         if evidence is None:
             self.payments.passed(link.session_id, number)
-        else:
-            self._refuse(link, evidence)
+            return True
+        self._refuse(link, evidence, audited=True)
+        return False
 
-    def _refuse(self, link: WorkerLink, evidence: session_pb2.QuarantineRequest) -> None:
+    def _refuse(self, link: WorkerLink, evidence: session_pb2.QuarantineRequest, *, audited: bool = False) -> None:
         """Stop using a session that delivered wrong work, pay it nothing more, and report it
-        with the evidence."""
+        with the evidence. Its answers already used are no longer trusted when an audit caught
+        it (its answers passed their checks before it) or when its rows are not checked."""
         assert self.placement is not None
         self.payments.failed(link.session_id)
         with self._lock:
             self.answers_refused += 1
+            if audited or not link.row_checked:
+                self._untrusted = {**self._untrusted, link.session_id: link.slices}
         if self.placement.quarantine(link):
             evidence.audited_rows = self.checker.audited_rows
             log.error("worker delivered wrong work: quarantined", session_id=link.session_id, wallet=link.wallet,
@@ -409,43 +428,9 @@ class Dispatcher:
 
     # -- decode attempts (replays) -----------------------------------------------------
 
-    def _attempt_sessions(self) -> set[str]:
-        used: set[str] | None = getattr(self._attempt, "used", None)
-        if used is None:
-            used = self._attempt.used = set()
-        return used
-
-    def _pending_audits(self) -> list[concurrent.futures.Future[None]]:
-        pending: list[concurrent.futures.Future[None]] | None = getattr(self._attempt, "audits", None)
-        if pending is None:
-            pending = self._attempt.audits = []
-        return pending
-
-    def begin_attempt(self) -> None:
-        """A decode (attempt) starts in this thread: nothing it uses is tainted yet. The
-        audits of an earlier attempt still finish on their own (they pay or quarantine)."""
-        self._attempt.used = set()
-        self._attempt.audits = []
-
-    def settle(self) -> None:
-        """Wait for the audits of the answers this thread's decode attempt has used so far,
-        then raise ReplayNeeded if a session it used has been quarantined (by its audits or
-        any other thread's). Call it before choosing tokens from a forward pass's logits.
-        An audit that could not run (say, the checkpoint became unreadable) raises here."""
-        pending = self._pending_audits()
-        if pending:
-            self._attempt.audits = []
-            concurrent.futures.wait(pending)
-            for fut in pending:
-                fut.result()
-        self.check_attempt()
-
-    def check_attempt(self) -> None:
-        """Raise ReplayNeeded if this thread's decode attempt used a session since quarantined
-        (by any thread): its results are not to be trusted."""
-        quarantined = self.placement.quarantined if self.placement is not None else frozenset()
-        if quarantined and not quarantined.isdisjoint(self._attempt_sessions()):
-            raise ReplayNeeded("a session this decode used was quarantined")
+    def untrusted(self) -> Mapping[str, Mapping[int, Sequence[int]]]:
+        """Sessions whose past answers cannot be trusted, with the slices each served."""
+        return self._untrusted
 
     def note_replay(self) -> None:
         with self._lock:

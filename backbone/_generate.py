@@ -2,27 +2,29 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import pathlib
 import threading
 import time
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
-from backbone._experts import IMPLEMENTATION, Dispatcher, ReplayNeeded, install
+from backbone._attempt import DecodeAttempt, ReplayNeeded
+from backbone._experts import IMPLEMENTATION, Dispatcher, install
 from backbone._weights import load_without_experts
 from kvasir_rpc import get_logger, threads_initializer
+
+if TYPE_CHECKING:
+    from transformers import DynamicCache
 
 log = get_logger("backbone.generate")
 
 #: Called after each decode step with the prompt indices of a decode's rows and their new
-#: tokens so far, ``[rows, steps]``. A replayed decode starts again at one step.
+#: tokens so far, ``[rows, steps]``. A replayed decode goes back to an earlier step.
 OnStep = Callable[[Sequence[int], torch.Tensor], None]
-
-# Each replay follows a new quarantine of a session the decode used; a swarm that keeps
-# sending fresh liars gets this many before the decode gives up.
-MAX_REPLAYS = 16
 
 __all__ = ["Decode", "OnStep", "compare", "decode", "load_model"]
 
@@ -63,20 +65,15 @@ class Decode:
         return sum(self.step_rates) if self.step_rates else None
 
 
-class _StepClock:
-    """A logits processor that changes nothing and notes when each step's logits arrive."""
+class _StopWhenSet:
+    """A stopping criterion that ends the decode after the current step once ``event`` is set
+    (the operator's Ctrl-C, or ``--max-seconds``): every row stops together."""
 
-    def __init__(self) -> None:
-        self.times: list[float] = []
+    def __init__(self, event: threading.Event) -> None:
+        self.event = event
 
-    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-        self.times.append(time.perf_counter())
-        return scores
-
-    def rate(self, rows: int) -> list[float]:
-        if len(self.times) < 2 or self.times[-1] <= self.times[0]:
-            return []
-        return [rows * (len(self.times) - 1) / (self.times[-1] - self.times[0])]
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor, **kwargs: object) -> torch.Tensor:
+        return torch.full((input_ids.shape[0],), self.event.is_set(), dtype=torch.bool, device=input_ids.device)
 
 
 def _dispatcher_of(model) -> Dispatcher | None:  # type: ignore[no-untyped-def]
@@ -92,96 +89,133 @@ def prompts_for_batch(prompt: str, batch: int) -> list[str]:
     return [prompt] + [f"{prompt} ({i})" for i in range(1, batch)]
 
 
-class _StopWhenSet:
-    """A stopping criterion that ends the decode after the current step once ``event`` is set
-    (the operator's Ctrl-C, or ``--max-seconds``): every row stops together."""
+class _Passes:
+    """A greedy decode through transformers' ``generate`` that can go back to any of its
+    passes: pass ``k`` (the prefill is pass 0) gives token ``k``. It keeps the settled
+    tokens and their logits and hands ``generate`` its own KV cache, so a decode told to
+    recompute from pass ``k`` cuts the cache back to the tokens before it and calls
+    ``generate`` again from there (a cache with linear-attention states, which cannot be cut
+    back, starts again from the prompt). The pass a resumed ``generate`` starts with is a
+    one-token forward over the last kept token, as it was the first time."""
 
-    def __init__(self, event: threading.Event) -> None:
-        self.event = event
+    def __init__(self, model, enc, max_new_tokens: int, attempt: DecodeAttempt | None,  # type: ignore[no-untyped-def]
+                 stop: threading.Event | None, on_step: OnStep | None, rows: int, pad_id: int) -> None:
+        from backbone._engine import _cache_layout
 
-    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor, **kwargs: object) -> torch.Tensor:
-        return torch.full((input_ids.shape[0],), self.event.is_set(), dtype=torch.bool, device=input_ids.device)
+        self.model, self.enc, self.max_new_tokens = model, enc, max_new_tokens
+        self.attempt, self.stop, self.on_step, self.rows, self.pad_id = attempt, stop, on_step, rows, pad_id
+        self.resumable = _cache_layout(model)[1]  # attention keys/values only
+        self.tokens: list[torch.Tensor] = []  # [B] per settled pass
+        self.logits: list[torch.Tensor] = []  # [B, V] float32 per settled pass
+        self.times: list[float] = []  # when each pass settled
+        self._forward_logits: torch.Tensor | None = None  # the last forward's, not settled yet
+        self.cache: DynamicCache | None = None
 
+    def _capture(self, module, args, kwargs, output) -> None:  # type: ignore[no-untyped-def]
+        self._forward_logits = output.logits[:, -1].float()
 
-class _Settle:
-    """A stopping criterion that stops nothing: each step's audits are settled (the first
-    criterion, so before the step's tokens are handed on), raising ReplayNeeded when one
-    caught a worker this decode used."""
-
-    def __init__(self, dispatcher: Dispatcher) -> None:
-        self.dispatcher = dispatcher
-
-    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor, **kwargs: object) -> torch.Tensor:
-        self.dispatcher.settle()
+    def _settled(self, input_ids: torch.Tensor, scores: torch.Tensor, **kwargs: object) -> torch.Tensor:
+        """A stopping criterion that stops nothing, run once the step's token is appended:
+        the pass is settled (its audits passed, or ReplayNeeded), then kept."""
+        if self.attempt is not None:
+            self.attempt.settle()
+        assert self._forward_logits is not None
+        self.logits.append(self._forward_logits)
+        self.tokens.append(input_ids[:, -1].clone())
+        self.times.append(time.perf_counter())
+        if self.on_step is not None:
+            self.on_step(range(self.rows), torch.stack(self.tokens, dim=1))
         return torch.zeros((input_ids.shape[0],), dtype=torch.bool, device=input_ids.device)
 
+    def rewind(self, to_pass: int) -> None:
+        """Keep the first ``to_pass`` passes; the next ``run`` recomputes from there."""
+        del self.tokens[to_pass:], self.logits[to_pass:], self.times[to_pass:]
+        self._forward_logits = None
+        if to_pass == 0:
+            self.cache = None
+            return
+        from backbone._engine import cut_cache
 
-class _StepTap:
-    """A stopping criterion that stops nothing: it hands each step's new tokens to ``on_step``
-    (criteria run once the step's token is appended)."""
+        cut_cache(self.cache, self.enc["input_ids"].shape[1] + to_pass - 1)  # the last kept token leads the next pass
 
-    def __init__(self, prompt_len: int, rows: Sequence[int], on_step: OnStep) -> None:
-        self.prompt_len = prompt_len
-        self.rows = rows
-        self.on_step = on_step
+    def run(self) -> None:
+        """Decode from the last settled pass to the end (or the stop)."""
+        from transformers import DynamicCache, LogitsProcessorList, StoppingCriteriaList
 
-    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor, **kwargs: object) -> torch.Tensor:
-        self.on_step(self.rows, input_ids[:, self.prompt_len:])
-        return torch.zeros((input_ids.shape[0],), dtype=torch.bool, device=input_ids.device)
+        done = len(self.tokens)
+        if done >= self.max_new_tokens or (done and self.stop is not None and self.stop.is_set()):
+            return
+        if self.cache is None:
+            self.cache = DynamicCache(config=self.model.config)
+        ids, mask = self.enc["input_ids"], self.enc["attention_mask"]
+        if done:
+            ids = torch.cat([ids, torch.stack(self.tokens, dim=1)], dim=1)
+            mask = torch.cat([mask, torch.ones(mask.shape[0], done, dtype=mask.dtype)], dim=1)
+        criteria: list[object] = [self._settled]
+        if self.stop is not None:
+            criteria.append(_StopWhenSet(self.stop))
+        hook = self.model.register_forward_hook(self._capture, with_kwargs=True)
+        try:
+            with torch.inference_mode():
+                self.model.generate(
+                    input_ids=ids, attention_mask=mask, cache=self.cache,
+                    logits_processor=LogitsProcessorList([]),
+                    stopping_criteria=StoppingCriteriaList(criteria),
+                    do_sample=False,
+                    max_new_tokens=self.max_new_tokens - done,
+                    min_new_tokens=self.max_new_tokens - done,
+                    pad_token_id=self.pad_id,
+                )
+        finally:
+            hook.remove()
+
+    def rate(self) -> list[float]:
+        """Decode-phase rate, prefill excluded: rows x (steps - 1) over the time from the
+        first step's logits to the last's."""
+        if len(self.times) < 2 or self.times[-1] <= self.times[0]:
+            return []
+        return [self.rows * (len(self.times) - 1) / (self.times[-1] - self.times[0])]
 
 
 def decode(model, tokenizer, prompts: list[str], max_new_tokens: int, implementation: str = IMPLEMENTATION,  # type: ignore[no-untyped-def]
            stop: threading.Event | None = None, on_step: OnStep | None = None) -> Decode:
     """Greedy decode of exactly ``max_new_tokens`` per prompt with the given experts
     implementation; fewer (at least one) when ``stop`` is set during the decode.
-    ``on_step(range(len(prompts)), new_tokens)`` runs after every step, in this thread."""
+    ``on_step(range(len(prompts)), new_tokens)`` runs after every step, in this thread (again
+    from an earlier step after a replay).
+
+    A worker caught lying in a pass makes the decode recompute that pass without it; a
+    session whose earlier answers can no longer be trusted makes it recompute from the first
+    pass that used it (from the prompt on a model whose cache cannot be cut back). It never
+    gives up: past a few replays the experts concerned are computed here
+    (``_attempt.py``)."""
     model.set_experts_implementation(implementation)
     tokenizer.padding_side = "left"
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     enc = tokenizer(prompts, return_tensors="pt", padding=True)
-    from transformers import LogitsProcessorList, StoppingCriteriaList
-
     dispatcher = _dispatcher_of(model) if implementation == IMPLEMENTATION else None
-    criteria: list[object] = [_StopWhenSet(stop)] if stop is not None else []
-    if dispatcher is not None:
-        criteria.insert(0, _Settle(dispatcher))
-    if on_step is not None:
-        criteria.append(_StepTap(enc["input_ids"].shape[1], range(len(prompts)), on_step))
-    for attempt in range(MAX_REPLAYS + 1):
-        clock = _StepClock()
-        if dispatcher is not None:
-            dispatcher.begin_attempt()
-        try:
-            with torch.inference_mode():
-                out = model.generate(
-                    **enc,
-                    logits_processor=LogitsProcessorList([clock]),
-                    stopping_criteria=StoppingCriteriaList(criteria),
-                    do_sample=False,
-                    max_new_tokens=max_new_tokens,
-                    min_new_tokens=max_new_tokens,
-                    output_logits=True,
-                    return_dict_in_generate=True,
-                    pad_token_id=tokenizer.pad_token_id,
-                )
-            if dispatcher is not None:
-                dispatcher.settle()  # another group may have caught a worker this one used
-            break
-        except ReplayNeeded as exc:
-            # Everything the liar touched is recomputed without it: the decode restarts from
-            # the prompt, so tokens and logits are what they would have been without it.
-            assert dispatcher is not None
-            dispatcher.note_replay()
-            log.warning("replaying the decode without a quarantined worker", attempt=attempt + 1, reason=str(exc))
-    else:
-        raise RuntimeError(f"the decode was replayed {MAX_REPLAYS} times, each after catching a worker "
-                           "delivering wrong work; stopping")
-    new = out.sequences[:, enc["input_ids"].shape[1] :]
-    logits = torch.stack([step.float() for step in out.logits])
+    attempt = DecodeAttempt(dispatcher) if dispatcher is not None else None
+    passes = _Passes(model, enc, max_new_tokens, attempt, stop, on_step, len(prompts), tokenizer.pad_token_id)
+    with attempt.active() if attempt is not None else contextlib.nullcontext():
+        while True:
+            try:
+                passes.run()
+                if attempt is not None:
+                    attempt.check()  # another group may have caught a worker this one used
+                break
+            except ReplayNeeded as exc:
+                assert attempt is not None
+                to_pass = exc.from_pass if passes.resumable else 0
+                attempt.replaying(exc, from_pass=to_pass)
+                log.warning("recomputing the decode without an untrusted worker", from_pass=to_pass,
+                            reason=str(exc), rewinds=attempt.rewinds, retries=attempt.retries)
+                passes.rewind(to_pass)
+    new = torch.stack(passes.tokens, dim=1)  # [B, new]
+    logits = torch.stack(passes.logits)  # [new, B, V]
     texts = tokenizer.batch_decode(new, skip_special_tokens=True)
-    return Decode(sequences=out.sequences, new_tokens=new, logits=logits, texts=texts,
-                  step_rates=clock.rate(len(prompts)))
+    return Decode(sequences=torch.cat([enc["input_ids"], new], dim=1), new_tokens=new, logits=logits, texts=texts,
+                  step_rates=passes.rate())
 
 
 def decode_grouped(model, tokenizer, prompts: list[str], max_new_tokens: int, groups: int,  # type: ignore[no-untyped-def]

@@ -82,6 +82,9 @@ class WorkerLink:
         self.wallet = session.wallet
         self.target = session.target
         self.slices = slices_from_proto(session.slices)
+        # Whether every answer row is checked before it is used (the worker returns what the
+        # row checks need); otherwise only sampled audits stand behind its answers.
+        self.row_checked = False
         self._channel = grpc.insecure_channel(self.target, options=_CHANNEL_OPTIONS)
         # Dispatch with requests serialized by the caller (serialize_dispatch_request): their
         # bytes go out as they are.

@@ -210,4 +210,15 @@ def serve_backbone(address: str, backbone: Backbone, *, extra_workers: int = 8) 
                          options=[NO_PORT_SHARING], maximum_concurrent_rpcs=workers)
     backbone_pb2_grpc.add_BackboneServiceServicer_to_server(BackboneServicer(backbone), server)
     port, health_servicer = start_with_health(server, address, SERVICE_NAME)
+
+    def on_health(serving: bool) -> None:  # an engine lane failed (restarting), or all step again
+        from grpc_health.v1 import health_pb2
+
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        health_servicer.set(SERVICE_NAME, status)
+        health_servicer.set("", status)
+
+    engine.on_health = on_health
+    if not engine.serving():
+        on_health(False)
     return server, port, health_servicer
