@@ -10,6 +10,7 @@ exit status 2 (kvasir_rpc.fail)."""
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import pathlib
 import signal
@@ -165,6 +166,24 @@ def _gateway_link(args: argparse.Namespace) -> tuple[str, ssl.SSLContext | None]
              "the gateway's certificate (kvasir certs writes ca.pem)")
 
 
+def _session_rate(args: argparse.Namespace):  # type: ignore[no-untyped-def]
+    """The hub's limiter of new sessions from its four flags, or the end of the program with
+    one line naming the flag."""
+    from relay._session_rate import SessionRate, SessionRateLimits
+
+    for flag, value in (("--session-burst-per-address", args.session_burst_per_address),
+                        ("--session-burst", args.session_burst)):
+        if not value >= 1:
+            fail(f"hub: {flag} must be at least 1 new wallet (got {value:g})")
+    for flag, value in (("--sessions-per-minute-per-address", args.sessions_per_minute_per_address),
+                        ("--sessions-per-minute", args.sessions_per_minute)):
+        if not value > 0:
+            fail(f"hub: {flag} must be more than 0 (got {value:g}); give a large value to make it no limit")
+    return SessionRate(SessionRateLimits(
+        address_burst=args.session_burst_per_address, address_per_minute=args.sessions_per_minute_per_address,
+        hub_burst=args.session_burst, hub_per_minute=args.sessions_per_minute))
+
+
 def run_hub(args: argparse.Namespace) -> int:
     from kvasir_rpc import as_listen_error, leaf_exception
     from relay._hub import HubConfig, create_session_server, serve_hub
@@ -183,6 +202,7 @@ def run_hub(args: argparse.Namespace) -> int:
             fail(f"hub: {flag} must be at least 1 (got {value})")
     if not args.message_deadline > 0:
         fail(f"hub: --message-deadline must be more than 0 seconds (got {args.message_deadline:g})")
+    rate = _session_rate(args)
     grpc_host, grpc_port = args.grpc
     ws_address, grpc_address = hostport_text(*args.listen), hostport_text(grpc_host, grpc_port)
     http_address = hostport_text(*args.http) if args.http else None
@@ -234,8 +254,8 @@ def run_hub(args: argparse.Namespace) -> int:
             # answer (up to its connect timeout), and a stop meanwhile is still a clean one.
             nursery.start_soon(_until_signal, nursery, log, "hub")
             nursery.start_soon(sender.run)
-            ws_port = await _start_listening(nursery, failed, "hub", "--listen", ws_address, serve_hub, config, key,
-                                             registry)
+            ws_port = await _start_listening(nursery, failed, "hub", "--listen", ws_address, functools.partial(
+                serve_hub, rate=rate, history=store.wallet_history), config, key, registry)
             if ws_port is None:
                 return
             http_port = None
@@ -246,7 +266,7 @@ def run_hub(args: argparse.Namespace) -> int:
                 board = StatusBoard(registry, hub_key=key.address, shape=shape, desk=desk.statistics,
                                     sender=sender.statistics)
                 metrics = hub_metrics(registry, HubCollector(registry, desk=desk.statistics,
-                                                             sender=sender.statistics))
+                                                             sender=sender.statistics, rate=rate.statistics))
                 http_port = await _start_listening(nursery, failed, "hub", "--http", http_address, serve_hub_http,
                                                    http_address, board, metrics)
                 if http_port is None:
@@ -399,6 +419,20 @@ def build_parser() -> argparse.ArgumentParser:
     hub.add_argument("--max-sessions-per-address", type=int, default=32,
                      help="live sessions from one address, IPv6 by /64 (more are refused with 1013); through a "
                           "gateway, the worker's address the gateway reports")
+    hub.add_argument("--session-burst-per-address", type=float, default=32, metavar="N",
+                     help="new sessions one address (IPv6 by /64; through a gateway, the worker's address) may "
+                          "start at once, counted in new wallets: a wallet without work here that the backbone "
+                          "accepted counts 1, one quarantined here in the last 30 days 4, a returning wallet with a "
+                          "clean record (or a further session of a wallet already connected) 1/2; beyond it close "
+                          "1013 says how long to wait, and a quarantine charges the liar's address 4")
+    hub.add_argument("--sessions-per-minute-per-address", type=float, default=6, metavar="N",
+                     help="how fast an address's --session-burst-per-address refills, in new wallets a minute")
+    hub.add_argument("--session-burst", type=float, default=256, metavar="N",
+                     help="new sessions the whole hub admits at once, counted as for --session-burst-per-address "
+                          "except that a returning wallet (or a further session) counts 0, so strangers cannot keep "
+                          "out the workers that already serve the hub")
+    hub.add_argument("--sessions-per-minute", type=float, default=60, metavar="N",
+                     help="how fast --session-burst refills, in new wallets a minute")
     hub.add_argument("--max-sessions", type=int, default=1024,
                      help="live sessions in all, direct and through a gateway (more: HTTP 503 or close 1013)")
     hub.add_argument("--max-pending", type=int, default=64,

@@ -25,6 +25,7 @@ from contextlib import contextmanager
 
 from kvasir_rpc import ReceiptError, Wallet, get_logger, ledger_pb2, sign_receipt
 from relay._registry import SessionStats
+from relay._session_rate import WalletHistory
 
 __all__ = ["ContributionStore", "PendingReceipt", "ReceiptRecord", "Settlement"]
 
@@ -53,6 +54,8 @@ _SCHEMA = (
         PRIMARY KEY (session_id, seq)
     )""",
     "CREATE INDEX IF NOT EXISTS receipts_pending ON receipts(state) WHERE state = 'pending'",
+    # The hub looks a wallet's history up at every verified hello (wallet_history).
+    "CREATE INDEX IF NOT EXISTS sessions_wallet ON sessions(wallet)",
     """CREATE TABLE IF NOT EXISTS work (
         session_id TEXT NOT NULL REFERENCES sessions(session_id),
         run_id TEXT NOT NULL,
@@ -376,6 +379,26 @@ class ContributionStore:
         with self._lock:
             row = self._db.execute("SELECT wallet FROM sessions WHERE session_id = ?", (session_id,)).fetchone()
         return None if row is None else str(row[0])
+
+    def wallet_history(self, wallet: str) -> WalletHistory:
+        """What this store holds about ``wallet`` for the hub's rate of new sessions: whether
+        the backbone accepted work from one of its sessions that is not quarantined, and when
+        its latest ban was imposed. Never raises: a store that cannot answer (logged) gives
+        the history of a wallet it never saw, so the session pays a stranger's price and is
+        not refused for the store's trouble."""
+        try:
+            with self._lock:
+                worked, banned_at = self._db.execute(
+                    "SELECT EXISTS (SELECT 1 FROM sessions s JOIN work w ON w.session_id = s.session_id"
+                    " WHERE s.wallet = ? AND s.quarantined_seq = 0 AND w.cumulative_bytes > 0),"
+                    " (SELECT banned_at_unix_ms FROM bans WHERE wallet = ?)",
+                    (wallet, wallet),
+                ).fetchone()
+        except sqlite3.Error as exc:
+            log.warning("cannot read a wallet's history; it counts as new", wallet=wallet, error=str(exc))
+            return WalletHistory()
+        return WalletHistory(accepted_work=bool(worked),
+                             last_quarantined_unix_ms=None if banned_at is None else int(banned_at))
 
     def banned_until(self, wallet: str, now_unix_ms: int) -> int | None:
         """When ``wallet``'s ban ends (unix ms), or None when it is not banned at

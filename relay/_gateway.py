@@ -23,9 +23,6 @@ import dataclasses
 import hmac
 import secrets
 import ssl
-import time
-from collections import OrderedDict
-from collections.abc import Callable
 
 import trio
 
@@ -43,6 +40,7 @@ from kvasir_rpc.protocol import (
     choose_subprotocol,
     encode_pair,
 )
+from relay._buckets import TokenBuckets
 from relay._intake import Refusal, http_error_refusal, upgrade_refusal
 from relay._memory import Trimmer
 from relay._refusals import RefusalLog
@@ -117,38 +115,6 @@ class GatewayStats:
     sessions_closed: dict[tuple[str, int], int] = dataclasses.field(default_factory=dict)
 
 
-class _RateLimiter:
-    """Token bucket per source address (``address_key``): ``rate`` new connections a
-    second, burst ``rate``.
-
-    The table holds at most ``max_entries`` addresses, least recently seen first: a new one
-    beyond that evicts the oldest, so an attacker rotating addresses cannot grow it. An
-    evicted address starts again with a full bucket, which is what it would have after a
-    quiet spell anyway; with the default size, evicting a still-limited one takes tens of
-    thousands of addresses within its refill time."""
-
-    def __init__(self, rate: float, clock: Callable[[], float] = time.monotonic, *, max_entries: int = 65536) -> None:
-        if max_entries < 1:
-            raise ValueError("the rate limiter needs room for at least one address")
-        self.rate = rate
-        self.max_entries = max_entries
-        self._clock = clock
-        self._buckets: OrderedDict[str, tuple[float, float]] = OrderedDict()
-
-    def __len__(self) -> int:
-        return len(self._buckets)
-
-    def allow(self, key: str) -> bool:
-        now = self._clock()
-        tokens, last = self._buckets.pop(key, (self.rate, now))
-        tokens = min(self.rate, tokens + (now - last) * self.rate)
-        allowed = tokens >= 1.0
-        self._buckets[key] = (tokens - 1.0 if allowed else tokens, now)  # now the most recent
-        if len(self._buckets) > self.max_entries:
-            self._buckets.popitem(last=False)
-        return allowed
-
-
 @dataclasses.dataclass
 class _Pending:
     worker: WebSocket
@@ -161,7 +127,8 @@ class _Pending:
 class Gateway:
     def __init__(self, config: GatewayConfig) -> None:
         self.config = config
-        self._limiter = _RateLimiter(config.new_connections_per_ip_per_s, max_entries=config.rate_table_size)
+        # New connections per source address: a burst of the rate, refilled at the rate.
+        self._limiter = TokenBuckets(config.new_connections_per_ip_per_s, max_entries=config.rate_table_size)
         # Unfinished messages are dropped all the time; the heap pages they churned go back
         # to the system soon after (see relay._memory).
         self.trimmer = Trimmer()

@@ -63,6 +63,7 @@ from relay._intake import Refusal, UpgradeIntake
 from relay._memory import Trimmer
 from relay._refusals import RefusalLog
 from relay._registry import SessionRegistry
+from relay._session_rate import SessionRate, Standing, WalletHistory, standing_of
 from relay._stream_limits import StreamLimits, StreamLimitsInterceptor
 from relay._target_gate import Admitted, Refused, TargetGate, Verdict
 from relay._work import DeskError, WorkDesk
@@ -420,11 +421,21 @@ class _Session:
         self.log.debug("backbone connection ended", ended_by=ended_by, connection=tunnel.connections)
 
 
+# What the hub knows of a wallet's past (ContributionStore.wallet_history): called in a thread,
+# since the store may be busy writing; it must not raise.
+WalletLookup = Callable[[str], WalletHistory]
+
+
 class _Hub:
-    def __init__(self, config: HubConfig, key: Wallet, registry: SessionRegistry) -> None:
+    def __init__(self, config: HubConfig, key: Wallet, registry: SessionRegistry, *,
+                 rate: SessionRate | None = None, history: WalletLookup | None = None) -> None:
         self.config = config
         self.key = key
         self.registry = registry
+        # New sessions per address and in all (relay._session_rate), priced by the wallet's
+        # history; without one every wallet is new.
+        self.rate = rate if rate is not None else SessionRate()
+        self._history = history
         self._ids = itertools.count(1)
         # Sessions held per wallet and per address key, from the verified hello to the end
         # (counted on the trio thread only, so a check and its increment cannot interleave).
@@ -520,6 +531,10 @@ class _Hub:
         finally:
             for wallet, address in held:
                 self._release(wallet, address)
+                if self.registry.banned_until(wallet) is not None:
+                    # Quarantined while this session lived (a ban never precedes a session:
+                    # a banned wallet is refused): its address pays for the liar too.
+                    self.rate.penalize(address)
 
     async def _handshake(self, ws: WebSocketConnection, remote: str, held: list[tuple[str, str]],
                          via_gateway: bool, on_verified: Callable[[], None] | None = None,
@@ -541,8 +556,21 @@ class _Hub:
                     when = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(until / 1000))
                     raise RemoteProtocolError(f"wallet quarantined by this hub until {when}",
                                               close_code=CloseCode.POLICY_VIOLATION)
+                standing = await self._standing(info.wallet)
+                # Through a gateway, the worker's address the gateway reports (never the
+                # gateway's own): the caps and the rate count one host's sessions together.
                 address = address_key(remote_host(remote))
-                self._hold(info.wallet, address)
+                holds_session = self._per_wallet[info.wallet] > 0
+                self._hold(info.wallet, address)  # caps first: a session over one takes no tokens
+                throttled = self.rate.admit(address, standing, holds_session=holds_session)
+                if throttled is not None:
+                    self._release(info.wallet, address)
+                    # Counted and logged under a budget of lines: a churning attacker is refused
+                    # many times a second.
+                    self.refusals.refused(f"session_rate_{throttled.limit}", remote=remote, wallet=info.wallet,
+                                          standing=standing.value, retry_in_s=round(throttled.wait_s, 1))
+                    await ws.aclose(CloseCode.TRY_AGAIN_LATER, throttled.reason[:120])
+                    return None
                 held.append((info.wallet, address))
                 if on_verified is not None:
                     on_verified()
@@ -558,6 +586,13 @@ class _Hub:
         except ConnectionClosed:
             pass
         return None
+
+    async def _standing(self, wallet: str) -> Standing:
+        """What ``wallet`` costs to admit, from what this hub remembers of it."""
+        if self._history is None:
+            return Standing.NEW
+        history = await trio.to_thread.run_sync(self._history, wallet)
+        return standing_of(history, time.time_ns() // 1_000_000)
 
     async def _serve_connection(self, ws: WebSocketConnection, remote: str, held: list[tuple[str, str]],
                                 via_gateway: bool, on_verified: Callable[[], None] | None = None) -> None:
@@ -620,14 +655,19 @@ async def serve_hub(
     key: Wallet,
     registry: SessionRegistry,
     *,
+    rate: SessionRate | None = None,
+    history: WalletLookup | None = None,
     task_status=trio.TASK_STATUS_IGNORED,  # type: ignore[no-untyped-def]
 ) -> None:
     """Serve worker WebSockets until cancelled; ``task_status.started(port)``.
 
-    Raises TokenError when ``config.backbone_token`` is unusable (targets would admit anyone)."""
+    New sessions are admitted within ``rate`` (default: ``SessionRate()``, its default
+    limits), each priced by its wallet's ``history`` (called in a thread; default: every
+    wallet is new). Raises TokenError when ``config.backbone_token`` is unusable (targets
+    would admit anyone)."""
     if len(config.backbone_token) < MIN_TOKEN_CHARS:
         raise TokenError(f"the hub needs a backbone token of at least {MIN_TOKEN_CHARS} characters")
-    hub = _Hub(config, key, registry)
+    hub = _Hub(config, key, registry, rate=rate, history=history)
     # The intake answers malformed upgrades itself (trio-websocket would answer a bare 400,
     # log nothing and hold each one's task for its connect timeout) and hands on the rest.
     intake = UpgradeIntake(await trio.open_tcp_listeners(config.listen_port, host=config.listen_host),

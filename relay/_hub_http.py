@@ -34,6 +34,7 @@ from starlette.routing import Route
 from kvasir_rpc import get_logger
 from relay._receipt_sender import ReceiptSenderStats
 from relay._registry import SessionRegistry
+from relay._session_rate import SessionRateStats
 from relay._status import SAMPLE_S, StatusBoard
 from relay._work import WorkDeskStats
 
@@ -49,10 +50,12 @@ class HubCollector(Collector):
     """The hub's counters as Prometheus metrics, read when scraped (``kvasir_hub_*``)."""
 
     def __init__(self, registry: SessionRegistry, *, desk: Callable[[], WorkDeskStats] | None = None,
-                 sender: Callable[[], ReceiptSenderStats] | None = None) -> None:
+                 sender: Callable[[], ReceiptSenderStats] | None = None,
+                 rate: Callable[[], SessionRateStats] | None = None) -> None:
         self._registry = registry
         self._desk = desk
         self._sender = sender
+        self._rate = rate
 
     def collect(self) -> Iterator[Metric]:
         sessions = self._registry.statistics()
@@ -74,6 +77,22 @@ class HubCollector(Collector):
         tunnel.add_metric(["to_worker"], totals.bytes_to_worker)
         tunnel.add_metric(["from_worker"], totals.bytes_from_worker)
         yield tunnel
+        if self._rate is not None:
+            rate = self._rate()
+            admitted = CounterMetricFamily("kvasir_hub_sessions_admitted", "New sessions that passed the rate "
+                                           "limits, by the wallet's standing (new, returning, suspect)",
+                                           labels=["standing"])
+            for standing, n in sorted(rate.admitted.items()):
+                admitted.add_metric([standing], n)
+            yield admitted
+            limited = CounterMetricFamily("kvasir_hub_sessions_rate_limited", "New sessions refused (close 1013) "
+                                          "by the rate limits, by the limit (address, hub) and the wallet's standing",
+                                          labels=["limit", "standing"])
+            for (limit, standing), n in sorted(rate.refused.items()):
+                limited.add_metric([limit, standing], n)
+            yield limited
+            yield CounterMetricFamily("kvasir_hub_quarantine_penalties", "Addresses charged for a session "
+                                      "quarantined while it lived", value=rate.penalties)
         if self._desk is not None:
             desk = self._desk()
             yield CounterMetricFamily("kvasir_hub_work_reports", "ReportWork calls from the backbone",

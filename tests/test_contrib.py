@@ -13,6 +13,7 @@ import pytest
 from kvasir_rpc import Wallet, ledger_pb2, open_receipt
 from relay._contrib import ContributionStore, Settlement
 from relay._registry import SessionStats
+from relay._session_rate import WalletHistory
 
 HUB = Wallet.generate()
 WALLET = Wallet.generate().address
@@ -102,6 +103,37 @@ def test_bans_persist_expire_and_never_shorten(tmp_path: pathlib.Path) -> None:
     with sqlite3.connect(with_db) as db:
         assert db.execute("SELECT reason FROM bans").fetchone()[0] == "again"
     store.close()
+
+
+def test_a_wallets_history_is_accepted_work_of_a_clean_session_and_its_last_ban(tmp_path: pathlib.Path) -> None:
+    """What the hub prices a new session by (relay._session_rate): work the backbone accepted
+    from a session not quarantined, and when the wallet was last banned; kept across restarts."""
+    path = tmp_path / "hub.sqlite"
+    store = ContributionStore(path)
+    other = Wallet.generate().address
+    assert store.wallet_history(WALLET) == WalletHistory()  # never seen
+    store.record([stats("s1", 5000, 7000)])
+    assert store.wallet_history(WALLET) == WalletHistory()  # a session that did no work earns nothing
+    store.add_work("run1", "s1", 0, 0, 0)
+    assert not store.wallet_history(WALLET).accepted_work
+    store.add_work("run1", "s1", 300, 1, 2)
+    assert store.wallet_history(WALLET) == WalletHistory(accepted_work=True)
+    # Work from a session later quarantined does not make its wallet returning.
+    store.add_work("run1", "s2", 300, 1, 2, wallet=other)
+    store.quarantine("s2", HUB)
+    assert not store.wallet_history(other).accepted_work
+    store.ban(WALLET, 2 ** 50, "audit mismatch")
+    store.close()
+    store = ContributionStore(path)
+    history = store.wallet_history(WALLET)
+    assert history.accepted_work and history.last_quarantined_unix_ms is not None
+    with sqlite3.connect(path) as db:  # the hub looks it up at every hello: by index, not a scan
+        plan = " ".join(str(row) for row in db.execute(
+            "EXPLAIN QUERY PLAN SELECT 1 FROM sessions WHERE wallet = ?", (WALLET,)))
+    assert "sessions_wallet" in plan, plan
+    store.close()
+    # A store that cannot answer makes the wallet new; it never fails the hello.
+    assert store.wallet_history(WALLET) == WalletHistory()
 
 
 def test_settle_keeps_refusals_that_can_change_pending(store: ContributionStore) -> None:

@@ -1,13 +1,16 @@
 """The hub under hostile hellos, with a real hub process and real WebSocket sessions: its
-memory per session at the largest hello it accepts, hellos outside the model it serves, and
-the per-wallet and per-address caps on sessions."""
+memory per session at the largest hello it accepts, hellos outside the model it serves, the
+per-wallet and per-address caps on sessions, and the rate of new sessions (fresh wallets in a
+loop)."""
 
 import pathlib
 import re
+import ssl
 import time
 
 import pytest
 import trio
+from helpers import trustme_certs, wait_until
 from trio_websocket import ConnectionClosed, connect_websocket_url
 
 from kvasir_rpc import Wallet, WorkerHandshake
@@ -252,6 +255,8 @@ def test_hub_reads_the_model_shape_from_config_json(tmp_path):
     (["--model", "nowhere", "--layers", "1", "--experts", "1"], "--model and --layers/--experts are exclusive"),
     (["--model", "nowhere"], "--model: nowhere/config.json not found"),
     (["--max-sessions-per-wallet", "0"], "--max-sessions-per-wallet must be at least 1"),
+    (["--session-burst-per-address", "0.5"], "--session-burst-per-address must be at least 1 new wallet"),
+    (["--sessions-per-minute", "0"], "--sessions-per-minute must be more than 0"),
 ])
 def test_hub_refuses_a_bad_model_or_cap_at_start(tmp_path, args, says):
     import subprocess
@@ -375,3 +380,133 @@ def test_the_hub_bounds_pending_connections_sessions_and_unfinished_messages(tmp
     assert 7 * HELD_BYTES <= out["holding"] <= 8 * HELD_BYTES * 1.5, out  # type: ignore[operator]
     assert out["after"] < 4 << 20, out  # type: ignore[operator]
     assert out["then"] is None  # a worker still gets a session
+
+
+# -- identities cost something: new sessions per address and per hub ------------------------
+
+ATTACKER, BYSTANDER = "127.0.0.2", "127.0.0.3"  # the honest worker dials from 127.0.0.1
+THROTTLED = re.compile(r"new sessions from this address come too fast \(a wallet new here counts more\); "
+                       r"retry in (\d+) s")
+
+
+async def _fresh_wallet_session(port: int, ctx, source: str):  # type: ignore[no-untyped-def]
+    """A worker WebSocket from ``source`` proving a wallet made just now: (the WebSocket, its
+    session id) when accepted, else (None, the close event)."""
+    from wsclient import connect
+    from wsproto.events import CloseConnection
+
+    from kvasir_rpc.protocol import WORKER_PATH
+
+    ws = await connect(port, WORKER_PATH, ssl_context=ctx, source=source,
+                       subprotocols=[TUNNEL_SUBPROTOCOL])
+    assert ws.status is None, ws.status
+    hs = WorkerHandshake(Wallet.generate(), slices={0: [0]}, weights_digest=bytes(32), device="cpu")
+    await ws.send(hs.receive_challenge(await ws.next_event()))
+    answer = await ws.next_event()
+    if isinstance(answer, CloseConnection):
+        await ws.stream.send_all(ws.conn.send(answer.response()))
+        await ws.aclose()
+        return None, answer
+    return ws, hs.receive_accept(answer)
+
+
+def _quarantine(sw: LocalSwarm, session_id: str) -> None:
+    """What the backbone does when a session's answer fails its audit."""
+    import grpc
+
+    from kvasir_rpc import session_pb2, session_pb2_grpc
+
+    with grpc.insecure_channel(sw.hub_grpc_address) as ch:
+        session_pb2_grpc.SessionServiceStub(ch).Quarantine(
+            session_pb2.QuarantineRequest(session_id=session_id, violation=session_pb2.VIOLATION_AUDIT_MISMATCH,
+                                          detail="the test's liar"),
+            metadata=(("authorization", f"Bearer {sw.backbone_token}"),), timeout=10)
+
+
+def _dispatch_is_exact(sw: LocalSwarm, model, session) -> bool:  # type: ignore[no-untyped-def]
+    """One Dispatch through ``session``'s target: its partials equal the local kernel's."""
+    import grpc
+    import torch
+
+    from kvasir_rpc import (TARGET_KEY_METADATA, ExpertIndex, decode_tensor, encode_tensor, expert_forward,
+                            expert_pb2, expert_pb2_grpc, get_activation, target_key)
+
+    gate_up, down = ExpertIndex(model).load(0, 0)
+    hidden = torch.randn(8, gate_up.shape[1], generator=torch.Generator().manual_seed(5))
+    weights = torch.rand(8, generator=torch.Generator().manual_seed(6))
+    want = expert_forward(hidden, gate_up, down, get_activation("silu"), weights)
+    req = expert_pb2.DispatchRequest(call_id=1, layer=0, hidden=encode_tensor(hidden), weights=encode_tensor(weights),
+                                     segments=[expert_pb2.ExpertSegment(expert=0, rows=8)])
+    key = ((TARGET_KEY_METADATA, target_key(sw.backbone_token, session.session_id)),)
+    with grpc.insecure_channel(session.target) as ch:
+        grpc.channel_ready_future(ch).result(timeout=15)
+        resp = next(iter(expert_pb2_grpc.ExpertServiceStub(ch).Dispatch(iter([req]), timeout=15, metadata=key)))
+    return bool(torch.equal(decode_tensor(resp.partials.partials), want))
+
+
+@pytest.mark.parametrize("via", ["hub", "gateway"])
+def test_a_liar_back_with_fresh_wallets_is_throttled_while_an_honest_worker_serves(tiny_models, tmp_path, via):
+    """The attack that ran against main: a liar caught and quarantined comes straight back with
+    a fresh wallet, in a loop. Under the hub's default limits its address (127.0.0.2) gets a
+    few wallets in, each quarantine charging the address too, then close 1013 with the wait;
+    an honest worker from 127.0.0.1 keeps its session and serves exact answers, and a new
+    wallet from a third address still gets in. Through a gateway, too: the hub counts each
+    session under the worker's address the gateway reports, not the gateway's own."""
+    from wsproto.events import CloseConnection
+
+    model = tiny_models("qwen3_moe")
+    with LocalSwarm(tmp_path) as sw:
+        ctx = None
+        if via == "gateway":
+            trustme_certs(sw.workdir)
+            sw.start_gateway()
+            ctx = ssl.create_default_context(cafile=str(sw.ca_file))
+        sw.start_hub(gateway=via == "gateway", http=True)
+        sw.start_worker("honest", model, "*:0-7", via=via)
+        (honest,) = sw.wait_sessions(1, timeout=DEADLINE_S, watch=["honest"])
+        port = sw.gateway_port if via == "gateway" else sw.hub_ws_port
+        admitted: list[str] = []
+        refused: list[tuple[int, str]] = []
+        out: dict[str, object] = {}
+
+        async def attack() -> None:
+            with trio.fail_after(DEADLINE_S):
+                while len(refused) < 3 and len(admitted) < 20:
+                    ws, got = await _fresh_wallet_session(port, ctx, ATTACKER)
+                    if ws is None:
+                        refused.append((got.code, got.reason))
+                        continue
+                    admitted.append(got)
+                    await trio.to_thread.run_sync(_quarantine, sw, got)
+                    ended = await ws.next_event()  # the hub ends the liar's session at once
+                    assert isinstance(ended, CloseConnection) and ended.code == 1008, ended
+                    await ws.stream.send_all(ws.conn.send(ended.response()))
+                    await ws.aclose()
+                bystander, got = await _fresh_wallet_session(port, ctx, BYSTANDER)
+                out["bystander"] = got if bystander is None else "admitted"
+                if bystander is not None:
+                    await bystander.aclose()
+
+        trio.run(attack)
+        # A burst of 32 new wallets, less 1 + 4 a liar (its wallet and the quarantine's charge):
+        # 7, give or take a charge not yet made when the next hello came and a token refilled
+        # (one every 10 s) while a loaded machine ran the loop. Then a wait of about 40 s.
+        assert 5 <= len(admitted) <= 10, (admitted, refused)
+        for code, reason in refused:
+            assert code == 1013 and (m := THROTTLED.fullmatch(reason)) and int(m[1]) >= 10, (code, reason)
+        assert out["bystander"] == "admitted", out
+        # The honest worker kept its session (its first: never replaced) and serves exactly.
+        assert [s.session_id for s in sw.list_sessions() if s.wallet == honest.wallet] == [honest.session_id]
+        assert _dispatch_is_exact(sw, model, honest)
+        assert (sw.logs / "honest.log").read_text().count("session established") == 1
+
+        def metric(name: str) -> float:
+            found = re.search(rf"^{re.escape(name)} (\S+)$", sw.scrape("hub"), re.MULTILINE)
+            return float(found[1]) if found else 0.0
+
+        wait_until(lambda: metric("kvasir_hub_quarantine_penalties_total") == len(admitted), DEADLINE_S,
+                   "a quarantine charge for each liar's session")
+        assert metric('kvasir_hub_sessions_rate_limited_total{limit="address",standing="new"}') == len(refused)
+        assert metric('kvasir_hub_sessions_admitted_total{standing="new"}') == len(admitted) + 2
+        assert "session_rate_address" in (sw.logs / "hub.log").read_text()
+        sw._check_alive("hub")
