@@ -342,10 +342,22 @@ def build_parser() -> argparse.ArgumentParser:
                          "times the tokens/s of 1 at 32 callers in kvasir bench --service)")
     sv.add_argument("--max-tokens-limit", type=int, default=None,
                     help="max_tokens a request may ask for at most (default: the model's context)")
+    sv.add_argument("--max-prompt-bytes", type=int, default=None, metavar="BYTES",
+                    help="a prompt's text (a chat's messages together) larger than this in UTF-8 is refused "
+                         "before it is tokenized: INVALID_ARGUMENT, HTTP 400 (default: 16 bytes per token of the "
+                         "model's context, at most 2 MiB). The HTTP body limit is 1 MiB, or 4 times this if more; "
+                         "gRPC refuses a message over 4 MiB, or what a valid request may take if more")
+    sv.add_argument("--http-timeout", type=float, default=30.0, metavar="SECONDS",
+                    help="an HTTP connection that sends no complete request head for this long (idle, or slow "
+                         "to send one) is closed, and a request whose body has not all arrived after it gets 408")
     sv.add_argument("--api-key-file", type=pathlib.Path,
                     help="callers must present the key in this file (created, mode 0600, if missing) as a bearer "
                          "token: gRPC 'authorization: Bearer KEY' metadata, HTTP 'Authorization: Bearer KEY' (the "
-                         "openai package's api_key). Without it anyone who reaches --listen or --http may call")
+                         "openai package's api_key). Needed when --listen or --http is beyond loopback, unless "
+                         "--no-auth")
+    sv.add_argument("--no-auth", action="store_true",
+                    help="serve without an API key on an address beyond loopback: anyone who reaches --listen "
+                         "or --http may generate (on loopback no key is needed)")
     sv.add_argument("--ready-file", type=pathlib.Path,
                     help="write {grpc_port, http_port, model} here (atomically) once serving")
     return parser

@@ -21,6 +21,13 @@ def run_serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         parser.error("--lanes cannot exceed --max-batch (each lane holds at least one request)")
     if args.max_tokens_limit is not None and args.max_tokens_limit < 1:
         parser.error("--max-tokens-limit must be at least 1")
+    if args.max_prompt_bytes is not None and args.max_prompt_bytes < 1:
+        parser.error("--max-prompt-bytes must be at least 1")
+    if not args.http_timeout > 0:
+        parser.error("--http-timeout must be a positive number of seconds")
+    refusal = auth_refusal(args.listen, args.http, api_key_file=args.api_key_file is not None, no_auth=args.no_auth)
+    if refusal is not None:
+        fail(f"backbone: {refusal}")
     for option, address in (("--listen", args.listen), ("--http", args.http)):
         if address is None:
             continue
@@ -39,7 +46,7 @@ def run_serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     else:
         for address in (args.listen, args.http):
             if address is not None and not _loopback(address):
-                log.warning("serving beyond this machine without --api-key-file: anyone who reaches it may call",
+                log.warning("serving beyond this machine with --no-auth: anyone who reaches it may call",
                             address=address)
     stop = threading.Event()
 
@@ -60,7 +67,8 @@ def run_serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     engine = Engine(setup.model, setup.tokenizer, setup.dispatcher, max_batch=args.max_batch,
                     max_waiting=args.max_waiting, lanes=args.lanes, max_tokens_cap=args.max_tokens_limit)
     backbone = Backbone(engine=engine, tokenizer=setup.tokenizer, dispatcher=setup.dispatcher,
-                        model_id=args.model_name or args.model.resolve().name, api_key=api_key)
+                        model_id=args.model_name or args.model.resolve().name, api_key=api_key,
+                        max_prompt_bytes=args.max_prompt_bytes or 0)
     http = server = None
     try:
         try:
@@ -72,12 +80,13 @@ def run_serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
             from backbone._http import serve_http
 
             try:
-                http = serve_http(backbone, args.http)
+                http = serve_http(backbone, args.http, timeout_s=args.http_timeout)
             except ListenError as exc:
                 fail(f"backbone: --http: {exc}")
             http_port = http.port
         log.info("backbone serving", grpc=port, http=http_port, model=backbone.model_id,
-                 max_batch=args.max_batch, lanes=args.lanes, remote=setup.watcher is not None)
+                 max_batch=args.max_batch, lanes=args.lanes, remote=setup.watcher is not None,
+                 max_prompt_bytes=backbone.max_prompt_bytes)
         write_ready_file(args.ready_file, {"grpc_port": port, "http_port": http_port, "model": backbone.model_id})
         while not stop.wait(1.0):
             pass
@@ -95,13 +104,33 @@ def run_serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     return 0
 
 
+def auth_refusal(listen: str | None, http: str | None, *, api_key_file: bool, no_auth: bool) -> str | None:
+    """Why ``serve`` must not start with these options (a line naming the flag and the fix),
+    or None: an address beyond loopback needs --api-key-file, or --no-auth said outright."""
+    if api_key_file and no_auth:
+        return "--no-auth and --api-key-file contradict each other: give one of them"
+    if api_key_file or no_auth:
+        return None
+    for option, address in (("--listen", listen), ("--http", http)):
+        if address is not None and not _loopback(address):
+            return (f"{option} {address} is beyond loopback, where anyone who reaches it could generate: give "
+                    "--api-key-file FILE (callers then send the key in FILE as a bearer token; it is created if "
+                    "missing), or --no-auth to serve without a key")
+    return None
+
+
 def _loopback(address: str) -> bool:
+    """Whether ``HOST:PORT`` listens on this machine only: a loopback IP or ``localhost``
+    (any other name, an empty host or a wildcard counts as beyond)."""
     import ipaddress
 
     host = address.rpartition(":")[0].strip("[]")
     if host == "localhost":
         return True
     try:
-        return ipaddress.ip_address(host).is_loopback
+        ip = ipaddress.ip_address(host)
     except ValueError:
         return False
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        return ip.ipv4_mapped.is_loopback
+    return ip.is_loopback

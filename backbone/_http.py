@@ -9,6 +9,12 @@ The engine is thread-based; a request waits on it without a thread of its own: e
 Event on the server's loop, and the handler then drains the stream without blocking. A
 client that goes away (mid-stream or while a whole answer is being made) cancels its engine
 requests, which frees their slots at the engine's next step.
+
+What a client sends is bounded before work is done on it: a connection that sends no request
+head within the timeout (idle, or a head left unfinished) is closed; a body over the limit is
+refused from its Content-Length, or once that much has arrived (413), and one not all there
+within the timeout gets 408; a prompt over the backbone's ``max_prompt_bytes`` gets 400
+before it is tokenized.
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ from hypercorn.trio import serve
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
 from starlette.requests import Request as HTTPRequest
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
@@ -39,6 +46,7 @@ from backbone._openai import (
     ApiError,
     ChatParams,
     CompletionParams,
+    Prompt,
     chat_chunk,
     chat_object,
     chat_prompt_ids,
@@ -57,16 +65,18 @@ from kvasir_rpc import METRICS_PATH, as_listen_error, check_listen, get_logger
 
 log = get_logger("backbone.http")
 
-__all__ = ["MAX_BODY_BYTES", "HttpServer", "make_app", "serve_http"]
+__all__ = ["HTTP_TIMEOUT_S", "MAX_BODY_BYTES", "HttpServer", "make_app", "max_body_bytes", "serve_http"]
 
+# The largest request body, unless the prompt limit needs more (max_body_bytes).
 MAX_BODY_BYTES = 1 << 20
-# A request body must arrive within this; then 408.
-BODY_TIMEOUT_S = 30.0
+# JSON may spell a character of the prompt in up to this many times its UTF-8 bytes ("\u00e9").
+_JSON_BYTES_PER_TEXT_BYTE = 4
+# By default: a connection that sends no (complete) request head for this long is closed (an
+# idle keep-alive one too), and a request whose body is not all there after it gets 408.
+HTTP_TIMEOUT_S = 30.0
 # How long close() lets running requests finish before it cancels them.
 SHUTDOWN_GRACE_S = 2.0
 START_TIMEOUT_S = 30.0
-# An idle keep-alive connection is closed after this.
-KEEP_ALIVE_S = 30.0
 
 
 def _json(obj: object) -> bytes:
@@ -184,22 +194,38 @@ async def _until_disconnect(request: HTTPRequest, scope: trio.CancelScope) -> No
 
 # -- the app -------------------------------------------------------------------------
 
-async def _body(request: HTTPRequest) -> dict[str, Any]:
+def max_body_bytes(max_prompt_bytes: int) -> int:
+    """The largest request body: MAX_BODY_BYTES, or room for a prompt of ``max_prompt_bytes``
+    however JSON spells it when that is more."""
+    return max(MAX_BODY_BYTES, _JSON_BYTES_PER_TEXT_BYTE * max_prompt_bytes)
+
+
+async def _body(request: HTTPRequest, *, limit: int, timeout_s: float) -> dict[str, Any]:
+    """The JSON object of the body; ApiError 413 as soon as it is known to be over ``limit``
+    bytes (from Content-Length, before reading it), 408 when it is not all there within
+    ``timeout_s``."""
     ctype = request.headers.get("content-type", "")
     if ctype.split(";")[0].strip().lower() != "application/json":
         raise ApiError(400, f"send the body as JSON with Content-Type: application/json (got {ctype or 'none'!r})")
-    too_large = ApiError(413, f"the body is larger than {MAX_BODY_BYTES} bytes", code="request_too_large")
+    too_large = ApiError(413, f"the body is larger than this server's limit of {limit} bytes; send a shorter "
+                              f"prompt (the limit is {MAX_BODY_BYTES >> 20} MiB, or {_JSON_BYTES_PER_TEXT_BYTE} "
+                              "times `python -m backbone serve --max-prompt-bytes` when that is more)",
+                         code="request_too_large")
     length = request.headers.get("content-length", "")
-    if length.isdigit() and int(length) > MAX_BODY_BYTES:
+    if length.isdigit() and int(length) > limit:
         raise too_large
     data = bytearray()
-    with trio.move_on_after(BODY_TIMEOUT_S) as timer:
-        async for chunk in request.stream():
-            data += chunk
-            if len(data) > MAX_BODY_BYTES:
-                raise too_large
+    try:
+        with trio.move_on_after(timeout_s) as timer:
+            async for chunk in request.stream():
+                data += chunk
+                if len(data) > limit:
+                    raise too_large
+    except ClientDisconnect:
+        raise ApiError(499, "the client closed the connection before its body arrived", code="client_closed") from None
     if timer.cancelled_caught:
-        raise ApiError(408, f"the body did not arrive within {BODY_TIMEOUT_S:g} s", code="timeout")
+        raise ApiError(408, f"the body did not all arrive within {timeout_s:g} s (`python -m backbone serve "
+                            "--http-timeout`)", code="timeout")
     try:
         body = json.loads(data)
     except (ValueError, RecursionError) as exc:
@@ -212,8 +238,10 @@ async def _body(request: HTTPRequest) -> dict[str, Any]:
 class _Api:
     """The routes, over one Backbone."""
 
-    def __init__(self, backbone: Backbone) -> None:
+    def __init__(self, backbone: Backbone, *, timeout_s: float) -> None:
         self.bb = backbone
+        self.body_limit = max_body_bytes(backbone.max_prompt_bytes)
+        self.timeout_s = timeout_s
         self.watches = _Watches()
         self.metrics = BackboneMetrics(backbone)
 
@@ -263,11 +291,23 @@ class _Api:
         except InvalidRequest as exc:
             raise error_for_invalid(exc, prompt_param=prompt_param) from None
 
+    def _check_bytes(self, field: str, texts: list[str]) -> None:
+        try:
+            self.bb.check_prompt_bytes(field, texts)
+        except InvalidRequest as exc:
+            raise error_for_invalid(exc) from None
+
     def _completion_requests(self, params: CompletionParams) -> list[Request]:
+        # Every prompt's size before any is tokenized.
+        prompts: list[Prompt] = params.prompts
+        for i, p in enumerate(prompts):
+            if isinstance(p, str):
+                self._check_bytes("prompt" if len(prompts) == 1 else f"prompt[{i}]", [p])
         return [self._request(params, p, None, "prompt") if isinstance(p, str) else
-                self._request(params, None, p, "prompt") for p in params.prompts]
+                self._request(params, None, p, "prompt") for p in prompts]
 
     def _chat_requests(self, params: ChatParams) -> list[Request]:
+        self._check_bytes("messages", [m["content"] for m in params.messages])
         ids = chat_prompt_ids(self.bb.tokenizer, params.messages)
         return [self._request(params, None, ids, "messages")]
 
@@ -295,8 +335,8 @@ class _Api:
 
     async def completions(self, request: HTTPRequest) -> Response:
         self._authorize(request)
-        params = parse_completion(await _body(request))
-        # Tokenizing is CPU work (up to a MiB of text): off the loop.
+        params = parse_completion(await _body(request, limit=self.body_limit, timeout_s=self.timeout_s))
+        # Tokenizing is CPU work (up to the backbone's max_prompt_bytes of text a prompt): off the loop.
         requests = await trio.to_thread.run_sync(self._completion_requests, params)
         watch = self._submit(params.model, requests)
         ident, created, model = f"cmpl-{uuid.uuid4().hex}", int(time.time()), self.bb.model_id
@@ -307,7 +347,7 @@ class _Api:
 
     async def chat(self, request: HTTPRequest) -> Response:
         self._authorize(request)
-        params = parse_chat(await _body(request))
+        params = parse_chat(await _body(request, limit=self.body_limit, timeout_s=self.timeout_s))
         requests = await trio.to_thread.run_sync(self._chat_requests, params)
         watch = self._submit(params.model, requests)
         ident, created, model = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), self.bb.model_id
@@ -402,14 +442,15 @@ async def _server_error(request: HTTPRequest, exc: Exception) -> Response:
     return _error_response(ApiError(500, f"internal error: {type(exc).__name__}: {exc}", type="server_error"))
 
 
-def make_app(backbone: Backbone) -> Starlette:
-    """The Starlette app of the API over ``backbone``. It waits on the engine with trio's
-    primitives, so it runs under a trio server (``serve_http``)."""
-    return _make_app(backbone)[0]
+def make_app(backbone: Backbone, *, timeout_s: float = HTTP_TIMEOUT_S) -> Starlette:
+    """The Starlette app of the API over ``backbone`` (a body must all arrive within
+    ``timeout_s``). It waits on the engine with trio's primitives, so it runs under a trio
+    server (``serve_http``)."""
+    return _make_app(backbone, timeout_s)[0]
 
 
-def _make_app(backbone: Backbone) -> tuple[Starlette, _Watches]:
-    api = _Api(backbone)
+def _make_app(backbone: Backbone, timeout_s: float) -> tuple[Starlette, _Watches]:
+    api = _Api(backbone, timeout_s=timeout_s)
     routes = [
         Route("/v1/completions", api.completions, methods=["POST"]),
         Route("/v1/chat/completions", api.chat, methods=["POST"]),
@@ -460,18 +501,23 @@ def _port(bind: str) -> int:
     return int(bind.rsplit(":", 1)[1])
 
 
-def serve_http(backbone: Backbone, address: str) -> HttpServer:
+def serve_http(backbone: Backbone, address: str, *, timeout_s: float = HTTP_TIMEOUT_S) -> HttpServer:
     """Serve the API on ``address`` ("HOST:PORT", port 0 picks one) and return once it
-    listens. Raises ListenError when the address cannot be bound."""
+    listens. A connection that sends no complete request head within ``timeout_s`` (idle
+    between requests, or slow to finish one) is closed; a body not all there by then gets
+    408. Raises ListenError when the address cannot be bound."""
     check_listen(address)
     config = Config()
     config.bind = [address]
     config.graceful_timeout = SHUTDOWN_GRACE_S
-    config.keep_alive_timeout = KEEP_ALIVE_S
+    # Hypercorn counts this from the connection's start, and again after each response, until
+    # a request's head is complete: it bounds an idle connection and a head sent slowly alike.
+    # (Its read_timeout would also cut a long response the client quietly reads.)
+    config.keep_alive_timeout = timeout_s
     config.accesslog = None
     config.errorlog = logging.getLogger("hypercorn.error")
     config.include_server_header = False
-    app, watches = _make_app(backbone)
+    app, watches = _make_app(backbone, timeout_s)
     started: Future[tuple[int, trio.lowlevel.TrioToken, trio.Event]] = Future()
 
     async def main() -> None:

@@ -6,7 +6,9 @@ Parameters follow OpenAI's names and defaults (``temperature`` 1, ``max_tokens``
 completions), plus three extensions: ``top_k``, ``ignore_eos`` and ``max_tokens`` up to the
 context for chat. A parameter this server does not implement is refused with HTTP 400
 naming it, unless it is given its neutral value (``n: 1``, ``echo: false``...); an unknown
-one is refused too, as OpenAI does, so a typo never passes silently."""
+one is refused too, as OpenAI does, so a typo never passes silently. A string anywhere in a
+body that is not Unicode text (a lone UTF-16 surrogate such as JSON's ``"\ud800"``) is
+refused with HTTP 400 naming where it is, before any parameter is read."""
 
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ from typing import Any
 from backbone._engine import Finish, InvalidRequest, Sampling, StreamEvent, Summary
 
 __all__ = ["ApiError", "ChatParams", "CompletionParams", "Prompt", "chat_chunk", "chat_object",
-           "chat_prompt_ids", "completion_chunk", "completion_object", "error_for_event",
+           "chat_prompt_ids", "check_text", "completion_chunk", "completion_object", "error_for_event",
            "error_for_invalid", "finish_reason", "parse_chat", "parse_completion", "usage"]
 
 # Several prompts in one /v1/completions request are several engine requests.
@@ -64,6 +66,49 @@ def error_for_event(event: StreamEvent) -> ApiError:
     """The error object for a stream that ended with ``event.error``."""
     status, kind = _EVENT_ERRORS.get(event.error_kind, (500, "server_error"))
     return ApiError(status, event.error or "the decode failed", type=kind, code=event.error_kind or None)
+
+
+# -- text ------------------------------------------------------------------------------
+
+def _surrogate(text: str) -> int | None:
+    """The index of the first lone surrogate in ``text``, or None. json.loads makes one from a
+    "\\ud800" escape with no partner, or from the UTF-8 bytes of a surrogate (ED A0 80)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        return exc.start
+    return None
+
+
+def _surrogate_error(where: str | None, what: str, text: str, at: int) -> ApiError:
+    code = f"\\u{ord(text[at]):04x}"
+    place = f"{where}: " if where else ""
+    return ApiError(400, f"{place}{what} holds a lone UTF-16 surrogate ({code}, at character {at}), which is no "
+                         "Unicode character: in JSON a \\ud800-\\udbff escape must be followed by a "
+                         "\\udc00-\\udfff one (the two encode one character), or send the character itself "
+                         "as UTF-8", param=where)
+
+
+def check_text(body: object) -> None:
+    """ApiError (400) when a string in ``body`` (decoded JSON), or a key of one of its
+    objects, holds a lone surrogate: it cannot be tokenized nor written back as UTF-8. The
+    error's ``param`` is where: ``prompt``, ``prompt[1]``, ``messages[0].content``..."""
+    stack: list[tuple[str | None, object]] = [(None, body)]
+    while stack:
+        where, value = stack.pop()
+        if isinstance(value, str):
+            at = _surrogate(value)
+            if at is not None:
+                raise _surrogate_error(where, "the text" if where else "the body", value, at)
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                at = _surrogate(key)
+                if at is not None:
+                    raise _surrogate_error(where, "a name", key, at)
+                stack.append((f"{where}.{key}" if where else key, item))
+        elif isinstance(value, list):
+            stack.extend((f"{where}[{i}]" if where else f"[{i}]", item) for i, item in enumerate(value)
+                         if isinstance(item, (str, dict, list)))
 
 
 # -- parameters ------------------------------------------------------------------------
@@ -222,6 +267,7 @@ def _prompts(body: Mapping[str, Any]) -> list[Prompt]:
 
 def parse_completion(body: Mapping[str, Any]) -> CompletionParams:
     """/v1/completions' parameters; ApiError (400) names the one at fault."""
+    check_text(body)
     _check_names(body, _COMPLETION, _COMPLETION_NEUTRAL)
     prompts = _prompts(body)
     return CompletionParams(prompts=prompts, **_common(body, _int(body, "max_tokens", 16)))
@@ -265,6 +311,7 @@ def _messages(body: Mapping[str, Any]) -> list[dict[str, str]]:
 
 def parse_chat(body: Mapping[str, Any]) -> ChatParams:
     """/v1/chat/completions' parameters; ApiError (400) names the one at fault."""
+    check_text(body)
     _check_names(body, _CHAT, _CHAT_NEUTRAL)
     messages = _messages(body)
     max_tokens = _int(body, "max_completion_tokens", None)

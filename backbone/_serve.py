@@ -1,16 +1,26 @@
 """kvasir.v1.BackboneService over gRPC: Generate (server streaming), ListModels, Describe,
 with reflection (v1 and v1alpha) and health. The OpenAI-compatible HTTP API
-(``_http.py``) serves the same ``Backbone`` (one engine, one batch)."""
+(``_http.py``) serves the same ``Backbone`` (one engine, one batch).
+
+What a caller sends is bounded before any work is done on it: a prompt's text by its size in
+UTF-8 bytes before it is tokenized (``Backbone.max_prompt_bytes``), a whole gRPC message by
+grpc itself (``max_message_bytes``), and a request whose strings are not UTF-8 gets
+INVALID_ARGUMENT naming the field, where grpcio would answer INTERNAL."""
 
 from __future__ import annotations
 
 import dataclasses
 import hmac
 import time
+from collections.abc import Callable, Sequence
 from concurrent import futures
-from typing import Any
+from typing import Any, TypeVar
 
 import grpc
+from google.protobuf import empty_pb2
+from google.protobuf.descriptor import FieldDescriptor
+from google.protobuf.message import DecodeError, Message
+from google.protobuf.unknown_fields import UnknownFieldSet
 
 from backbone._engine import (
     DEFAULT_MAX_TOKENS,
@@ -32,7 +42,24 @@ SERVICE_NAME = "kvasir.v1.BackboneService"
 # How often a streaming handler looks whether its caller is still there while no token comes.
 _POLL_S = 0.5
 
-__all__ = ["SERVICE_NAME", "Backbone", "serve_backbone"]
+__all__ = ["GRPC_DEFAULT_MESSAGE_BYTES", "PROMPT_BYTES_CAP", "PROMPT_BYTES_PER_TOKEN", "SERVICE_NAME", "Backbone",
+           "Undecodable", "decode_request", "default_max_prompt_bytes", "max_message_bytes", "serve_backbone"]
+
+# A prompt's text is refused before it is tokenized when its UTF-8 is larger than this many
+# bytes per token of the model's context: text that long cannot fit (prose and code run a few
+# bytes a token). Tokenizing costs time and memory in proportion to the text, and the allocator
+# keeps much of that memory, so the default never exceeds PROMPT_BYTES_CAP whatever the
+# context; `backbone serve --max-prompt-bytes` sets another limit.
+PROMPT_BYTES_PER_TOKEN = 16
+PROMPT_BYTES_CAP = 2 << 20
+# grpcio's own default largest message. A message up to the larger of this and what a valid
+# request may take reaches the handler (an oversized prompt gets INVALID_ARGUMENT naming the
+# limit); a larger one grpc refuses (RESOURCE_EXHAUSTED) before it is read.
+GRPC_DEFAULT_MESSAGE_BYTES = 4 << 20
+# The most one prompt token id takes in a GenerateRequest (a uint32 varint), and room for
+# the other fields (stop strings, sampling, model).
+_TOKEN_ID_BYTES = 5
+_OTHER_FIELDS_BYTES = 64 << 10
 
 _FINISH = {Finish.LENGTH: backbone_pb2.FINISH_REASON_LENGTH, Finish.EOS: backbone_pb2.FINISH_REASON_EOS,
            Finish.STOP: backbone_pb2.FINISH_REASON_STOP}
@@ -52,6 +79,12 @@ class Backbone:
     created: int = dataclasses.field(default_factory=lambda: int(time.time()))
     # When set, callers present it as a bearer token (gRPC metadata, HTTP Authorization).
     api_key: str = ""
+    # The largest prompt text, in UTF-8 bytes, that is tokenized; 0: default_max_prompt_bytes.
+    max_prompt_bytes: int = 0
+
+    def __post_init__(self) -> None:
+        if self.max_prompt_bytes <= 0:
+            self.max_prompt_bytes = default_max_prompt_bytes(self.engine.context_length)
 
     def key_presented(self, presented: str | None) -> bool:
         """Whether ``presented`` (the token after "Bearer ") opens the service, in constant time."""
@@ -104,20 +137,97 @@ class Backbone:
         if name and name != self.model_id:
             raise InvalidRequest("model", f"{name!r} is not served here; this backbone serves {self.model_id!r}")
 
+    def check_prompt_bytes(self, field: str, texts: Sequence[str]) -> None:
+        """InvalidRequest(``field``) when ``texts`` together are more than ``max_prompt_bytes``
+        in UTF-8: called before they are tokenized. Counts a lone surrogate as UTF-8 would
+        hold it (3 bytes) rather than failing on it."""
+        size = sum(len(text.encode("utf-8", "surrogatepass")) for text in texts)
+        if size > self.max_prompt_bytes:
+            raise InvalidRequest(field, f"{size} bytes of UTF-8 text, more than this backbone's limit of "
+                                        f"{self.max_prompt_bytes} bytes; shorten it (the limit is "
+                                        "`python -m backbone serve --max-prompt-bytes`, by default "
+                                        f"{PROMPT_BYTES_PER_TOKEN} bytes per token of the model's context)")
+
     def tokenize(self, prompt: str) -> tuple[int, ...]:
         return tuple(int(t) for t in self.tokenizer(prompt)["input_ids"])
 
     def request(self, *, prompt: str | None, prompt_ids: list[int] | tuple[int, ...] | None, max_tokens: int,
                 sampling: Sampling, stop: tuple[str, ...] = (), ignore_eos: bool = False,
                 digest_logits: bool = False) -> Request:
-        """A checked engine Request (InvalidRequest names the field at fault)."""
+        """A checked engine Request (InvalidRequest names the field at fault). A text prompt
+        over ``max_prompt_bytes`` is refused before it is tokenized."""
         if prompt and prompt_ids:
             raise InvalidRequest("prompt", "give the prompt as text or as token ids, not both")
+        if prompt:
+            self.check_prompt_bytes("prompt", (prompt,))
         ids = tuple(prompt_ids) if prompt_ids else self.tokenize(prompt or "")
         request = Request(prompt_ids=ids, max_tokens=max_tokens or DEFAULT_MAX_TOKENS, sampling=sampling,
                           stop=stop, ignore_eos=ignore_eos, digest_logits=digest_logits)
         self.engine.validate(request)
         return request
+
+
+def default_max_prompt_bytes(context_length: int) -> int:
+    """The largest prompt text, in UTF-8 bytes, a backbone of ``context_length`` tokens
+    tokenizes by default: PROMPT_BYTES_PER_TOKEN a token, at most PROMPT_BYTES_CAP."""
+    return min(PROMPT_BYTES_PER_TOKEN * max(1, context_length), PROMPT_BYTES_CAP)
+
+
+def max_message_bytes(max_prompt_bytes: int, context_length: int) -> int:
+    """The largest gRPC message the service reads: any valid GenerateRequest (its prompt text
+    or a whole context of prompt_token_ids, and the other fields) fits, and so does anything
+    up to grpcio's usual limit, so that an oversized prompt gets the handler's precise
+    INVALID_ARGUMENT; grpc refuses anything larger before it is read."""
+    needed = max_prompt_bytes + _TOKEN_ID_BYTES * context_length + _OTHER_FIELDS_BYTES
+    return max(GRPC_DEFAULT_MESSAGE_BYTES, needed)
+
+
+# -- requests that do not parse ---------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class Undecodable:
+    """A request message that did not parse, and why (a message that starts with the field at
+    fault when one is), to be answered INVALID_ARGUMENT."""
+
+    reason: str
+
+
+M = TypeVar("M", bound=Message)
+
+
+def decode_request(cls: type[M], data: bytes) -> M | Undecodable:
+    """``data`` parsed as ``cls``, or Undecodable. The protobuf runtime refuses a string
+    field that is not UTF-8 (such as a lone surrogate a client encoded anyway); grpcio turns
+    a deserializer's exception into INTERNAL, so the handlers get this instead."""
+    try:
+        return cls.FromString(data)
+    except DecodeError:
+        return Undecodable(_why_undecodable(cls.DESCRIPTOR, data))
+
+
+def _why_undecodable(descriptor: Any, data: bytes) -> str:  # a Descriptor, Python or upb
+    name = descriptor.full_name
+    try:
+        # Every field unknown to Empty: the wire format is read with no check of the strings.
+        fields = UnknownFieldSet(empty_pb2.Empty.FromString(data))
+    except DecodeError:
+        return f"the request is not a {name}: its bytes are not protobuf wire format"
+    seen: dict[int, int] = {}
+    for i in range(len(fields)):
+        unknown = fields[i]
+        number = unknown.field_number
+        index = seen[number] = seen.get(number, -1) + 1
+        field = descriptor.fields_by_number.get(number)
+        if field is None or field.type != FieldDescriptor.TYPE_STRING or not isinstance(unknown.data, bytes):
+            continue
+        try:
+            unknown.data.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            where = f"{field.name}[{index}]" if field.is_repeated else field.name
+            return (f"{where}: is not UTF-8 (byte {exc.start}: {exc.reason}); protobuf strings must be valid "
+                    "UTF-8, and a lone UTF-16 surrogate (such as U+D800) is no character: send the text "
+                    "encoded as UTF-8")
+    return f"the request is not a valid {name}: a field's bytes do not parse as its type in backbone.proto"
 
 
 def summary_message(s: Summary) -> backbone_pb2.GenerateSummary:
@@ -136,6 +246,11 @@ class BackboneServicer(backbone_pb2_grpc.BackboneServiceServicer):
     def __init__(self, backbone: Backbone) -> None:
         self.backbone = backbone
 
+    @staticmethod
+    def _check_decoded(request: object, context: grpc.ServicerContext) -> None:
+        if isinstance(request, Undecodable):
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.reason)
+
     def _authorize(self, context: grpc.ServicerContext) -> None:
         key = self.backbone.api_key
         if key and not check_bearer(context.invocation_metadata(), key):
@@ -146,6 +261,7 @@ class BackboneServicer(backbone_pb2_grpc.BackboneServiceServicer):
     def Generate(self, request: backbone_pb2.GenerateRequest, context: grpc.ServicerContext):  # type: ignore[no-untyped-def]
         bb = self.backbone
         self._authorize(context)
+        self._check_decoded(request, context)
         try:
             bb.check_model(request.model)
             s = request.sampling
@@ -167,11 +283,13 @@ class BackboneServicer(backbone_pb2_grpc.BackboneServiceServicer):
     def ListModels(self, request: backbone_pb2.ListModelsRequest,
                    context: grpc.ServicerContext) -> backbone_pb2.ListModelsResponse:
         self._authorize(context)
+        self._check_decoded(request, context)
         return backbone_pb2.ListModelsResponse(models=[self.backbone.card()])
 
     def Describe(self, request: backbone_pb2.BackboneServiceDescribeRequest,
                  context: grpc.ServicerContext) -> backbone_pb2.BackboneServiceDescribeResponse:
         self._authorize(context)
+        self._check_decoded(request, context)
         try:
             self.backbone.check_model(request.model)
         except InvalidRequest as exc:
@@ -199,16 +317,43 @@ def _messages(stream: RequestStream, context: grpc.ServicerContext):  # type: ig
         stream.cancel()  # no-op once finished
 
 
+def _add_servicer(servicer: BackboneServicer, server: grpc.Server) -> None:
+    """What ``backbone_pb2_grpc.add_BackboneServiceServicer_to_server`` does, with requests
+    parsed by decode_request (a request that does not parse reaches the handler, which
+    answers INVALID_ARGUMENT)."""
+    pb = backbone_pb2
+
+    def decoder(cls: type[M]) -> Callable[[bytes], M | Undecodable]:
+        return lambda data: decode_request(cls, data)
+
+    handlers = {
+        "Generate": grpc.unary_stream_rpc_method_handler(
+            servicer.Generate, request_deserializer=decoder(pb.GenerateRequest),
+            response_serializer=pb.GenerateResponse.SerializeToString),
+        "ListModels": grpc.unary_unary_rpc_method_handler(
+            servicer.ListModels, request_deserializer=decoder(pb.ListModelsRequest),
+            response_serializer=pb.ListModelsResponse.SerializeToString),
+        "Describe": grpc.unary_unary_rpc_method_handler(
+            servicer.Describe, request_deserializer=decoder(pb.BackboneServiceDescribeRequest),
+            response_serializer=pb.BackboneServiceDescribeResponse.SerializeToString),
+    }
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
+    server.add_registered_method_handlers(SERVICE_NAME, handlers)  # type: ignore[attr-defined]
+
+
 def serve_backbone(address: str, backbone: Backbone, *, extra_workers: int = 8) -> tuple[grpc.Server, int, Any]:
     """A started gRPC server with BackboneService, reflection and health on ``address``
     ("HOST:PORT", port 0 picks one): ``(server, port, health servicer)``. Every streaming
     call holds a thread, so the pool has one per slot and per waiting request (and a few
-    more for ListModels, Describe and health); past that grpcio answers RESOURCE_EXHAUSTED."""
+    more for ListModels, Describe and health); past that grpcio answers RESOURCE_EXHAUSTED.
+    A message over ``max_message_bytes`` is refused by grpc (RESOURCE_EXHAUSTED) unread."""
     engine = backbone.engine
     workers = engine.max_batch + engine.max_waiting + extra_workers
+    limit = max_message_bytes(backbone.max_prompt_bytes, engine.context_length)
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="backbone-svc"),
-                         options=[NO_PORT_SHARING], maximum_concurrent_rpcs=workers)
-    backbone_pb2_grpc.add_BackboneServiceServicer_to_server(BackboneServicer(backbone), server)
+                         options=[NO_PORT_SHARING, ("grpc.max_receive_message_length", limit)],
+                         maximum_concurrent_rpcs=workers)
+    _add_servicer(BackboneServicer(backbone), server)
     port, health_servicer = start_with_health(server, address, SERVICE_NAME)
 
     def on_health(serving: bool) -> None:  # an engine lane failed (restarting), or all step again
