@@ -59,8 +59,14 @@ def _experts_args(g: argparse.ArgumentParser) -> None:
                         "expert from the checkpoint the first time it must be computed here; 'auto': on-demand "
                         "when experts live on a hub's workers and no local comparison is asked")
     g.add_argument("--audit-rate", type=float, default=None,
-                   help="fraction of remote rows recomputed here to check the worker (default 0.02; "
-                        "each session's first call is audited too; 0 turns sampling off)")
+                   help="fraction of a row-checked session's remote rows recomputed here to check the worker, "
+                        "once its wallet has earned it (default 0.02; a wallet's first rows from 0.25, halving "
+                        "every 2000 rows; a session without row checks at least 0.1; each session's first "
+                        "call is audited too; 0 turns sampling off)")
+    g.add_argument("--row-checks", choices=["on", "off"], default="on",
+                   help="check every row of a worker's answer before it is used, at a fraction of recomputing "
+                        "it (workers that return their projections; docs/PROTOCOL.md 'Row checks'); 'off' "
+                        "leaves only the sampled audits, for comparison")
     add_log_level(g, "warning")
 
 
@@ -164,7 +170,7 @@ def build_setup(parser: argparse.ArgumentParser, args: argparse.Namespace, *, co
     audit_rate = DEFAULT_AUDIT_RATE if args.audit_rate is None else args.audit_rate
     dispatcher = Dispatcher(model, watcher, call_timeout_s=args.call_timeout, wire_dtype=wire_dtype,
                             expert_source=source, audit_rate=audit_rate, reporter=reporter,
-                            stragglers=stragglers)
+                            stragglers=stragglers, row_checks=args.row_checks == "on")
     return Setup(model, tokenizer, watcher, dispatcher, reporter, on_demand, wire_dtype, model_dtype, audit_rate)
 
 

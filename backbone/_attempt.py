@@ -28,20 +28,31 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import dataclasses
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from backbone._experts import Dispatcher
 
-__all__ = ["LOCAL_AFTER", "DecodeAttempt", "ReplayNeeded", "current_attempt"]
+__all__ = ["LOCAL_AFTER", "DecodeAttempt", "ReplayNeeded", "Untrusted", "current_attempt"]
 
 # Replays (of one pass, or back to earlier passes) before the experts concerned are computed
 # here instead.
 LOCAL_AFTER = 3
 
 _current = threading.local()
+
+
+@dataclasses.dataclass(frozen=True)
+class Untrusted:
+    """A session whose past answers cannot all be trusted: all of them, or (``narrow_only``,
+    a session whose row checks caught it) those whose rows passed their checks narrowly;
+    ``slices``: what it served."""
+
+    slices: Mapping[int, Sequence[int]]
+    narrow_only: bool = False
 
 
 class ReplayNeeded(RuntimeError):
@@ -72,6 +83,7 @@ class DecodeAttempt:
         Audits of earlier passes still finish on their own (they pay or quarantine)."""
         self.passes = 0  # passes settled
         self._used: dict[str, int] = {}  # session id -> the first pass that used it
+        self._narrow: dict[str, int] = {}  # session id -> the first pass that used a narrow pass of it
         self._audits: list[concurrent.futures.Future[bool]] = []
         self.retries = 0  # replays of the current pass
         self.rewinds = 0  # replays back to an earlier pass
@@ -90,9 +102,12 @@ class DecodeAttempt:
 
     # -- what the Dispatcher tells it, during a pass -----------------------------------------
 
-    def used(self, session_id: str) -> None:
-        """The current pass used an answer of ``session_id``."""
+    def used(self, session_id: str, *, narrow: bool = False) -> None:
+        """The current pass used an answer of ``session_id``; ``narrow``: one whose rows
+        passed their checks narrowly (``_rowcheck.NARROW_Z``)."""
         self._used.setdefault(session_id, self.passes)
+        if narrow:
+            self._narrow.setdefault(session_id, self.passes)
 
     def audit_pending(self, fut: concurrent.futures.Future[bool]) -> None:
         """An audit of an answer the current pass used; its result says whether it passed."""
@@ -112,7 +127,9 @@ class DecodeAttempt:
         untrusted = self.dispatcher.untrusted()
         if not untrusted:
             return
-        hits = [(first, sid) for sid, first in self._used.items() if sid in untrusted]
+        hits = [(first, sid) for sid, first in self._used.items()
+                if sid in untrusted and not untrusted[sid].narrow_only]
+        hits += [(first, sid) for sid, first in self._narrow.items() if sid in untrusted and untrusted[sid].narrow_only]
         if hits:
             first, sid = min(hits)
             raise ReplayNeeded(f"session {sid}, used from pass {first} of this decode, is no longer trusted",
@@ -153,7 +170,8 @@ class DecodeAttempt:
             untrusted = self.dispatcher.untrusted()
             for sid, first in self._used.items():
                 if first >= exc.from_pass and sid in untrusted:
-                    for layer, experts in untrusted[sid].items():
+                    for layer, experts in untrusted[sid].slices.items():
                         self.local_experts.setdefault(layer, set()).update(experts)
         self._used = {sid: first for sid, first in self._used.items() if first < target}
+        self._narrow = {sid: first for sid, first in self._narrow.items() if first < target}
         self.passes = target

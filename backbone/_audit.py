@@ -19,10 +19,14 @@ The comparison: a row equal bit for bit to this backbone's own kernel passes at 
 same exact path, as on one machine). Otherwise it must lie within a bound derived from the
 dtype and the reduction sizes, element by element, against this backbone's own result::
 
-    |partial - reference| <= C * (u_c * E + u_w * |reference|)
+    |partial - reference| <= C * u_c * E + C * u_c * |reference|     (partials in the compute dtype)
+    |partial - reference| <= C * u_c * E + 2 * u_w * |reference|     (partials narrowed on the wire)
 
 ``u_c`` is the unit roundoff of the dtype the expert computes in (2^-24 for float32),
-``u_w`` that of the dtype the partials travel in, ``C`` = ``TOLERANCE_FACTOR`` and ``E`` the
+``u_w`` that of the narrower dtype the partials travel in (bfloat16 partials of a float32
+model): an honest narrowed partial is the round-to-nearest of a value within ``C u_c E`` of
+the backbone's, so at most one unit in the last place (``2 u_w |reference|`` bounds it) from
+the backbone's own rounded result. ``C`` = ``TOLERANCE_FACTOR`` and ``E`` the
 error scale of a float computation of the expert in any summation order: a dot product of
 ``n`` terms ``t`` errs by about ``sqrt(n) * ||t||_2`` roundoffs, and the gate/up errors are
 carried through the activation and the down projection::
@@ -31,8 +35,10 @@ carried through the activation and the down projection::
     E_h = |act'(g)| |u| E_g + |act(g)| E_u + |h|                          [rows, I]
     E   = |w| * (sqrt(I) * sqrt(h^2 @ Wd^2.T) + sqrt(E_h^2 @ Wd^2.T)) + |out|
 
-An honest float32 worker that sums in another order differs by a few ``u_c * E``; a worker
-that adds 1e-3 to the activation is off by thousands of them.
+An honest float32 worker that sums in another order differs by at most 0.83 ``u_c * E`` from
+the exact result (measured over the test sizes, on two BLAS paths; the backbone's own result
+errs as much), so ``C`` = 8 leaves it a margin of five; a worker that adds 1e-3 to the
+activation is off by thousands of them.
 """
 
 from __future__ import annotations
@@ -46,17 +52,53 @@ import torch
 
 from kvasir_rpc import Activation, expert_forward
 
-__all__ = ["DEFAULT_AUDIT_RATE", "SEGMENT_ROWS", "TOLERANCE_FACTOR", "AuditResult", "RowSampler", "audit_rows",
-           "error_scale"]
+__all__ = ["DEFAULT_AUDIT_RATE", "SEGMENT_ROWS", "TOLERANCE_FACTOR", "AuditRates", "AuditResult", "RowSampler",
+           "audit_rows", "error_scale"]
 
-# One row (or small segment) in fifty: audits recompute 2% of the remote work; each
-# session's first call in a run is audited too (see RowSampler).
+# One row (or small segment) in fifty: audits recompute 2% of the remote work of a session
+# whose rows are each checked (_rowcheck.py) once its wallet has earned it; each session's
+# first call in a run is audited too (see RowSampler).
 DEFAULT_AUDIT_RATE = 0.02
+# A session answering without row checks (an older worker) is audited at least this much:
+# the audits are all that stand between its answers and the output.
+DEFAULT_UNCHECKED_RATE = 0.10
+# A wallet's first rows are audited at this rate, halving every NEW_WALLET_HALF_LIFE_ROWS rows
+# of accepted work until the session's own rate: a fresh identity (they are free) starts
+# under close watch and earns its way down.
+DEFAULT_NEW_WALLET_RATE = 0.25
+NEW_WALLET_HALF_LIFE_ROWS = 2000
 TOLERANCE_FACTOR = 8.0
 # A segment of at most this many rows is drawn and audited whole (see RowSampler). At
 # Qwen3-30B-A3B's widths on one core: a forward over 32 rows takes 6.4 ms, over 3 rows
 # 3.2 ms, and the error bound that an inexact row needs 7-10 ms.
 SEGMENT_ROWS = 48
+
+
+@dataclasses.dataclass(frozen=True)
+class AuditRates:
+    """How much of a session's work the audits recompute: ``base`` for a session whose rows are
+    checked, at least ``unchecked`` for one without row checks, and ``new`` for a wallet's first
+    rows, halving every ``half_life_rows`` rows of its accepted work. ``base`` 0 turns the
+    audits off (benchmarks)."""
+
+    base: float = DEFAULT_AUDIT_RATE
+    unchecked: float = DEFAULT_UNCHECKED_RATE
+    new: float = DEFAULT_NEW_WALLET_RATE
+    half_life_rows: int = NEW_WALLET_HALF_LIFE_ROWS
+
+    def __post_init__(self) -> None:
+        for name in ("base", "unchecked", "new"):
+            if not 0.0 <= getattr(self, name) <= 1.0:
+                raise ValueError(f"the audit rate {name} is a fraction from 0 to 1, got {getattr(self, name)}")
+        if self.half_life_rows < 1:
+            raise ValueError("half_life_rows must be at least 1")
+
+    def rate(self, earned_rows: int, row_checked: bool) -> float:
+        """The rate for a session of a wallet with ``earned_rows`` rows of accepted work."""
+        if self.base == 0.0:
+            return 0.0
+        floor = self.base if row_checked else max(self.base, self.unchecked)
+        return min(1.0, max(floor, self.new * 0.5 ** (earned_rows / self.half_life_rows)))
 
 
 def _unit_roundoff(dtype: torch.dtype) -> float:
@@ -65,8 +107,9 @@ def _unit_roundoff(dtype: torch.dtype) -> float:
 
 class RowSampler:
     """Chooses audited rows: whole small segments or single rows, each with probability
-    ``rate``, from a generator seeded from the OS (never from anything a worker sees), plus
-    one row of each session's first call (with its segment when that is small)."""
+    ``rate`` (the sampler's, or the one a call is given), from a generator seeded from the OS
+    (never from anything a worker sees), plus one row of each session's first call (with its
+    segment when that is small)."""
 
     def __init__(self, rate: float) -> None:
         if not 0.0 <= rate <= 1.0:
@@ -76,14 +119,15 @@ class RowSampler:
         self._seen: set[str] = set()
         self._lock = threading.Lock()  # decode groups answer calls from several threads
 
-    def choose(self, session_id: str, sizes: Sequence[int]) -> torch.Tensor:
+    def choose(self, session_id: str, sizes: Sequence[int], rate: float | None = None) -> torch.Tensor:
         """Indices (ascending, int64) of the rows of one answered call to audit; the call's
         segments hold ``sizes`` rows, in order."""
+        rate = self.rate if rate is None else rate
         rows = sum(sizes)
-        if rows == 0 or self.rate == 0.0:
+        if rows == 0 or rate == 0.0:
             return torch.empty(0, dtype=torch.long)
         with self._lock:
-            draws = torch.rand(rows, generator=self._gen) < self.rate
+            draws = torch.rand(rows, generator=self._gen) < rate
             first = session_id not in self._seen
             if first:
                 self._seen.add(session_id)
@@ -174,7 +218,13 @@ def audit_rows(
         return AuditResult(True, len(row_ids), len(row_ids), row_ids[0] if row_ids else 0, 0.0, 0.0)
     _, scale = error_scale(xc, gate_up, down, act, wc)
     ref = mine.to(compute)
-    bound = TOLERANCE_FACTOR * (_unit_roundoff(compute) * scale + _unit_roundoff(got.dtype) * ref.abs())
+    u_c, u_w = _unit_roundoff(compute), _unit_roundoff(got.dtype)
+    if u_w > u_c:  # narrowed on the wire: one unit in the last place of the wire dtype
+        info = torch.finfo(got.dtype)
+        subnormal_step = float(info.smallest_normal) * float(info.eps)
+        bound = TOLERANCE_FACTOR * u_c * scale + 2 * u_w * ref.abs() + subnormal_step
+    else:
+        bound = TOLERANCE_FACTOR * u_c * (scale + ref.abs())
     diff = (got.to(compute) - ref).abs()
     # A NaN anywhere fails: NaN <= bound is False.
     ratio = torch.where(diff <= bound, diff / bound.clamp_min(torch.finfo(compute).tiny), torch.full_like(diff, float("inf")))

@@ -1,15 +1,19 @@
 """Checking a worker's answer to one call before its partials are used or paid.
 
 Whole-answer checks first, at once (it decodes, has the expected shape and dtype, every
-value is finite unless this backbone's own result overflows alike); then the sampled audit
-of ``_audit.py``, which the Dispatcher runs off the decode's critical path: the sampled rows
-are copied out of the call (``SampledRows``) and audited on another thread while the decode
-goes on, and the decode waits for the verdicts before it chooses its next tokens. A refused
-answer comes with the evidence the hub is sent.
+value is finite unless this backbone's own result overflows alike); then, for a session whose
+worker returns its projections, the row checks of ``_rowcheck.py`` on every row, also before
+the answer is used; then the sampled audit of ``_audit.py``, which the Dispatcher runs off
+the decode's critical path: the sampled rows are copied out of the call (``SampledRows``)
+and audited on another thread while the decode goes on, and the decode waits for the
+verdicts before it chooses its next tokens. A refused answer comes with the evidence the hub
+is sent. How much is audited depends on the session (``AuditRates``): more for a session
+without row checks and for a wallet's first rows.
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import threading
 import time
@@ -27,11 +31,15 @@ from kvasir_rpc import (
     expert_pb2,
     session_pb2,
 )
-from backbone._audit import AuditResult, RowSampler, audit_rows
+from backbone._audit import AuditRates, AuditResult, RowSampler, audit_rows
 from backbone._links import CallRecord, WorkerLink
+from backbone._rowcheck import RowChecker
 from backbone._weights import ExpertWeights
 
-__all__ = ["AnswerChecker", "SampledRows", "SentCall"]
+__all__ = ["AnswerChecker", "Checked", "SampledRows", "SentCall"]
+
+# Wallets whose accepted work the checker remembers (the least recently seen forgotten first).
+_WALLETS_KEPT = 100_000
 
 
 @dataclasses.dataclass
@@ -45,6 +53,7 @@ class SentCall:
     weights: torch.Tensor  # [assignments] as sent
     index: torch.Tensor | None  # [assignments] row of `rows` per assignment, or None: the identity
     request_bytes: int
+    projections: bool = False  # the call asked for the projections (row checks)
 
     def inputs(self, picked: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The sent rows and routing weights of assignments ``picked`` (as the worker got them)."""
@@ -78,44 +87,91 @@ class CheckStats:
     audited_rows: int
     audit_exact_rows: int
     audit_seconds: float
+    row_checked_rows: int = 0  # rows checked by the row checks (every row of their sessions' answers)
+    row_check_seconds: float = 0.0  # CPU time the row checks took, on the decode's threads
+
+
+@dataclasses.dataclass(frozen=True)
+class Checked:
+    """The verdict on one answer before it is used: its ``partials`` [assignments, width] in
+    the wire dtype, or the ``evidence`` against its worker; the rows ``sampled`` for the audit
+    (the caller must audit them before the call is paid); the answer's bytes of work at their
+    expected size (partials and projections); and ``z``, how narrowly its rows passed their
+    checks (in standard deviations; 0 without row checks)."""
+
+    partials: torch.Tensor | None
+    evidence: session_pb2.QuarantineRequest | None = None
+    sampled: SampledRows | None = None
+    work_bytes: int = 0
+    z: float = 0.0
 
 
 class AnswerChecker:
-    """Accepts or refuses answers; counts what it audited. Thread-safe."""
+    """Accepts or refuses answers; counts what it audited and checked. Thread-safe.
+    ``row_checks``: None when answers' rows are not checked (no call asks for projections)."""
 
-    def __init__(self, weights: ExpertWeights, audit_rate: float) -> None:
+    def __init__(self, weights: ExpertWeights, rates: AuditRates, row_checks: RowChecker | None = None) -> None:
         self._weights = weights
-        self._sampler = RowSampler(audit_rate)
+        self.rates = rates
+        self._sampler = RowSampler(rates.base)
+        self.row_checks = row_checks
+        self._earned: collections.OrderedDict[str, int] = collections.OrderedDict()  # wallet -> rows accepted
         self._lock = threading.Lock()
         self.reset_counters()
 
     def reset_counters(self) -> None:
         with self._lock:
-            self.audited_rows = self.audit_exact_rows = 0
+            self.audited_rows = self.audit_exact_rows = self.row_checked_rows = 0
             self.audit_seconds = 0.0
+            if self.row_checks is not None:
+                self.row_checks.seconds = 0.0
 
     def statistics(self) -> CheckStats:
         with self._lock:
-            return CheckStats(self.audited_rows, self.audit_exact_rows, round(self.audit_seconds, 4))
+            return CheckStats(self.audited_rows, self.audit_exact_rows, round(self.audit_seconds, 4),
+                              self.row_checked_rows,
+                              round(self.row_checks.seconds, 4) if self.row_checks is not None else 0.0)
+
+    def earned(self, wallet: str) -> int:
+        """Rows of ``wallet``'s work this backbone has accepted."""
+        with self._lock:
+            return self._earned.get(wallet, 0)
+
+    def accepted(self, wallet: str, rows: int) -> None:
+        """``rows`` more of ``wallet``'s work were accepted: its audits thin out (AuditRates)."""
+        with self._lock:
+            self._earned[wallet] = self._earned.pop(wallet, 0) + rows
+            while len(self._earned) > _WALLETS_KEPT:
+                self._earned.popitem(last=False)
 
     def check(self, layer: int, act: Activation, sent: SentCall, msg: expert_pb2.ExpertPartials,
-              width: int) -> tuple[torch.Tensor | None, session_pb2.QuarantineRequest | None, SampledRows | None]:
-        """``(partials [assignments, width] in the wire dtype, None, rows to audit or None)``
-        if the answer passes its whole-answer checks, else ``(None, evidence against the
-        worker, None)``. The rows to audit are chosen here, after the answer arrived; the
-        caller must :meth:`audit` them before the call is paid."""
+              width: int) -> Checked:
+        """The answer's verdict: refused (with the evidence) if it fails its whole-answer
+        checks or, when the call asked for projections, the row checks of any row; else
+        accepted, with the rows to audit chosen here, after the answer arrived."""
         rec = sent.record
         evidence = session_pb2.QuarantineRequest(session_id=sent.link.session_id, layer=layer, call_id=rec.call_id)
         sent_dtype = sent.rows.dtype
+        projections: torch.Tensor | None = None
         try:
             out = decode_tensor(msg.partials)
             if out.shape != (rec.rows, width) or out.dtype != sent_dtype:
                 raise TensorCodecError(f"partials of shape {list(out.shape)} {out.dtype}, expected "
                                        f"[{rec.rows}, {width}] {sent_dtype}")
+            if sent.projections:
+                if not msg.HasField("projections"):
+                    raise TensorCodecError("no projections: the worker announced them and the call asked for them")
+                projections = decode_tensor(msg.projections)
+                inter = self._weights.intermediate_size(layer)
+                if projections.shape != (rec.rows, 2 * inter) or projections.dtype != sent_dtype:
+                    raise TensorCodecError(f"projections of shape {list(projections.shape)} {projections.dtype}, "
+                                           f"expected [{rec.rows}, {2 * inter}] {sent_dtype}")
         except TensorCodecError as exc:
             evidence.violation = session_pb2.VIOLATION_MALFORMED
             evidence.detail = str(exc)[:300]
-            return None, evidence, None
+            return Checked(None, evidence)
+        work = out.numel() * out.element_size() + (
+            projections.numel() * projections.element_size() if projections is not None else 0)
         if not all_finite(out):
             # Wrong unless this backbone's own result is just as non-finite (an honest overflow).
             mine = self._recompute(layer, act, sent, torch.arange(rec.rows))
@@ -126,17 +182,36 @@ class AnswerChecker:
                 evidence.expert = int(sent.experts()[bad])
                 evidence.max_abs_diff = float("inf")
                 evidence.detail = f"row {bad} of {rec.rows} holds NaN or Inf; this backbone's result is finite"
-                return None, evidence, None
+                return Checked(None, evidence)
+            projections = None  # an honest overflow, the same as this backbone's: nothing to check by rows
+        z = 0.0
+        if projections is not None and self.row_checks is not None:
+            experts = sent.experts()
+            x, w = sent.inputs(torch.arange(rec.rows))
+            verdict = self.row_checks.check(layer, act, x, w, experts, out, projections)
+            with self._lock:
+                self.row_checked_rows += rec.rows
+            if not verdict.passed:
+                evidence.violation = session_pb2.VIOLATION_ROW_CHECK
+                evidence.row = verdict.row
+                evidence.expert = int(experts[verdict.row])
+                evidence.max_abs_diff = verdict.diff
+                evidence.tolerance = verdict.tau
+                evidence.detail = verdict.detail[:300]
+                return Checked(None, evidence)
+            z = verdict.z
         # Whole segments of at most SEGMENT_ROWS rows, in order: their reference is then
         # computed as the worker computed it (see _audit.py).
-        picked = self._sampler.choose(sent.link.session_id, [len(r.token_idx) for r in sent.routes])
+        earned = max(self.earned(sent.link.wallet), getattr(sent.link, "prior_rows", 0))
+        rate = self.rates.rate(earned, row_checked=sent.projections)
+        picked = self._sampler.choose(sent.link.session_id, [len(r.token_idx) for r in sent.routes], rate)
         if not picked.numel():
-            return out, None, None
+            return Checked(out, work_bytes=work, z=z)
         x, w = sent.inputs(picked)
         sampled = SampledRows(layer=layer, act=act, session_id=sent.link.session_id, call_id=rec.call_id,
                               call_rows=rec.rows, picked=picked, experts=sent.experts()[picked], x=x, w=w,
                               got=out[picked])
-        return out, None, sampled
+        return Checked(out, sampled=sampled, work_bytes=work, z=z)
 
     def audit(self, s: SampledRows) -> session_pb2.QuarantineRequest | None:
         """Audit the sampled rows of one answer: None if they pass, else the evidence."""

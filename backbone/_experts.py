@@ -33,7 +33,7 @@ import os
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping
 
 import torch
 from transformers.integrations.moe import ExpertsInterface
@@ -50,12 +50,13 @@ from kvasir_rpc import (
     session_pb2,
     threads_initializer,
 )
-from backbone._attempt import DecodeAttempt, ReplayNeeded, current_attempt
-from backbone._audit import DEFAULT_AUDIT_RATE
-from backbone._checking import AnswerChecker, SampledRows, SentCall
+from backbone._attempt import DecodeAttempt, ReplayNeeded, Untrusted, current_attempt
+from backbone._audit import DEFAULT_AUDIT_RATE, AuditRates
+from backbone._checking import AnswerChecker, Checked, SampledRows, SentCall
 from backbone._deadlines import StragglerPolicy
 from backbone._links import SessionWatcher, WorkerLink
 from backbone._placement import Placement
+from backbone._rowcheck import NARROW_Z, RowChecker
 from backbone._shared import SharedDeferral
 from backbone._weights import CheckpointWeights, ExpertWeights, HeldWeights, experts_modules
 from backbone._work import AuditGate, WorkReporter
@@ -89,6 +90,9 @@ class DispatchStats:
     sent_bytes: int = 0  # serialized requests of every remote call sent
     received_bytes: int = 0  # serialized partials of every answer that came in time
     answers_refused: int = 0  # answers that failed their check or audit (their session quarantined)
+    row_checked_rows: int = 0  # rows whose row checks ran (every row of a row-checked session's answers)
+    row_check_seconds: float = 0.0  # CPU time of the row checks, on the decode's threads
+    row_check_refusals: int = 0  # answers refused by their row checks (computed here instead)
 
 
 class RowTally:
@@ -145,6 +149,8 @@ class Dispatcher:
         audit_rate: float = DEFAULT_AUDIT_RATE,
         reporter: WorkReporter | None = None,
         stragglers: StragglerPolicy | None = None,
+        audit_rates: AuditRates | None = None,
+        row_checks: bool = True,
     ) -> None:
         modules = experts_modules(model)
         self.weights: ExpertWeights
@@ -159,7 +165,9 @@ class Dispatcher:
             module._kvasir = (self, layer)  # type: ignore[assignment]
         self.remote = watcher is not None
         self.placement = Placement(watcher, self.weights) if watcher is not None else None
-        self.checker = AnswerChecker(self.weights, audit_rate)
+        # ``audit_rates`` (when given) says more than ``audit_rate``, its base rate.
+        rates = audit_rates if audit_rates is not None else AuditRates(base=audit_rate)
+        self.checker = AnswerChecker(self.weights, rates, RowChecker(self.weights) if row_checks else None)
         # One thread audits the sampled rows of accepted answers while the decode goes on.
         self._auditor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="audit",
                                                               initializer=_audit_thread_setup())
@@ -171,10 +179,12 @@ class Dispatcher:
         self.wire_dtype = wire_dtype
         # The call timeout caps every deadline: a call unanswered that long is lost.
         self.policy = dataclasses.replace(stragglers or StragglerPolicy(), cap_s=call_timeout_s)
-        # Sessions whose past answers cannot be trusted (they failed an audit, or were quarantined
-        # while answering without row checks), with what they served: decode attempts that used
-        # them recompute without them (``_attempt.py``). Replaced, never mutated.
-        self._untrusted: dict[str, Mapping[int, Sequence[int]]] = {}
+        # Sessions whose past answers cannot all be trusted, with what they served: those that
+        # failed an audit or were quarantined while answering without row checks (none of their
+        # answers), and those refused by a row check (the answers whose rows passed narrowly).
+        # Decode attempts that used them recompute without them (``_attempt.py``). Replaced,
+        # never mutated.
+        self._untrusted: dict[str, Untrusted] = {}
         self._tally = threading.local()  # the RowTally of this thread's forward pass, if any
         self._lock = threading.Lock()
         # Called with each accepted call's round trip in seconds (metrics' latency histogram).
@@ -239,12 +249,14 @@ class Dispatcher:
         weights = torch.cat([top_k_weights[r.token_idx, r.top_k_pos] for r in routes])  # [assignments]
         segments = [(r.expert, len(r.token_idx)) for r in routes]
         row_index = index.tolist() if dedupe else ()
+        projections = link.row_checked and self.checker.row_checks is not None
         rec = link.submit(layer, len(tokens),
-                          lambda call_id: serialize_dispatch_request(call_id, layer, rows, weights, segments, row_index),
+                          lambda call_id: serialize_dispatch_request(call_id, layer, rows, weights, segments, row_index,
+                                                                     projections),
                           self.policy)
         with self._lock:
             self.sent_bytes += rec.request_bytes
-        return SentCall(rec, routes, link, rows, weights, index if dedupe else None, rec.request_bytes)
+        return SentCall(rec, routes, link, rows, weights, index if dedupe else None, rec.request_bytes, projections)
 
     def _compute(self, layer: int, act: Activation, hidden: torch.Tensor, top_k_weights: torch.Tensor,
                  r: Route) -> torch.Tensor:
@@ -269,13 +281,13 @@ class Dispatcher:
             for sent in late:
                 del waiting[sent.record.future]
             for sent in finished:
-                out, violation, sampled = self._answer(layer, act, hidden.shape[1], sent)
-                if violation is not None:
-                    self._refuse(sent.link, violation)
-                if out is None:  # lost or refused: recomputed here, not paid
+                checked = self._answer(layer, act, hidden.shape[1], sent)
+                if checked.evidence is not None:
+                    self._refuse(sent.link, checked.evidence)
+                if checked.partials is None:  # lost or refused: recomputed here, not paid
                     self._fall_back(layer, act, hidden, top_k_weights, sent, partials)
                 else:
-                    self._accept(sent, out, hidden.dtype, partials, sampled)
+                    self._accept(sent, checked, hidden.dtype, partials)
             for sent in late:
                 self._late(layer, sent)
                 self._count(RowTally.FALLBACK, sent.routes)
@@ -325,10 +337,9 @@ class Dispatcher:
             with self._lock:
                 self.late_answers_dropped += 1
 
-    def _answer(self, layer: int, act: Activation, width: int, sent: SentCall
-                ) -> tuple[torch.Tensor | None, session_pb2.QuarantineRequest | None, SampledRows | None]:
-        """The finished call's checked partials and its rows to audit, or None (lost, or
-        refused with the evidence)."""
+    def _answer(self, layer: int, act: Activation, width: int, sent: SentCall) -> Checked:
+        """The finished call's verdict: its checked partials and rows to audit, or none (lost,
+        or refused with the evidence)."""
         rec = sent.record
         exc = rec.future.exception()
         if exc is not None:  # the stream failed: recomputed here
@@ -336,19 +347,21 @@ class Dispatcher:
                         rows=rec.rows, error=repr(exc)[:200])
             assert self.placement is not None
             self.placement.drop(sent.link, exc)
-            return None, None, None
+            return Checked(None)
         answer = rec.future.result()
         with self._lock:
             self.received_bytes += answer.ByteSize()
         return self.checker.check(layer, act, sent, answer, width)
 
-    def _accept(self, sent: SentCall, out: torch.Tensor, dtype: torch.dtype, partials: dict[int, torch.Tensor],
-                sampled: SampledRows | None) -> None:
-        """Use an answer that passed its whole-answer checks; its sampled rows, if any, go to
-        the audit thread. Paid once every audit of its session up to it has passed (at once
-        when none is pending)."""
-        # Paid: the request as sent and the partials at exactly their expected size.
-        work = sent.request_bytes + out.numel() * out.element_size()
+    def _accept(self, sent: SentCall, checked: Checked, dtype: torch.dtype, partials: dict[int, torch.Tensor]) -> None:
+        """Use an answer that passed its checks; its sampled rows, if any, go to the audit
+        thread. Paid once every audit of its session up to it has passed (at once when none
+        is pending)."""
+        out, sampled = checked.partials, checked.sampled
+        assert out is not None
+        # Paid: the request as sent and the partials (and projections) at exactly their expected size.
+        work = sent.request_bytes + checked.work_bytes
+        self.checker.accepted(sent.link.wallet, sent.record.rows)
         if out.dtype != dtype:
             out = out.to(dtype)
         start = 0
@@ -365,7 +378,7 @@ class Dispatcher:
             self._used.add(sid)
         attempt = current_attempt()
         if attempt is not None:
-            attempt.used(sid)
+            attempt.used(sid, narrow=checked.z > NARROW_Z)
         if self.observe_call is not None and sent.record.answered_ns:
             self.observe_call((sent.record.answered_ns - sent.record.sent_ns) / 1e9)
         number = self.payments.accepted(sid, work, sent.record.rows, audited=sampled is not None)
@@ -388,14 +401,17 @@ class Dispatcher:
 
     def _refuse(self, link: WorkerLink, evidence: session_pb2.QuarantineRequest, *, audited: bool = False) -> None:
         """Stop using a session that delivered wrong work, pay it nothing more, and report it
-        with the evidence. Its answers already used are no longer trusted when an audit caught
-        it (its answers passed their checks before it) or when its rows are not checked."""
+        with the evidence. None of its answers already used is trusted any more when an audit
+        caught it (they had passed their checks) or when its rows are not checked; when its row
+        checks caught it, those whose rows passed narrowly are not."""
         assert self.placement is not None
         self.payments.failed(link.session_id)
+        narrow_only = not audited and link.row_checked and self.checker.row_checks is not None
         with self._lock:
             self.answers_refused += 1
-            if audited or not link.row_checked:
-                self._untrusted = {**self._untrusted, link.session_id: link.slices}
+            if evidence.violation == session_pb2.VIOLATION_ROW_CHECK:
+                self.row_check_refusals += 1
+            self._untrusted = {**self._untrusted, link.session_id: Untrusted(link.slices, narrow_only)}
         if self.placement.quarantine(link):
             evidence.audited_rows = self.checker.audited_rows
             log.error("worker delivered wrong work: quarantined", session_id=link.session_id, wallet=link.wallet,
@@ -428,8 +444,8 @@ class Dispatcher:
 
     # -- decode attempts (replays) -----------------------------------------------------
 
-    def untrusted(self) -> Mapping[str, Mapping[int, Sequence[int]]]:
-        """Sessions whose past answers cannot be trusted, with the slices each served."""
+    def untrusted(self) -> Mapping[str, Untrusted]:
+        """Sessions whose past answers cannot all be trusted, with the slices each served."""
         return self._untrusted
 
     def note_replay(self) -> None:
@@ -444,7 +460,7 @@ class Dispatcher:
             self.fallback_calls = self.fallback_rows = 0
             self.replays = 0
             self.hedged_calls = self.hedged_rows = self.late_answers_dropped = 0
-            self.sent_bytes = self.received_bytes = self.answers_refused = 0
+            self.sent_bytes = self.received_bytes = self.answers_refused = self.row_check_refusals = 0
             self._used: set[str] = set()
         self.shared.overlapped = 0
         self.checker.reset_counters()
@@ -476,6 +492,9 @@ class Dispatcher:
                 sent_bytes=self.sent_bytes,
                 received_bytes=self.received_bytes,
                 answers_refused=self.answers_refused,
+                row_checked_rows=checks.row_checked_rows,
+                row_check_seconds=checks.row_check_seconds,
+                row_check_refusals=self.row_check_refusals,
             )
 
     def close(self) -> None:

@@ -109,10 +109,13 @@ class _Passes:
         self.logits: list[torch.Tensor] = []  # [B, V] float32 per settled pass
         self.times: list[float] = []  # when each pass settled
         self._forward_logits: torch.Tensor | None = None  # the last forward's, not settled yet
+        self._thread = 0  # the thread whose forwards are this decode's
         self.cache: DynamicCache | None = None
 
     def _capture(self, module, args, kwargs, output) -> None:  # type: ignore[no-untyped-def]
-        self._forward_logits = output.logits[:, -1].float()
+        # Decode groups share the model, and a hook sees every thread's forwards: only ours.
+        if threading.get_ident() == self._thread:
+            self._forward_logits = output.logits[:, -1].float()
 
     def _settled(self, input_ids: torch.Tensor, scores: torch.Tensor, **kwargs: object) -> torch.Tensor:
         """A stopping criterion that stops nothing, run once the step's token is appended:
@@ -154,6 +157,7 @@ class _Passes:
         criteria: list[object] = [self._settled]
         if self.stop is not None:
             criteria.append(_StopWhenSet(self.stop))
+        self._thread = threading.get_ident()
         hook = self.model.register_forward_hook(self._capture, with_kwargs=True)
         try:
             with torch.inference_mode():

@@ -84,7 +84,10 @@ class WorkerLink:
         self.slices = slices_from_proto(session.slices)
         # Whether every answer row is checked before it is used (the worker returns what the
         # row checks need); otherwise only sampled audits stand behind its answers.
-        self.row_checked = False
+        self.row_checked = session.projections
+        # Rows of this session's work earlier backbone runs accepted (the hub keeps the count):
+        # it has earned its audits down for them (AuditRates).
+        self.prior_rows = int(session.work_rows)
         self._channel = grpc.insecure_channel(self.target, options=_CHANNEL_OPTIONS)
         # Dispatch with requests serialized by the caller (serialize_dispatch_request): their
         # bytes go out as they are.

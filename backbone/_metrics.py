@@ -82,6 +82,11 @@ class BackboneMetrics:
         yield counter_family("kvasir_backbone_answers_refused_total",
                              "answers that failed their check or audit (the session is quarantined)",
                              d.answers_refused)
+        yield counter_family("kvasir_backbone_row_checked_rows_total",
+                             "answer rows checked by the row checks before use (every row of a row-checked session)",
+                             d.row_checked_rows)
+        yield counter_family("kvasir_backbone_row_check_refusals_total",
+                             "answers refused by their row checks (computed here instead)", d.row_check_refusals)
         yield counter_family("kvasir_backbone_sessions_quarantined_total",
                              "sessions caught delivering wrong work, never routed to again",
                              len(d.sessions_quarantined))

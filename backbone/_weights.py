@@ -65,6 +65,10 @@ class ExpertWeights:
         module = self.modules.get(layer)
         return None if module is None else int(_fused(module)[0].shape[0])
 
+    def intermediate_size(self, layer: int) -> int:
+        """The experts' intermediate width in ``layer`` (I, of gate_up [2I, H])."""
+        return int(_fused(self.modules[layer])[1].shape[-1])
+
     def get(self, layer: int, expert: int, *, keep: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
         """``keep=False`` (audits, which touch a sampled few): do not grow memory for it."""
         raise NotImplementedError

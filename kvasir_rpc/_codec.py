@@ -108,7 +108,8 @@ def _join(parts: list[bytes | memoryview | None]) -> bytes:
     return b"".join(p for p in parts if p is not None)
 
 
-def serialize_dispatch_response(call_id: int, partials: torch.Tensor, compute_micros: int) -> bytes:
+def serialize_dispatch_response(call_id: int, partials: torch.Tensor, compute_micros: int,
+                                projections: torch.Tensor | None = None) -> bytes:
     """The serialized ``kvasir.v1.DispatchResponse`` of one answer, byte for byte what
     protobuf's ``SerializeToString`` gives for it, with the payload copied once, straight
     from the tensor into the result.
@@ -118,22 +119,26 @@ def serialize_dispatch_response(call_id: int, partials: torch.Tensor, compute_mi
     worker's CPU in a decode; this costs 0.04 ns per byte. The layout is the proto's (field numbers in
     ``expert.proto`` and ``tensor.proto``): DispatchResponse.partials (1) = ExpertPartials
     {call_id (1), partials (2) = Tensor {dtype (1), shape (2, packed), data (3)},
-    compute_micros (3)}, zero scalars and empty fields left out as proto3 leaves them.
+    compute_micros (3), projections (4) = Tensor, when given}, zero scalars and empty fields
+    left out as proto3 leaves them.
 
     Raises TensorCodecError for a dtype the wire does not carry."""
     head, payload = _tensor_field(0x12, partials)  # ExpertPartials.partials
     before = _uint_field(0x08, call_id) + head  # ExpertPartials.call_id
     after = _uint_field(0x18, compute_micros)  # ExpertPartials.compute_micros
-    size = len(before) + (len(payload) if payload is not None else 0) + len(after)
-    return _join([b"\x0a" + _varint(size) + before, payload, after])  # DispatchResponse.partials
+    extra_head, extra = _tensor_field(0x22, projections) if projections is not None else (b"", None)
+    after += extra_head  # ExpertPartials.projections
+    size = sum(len(p) for p in (before, payload, after, extra) if p is not None)
+    return _join([b"\x0a" + _varint(size) + before, payload, after, extra])  # DispatchResponse.partials
 
 
 def serialize_dispatch_request(call_id: int, layer: int, hidden: torch.Tensor, weights: torch.Tensor,
-                               segments: Sequence[tuple[int, int]], row_index: Sequence[int] = ()) -> bytes:
+                               segments: Sequence[tuple[int, int]], row_index: Sequence[int] = (),
+                               projections: bool = False) -> bytes:
     """The serialized ``kvasir.v1.DispatchRequest`` of one call, byte for byte what
     protobuf's ``SerializeToString`` gives for it (see serialize_dispatch_response for why),
     ``segments`` as (expert, rows) pairs. Fields in number order: call_id (1), layer (2),
-    hidden (3), segments (4), weights (5), row_index (6, packed).
+    hidden (3), segments (4), weights (5), row_index (6, packed), projections (7).
 
     Raises TensorCodecError for a dtype the wire does not carry."""
     hidden_head, hidden_data = _tensor_field(0x1A, hidden)
@@ -143,7 +148,7 @@ def serialize_dispatch_request(call_id: int, layer: int, hidden: torch.Tensor, w
         segments=[expert_pb2.ExpertSegment(expert=e, rows=r) for e, r in segments]).SerializeToString()
     index = expert_pb2.DispatchRequest(row_index=row_index).SerializeToString() if len(row_index) else b""
     return _join([_uint_field(0x08, call_id) + _uint_field(0x10, layer) + hidden_head, hidden_data,
-                  segs + weights_head, weights_data, index])
+                  segs + weights_head, weights_data, index + _uint_field(0x38, int(projections))])
 
 
 def decode_tensor(msg: tensor_pb2.Tensor) -> torch.Tensor:

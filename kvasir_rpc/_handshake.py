@@ -122,6 +122,8 @@ class HelloInfo:
     device: str
     model_type: str
     worker_version: str
+    # The worker returns projections when a call asks (row checks possible).
+    projections: bool = False
 
 
 class _HubState(enum.Enum):
@@ -290,6 +292,7 @@ class HubHandshake:
             device=body.device[:64],
             model_type=body.model_type[:64],
             worker_version=body.worker_version[:64],
+            projections=body.projections,
         )
 
     def _must_encrypt(self, body: session_pb2.HelloBody) -> bool:
@@ -339,11 +342,13 @@ class WorkerHandshake:
         require_encryption: bool = False,
         kx_private: bytes | None = None,
         aeads: Sequence[int] = (),
+        projections: bool = False,
     ) -> None:
         """``expected_hub_key``: the pinned hub key (a challenge from another is refused,
         1008). ``require_encryption``: refuse an accept that does not encrypt (1008).
         ``kx_private``: the ephemeral X25519 key, fresh unless given. ``aeads``: the AEADs
-        offered besides the default, most preferred first (``preferred_aeads()``)."""
+        offered besides the default, most preferred first (``preferred_aeads()``).
+        ``projections``: the worker answers a call that asks for its projections with them."""
         self._wallet = wallet
         self._slices = slices
         self._digest = weights_digest
@@ -354,6 +359,7 @@ class WorkerHandshake:
         self._require = require_encryption
         self._kx = KeyExchange(kx_private)
         self._aeads = tuple(aeads)
+        self._projections = projections
         unknown = [a for a in self._aeads if a not in AEAD_NAMES or a == AEAD_CHACHA20_POLY1305]
         if unknown or len(self._aeads) > MAX_AEADS_OFFERED:
             raise ValueError(f"aeads: offer at most {MAX_AEADS_OFFERED} of {sorted(AEAD_NAMES)[1:]} "
@@ -414,6 +420,7 @@ class WorkerHandshake:
             hub_kx_public=self._hub_kx,
             require_encryption=self._require,
             aeads=self._aeads,  # type: ignore[arg-type]
+            projections=self._projections,
         ).SerializeToString()
         self._step("receive_challenge")
         signature = self._wallet.sign(HELLO_SIGNATURE_DOMAIN + body)

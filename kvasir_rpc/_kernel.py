@@ -23,6 +23,7 @@ __all__ = [
     "all_finite",
     "Route",
     "expert_forward",
+    "expert_forward_projections",
     "get_activation",
     "plan_routes",
     "threads_initializer",
@@ -70,11 +71,25 @@ def expert_forward(
     weights: torch.Tensor,  # [n]
 ) -> torch.Tensor:
     """One SwiGLU-style expert over ``n`` rows, each scaled by its routing weight. [n, H]."""
+    return expert_forward_projections(hidden, gate_up, down, act, weights)[0]
+
+
+def expert_forward_projections(
+    hidden: torch.Tensor,  # [n, H]
+    gate_up: torch.Tensor,  # [2I, H]
+    down: torch.Tensor,  # [H, I]
+    act: Activation,
+    weights: torch.Tensor,  # [n]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``expert_forward``'s partials [n, H], the same bits, and the projections they were
+    computed from, ``hidden @ gate_up.T`` [n, 2I] (gate then up): what a worker returns for
+    the backbone's row checks, at no extra compute."""
     hidden, gate_up, down = _aligned(hidden), _aligned(gate_up), _aligned(down)
-    gate, up = F.linear(hidden, gate_up).chunk(2, dim=-1)  # [n, I] each
+    projections = F.linear(hidden, gate_up)  # [n, 2I]
+    gate, up = projections.chunk(2, dim=-1)  # [n, I] each
     h = act(gate) * up  # [n, I]
     h = F.linear(h, down)  # [n, H]
-    return h * weights[:, None]
+    return h * weights[:, None], projections
 
 
 # torch's CPU allocator aligns every tensor it makes to 64 bytes.

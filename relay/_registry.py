@@ -47,6 +47,8 @@ class SessionStats:
     # latest credited receipt, and the nano-KVR of all of them.
     credited_bytes: int = 0
     credited_nano_kvr: int = 0
+    # The worker returns projections when asked: each row of its answers can be checked.
+    projections: bool = False
 
     def to_proto(self) -> session_pb2.Session:
         return session_pb2.Session(
@@ -70,6 +72,7 @@ class SessionStats:
             work_rows=self.work_rows,
             credited_bytes=self.credited_bytes,
             credited_nano_kvr=self.credited_nano_kvr,
+            projections=self.projections,
         )
 
 
@@ -165,6 +168,7 @@ class SessionRegistry:
             work_rows=e.work_rows,
             credited_bytes=e.credited_bytes,
             credited_nano_kvr=e.credited_nano_kvr,
+            projections=h.projections,
         )
 
     def _notify(self, kind: session_pb2.SessionEvent.Kind, stats: SessionStats) -> None:

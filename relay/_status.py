@@ -153,6 +153,8 @@ class StatusBoard:
             "encrypted": s.encrypted,
             "aead": AEAD_NAMES.get(s.aead, str(s.aead)) if s.encrypted else None,
             "via": "gateway" if s.via_gateway else "direct",
+            # "rows": every row of its answers can be checked; "sampled": sampled audits only.
+            "checks": "rows" if s.projections else "sampled",
             "connected_since_unix_ms": s.connected_since_unix_ms,
             "rtt_ms": None if s.rtt_ms is None else round(s.rtt_ms, 3),
             "calls": s.work_calls,

@@ -1,21 +1,29 @@
 """A dishonest worker for the tests: the real ``python -m worker`` with one lie patched in.
 
-    python tests/liar_worker.py LIE [--after N] -- <python -m worker arguments>
+    python tests/liar_worker.py LIE [--after N] [--segments P] [--unchecked] -- <python -m worker arguments>
 
 LIE is one of:
-  offset  silu(x) + 1e-3 in place of the activation (weights and digest right)
-  zeros   all-zero partials (needs no weights)
+  offset  silu(x) + 1e-3 in place of the activation (weights, digest and projections right)
+  zeros   all-zero partials and projections (needs no weights)
   nan     all-NaN partials
+  bound   honest partials plus 0.9 x the old audit bound (8 bfloat16 half-ulps) on every element,
+          the same sign as the element: what passed every audit on a bfloat16 wire
+  proj    honest partials, projections 0.1% off (the gate half): only the row checks see it
   pad     honest partials, each DispatchResponse padded with 1 MiB of an unknown field
   reorder HONEST: the same function summed in another order, as a float32 worker written in
           another language would (differences around 1e-7 relative); it must never be caught
-With ``--after N`` the first N calls are answered honestly, then the lie starts.
+With ``--after N`` the first N calls are answered honestly, then the lie starts. With
+``--segments P`` only a share P of the segments (an expert's rows in a call) lie, drawn at
+random, and the first call of every Dispatch stream is honest (that is when the first-call
+audit happens). ``--unchecked`` leaves ``projections`` out of the hello, as an older worker
+would: only sampled audits check it.
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
+import random
 import sys
 import threading
 
@@ -30,58 +38,92 @@ def _reordered(hidden, gate_up, down, act, weights):  # type: ignore[no-untyped-
     h = act(gate) * up
     n = h.shape[1]
     out = sum(h[:, i : i + 5] @ down[:, i : i + 5].T for i in reversed(range(0, n, 5)))
-    return out * weights[:, None]
+    return out * weights[:, None], g
 
 
 def main() -> int:
     argv = sys.argv[1:]
     split = argv.index("--")
     p = argparse.ArgumentParser()
-    p.add_argument("lie", choices=["offset", "zeros", "nan", "pad", "reorder"])
+    p.add_argument("lie", choices=["offset", "zeros", "nan", "bound", "proj", "pad", "reorder"])
     p.add_argument("--after", type=int, default=0)
+    p.add_argument("--segments", type=float, default=1.0)
+    p.add_argument("--unchecked", action="store_true")
     args = p.parse_args(argv[:split])
 
+    import worker.__main__ as worker_cli
     import worker._service as service
-    from worker.__main__ import main as worker_main
 
-    honest_forward = service.expert_forward
+    honest_forward = service.expert_forward_projections
     calls = {"n": 0}
     lock = threading.Lock()
+    local = threading.local()  # the call being computed, in the gRPC handler's thread
+    chance = random.Random()
 
     def lying() -> bool:
-        return calls["n"] > args.after
+        if calls["n"] <= args.after or getattr(local, "first_of_stream", False):
+            return False
+        return args.segments >= 1.0 or chance.random() < args.segments
 
     original_compute = service.ExpertServicer._compute
+    original_dispatch = service.ExpertServicer.Dispatch
 
     def compute(self, req):  # type: ignore[no-untyped-def]
         with lock:
             calls["n"] += 1
         return original_compute(self, req)
 
+    def dispatch(self, request_iterator, context):  # type: ignore[no-untyped-def]
+        first = [True]
+
+        def requests():  # type: ignore[no-untyped-def]
+            for req in request_iterator:
+                local.first_of_stream = first[0] and args.segments < 1.0
+                first[0] = False
+                yield req
+
+        yield from original_dispatch(self, requests(), context)
+
     def forward(hidden, gate_up, down, act, weights):  # type: ignore[no-untyped-def]
-        if not lying() or args.lie == "pad":
+        if args.lie == "pad" or not lying():
             return honest_forward(hidden, gate_up, down, act, weights)
         if args.lie == "offset":
             return honest_forward(hidden, gate_up, down, lambda g: act(g) + 1e-3, weights)
         if args.lie == "reorder":
             return _reordered(hidden, gate_up, down, act, weights)
+        if args.lie == "proj":
+            out, projections = honest_forward(hidden, gate_up, down, act, weights)
+            inter = projections.shape[1] // 2
+            return out, torch.cat([projections[:, :inter] * 1.001, projections[:, inter:]], dim=1)
+        if args.lie == "bound":
+            out, projections = honest_forward(hidden, gate_up, down, act, weights)
+            return out + 0.9 * 8 * 2.0**-9 * out.abs(), projections
+        shape, inter = (hidden.shape[0], down.shape[0]), gate_up.shape[0]
         if args.lie == "zeros":
-            return torch.zeros(hidden.shape[0], down.shape[0], dtype=hidden.dtype)
-        return torch.full((hidden.shape[0], down.shape[0]), float("nan"), dtype=hidden.dtype)
+            return torch.zeros(shape, dtype=hidden.dtype), torch.zeros(hidden.shape[0], inter, dtype=hidden.dtype)
+        return torch.full(shape, float("nan"), dtype=hidden.dtype), torch.zeros(hidden.shape[0], inter, dtype=hidden.dtype)
 
-    service.expert_forward = forward  # type: ignore[assignment]
+    service.expert_forward_projections = forward  # type: ignore[assignment]
     service.ExpertServicer._compute = compute  # type: ignore[method-assign]
+    service.ExpertServicer.Dispatch = dispatch  # type: ignore[method-assign]
+    if args.unchecked:
+        real_handshake = worker_cli.WorkerHandshake
+
+        def unchecked_handshake(*a, **kw):  # type: ignore[no-untyped-def]
+            kw["projections"] = False
+            return real_handshake(*a, **kw)
+
+        worker_cli.WorkerHandshake = unchecked_handshake  # type: ignore[misc,assignment]
     if args.lie == "pad":
-        original_dispatch = service.ExpertServicer.Dispatch
         # Field 99, length-delimited, 1 MiB: an unknown field every parser must skip.
         padding = b"\x9a\x06" + bytes([0x80, 0x80, 0x40]) + b"\x00" * (1 << 20)
 
-        def dispatch(self, request_iterator, context):  # type: ignore[no-untyped-def]
-            for resp in original_dispatch(self, request_iterator, context):  # serialized answers
+        def padded(self, request_iterator, context):  # type: ignore[no-untyped-def]
+            for resp in dispatch(self, request_iterator, context):  # serialized answers
                 yield resp + padding
 
-        service.ExpertServicer.Dispatch = dispatch  # type: ignore[method-assign]
-    return worker_main(argv[split + 1 :])
+        service.ExpertServicer.Dispatch = padded  # type: ignore[method-assign]
+    return worker_cli.main(argv[split + 1 :])
 
 
 if __name__ == "__main__":

@@ -12,12 +12,12 @@ import threading
 import pytest
 import torch
 
-from backbone._attempt import LOCAL_AFTER, DecodeAttempt, ReplayNeeded, current_attempt
+from backbone._attempt import LOCAL_AFTER, DecodeAttempt, ReplayNeeded, Untrusted, current_attempt
 
 
 class FakeDispatcher:
     def __init__(self) -> None:
-        self.bad: dict[str, dict[int, list[int]]] = {}
+        self.bad: dict[str, Untrusted] = {}
         self.replays = 0
 
     def untrusted(self):  # type: ignore[no-untyped-def]
@@ -43,7 +43,7 @@ def test_a_session_taints_the_passes_from_the_first_that_used_it():
     a.settle()  # pass 1
     a.used("liar")  # pass 2, first use stays pass 1
     a.check()
-    d.bad["liar"] = {0: [1, 2]}
+    d.bad["liar"] = Untrusted({0: [1, 2]})
     with pytest.raises(ReplayNeeded) as caught:
         a.settle()
     assert caught.value.from_pass == 1
@@ -52,9 +52,29 @@ def test_a_session_taints_the_passes_from_the_first_that_used_it():
     assert a.passes == 1 and d.replays == 1 and a.rewinds == 1
     a.check()  # the liar's uses from pass 1 on are forgotten
     # A session that is only untrusted later, and that this attempt never used, taints nothing.
-    d.bad["other"] = {0: [3]}
+    d.bad["other"] = Untrusted({0: [3]})
     a.settle()
     assert a.passes == 2
+
+
+def test_a_session_caught_by_its_row_checks_taints_only_from_its_first_narrow_pass():
+    d = FakeDispatcher()
+    a = DecodeAttempt(d)  # type: ignore[arg-type]
+    a.used("w")
+    a.settle()  # pass 0: its rows passed by a wide margin
+    a.used("w", narrow=True)
+    a.settle()  # pass 1: narrowly
+    a.used("w")
+    d.bad["w"] = Untrusted({0: [1]}, narrow_only=True)
+    with pytest.raises(ReplayNeeded) as caught:
+        a.check()
+    assert caught.value.from_pass == 1
+    a.replaying(caught.value)
+    a.check()  # pass 0 stands
+    b = DecodeAttempt(d)  # type: ignore[arg-type]
+    b.used("w")
+    b.settle()
+    b.check()  # never narrow: nothing to recompute
 
 
 def test_settle_waits_for_the_pass_audits_and_an_audit_that_could_not_run_raises():
@@ -94,7 +114,7 @@ def test_rewinds_past_the_limit_keep_the_tainting_sessions_experts_here():
         a.settle()
         a.used(liar)
         a.settle()
-        d.bad[liar] = {3: [n, 10]}
+        d.bad[liar] = Untrusted({3: [n, 10]})
         with pytest.raises(ReplayNeeded) as caught:
             a.check()
         a.replaying(caught.value, from_pass=0)  # a decode that can only go back to the prompt

@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from backbone._audit import TOLERANCE_FACTOR, RowSampler, audit_rows, error_scale
+from backbone._audit import TOLERANCE_FACTOR, AuditRates, RowSampler, audit_rows, error_scale
 from kvasir_rpc._kernel import expert_forward
 
 act = F.silu
@@ -122,6 +122,28 @@ def test_narrow_wire_partials_get_their_rounding():
     assert not audit_rows(liar, xb, gate_up, down, act, w, list(range(32))).passed
 
 
+@pytest.mark.parametrize("wire", [torch.bfloat16, torch.float16])
+def test_a_narrow_wire_allows_one_unit_in_the_last_place_and_no_more(wire):
+    """An honest narrowed partial is the backbone's own rounded result or one step from it;
+    two steps off on every element, or 0.9 of the old bound (4 half-ulps), is a lie."""
+    x, gate_up, down, w = _case(64, 32, 1.0, 0.02)
+    xb = x.to(wire)
+    ref = expert_forward(xb.float(), gate_up, down, act, w).to(wire)
+    rows = list(range(32))
+
+    def steps(k: int) -> torch.Tensor:
+        out = ref
+        for _ in range(k):
+            out = torch.nextafter(out, torch.full_like(out, float("inf")))
+        return out
+
+    one = audit_rows(steps(1), xb, gate_up, down, act, w, rows)
+    assert one.passed and one.exact == 0
+    assert not audit_rows(steps(2), xb, gate_up, down, act, w, rows).passed
+    old_bound = ref.float() + 0.9 * 8 * 2.0**-9 * ref.float().abs()
+    assert not audit_rows(old_bound.to(wire), xb, gate_up, down, act, w, rows).passed
+
+
 def test_sampler_rate_first_call_and_unpredictability():
     s = RowSampler(0.02)
     first = s.choose("s1", [10])
@@ -199,7 +221,7 @@ def _answered_call(session_id: str, sizes: dict[int, int], lie_at: int | None = 
     if lie_at is not None:
         out[lie_at] += 1e-3
     record = CallRecord(call_id=1, session_id=session_id, layer=0, rows=total, sent_ns=0, future=Future())
-    sent = SentCall(record=record, routes=routes, link=types.SimpleNamespace(session_id=session_id),  # type: ignore[arg-type]
+    sent = SentCall(record=record, routes=routes, link=types.SimpleNamespace(session_id=session_id, wallet="w"),  # type: ignore[arg-type]
                     rows=rows, weights=weights, index=None, request_bytes=0)
     return sent, expert_pb2.ExpertPartials(partials=encode_tensor(out)), _Weights(experts)
 
@@ -215,8 +237,9 @@ def test_a_sampled_row_brings_its_whole_small_segment_into_the_audit():
     seen = set()
     for i in range(200):  # the sampled row is random: until both segments were drawn
         sent, msg, weights = _answered_call(f"s{i}", sizes)
-        checker = AnswerChecker(weights, audit_rate=1e-9)  # type: ignore[arg-type]
-        out, evidence, sampled = checker.check(0, act, sent, msg, 64)
+        checker = AnswerChecker(weights, AuditRates(base=1e-9, unchecked=0.0, new=0.0))  # type: ignore[arg-type]
+        checked = checker.check(0, act, sent, msg, 64)
+        out, evidence, sampled = checked.partials, checked.evidence, checked.sampled
         assert out is not None and evidence is None and sampled is not None
         small = bool((sampled.experts == 2).any())
         seen.add(small)
@@ -228,8 +251,8 @@ def test_a_sampled_row_brings_its_whole_small_segment_into_the_audit():
         if small:
             # A lie on a row that was not the sampled one is caught all the same.
             sent, msg, weights = _answered_call(f"liar{i}", sizes, lie_at=7)
-            checker = AnswerChecker(weights, audit_rate=1e-9)  # type: ignore[arg-type]
-            _, _, sampled = checker.check(0, act, sent, msg, 64)
+            checker = AnswerChecker(weights, AuditRates(base=1e-9, unchecked=0.0, new=0.0))  # type: ignore[arg-type]
+            sampled = checker.check(0, act, sent, msg, 64).sampled
             assert sampled is not None
             if bool((sampled.experts == 2).any()):
                 caught = checker.audit(sampled)
@@ -237,3 +260,16 @@ def test_a_sampled_row_brings_its_whole_small_segment_into_the_audit():
         if seen == {True, False}:
             break
     assert seen == {True, False}
+
+
+def test_audit_rates_start_high_for_a_new_wallet_and_floor_a_session_without_row_checks():
+    rates = AuditRates(base=0.02, unchecked=0.10, new=0.25, half_life_rows=2000)
+    assert rates.rate(0, row_checked=True) == 0.25  # a fresh identity: a quarter of its work recomputed
+    assert rates.rate(2000, row_checked=True) == 0.125
+    assert rates.rate(2000 * 3, row_checked=True) == pytest.approx(0.25 / 8)
+    assert rates.rate(10**6, row_checked=True) == 0.02  # earned its way down to the base rate
+    assert rates.rate(10**6, row_checked=False) == 0.10  # without row checks, never under the floor
+    assert rates.rate(0, row_checked=False) == 0.25
+    assert AuditRates(base=0.0).rate(0, row_checked=False) == 0.0  # --audit-rate 0: audits off
+    with pytest.raises(ValueError):
+        AuditRates(new=1.5)

@@ -386,22 +386,26 @@ def test_trailing_bytes_after_a_valid_tensor_message():
 # --- a worker's serialized answer ----------------------------------------------------------
 
 
-def _through_protobuf(call_id: int, t: torch.Tensor, micros: int) -> bytes:
+def _through_protobuf(call_id: int, t: torch.Tensor, micros: int, projections: torch.Tensor | None = None) -> bytes:
     from kvasir_rpc import expert_pb2
 
     resp = expert_pb2.DispatchResponse()
     encode_tensor_into(t, resp.partials.partials)
     resp.partials.call_id = call_id
     resp.partials.compute_micros = micros
+    if projections is not None:
+        encode_tensor_into(projections, resp.partials.projections)
     return resp.SerializeToString()
 
 
 @SETTINGS
 @given(dtype=st.sampled_from(DTYPES), shape=shapes, seed=st.integers(0, 2**32 - 1),
-       call_id=st.one_of(st.just(0), st.integers(0, 2**64 - 1)), micros=st.one_of(st.just(0), st.integers(0, 2**64 - 1)))
-def test_serialized_answer_is_what_protobuf_serializes(dtype, shape, seed, call_id, micros):
+       call_id=st.one_of(st.just(0), st.integers(0, 2**64 - 1)), micros=st.one_of(st.just(0), st.integers(0, 2**64 - 1)),
+       projections=st.one_of(st.none(), shapes))
+def test_serialized_answer_is_what_protobuf_serializes(dtype, shape, seed, call_id, micros, projections):
     t = _random_tensor(shape, dtype, seed)
-    assert serialize_dispatch_response(call_id, t, micros) == _through_protobuf(call_id, t, micros)
+    p = _random_tensor(projections, dtype, seed + 1) if projections is not None else None
+    assert serialize_dispatch_response(call_id, t, micros, p) == _through_protobuf(call_id, t, micros, p)
 
 
 @pytest.mark.parametrize("shape", [(512, 2048), (3, 128 * 1024)])  # payload lengths of 3 and 4 varint bytes
@@ -424,16 +428,18 @@ def test_serialized_answer_refuses_a_dtype_without_wire_form():
 @given(hidden_dtype=st.sampled_from(DTYPES), hidden_shape=shapes, seed=st.integers(0, 2**32 - 1),
        call_id=st.integers(0, 2**64 - 1), layer=st.integers(0, 2**32 - 1),
        segments=st.lists(st.tuples(st.integers(0, 2**32 - 1), st.integers(0, 2**32 - 1)), max_size=6),
-       row_index=st.lists(st.integers(0, 2**32 - 1), max_size=20), weights_len=st.integers(0, 9))
+       row_index=st.lists(st.integers(0, 2**32 - 1), max_size=20), weights_len=st.integers(0, 9),
+       projections=st.booleans())
 def test_serialized_call_is_what_protobuf_serializes(hidden_dtype, hidden_shape, seed, call_id, layer, segments,
-                                                     row_index, weights_len):
+                                                     row_index, weights_len, projections):
     from kvasir_rpc import expert_pb2
 
     hidden = _random_tensor(hidden_shape, hidden_dtype, seed)
     weights = _random_tensor((weights_len,), torch.float32, seed + 1)
     req = expert_pb2.DispatchRequest(
         call_id=call_id, layer=layer, hidden=encode_tensor(hidden), weights=encode_tensor(weights),
-        segments=[expert_pb2.ExpertSegment(expert=e, rows=r) for e, r in segments], row_index=row_index)
-    got = serialize_dispatch_request(call_id, layer, hidden, weights, segments, row_index)
+        segments=[expert_pb2.ExpertSegment(expert=e, rows=r) for e, r in segments], row_index=row_index,
+        projections=projections)
+    got = serialize_dispatch_request(call_id, layer, hidden, weights, segments, row_index, projections)
     assert got == req.SerializeToString()
     assert len(got) == req.ByteSize()

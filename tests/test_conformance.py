@@ -56,8 +56,10 @@ def test_the_python_worker_passes_every_step(tiny_models, tmp_path):
     assert report["passed"] is True
     assert [(s["step"], s["status"]) for s in report["steps"]] == [(name, PASS) for name in STEPS]
     steps = {s["step"]: s for s in report["steps"]}
-    # One machine, one kernel: every row bit for bit, the packed call included.
+    # One machine, one kernel: every row bit for bit, the packed call included; the calls asked
+    # for the projections the hello announced, and every row passed the row checks.
     assert "bit-exact" in steps["dispatch"]["detail"] and steps["dispatch"]["notes"] == []
+    assert "its projections pass the row checks" in steps["dispatch"]["detail"]
     assert "packed" not in " ".join(steps["dispatch"]["notes"])
     assert "INVALID_ARGUMENT" in steps["errors"]["detail"] and "FAILED_PRECONDITION" in steps["errors"]["detail"]
     assert report["worker"]["slices"] == {str(layer): [0, 1, 2, 3] for layer in range(4)}
@@ -112,6 +114,18 @@ def test_other_summation_order_passes_with_a_note(tiny_models, tmp_path):
     assert all(steps[s].status == PASS for s in STEPS), steps
     assert any("not bit-exact: the backbone's --compare-local will report a difference" in n
                for n in steps["dispatch"].notes), steps["dispatch"]
+
+
+def test_projections_that_do_not_fit_fail_dispatch_by_the_row_checks(tiny_models, tmp_path):
+    steps = _check(tiny_models("qwen3_moe"), tmp_path, [str(TESTS / "liar_worker.py"), "proj", "--"])
+    assert [s for s in STEPS if steps[s].status == FAIL] == ["dispatch"], steps
+    assert "the row checks fail" in steps["dispatch"].detail and "gate projection" in steps["dispatch"].detail
+
+
+def test_a_worker_without_projections_passes_with_a_note(tiny_models, tmp_path):
+    steps = _check(tiny_models("qwen3_moe"), tmp_path, [str(TESTS / "liar_worker.py"), "reorder", "--unchecked", "--"])
+    assert all(steps[s].status == PASS for s in STEPS), steps
+    assert any("does not announce projections" in n for n in steps["dispatch"].notes), steps["dispatch"]
 
 
 def test_a_worker_command_without_url_is_refused(tiny_models):

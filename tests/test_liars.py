@@ -28,8 +28,9 @@ def _swarm_with_liar(sw: LocalSwarm, model, lie: list[str]):  # type: ignore[no-
     return swarm_with_dishonest(sw, model, "liar", (LIAR, *lie, "--"))
 
 
-@pytest.mark.parametrize("lie", [["offset"], ["zeros"], ["nan"], ["offset", "--after", "30"]],
-                         ids=["offset", "zeros", "nan", "offset-after-30-calls"])
+@pytest.mark.parametrize("lie", [["offset"], ["zeros"], ["nan"], ["offset", "--after", "30"],
+                                 ["offset", "--after", "30", "--unchecked"]],
+                         ids=["offset", "zeros", "nan", "offset-after-30-calls", "unchecked-offset-after-30-calls"])
 def test_liar_is_caught_quarantined_and_the_decode_stays_exact(lie, tiny_models, tmp_path):
     model = tiny_models("qwen3_moe")
     with LocalSwarm(tmp_path) as sw:
@@ -40,9 +41,16 @@ def test_liar_is_caught_quarantined_and_the_decode_stays_exact(lie, tiny_models,
         assert result["tokens_identical"] is True and result["max_abs_logit_diff"] == 0.0
         assert result["sessions_quarantined"] == [liar.session_id]
         assert honest.session_id in result["sessions_used"]
-        if lie == ["offset", "--after", "30"]:
-            # It was right for 30 calls, so its answers were used: the decode was replayed.
+        if "--unchecked" in lie:
+            # Right for 30 calls, without row checks: only an audit caught it, after its answers
+            # were used, so the decode was recomputed from the first pass that used it.
             assert result["replays"] >= 1
+        else:
+            # Every row of its answers is checked before use: the lying answer was refused and
+            # computed here, and nothing it had answered before needed recomputing.
+            assert result["replays"] == 0 and result["answers_refused"] == 1, result
+            assert result["row_check_refusals"] == (0 if lie == ["nan"] else 1)  # NaN fails before its rows
+            assert result["row_checked_rows"] > 0
         # The hub ended the session and refuses the wallet when it dials again.
         wait_until(lambda: liar.session_id not in {s.session_id for s in sw.list_sessions()}, 30,
                    "the hub to end the liar's session")

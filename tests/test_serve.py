@@ -253,12 +253,13 @@ def test_grpcurl_lists_describes_and_streams_generate_through_reflection(service
 
 
 def test_a_liar_that_turns_after_30_calls_changes_no_token_of_any_stream(tiny_models, tmp_path):
-    """The liar answers right for 30 calls, so streams have sent tokens computed with its
-    answers when an audit catches it; the service replays every running request without it
-    and checks the tokens sent: every stream ends as the local run does, bit for bit."""
+    """The liar (without row checks, as an older worker: only audits see it) answers right for
+    30 calls, so streams have sent tokens computed with its answers when an audit catches it;
+    the service replays every running request without it and checks the tokens sent: every
+    stream ends as the local run does, bit for bit."""
     model = tiny_models("qwen3_moe")
     with LocalSwarm(tmp_path) as sw:
-        liar, honest = swarm_with_dishonest(sw, model, "liar", (LIAR, "offset", "--after", "30", "--"))
+        liar, honest = swarm_with_dishonest(sw, model, "liar", (LIAR, "offset", "--after", "30", "--unchecked", "--"))
         remote = sw.start_backbone_service("remote", model, ["--wait-sessions", "2", "--audit-rate", "0.5"])
         local = sw.start_backbone_service("local", model, hub=False)
         svc, ref = Service(int(remote["grpc_port"]), ""), Service(int(local["grpc_port"]), "")

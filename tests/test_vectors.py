@@ -343,16 +343,23 @@ def build_expert_compute() -> dict:  # type: ignore[type-arg]
     single = {"activation": act_name, "hidden": _tensor_json(x), "gate_up": _tensor_json(weights[0][0]),
               "down": _tensor_json(weights[0][1]), "routing_weights": _tensor_json(w), "output": _tensor_json(out)}
     dispatches = []
-    for name, wire in (("float32 wire", torch.float32), ("bfloat16 wire for a float32 model", torch.bfloat16)):
+    for name, wire, projections in (("float32 wire", torch.float32, False),
+                                    ("bfloat16 wire for a float32 model", torch.bfloat16, False),
+                                    ("float32 wire, projections asked", torch.float32, True),
+                                    ("bfloat16 wire, projections asked", torch.bfloat16, True)):
         rows = x.to(wire)
         req = expert_pb2.DispatchRequest(
             call_id=7, layer=0, hidden=encode_tensor(rows), weights=encode_tensor(torch.tensor([0.5, 0.25, 1.0, 0.5])),
             segments=[expert_pb2.ExpertSegment(expert=0, rows=2), expert_pb2.ExpertSegment(expert=1, rows=2)],
-            row_index=[0, 2, 1, 2])
-        partials = _dispatch(req, weights, act_name, hidden_size)
-        dispatches.append({"name": name, "dispatch_request_hex": req.SerializeToString().hex(),
-                           "call_id": 7, "partials": _tensor_json(decode_tensor(partials)),
-                           "partials_tensor_hex": partials.SerializeToString().hex()})
+            row_index=[0, 2, 1, 2], projections=projections)
+        answer = _dispatch(req, weights, act_name, hidden_size)
+        case = {"name": name, "dispatch_request_hex": req.SerializeToString().hex(),
+                "call_id": 7, "partials": _tensor_json(decode_tensor(answer.partials)),
+                "partials_tensor_hex": answer.partials.SerializeToString().hex()}
+        if projections:
+            case["projections"] = _tensor_json(decode_tensor(answer.projections))
+            case["projections_tensor_hex"] = answer.projections.SerializeToString().hex()
+        dispatches.append(case)
     return {
         "description": (
             "The expert computation (docs/PROTOCOL.md, 'What an expert computes'), as kvasir_rpc's "
@@ -360,9 +367,12 @@ def build_expert_compute() -> dict:  # type: ignore[type-arg]
             "[g | u] = x @ gate_up^T; out = ((silu(g) * u) @ down^T) * w. 'single': one expert over three rows. "
             "'dispatch': two experts of layer 0 ('experts', keyed by expert id) served through "
             "ExpertService.Dispatch: the serialized DispatchRequest and the Tensor its ExpertPartials must "
-            "carry (call_id echoed; compute_micros is free). Inputs are chosen so that every product and sum "
-            "before the activation is exact; an implementation that is not bit-identical must stay within the "
-            "audit bound of docs/PROTOCOL.md."),
+            "carry (call_id echoed; compute_micros is free); where the request asks for projections, the "
+            "projections Tensor too ([g | u] per assignment, in the wire dtype: 'Row checks'). Inputs are "
+            "chosen so that every product and sum before the activation is exact, so the projections are "
+            "exact bytes on every CPU; the partials pass through the activation (exp), whose last bit may "
+            "differ with the CPU and the library: an implementation that is not bit-identical there must "
+            "stay within the audit bound and pass the row checks of docs/PROTOCOL.md."),
         "model": {"hidden_size": hidden_size, "intermediate_size": inter, "dtype": "float32",
                   "hidden_act": act_name},
         "single": single,
@@ -372,7 +382,7 @@ def build_expert_compute() -> dict:  # type: ignore[type-arg]
 
 
 def _dispatch(req: expert_pb2.DispatchRequest, weights: dict, act_name: str,  # type: ignore[type-arg]
-              hidden_size: int) -> tensor_pb2.Tensor:
+              hidden_size: int) -> expert_pb2.ExpertPartials:
     """The Python worker's answer to one call (its real servicer, on the CPU)."""
     from worker._service import ExpertServicer, LoadedExperts
 
@@ -382,7 +392,7 @@ def _dispatch(req: expert_pb2.DispatchRequest, weights: dict, act_name: str,  # 
     (answer,) = list(ExpertServicer(experts, "0" * 64).Dispatch(iter([req]), None))
     resp = expert_pb2.DispatchResponse.FromString(answer)
     assert resp.partials.call_id == req.call_id
-    return resp.partials.partials
+    return resp.partials
 
 
 def build_tensor_codec() -> dict:  # type: ignore[type-arg]
@@ -585,9 +595,18 @@ def test_dispatch(case):
     weights = {int(e): (_tensor(v["gate_up"]), _tensor(v["down"])) for e, v in COMPUTE["experts"].items()}
     req = expert_pb2.DispatchRequest.FromString(bytes.fromhex(case["dispatch_request_hex"]))
     assert req.call_id == case["call_id"]
-    partials = _dispatch(req, weights, COMPUTE["model"]["hidden_act"], COMPUTE["model"]["hidden_size"])
-    assert partials.SerializeToString().hex() == case["partials_tensor_hex"]
-    assert _tensor_json(decode_tensor(partials)) == case["partials"]
+    answer = _dispatch(req, weights, COMPUTE["model"]["hidden_act"], COMPUTE["model"]["hidden_size"])
+    assert answer.partials.SerializeToString().hex() == case["partials_tensor_hex"]
+    assert _tensor_json(decode_tensor(answer.partials)) == case["partials"]
+    assert answer.HasField("projections") == req.projections
+    if req.projections:
+        assert answer.projections.SerializeToString().hex() == case["projections_tensor_hex"]
+        # [g | u] = x @ gate_up^T of each assignment's row and expert, exact here.
+        hidden = decode_tensor(req.hidden).float()
+        rows = [hidden[i] for i in req.row_index]
+        experts = [s.expert for s in req.segments for _ in range(s.rows)]
+        want = torch.stack([weights[e][0] @ r for r, e in zip(rows, experts)]).to(decode_tensor(req.hidden).dtype)
+        assert torch.equal(decode_tensor(answer.projections), want)
 
 
 def test_dispatch_rows_are_the_single_expert_rows():

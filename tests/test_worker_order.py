@@ -46,13 +46,13 @@ def test_same_layer_calls_alternate_their_order_and_answer_the_same_bits(monkeyp
     sv = _servicer()
     by_ptr = {gu.data_ptr(): key for key, (gu, _) in sv.experts.weights.items()}
     computed: list[tuple[int, int]] = []
-    real = _service.expert_forward
+    real = _service.expert_forward_projections
 
     def spy(x, gate_up, down, act, w):  # type: ignore[no-untyped-def]
         computed.append(by_ptr[gate_up.data_ptr()])
         return real(x, gate_up, down, act, w)
 
-    monkeypatch.setattr(_service, "expert_forward", spy)
+    monkeypatch.setattr(_service, "expert_forward_projections", spy)
     calls = [
         (0, [(0, 3), (1, 5), (2, 1), (4, 7)]),  # group A, layer 0: as sent
         (0, [(0, 2), (2, 4), (3, 1), (4, 6)]),  # group B, layer 0: 4 and 2 (A's last) first, 0, then 3
@@ -64,10 +64,16 @@ def test_same_layer_calls_alternate_their_order_and_answer_the_same_bits(monkeyp
     for seed, (layer, segments) in enumerate(calls):
         computed.clear()
         req, hidden, weights = _call(layer, segments, seed)
-        got = sv._compute(req)
+        req.projections = True
+        got, projections = sv._compute(req)
         orders.append([e for _, e in computed])
         if segments:
             assert torch.equal(got, _expected(sv, layer, segments, hidden, weights))
+            # The projections, in segment order whatever the order computed: [x @ gate_up^T].
+            starts = [sum(n for _, n in segments[:i]) for i in range(len(segments))]
+            want = torch.cat([hidden[s:s + n] @ sv.experts.weights[(layer, e)][0].T
+                              for (e, n), s in zip(segments, starts)])
+            assert torch.allclose(projections, want, rtol=1e-5, atol=1e-6)
         else:
             assert got.shape == (0, H)
     assert orders == [[0, 1, 2, 4], [4, 2, 0, 3], [1, 5], [5, 1], []]

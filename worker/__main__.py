@@ -264,6 +264,7 @@ def _serve(args: argparse.Namespace, *, url: str, ssl_context: ssl.SSLContext | 
             expected_hub_key=args.hub_key,
             require_encryption=require_e2e,
             aeads=preferred_aeads(),
+            projections=not args.echo_experts,  # row checks: an echo worker computes none
         )
 
     holders = [TunnelHolder(url) for _ in shares]

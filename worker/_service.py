@@ -14,7 +14,7 @@ from kvasir_rpc import (
     DispatchInputError,
     TensorCodecError,
     decode_tensor,
-    expert_forward,
+    expert_forward_projections,
     expert_pb2,
     expert_pb2_grpc,
     get_logger,
@@ -176,10 +176,11 @@ class ExpertServicer(expert_pb2_grpc.ExpertServiceServicer):
                 self._computing += 1
             try:
                 t0 = time.perf_counter_ns()
-                partials = self._compute(req)
+                partials, projections = self._compute(req)
                 micros = (time.perf_counter_ns() - t0) // 1000
                 # Serialized here, its payload copied once (see add_to_server).
-                answer = serialize_dispatch_response(req.call_id, partials, micros)
+                answer = serialize_dispatch_response(req.call_id, partials, micros,
+                                                     projections if req.projections else None)
             except DispatchInputError as exc:
                 code = grpc.StatusCode.FAILED_PRECONDITION if exc.precondition else grpc.StatusCode.INVALID_ARGUMENT
                 context.abort(code, f"call {req.call_id}: {exc}")
@@ -191,8 +192,10 @@ class ExpertServicer(expert_pb2_grpc.ExpertServiceServicer):
                     self._idle.notify_all()
             yield answer
 
-    def _compute(self, req: expert_pb2.DispatchRequest) -> torch.Tensor:
-        """The call's partials, [rows, hidden_size] in the dtype the hidden rows came in."""
+    def _compute(self, req: expert_pb2.DispatchRequest) -> tuple[torch.Tensor, torch.Tensor]:
+        """The call's partials, [rows, hidden_size], and their projections, [rows, 2 x
+        intermediate] (what the caller's row checks need), both in the dtype the hidden rows
+        came in."""
         e = self.experts
         hidden = decode_tensor(req.hidden)
         weights = decode_tensor(req.weights)
@@ -213,7 +216,8 @@ class ExpertServicer(expert_pb2_grpc.ExpertServiceServicer):
             # (each assignment's input row, in the wire dtype it came in).
             self.calls += 1
             self.rows += index.numel() if index is not None else hidden.shape[0]
-            return hidden if index is None else hidden[index]
+            echoed = hidden if index is None else hidden[index]
+            return echoed, echoed[:, :0]
         wire_dtype = hidden.dtype
         # Activations sent narrower than the model are widened here; partials go back narrow.
         hidden = hidden.to(device=e.device, dtype=e.dtype)
@@ -226,19 +230,22 @@ class ExpertServicer(expert_pb2_grpc.ExpertServiceServicer):
         experts = [x for x, _ in segments]
         order = self._order(req.layer, experts)
         out: list[torch.Tensor] = [hidden] * len(segments)  # each replaced by its segment's partials
+        proj: list[torch.Tensor] = [hidden] * len(segments)  # and by its projections
         with torch.inference_mode():
             for i in order:
                 (expert, rows), s0 = segments[i], starts[i]
                 gate_up, down = e.weights[(req.layer, expert)]
                 x = hidden[s0 : s0 + rows] if index is None else hidden[index[s0 : s0 + rows]]
-                out[i] = expert_forward(x, gate_up, down, e.act, weights[s0 : s0 + rows])
+                out[i], proj[i] = expert_forward_projections(x, gate_up, down, e.act, weights[s0 : s0 + rows])
             self._last = (req.layer, [experts[i] for i in order])
             if not out:  # a call with no assignments is valid: its partials are [0, hidden_size]
-                partials = hidden.new_empty((0, e.hidden_size))
+                partials, projections = hidden.new_empty((0, e.hidden_size)), hidden.new_empty((0, 0))
             else:
                 partials = torch.cat(out) if len(out) > 1 else out[0]
+                projections = (torch.cat(proj) if len(proj) > 1 else proj[0]) if req.projections else proj[0][:0]
             if wire_dtype != partials.dtype:
                 partials = partials.to(wire_dtype)
+                projections = projections.to(wire_dtype)
         self.calls += 1
         self.rows += start
-        return partials
+        return partials, projections

@@ -266,6 +266,9 @@ def run_bench(*, quick: bool = False, say: Callable[[str], None] = print) -> dic
     for rtt in RTTS_MS:
         ratios[f"decode_remote_over_local_rtt{rtt}"] = decode[f"rtt{rtt}"]["remote_over_local"]  # type: ignore[index]
     ratios["decode_audits_on_over_off_rtt0"] = decode["audit"]["on_over_off"]  # type: ignore[index]
+    ratios["decode_row_checks_on_over_off_rtt0"] = decode["row_checks"]["on_over_off"]  # type: ignore[index]
+    ratios["row_checks_wire_bytes_on_over_off"] = decode["row_checks"]["wire_bytes_on_over_off"]  # type: ignore[index]
+    figures["row_check_us_per_row"] = decode["row_checks"]["row_check_us_per_row"]  # type: ignore[index]
     figures.update(decode_hop_figures(decode))
     say("hops: CPU ns per byte of each process a batch-512 Dispatch call crosses")
     hops = run_hop_bench(quick=quick, say=say)
@@ -380,7 +383,75 @@ def run_decode_bench(*, quick: bool = False, say: Callable[[str], None] = print)
             f"RTT {rtt} ms {hops[f'rtt{rtt}']['latency_proxy_cpu_share']}" for rtt in RTTS_MS))  # type: ignore[index]
         out["audit"] = _audit_cost(sw, model, args_common, groups=int(out["rtt0"]["groups"]), rtt_file=rtt_file,  # type: ignore[index]
                                    say=say)
+        out["row_checks"] = row_check_cost(sw, model, args_common, groups=int(out["rtt0"]["groups"]),  # type: ignore[index]
+                                           rtt_file=rtt_file, say=say)
     return out
+
+
+def run_checks_bench(*, quick: bool = False, say: Callable[[str], None] = print) -> dict[str, object]:
+    """Only what checking the workers costs (``kvasir bench --checks``): on the decode bench's
+    swarm, the remote decode at RTT 0 with row checks on and off, and with audits on and off."""
+    from kvasir_rpc.dev.swarm import LocalSwarm
+
+    batch, tokens = (32, 6) if quick else (128, 16)
+    args_common = ["--prompt", "the swarm", "--max-new-tokens", str(tokens), "--batch", str(batch)]
+    split = _core_split()
+    out: dict[str, object] = {"model": DECODE_MODEL, "batch": batch, "new_tokens": tokens}
+    with tempfile.TemporaryDirectory(prefix="kvasir-bench-checks-") as tmp, LocalSwarm(tmp) as sw:
+        model, rtt_file = start_decode_swarm(sw, pathlib.Path(tmp), split, ("backbone",))
+        rtt_file.write_text("0")
+        first = sw.run_backbone(["--model", str(model), *args_common, "--groups", "auto", "--wait-sessions", "2"])
+        groups = int(first["groups"])  # type: ignore[call-overload]
+        out["row_checks"] = row_check_cost(sw, model, args_common, groups=groups, rtt_file=rtt_file, say=say)
+        out["audit"] = _audit_cost(sw, model, args_common, groups=groups, rtt_file=rtt_file, say=say)
+    return out
+
+
+def row_check_cost(sw, model: pathlib.Path, args_common: list[str], *, groups: int,  # type: ignore[no-untyped-def]
+                   rtt_file: pathlib.Path, say: Callable[[str], None]) -> dict[str, object]:
+    """What checking every row costs, at RTT 0: the same remote decode with ``--row-checks
+    off`` and on (the default), alternated twice (this machine is noisy); medians of tokens/s,
+    the backbone's CPU time in the row checks per row checked, and the bytes the answers took
+    on the wire per remote row, on against off (the projections travel with the partials)."""
+    rtt_file.write_text("0")
+    time.sleep(0.3)  # the proxy re-reads the file every 0.1 s
+    runs: dict[str, list[dict[str, object]]] = {"off": [], "on": []}
+    for _ in range(2):
+        for mode in ("off", "on"):
+            runs[mode].append(sw.run_backbone(["--model", str(model), *args_common, "--groups", str(groups),
+                                               "--wait-sessions", "2", "--row-checks", mode]))
+    rate = {m: statistics.median(float(r["decode_tokens_per_s"]) for r in rs) for m, rs in runs.items()}  # type: ignore[arg-type]
+
+    def per_row(mode: str, key: str) -> float:
+        total = sum(float(str(r[key])) for r in runs[mode])
+        rows = sum(int(r["remote_rows"]) for r in runs[mode])  # type: ignore[call-overload]
+        return total / rows if rows else 0.0
+
+    on = runs["on"]
+    checked = sum(int(r["row_checked_rows"]) for r in on)  # type: ignore[call-overload]
+    seconds = sum(float(str(r["row_check_seconds"])) for r in on)
+    cpu = sum(float(str(r["cpu_seconds"])) for r in on)
+    result: dict[str, object] = {
+        "groups": groups,
+        "tokens_per_s_row_checks_off": round(rate["off"], 3), "tokens_per_s_row_checks_on": round(rate["on"], 3),
+        "on_over_off": round(rate["on"] / rate["off"], 3) if rate["off"] else None,
+        "rows_checked": checked, "row_check_seconds": round(seconds, 4),
+        "row_check_us_per_row": round(seconds / checked * 1e6, 3) if checked else None,
+        "row_check_share_of_backbone_cpu": round(seconds / cpu, 4) if cpu else None,
+        "received_bytes_per_row_on": round(per_row("on", "received_bytes"), 1),
+        "received_bytes_per_row_off": round(per_row("off", "received_bytes"), 1),
+        "sent_bytes_per_row_on": round(per_row("on", "sent_bytes"), 1),
+        "sent_bytes_per_row_off": round(per_row("off", "sent_bytes"), 1),
+        "refusals": sum(int(r["row_check_refusals"]) for r in on),  # type: ignore[call-overload]
+    }
+    off_bytes = result["received_bytes_per_row_off"] + result["sent_bytes_per_row_off"]  # type: ignore[operator]
+    on_bytes = result["received_bytes_per_row_on"] + result["sent_bytes_per_row_on"]  # type: ignore[operator]
+    result["wire_bytes_on_over_off"] = round(on_bytes / off_bytes, 4) if off_bytes else None
+    say(f"  row checks: {result['tokens_per_s_row_checks_on']} tokens/s against {result['tokens_per_s_row_checks_off']} "
+        f"off ({result['on_over_off']}); {checked} rows checked at {result['row_check_us_per_row']} us each of the "
+        f"backbone's CPU; wire bytes per remote row {on_bytes:.0f} against {off_bytes:.0f} "
+        f"({result['wire_bytes_on_over_off']})")
+    return result
 
 
 ASSIST_RTTS_MS = (13, 50)

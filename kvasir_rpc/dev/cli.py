@@ -229,6 +229,13 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         procs = run_gateway_processes_bench(quick=args.quick, say=say)
         print(json.dumps(procs, indent=None if args.json else 2))
         return 0
+    if args.checks:
+        from kvasir_rpc.dev.bench import run_checks_bench
+
+        say("checks: the remote decode at RTT 0 with row checks on and off, and audits on and off")
+        checks = run_checks_bench(quick=args.quick, say=say)
+        print(json.dumps(checks, indent=None if args.json else 2))
+        return 0
     if args.assist:
         from kvasir_rpc.dev.bench import assist_keys, run_assist_bench
 
@@ -296,6 +303,7 @@ def _cmd_status(args: argparse.Namespace) -> int:
         print(f"  {s.session_id}  wallet {s.wallet[:16]}…  {s.device or '?'}  {s.model_type}  "
               f"{experts} experts in {len(s.slices)} layers  up {up:.0f} s  "
               f"{'via gateway' if s.via_gateway else 'direct'}  "
+              f"{'rows checked' if s.projections else 'sampled audits only'}  "
               f"rtt {f'{s.rtt_ms:.1f} ms' if s.rtt_ms else '?'}  "
               f"work {int(s.work_bytes):,} bytes ({int(s.work_calls):,} calls, {int(s.work_rows):,} rows)  "
               f"credited {format_kvr(int(s.credited_nano_kvr))} KVR  tunnel in {int(s.bytes_to_worker):,} / out "
@@ -476,6 +484,9 @@ def build_parser() -> argparse.ArgumentParser:
                             "--processes 2, 4 workers and 4 callers")
     bench.add_argument("--assist", action="store_true",
                        help="only one stream's tokens/s at RTT 13 and 50 ms, plain vs --assist lookup")
+    bench.add_argument("--checks", action="store_true",
+                       help="only what checking workers costs: the remote decode with row checks on and off, and "
+                            "audits on and off (tokens/s, the backbone's CPU per row, wire bytes per row)")
     bench.set_defaults(func=_cmd_bench)
     certs = add(sub, "certs", help="make a development CA and a gateway certificate")
     certs.add_argument("dir", type=pathlib.Path, nargs="?", default=DEFAULT_CERTS_DIR,

@@ -114,14 +114,15 @@ class _Call:
 
 
 def _make_call(name: str, call_id: int, layer: int, hidden: torch.Tensor, weights: torch.Tensor,
-               segments: Sequence[tuple[int, int]], row_index: Sequence[int] = ()) -> _Call:
+               segments: Sequence[tuple[int, int]], row_index: Sequence[int] = (), projections: bool = False) -> _Call:
     import torch
 
     from kvasir_rpc import encode_tensor, expert_pb2
 
     req = expert_pb2.DispatchRequest(
         call_id=call_id, layer=layer, hidden=encode_tensor(hidden), weights=encode_tensor(weights),
-        segments=[expert_pb2.ExpertSegment(expert=e, rows=n) for e, n in segments], row_index=list(row_index))
+        segments=[expert_pb2.ExpertSegment(expert=e, rows=n) for e, n in segments], row_index=list(row_index),
+        projections=projections)
     index = torch.tensor(list(row_index), dtype=torch.long) if row_index else None
     return _Call(name, req, layer, hidden, weights, tuple(segments), index)
 
@@ -132,10 +133,12 @@ def _pick_layer(slices: Mapping[int, Sequence[int]]) -> tuple[int, tuple[int, ..
     return layer, tuple(slices[layer][:3])
 
 
-def plan_calls(slices: Mapping[int, Sequence[int]], hidden_size: int, dtype: torch.dtype, seed: int) -> list[_Call]:
+def plan_calls(slices: Mapping[int, Sequence[int]], hidden_size: int, dtype: torch.dtype, seed: int,
+               projections: bool = False) -> list[_Call]:
     """Seeded random calls over announced experts: one of several experts with several rows
     each, one of a single row, and a packed one (``row_index``) when the worker holds two or
-    more experts of a layer. Inputs are float32 normals cast to the model's dtype."""
+    more experts of a layer. Inputs are float32 normals cast to the model's dtype. With
+    ``projections`` (the worker announced them) every call asks for them."""
     import torch
 
     gen = torch.Generator().manual_seed(seed)
@@ -150,15 +153,62 @@ def plan_calls(slices: Mapping[int, Sequence[int]], hidden_size: int, dtype: tor
     counts = (3, 2, 4)[: len(experts)]
     segs = list(zip(experts, counts))
     calls = [
-        _make_call("several experts", 1, layer, rand_rows(sum(counts)), rand_weights(sum(counts)), segs),
-        _make_call("one row", 2, layer, rand_rows(1), rand_weights(1), [(experts[-1], 1)]),
+        _make_call("several experts", 1, layer, rand_rows(sum(counts)), rand_weights(sum(counts)), segs,
+                   projections=projections),
+        _make_call("one row", 2, layer, rand_rows(1), rand_weights(1), [(experts[-1], 1)], projections=projections),
     ]
     if len(experts) >= 2:
         picks = _PACKED_PICKS[: len(experts)]
         index = [i for p in picks for i in p]
         calls.append(_make_call("packed (row_index)", 3, layer, rand_rows(1 + max(index)),
-                                rand_weights(len(index)), [(e, len(p)) for e, p in zip(experts, picks)], index))
+                                rand_weights(len(index)), [(e, len(p)) for e, p in zip(experts, picks)], index,
+                                projections=projections))
     return calls
+
+
+class _IndexWeights:
+    """The checkpoint's experts as the row checks read them (backbone's ExpertWeights)."""
+
+    def __init__(self, experts: ExpertIndex) -> None:
+        self._experts = experts
+
+    def num_experts(self, layer: int) -> int:
+        return self._experts.info.num_experts
+
+    def get(self, layer: int, expert: int, *, keep: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._experts.load(layer, expert)
+
+
+def judge_projections(call: _Call, partials: torch.Tensor, answer: Any, experts: ExpertIndex,
+                      act: Activation) -> tuple[bool, str]:
+    """The row checks the backbone runs on every row of an answer whose projections it asked
+    for (docs/PROTOCOL.md 11.1), on a call's answer: ``(passed, why not)``."""
+    import torch
+
+    from backbone._rowcheck import RowChecker
+    from kvasir_rpc import TensorCodecError, decode_tensor
+
+    cid = call.request.call_id
+    if not answer.HasField("projections"):
+        return False, (f"call {cid} ({call.name}) asked for projections (the hello announced them) and the answer "
+                       "has none: ExpertPartials.projections, [assignments, 2 x intermediate] (PROTOCOL.md 9.2)")
+    try:
+        got = decode_tensor(answer.projections)
+    except TensorCodecError as exc:
+        return False, f"call {cid} ({call.name}): malformed projections: {exc}"
+    rows = sum(n for _, n in call.segments)
+    want = (rows, 2 * experts.info.intermediate_size)
+    if tuple(got.shape) != want or got.dtype != call.hidden.dtype:
+        return False, (f"call {cid} ({call.name}): projections of shape {list(got.shape)} {got.dtype}, expected "
+                       f"{list(want)} {call.hidden.dtype}")
+    x = call.hidden if call.row_index is None else call.hidden[call.row_index]
+    ids = torch.tensor([e for e, n in call.segments for _ in range(n)], dtype=torch.long)
+    verdict = RowChecker(_IndexWeights(experts)).check(call.layer, act, x, call.weights, ids, partials, got)
+    if not verdict.passed:
+        return False, (f"call {cid} ({call.name}), layer {call.layer}: the row checks fail: {verdict.detail} "
+                       "(PROTOCOL.md 11.1: the projections must be [gate @ x | up @ x] and the partials computed "
+                       "from them)")
+    return True, ""
 
 
 def judge_partials(call: _Call, got: torch.Tensor, experts: ExpertIndex, act: Activation) -> tuple[bool, str]:
@@ -534,7 +584,7 @@ class _Check:
     def _calls(self) -> list[_Call]:
         assert self.hello is not None
         info = self.experts.info
-        return plan_calls(self.hello.slices, info.hidden_size, info.dtype, self.cfg.seed)
+        return plan_calls(self.hello.slices, info.hidden_size, info.dtype, self.cfg.seed, self.hello.projections)
 
     async def _dispatch(self, channel: grpc.Channel) -> tuple[str, list[str]]:
         import grpc
@@ -583,9 +633,20 @@ class _Check:
                 raise _StepFailed(note)
             if note:
                 notes.append(note)
+            if c.request.projections:
+                ok, note = await trio.to_thread.run_sync(judge_projections, c, out, answers[c.request.call_id],
+                                                         self.experts, self.act, abandon_on_cancel=True)
+                if not ok:
+                    raise _StepFailed(note)
+        assert self.hello is not None
+        if not self.hello.projections:
+            notes.append("the hello does not announce projections: a backbone checks this worker by sampled audits "
+                         "alone, at a higher rate (PROTOCOL.md 11.1, 13); announce them and return them when asked")
         rows = sum(int(c.request.weights.shape[0]) for c in judged)
         verdict = ("within the backbone's audit tolerance of the reference kernel" if any(
             "not bit-exact" in n for n in notes) else "equal to the reference kernel, bit-exact")
+        if self.hello.projections:
+            verdict += ", and its projections pass the row checks"
         return (f"{len(judged)} calls, {rows} assignment rows of layer {judged[0].layer}, experts "
                 f"{sorted({e for c in judged for e, _ in c.segments})}: every row {verdict}"), notes
 

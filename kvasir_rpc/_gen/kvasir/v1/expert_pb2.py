@@ -26,7 +26,7 @@ from kvasir_rpc._gen.kvasir.v1 import session_pb2 as kvasir_dot_v1_dot_session__
 from kvasir_rpc._gen.kvasir.v1 import tensor_pb2 as kvasir_dot_v1_dot_tensor__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16kvasir/v1/expert.proto\x12\tkvasir.v1\x1a\x17kvasir/v1/session.proto\x1a\x16kvasir/v1/tensor.proto\"-\n\rExpertSegment\x12\x0e\n\x06\x65xpert\x18\x01 \x01(\r\x12\x0c\n\x04rows\x18\x02 \x01(\r\"\xb7\x01\n\x0f\x44ispatchRequest\x12\x0f\n\x07\x63\x61ll_id\x18\x01 \x01(\x04\x12\r\n\x05layer\x18\x02 \x01(\r\x12!\n\x06hidden\x18\x03 \x01(\x0b\x32\x11.kvasir.v1.Tensor\x12*\n\x08segments\x18\x04 \x03(\x0b\x32\x18.kvasir.v1.ExpertSegment\x12\"\n\x07weights\x18\x05 \x01(\x0b\x32\x11.kvasir.v1.Tensor\x12\x11\n\trow_index\x18\x06 \x03(\r\"^\n\x0e\x45xpertPartials\x12\x0f\n\x07\x63\x61ll_id\x18\x01 \x01(\x04\x12#\n\x08partials\x18\x02 \x01(\x0b\x32\x11.kvasir.v1.Tensor\x12\x16\n\x0e\x63ompute_micros\x18\x03 \x01(\x04\"?\n\x10\x44ispatchResponse\x12+\n\x08partials\x18\x01 \x01(\x0b\x32\x19.kvasir.v1.ExpertPartials\"\x11\n\x0f\x44\x65scribeRequest\"\xbc\x01\n\x10\x44\x65scribeResponse\x12\x0e\n\x06wallet\x18\x01 \x01(\t\x12&\n\x06slices\x18\x02 \x03(\x0b\x32\x16.kvasir.v1.ExpertSlice\x12\x16\n\x0eweights_digest\x18\x03 \x01(\x0c\x12\x0e\n\x06\x64\x65vice\x18\x04 \x01(\t\x12\x12\n\nmodel_type\x18\x05 \x01(\t\x12\x13\n\x0bhidden_size\x18\x06 \x01(\r\x12\x1f\n\x05\x64type\x18\x07 \x01(\x0e\x32\x10.kvasir.v1.DType2\x9d\x01\n\rExpertService\x12G\n\x08\x44ispatch\x12\x1a.kvasir.v1.DispatchRequest\x1a\x1b.kvasir.v1.DispatchResponse(\x01\x30\x01\x12\x43\n\x08\x44\x65scribe\x12\x1a.kvasir.v1.DescribeRequest\x1a\x1b.kvasir.v1.DescribeResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16kvasir/v1/expert.proto\x12\tkvasir.v1\x1a\x17kvasir/v1/session.proto\x1a\x16kvasir/v1/tensor.proto\"-\n\rExpertSegment\x12\x0e\n\x06\x65xpert\x18\x01 \x01(\r\x12\x0c\n\x04rows\x18\x02 \x01(\r\"\xcc\x01\n\x0f\x44ispatchRequest\x12\x0f\n\x07\x63\x61ll_id\x18\x01 \x01(\x04\x12\r\n\x05layer\x18\x02 \x01(\r\x12!\n\x06hidden\x18\x03 \x01(\x0b\x32\x11.kvasir.v1.Tensor\x12*\n\x08segments\x18\x04 \x03(\x0b\x32\x18.kvasir.v1.ExpertSegment\x12\"\n\x07weights\x18\x05 \x01(\x0b\x32\x11.kvasir.v1.Tensor\x12\x11\n\trow_index\x18\x06 \x03(\r\x12\x13\n\x0bprojections\x18\x07 \x01(\x08\"\x86\x01\n\x0e\x45xpertPartials\x12\x0f\n\x07\x63\x61ll_id\x18\x01 \x01(\x04\x12#\n\x08partials\x18\x02 \x01(\x0b\x32\x11.kvasir.v1.Tensor\x12\x16\n\x0e\x63ompute_micros\x18\x03 \x01(\x04\x12&\n\x0bprojections\x18\x04 \x01(\x0b\x32\x11.kvasir.v1.Tensor\"?\n\x10\x44ispatchResponse\x12+\n\x08partials\x18\x01 \x01(\x0b\x32\x19.kvasir.v1.ExpertPartials\"\x11\n\x0f\x44\x65scribeRequest\"\xbc\x01\n\x10\x44\x65scribeResponse\x12\x0e\n\x06wallet\x18\x01 \x01(\t\x12&\n\x06slices\x18\x02 \x03(\x0b\x32\x16.kvasir.v1.ExpertSlice\x12\x16\n\x0eweights_digest\x18\x03 \x01(\x0c\x12\x0e\n\x06\x64\x65vice\x18\x04 \x01(\t\x12\x12\n\nmodel_type\x18\x05 \x01(\t\x12\x13\n\x0bhidden_size\x18\x06 \x01(\r\x12\x1f\n\x05\x64type\x18\x07 \x01(\x0e\x32\x10.kvasir.v1.DType2\x9d\x01\n\rExpertService\x12G\n\x08\x44ispatch\x12\x1a.kvasir.v1.DispatchRequest\x1a\x1b.kvasir.v1.DispatchResponse(\x01\x30\x01\x12\x43\n\x08\x44\x65scribe\x12\x1a.kvasir.v1.DescribeRequest\x1a\x1b.kvasir.v1.DescribeResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,15 +36,15 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_EXPERTSEGMENT']._serialized_start=86
   _globals['_EXPERTSEGMENT']._serialized_end=131
   _globals['_DISPATCHREQUEST']._serialized_start=134
-  _globals['_DISPATCHREQUEST']._serialized_end=317
-  _globals['_EXPERTPARTIALS']._serialized_start=319
-  _globals['_EXPERTPARTIALS']._serialized_end=413
-  _globals['_DISPATCHRESPONSE']._serialized_start=415
-  _globals['_DISPATCHRESPONSE']._serialized_end=478
-  _globals['_DESCRIBEREQUEST']._serialized_start=480
-  _globals['_DESCRIBEREQUEST']._serialized_end=497
-  _globals['_DESCRIBERESPONSE']._serialized_start=500
-  _globals['_DESCRIBERESPONSE']._serialized_end=688
-  _globals['_EXPERTSERVICE']._serialized_start=691
-  _globals['_EXPERTSERVICE']._serialized_end=848
+  _globals['_DISPATCHREQUEST']._serialized_end=338
+  _globals['_EXPERTPARTIALS']._serialized_start=341
+  _globals['_EXPERTPARTIALS']._serialized_end=475
+  _globals['_DISPATCHRESPONSE']._serialized_start=477
+  _globals['_DISPATCHRESPONSE']._serialized_end=540
+  _globals['_DESCRIBEREQUEST']._serialized_start=542
+  _globals['_DESCRIBEREQUEST']._serialized_end=559
+  _globals['_DESCRIBERESPONSE']._serialized_start=562
+  _globals['_DESCRIBERESPONSE']._serialized_end=750
+  _globals['_EXPERTSERVICE']._serialized_start=753
+  _globals['_EXPERTSERVICE']._serialized_end=910
 # @@protoc_insertion_point(module_scope)

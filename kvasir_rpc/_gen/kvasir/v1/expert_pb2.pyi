@@ -17,30 +17,34 @@ class ExpertSegment(_message.Message):
     def __init__(self, expert: _Optional[int] = ..., rows: _Optional[int] = ...) -> None: ...
 
 class DispatchRequest(_message.Message):
-    __slots__ = ("call_id", "layer", "hidden", "segments", "weights", "row_index")
+    __slots__ = ("call_id", "layer", "hidden", "segments", "weights", "row_index", "projections")
     CALL_ID_FIELD_NUMBER: _ClassVar[int]
     LAYER_FIELD_NUMBER: _ClassVar[int]
     HIDDEN_FIELD_NUMBER: _ClassVar[int]
     SEGMENTS_FIELD_NUMBER: _ClassVar[int]
     WEIGHTS_FIELD_NUMBER: _ClassVar[int]
     ROW_INDEX_FIELD_NUMBER: _ClassVar[int]
+    PROJECTIONS_FIELD_NUMBER: _ClassVar[int]
     call_id: int
     layer: int
     hidden: _tensor_pb2.Tensor
     segments: _containers.RepeatedCompositeFieldContainer[ExpertSegment]
     weights: _tensor_pb2.Tensor
     row_index: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, call_id: _Optional[int] = ..., layer: _Optional[int] = ..., hidden: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., segments: _Optional[_Iterable[_Union[ExpertSegment, _Mapping]]] = ..., weights: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., row_index: _Optional[_Iterable[int]] = ...) -> None: ...
+    projections: bool
+    def __init__(self, call_id: _Optional[int] = ..., layer: _Optional[int] = ..., hidden: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., segments: _Optional[_Iterable[_Union[ExpertSegment, _Mapping]]] = ..., weights: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., row_index: _Optional[_Iterable[int]] = ..., projections: _Optional[bool] = ...) -> None: ...
 
 class ExpertPartials(_message.Message):
-    __slots__ = ("call_id", "partials", "compute_micros")
+    __slots__ = ("call_id", "partials", "compute_micros", "projections")
     CALL_ID_FIELD_NUMBER: _ClassVar[int]
     PARTIALS_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_MICROS_FIELD_NUMBER: _ClassVar[int]
+    PROJECTIONS_FIELD_NUMBER: _ClassVar[int]
     call_id: int
     partials: _tensor_pb2.Tensor
     compute_micros: int
-    def __init__(self, call_id: _Optional[int] = ..., partials: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., compute_micros: _Optional[int] = ...) -> None: ...
+    projections: _tensor_pb2.Tensor
+    def __init__(self, call_id: _Optional[int] = ..., partials: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., compute_micros: _Optional[int] = ..., projections: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ...) -> None: ...
 
 class DispatchResponse(_message.Message):
     __slots__ = ("partials",)

@@ -18,12 +18,14 @@ class Violation(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     VIOLATION_NON_FINITE: _ClassVar[Violation]
     VIOLATION_AUDIT_MISMATCH: _ClassVar[Violation]
     VIOLATION_MALFORMED: _ClassVar[Violation]
+    VIOLATION_ROW_CHECK: _ClassVar[Violation]
 TUNNEL_AEAD_UNSPECIFIED: TunnelAead
 TUNNEL_AEAD_AES_256_GCM: TunnelAead
 VIOLATION_UNSPECIFIED: Violation
 VIOLATION_NON_FINITE: Violation
 VIOLATION_AUDIT_MISMATCH: Violation
 VIOLATION_MALFORMED: Violation
+VIOLATION_ROW_CHECK: Violation
 
 class ExpertSlice(_message.Message):
     __slots__ = ("layer", "experts")
@@ -46,7 +48,7 @@ class SessionChallenge(_message.Message):
     def __init__(self, nonce: _Optional[bytes] = ..., hub_key: _Optional[str] = ..., issued_at_unix_ms: _Optional[int] = ..., kx_public: _Optional[bytes] = ...) -> None: ...
 
 class HelloBody(_message.Message):
-    __slots__ = ("nonce", "hub_key", "wallet", "slices", "weights_digest", "device", "model_type", "worker_version", "kx_public", "hub_kx_public", "require_encryption", "aeads")
+    __slots__ = ("nonce", "hub_key", "wallet", "slices", "weights_digest", "device", "model_type", "worker_version", "kx_public", "hub_kx_public", "require_encryption", "aeads", "projections")
     NONCE_FIELD_NUMBER: _ClassVar[int]
     HUB_KEY_FIELD_NUMBER: _ClassVar[int]
     WALLET_FIELD_NUMBER: _ClassVar[int]
@@ -59,6 +61,7 @@ class HelloBody(_message.Message):
     HUB_KX_PUBLIC_FIELD_NUMBER: _ClassVar[int]
     REQUIRE_ENCRYPTION_FIELD_NUMBER: _ClassVar[int]
     AEADS_FIELD_NUMBER: _ClassVar[int]
+    PROJECTIONS_FIELD_NUMBER: _ClassVar[int]
     nonce: bytes
     hub_key: str
     wallet: str
@@ -71,7 +74,8 @@ class HelloBody(_message.Message):
     hub_kx_public: bytes
     require_encryption: bool
     aeads: _containers.RepeatedScalarFieldContainer[TunnelAead]
-    def __init__(self, nonce: _Optional[bytes] = ..., hub_key: _Optional[str] = ..., wallet: _Optional[str] = ..., slices: _Optional[_Iterable[_Union[ExpertSlice, _Mapping]]] = ..., weights_digest: _Optional[bytes] = ..., device: _Optional[str] = ..., model_type: _Optional[str] = ..., worker_version: _Optional[str] = ..., kx_public: _Optional[bytes] = ..., hub_kx_public: _Optional[bytes] = ..., require_encryption: _Optional[bool] = ..., aeads: _Optional[_Iterable[_Union[TunnelAead, str]]] = ...) -> None: ...
+    projections: bool
+    def __init__(self, nonce: _Optional[bytes] = ..., hub_key: _Optional[str] = ..., wallet: _Optional[str] = ..., slices: _Optional[_Iterable[_Union[ExpertSlice, _Mapping]]] = ..., weights_digest: _Optional[bytes] = ..., device: _Optional[str] = ..., model_type: _Optional[str] = ..., worker_version: _Optional[str] = ..., kx_public: _Optional[bytes] = ..., hub_kx_public: _Optional[bytes] = ..., require_encryption: _Optional[bool] = ..., aeads: _Optional[_Iterable[_Union[TunnelAead, str]]] = ..., projections: _Optional[bool] = ...) -> None: ...
 
 class SessionHello(_message.Message):
     __slots__ = ("body", "signature")
@@ -94,7 +98,7 @@ class SessionAccept(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., encrypted: _Optional[bool] = ..., signature: _Optional[bytes] = ..., aead: _Optional[_Union[TunnelAead, str]] = ...) -> None: ...
 
 class Session(_message.Message):
-    __slots__ = ("session_id", "wallet", "slices", "weights_digest", "device", "model_type", "connected_since_unix_ms", "bytes_to_worker", "bytes_from_worker", "target", "remote_address", "work_bytes", "encrypted", "via_gateway", "rtt_ms", "work_calls", "work_rows", "credited_bytes", "credited_nano_kvr", "aead")
+    __slots__ = ("session_id", "wallet", "slices", "weights_digest", "device", "model_type", "connected_since_unix_ms", "bytes_to_worker", "bytes_from_worker", "target", "remote_address", "work_bytes", "encrypted", "via_gateway", "rtt_ms", "work_calls", "work_rows", "credited_bytes", "credited_nano_kvr", "aead", "projections")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     WALLET_FIELD_NUMBER: _ClassVar[int]
     SLICES_FIELD_NUMBER: _ClassVar[int]
@@ -115,6 +119,7 @@ class Session(_message.Message):
     CREDITED_BYTES_FIELD_NUMBER: _ClassVar[int]
     CREDITED_NANO_KVR_FIELD_NUMBER: _ClassVar[int]
     AEAD_FIELD_NUMBER: _ClassVar[int]
+    PROJECTIONS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     wallet: str
     slices: _containers.RepeatedCompositeFieldContainer[ExpertSlice]
@@ -135,7 +140,8 @@ class Session(_message.Message):
     credited_bytes: int
     credited_nano_kvr: int
     aead: TunnelAead
-    def __init__(self, session_id: _Optional[str] = ..., wallet: _Optional[str] = ..., slices: _Optional[_Iterable[_Union[ExpertSlice, _Mapping]]] = ..., weights_digest: _Optional[bytes] = ..., device: _Optional[str] = ..., model_type: _Optional[str] = ..., connected_since_unix_ms: _Optional[int] = ..., bytes_to_worker: _Optional[int] = ..., bytes_from_worker: _Optional[int] = ..., target: _Optional[str] = ..., remote_address: _Optional[str] = ..., work_bytes: _Optional[int] = ..., encrypted: _Optional[bool] = ..., via_gateway: _Optional[bool] = ..., rtt_ms: _Optional[float] = ..., work_calls: _Optional[int] = ..., work_rows: _Optional[int] = ..., credited_bytes: _Optional[int] = ..., credited_nano_kvr: _Optional[int] = ..., aead: _Optional[_Union[TunnelAead, str]] = ...) -> None: ...
+    projections: bool
+    def __init__(self, session_id: _Optional[str] = ..., wallet: _Optional[str] = ..., slices: _Optional[_Iterable[_Union[ExpertSlice, _Mapping]]] = ..., weights_digest: _Optional[bytes] = ..., device: _Optional[str] = ..., model_type: _Optional[str] = ..., connected_since_unix_ms: _Optional[int] = ..., bytes_to_worker: _Optional[int] = ..., bytes_from_worker: _Optional[int] = ..., target: _Optional[str] = ..., remote_address: _Optional[str] = ..., work_bytes: _Optional[int] = ..., encrypted: _Optional[bool] = ..., via_gateway: _Optional[bool] = ..., rtt_ms: _Optional[float] = ..., work_calls: _Optional[int] = ..., work_rows: _Optional[int] = ..., credited_bytes: _Optional[int] = ..., credited_nano_kvr: _Optional[int] = ..., aead: _Optional[_Union[TunnelAead, str]] = ..., projections: _Optional[bool] = ...) -> None: ...
 
 class ListSessionsRequest(_message.Message):
     __slots__ = ()

@@ -14,7 +14,7 @@ import type { Message } from "@bufbuild/protobuf";
  * Describes the file kvasir/v1/expert.proto.
  */
 export const file_kvasir_v1_expert: GenFile = /*@__PURE__*/
-  fileDesc("ChZrdmFzaXIvdjEvZXhwZXJ0LnByb3RvEglrdmFzaXIudjEiLQoNRXhwZXJ0U2VnbWVudBIOCgZleHBlcnQYASABKA0SDAoEcm93cxgCIAEoDSK3AQoPRGlzcGF0Y2hSZXF1ZXN0Eg8KB2NhbGxfaWQYASABKAQSDQoFbGF5ZXIYAiABKA0SIQoGaGlkZGVuGAMgASgLMhEua3Zhc2lyLnYxLlRlbnNvchIqCghzZWdtZW50cxgEIAMoCzIYLmt2YXNpci52MS5FeHBlcnRTZWdtZW50EiIKB3dlaWdodHMYBSABKAsyES5rdmFzaXIudjEuVGVuc29yEhEKCXJvd19pbmRleBgGIAMoDSJeCg5FeHBlcnRQYXJ0aWFscxIPCgdjYWxsX2lkGAEgASgEEiMKCHBhcnRpYWxzGAIgASgLMhEua3Zhc2lyLnYxLlRlbnNvchIWCg5jb21wdXRlX21pY3JvcxgDIAEoBCI/ChBEaXNwYXRjaFJlc3BvbnNlEisKCHBhcnRpYWxzGAEgASgLMhkua3Zhc2lyLnYxLkV4cGVydFBhcnRpYWxzIhEKD0Rlc2NyaWJlUmVxdWVzdCK8AQoQRGVzY3JpYmVSZXNwb25zZRIOCgZ3YWxsZXQYASABKAkSJgoGc2xpY2VzGAIgAygLMhYua3Zhc2lyLnYxLkV4cGVydFNsaWNlEhYKDndlaWdodHNfZGlnZXN0GAMgASgMEg4KBmRldmljZRgEIAEoCRISCgptb2RlbF90eXBlGAUgASgJEhMKC2hpZGRlbl9zaXplGAYgASgNEh8KBWR0eXBlGAcgASgOMhAua3Zhc2lyLnYxLkRUeXBlMp0BCg1FeHBlcnRTZXJ2aWNlEkcKCERpc3BhdGNoEhoua3Zhc2lyLnYxLkRpc3BhdGNoUmVxdWVzdBobLmt2YXNpci52MS5EaXNwYXRjaFJlc3BvbnNlKAEwARJDCghEZXNjcmliZRIaLmt2YXNpci52MS5EZXNjcmliZVJlcXVlc3QaGy5rdmFzaXIudjEuRGVzY3JpYmVSZXNwb25zZWIGcHJvdG8z", [file_kvasir_v1_session, file_kvasir_v1_tensor]);
+  fileDesc("ChZrdmFzaXIvdjEvZXhwZXJ0LnByb3RvEglrdmFzaXIudjEiLQoNRXhwZXJ0U2VnbWVudBIOCgZleHBlcnQYASABKA0SDAoEcm93cxgCIAEoDSLMAQoPRGlzcGF0Y2hSZXF1ZXN0Eg8KB2NhbGxfaWQYASABKAQSDQoFbGF5ZXIYAiABKA0SIQoGaGlkZGVuGAMgASgLMhEua3Zhc2lyLnYxLlRlbnNvchIqCghzZWdtZW50cxgEIAMoCzIYLmt2YXNpci52MS5FeHBlcnRTZWdtZW50EiIKB3dlaWdodHMYBSABKAsyES5rdmFzaXIudjEuVGVuc29yEhEKCXJvd19pbmRleBgGIAMoDRITCgtwcm9qZWN0aW9ucxgHIAEoCCKGAQoORXhwZXJ0UGFydGlhbHMSDwoHY2FsbF9pZBgBIAEoBBIjCghwYXJ0aWFscxgCIAEoCzIRLmt2YXNpci52MS5UZW5zb3ISFgoOY29tcHV0ZV9taWNyb3MYAyABKAQSJgoLcHJvamVjdGlvbnMYBCABKAsyES5rdmFzaXIudjEuVGVuc29yIj8KEERpc3BhdGNoUmVzcG9uc2USKwoIcGFydGlhbHMYASABKAsyGS5rdmFzaXIudjEuRXhwZXJ0UGFydGlhbHMiEQoPRGVzY3JpYmVSZXF1ZXN0IrwBChBEZXNjcmliZVJlc3BvbnNlEg4KBndhbGxldBgBIAEoCRImCgZzbGljZXMYAiADKAsyFi5rdmFzaXIudjEuRXhwZXJ0U2xpY2USFgoOd2VpZ2h0c19kaWdlc3QYAyABKAwSDgoGZGV2aWNlGAQgASgJEhIKCm1vZGVsX3R5cGUYBSABKAkSEwoLaGlkZGVuX3NpemUYBiABKA0SHwoFZHR5cGUYByABKA4yEC5rdmFzaXIudjEuRFR5cGUynQEKDUV4cGVydFNlcnZpY2USRwoIRGlzcGF0Y2gSGi5rdmFzaXIudjEuRGlzcGF0Y2hSZXF1ZXN0Ghsua3Zhc2lyLnYxLkRpc3BhdGNoUmVzcG9uc2UoATABEkMKCERlc2NyaWJlEhoua3Zhc2lyLnYxLkRlc2NyaWJlUmVxdWVzdBobLmt2YXNpci52MS5EZXNjcmliZVJlc3BvbnNlYgZwcm90bzM", [file_kvasir_v1_session, file_kvasir_v1_tensor]);
 
 /**
  * ExpertSegment is a run of consecutive rows of a DispatchRequest that go
@@ -93,6 +93,16 @@ export type DispatchRequest = Message<"kvasir.v1.DispatchRequest"> & {
    * @generated from field: repeated uint32 row_index = 6;
    */
   rowIndex: number[];
+
+  /**
+   * When true, the answer carries `projections` (ExpertPartials.projections),
+   * which the caller's row checks need ("Row checks" in docs/PROTOCOL.md). A
+   * worker that announced `projections` in its hello must then send them; one
+   * that did not (or does not know this field) answers without them.
+   *
+   * @generated from field: bool projections = 7;
+   */
+  projections: boolean;
 };
 
 /**
@@ -129,6 +139,16 @@ export type ExpertPartials = Message<"kvasir.v1.ExpertPartials"> & {
    * @generated from field: uint64 compute_micros = 3;
    */
   computeMicros: bigint;
+
+  /**
+   * Only when the request asked for them: [assignments, 2 * intermediate], row
+   * i the assignment's projections before the activation, gate then up
+   * ([x @ gate^T | x @ up^T], what `expert(x)` computes first), in the dtype
+   * of `partials`.
+   *
+   * @generated from field: kvasir.v1.Tensor projections = 4;
+   */
+  projections?: Tensor | undefined;
 };
 
 /**
