@@ -162,13 +162,12 @@ class RowChecker:
                 gate_up, down = self._weights.get(layer, e, keep=False)
                 s.compute = gate_up.dtype
                 inter = down.shape[1]
-                g, u, d = gate_up[:inter].double(), gate_up[inter:].double(), down.double()  # [I,H] [I,H] [H,I]
-                r_g, r_u = s.r_p[0, :inter].double(), s.r_p[1, inter:].double()
-                gtr, utr, dtr = r_g @ g, r_u @ u, s.r_y[0].double() @ d
+                g, u, d = gate_up[:inter], gate_up[inter:], down  # [I,H] [I,H] [H,I]
+                gtr, utr, dtr = _image(s.r_p[0, :inter], g), _image(s.r_p[1, inter:], u), _image(s.r_y[0], d)
                 s.img_x[e] = torch.stack([gtr, utr])
-                s.sq_x[e] = torch.stack([(g * g).sum(0), (u * u).sum(0), gtr * gtr, utr * utr])
+                s.sq_x[e] = torch.stack([_square_columns(g), _square_columns(u), gtr * gtr, utr * utr])
                 s.img_h[e, 0] = dtr
-                s.sq_h[e] = torch.stack([(d * d).sum(0), dtr * dtr])
+                s.sq_h[e] = torch.stack([_square_columns(d), dtr * dtr])
                 s.ready[e] = True
                 self.images_made += 1
 
@@ -271,6 +270,21 @@ class RowChecker:
             return {layer: int(s.ready.sum()) for layer, s in self._layers.items()}
 
 
+def _image(r: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    """``r @ m`` (``m`` [k, n]) summed in float64, a block of rows of ``m`` at a time (converting
+    the whole matrix to float64 at once took five times longer), returned in float32."""
+    acc = torch.zeros(m.shape[1], dtype=torch.float64)
+    for i in range(0, m.shape[0], 64):
+        acc += r[i : i + 64].double() @ m[i : i + 64].double()
+    return acc.float()
+
+
+def _square_columns(m: torch.Tensor) -> torch.Tensor:
+    """The squared norms of ``m``'s columns, in float32 (they only size the thresholds)."""
+    m = m.float()
+    return (m * m).sum(0)
+
+
 def _chunks(experts: torch.Tensor) -> list[tuple[slice, int | None]]:
     """Rows in chunks of at most ``_CHUNK_ROWS``: an expert's run of rows on its own (with
     that expert, None otherwise) when it is long, short runs together."""
@@ -278,7 +292,7 @@ def _chunks(experts: torch.Tensor) -> list[tuple[slice, int | None]]:
     out: list[tuple[slice, int | None]] = []
     start = mixed = 0  # mixed: where the pending chunk of short runs began
     for e, m in zip(ids.tolist(), counts.tolist()):
-        if m >= _CHUNK_ROWS // 2:
+        if m >= _CHUNK_ROWS // 8:
             if mixed < start:
                 out.append((slice(mixed, start), None))
             out.extend((slice(a, min(a + _CHUNK_ROWS, start + m)), e) for a in range(start, start + m, _CHUNK_ROWS))

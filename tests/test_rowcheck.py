@@ -195,3 +195,15 @@ def test_an_empty_call_passes_and_nan_projections_fail():
     bad[2, 5] = float("nan")
     verdict = checker.check(0, act, xs, w, ex, y, bad)
     assert not verdict.passed and verdict.row == 2
+
+
+@pytest.mark.parametrize("runs", [[3, 40, 5, 70, 2, 9], [1] * 100, [200], [7, 7, 7, 7, 7, 7, 7, 7, 7, 7], []])
+def test_chunks_cover_every_row_once_in_order_and_name_their_expert_only_when_they_have_one(runs):
+    experts = torch.cat([torch.full((n,), i) for i, n in enumerate(runs)]) if runs else torch.empty(0, dtype=torch.long)
+    chunks = rowcheck._chunks(experts)
+    covered = [i for rows, _ in chunks for i in range(rows.start, rows.stop)]
+    assert covered == list(range(len(experts)))
+    for rows, expert in chunks:
+        assert 0 < rows.stop - rows.start <= rowcheck._CHUNK_ROWS
+        if expert is not None:
+            assert set(experts[rows].tolist()) == {expert}
