@@ -32,15 +32,51 @@ def layer_of(name: str) -> int | None:
 
 
 def experts_modules(model: torch.nn.Module) -> dict[int, torch.nn.Module]:
-    """{layer: experts module}: every module with fused ``gate_up_proj`` and ``down_proj``."""
+    """{layer: experts module}: every module of a decoder layer whose class transformers'
+    ``use_experts_implementation`` declared (it gives each the traits ``has_gate``,
+    ``is_concatenated``...): the experts that go through ``ExpertsInterface``. Raises
+    ValueError when there are none, or when their declared function is not one this project
+    computes (``unsupported_traits``), naming what is missing."""
     found: dict[int, torch.nn.Module] = {}
     for name, module in model.named_modules():
         layer = layer_of(name)
-        if hasattr(module, "gate_up_proj") and hasattr(module, "down_proj") and layer is not None:
+        if layer is not None and hasattr(module, "has_gate") and hasattr(module, "is_concatenated"):
             found[layer] = module
     if not found:
-        raise ValueError("the model has no experts modules with gate_up_proj/down_proj")
+        raise ValueError("the model has no experts modules declared with transformers' use_experts_implementation "
+                         "(no Mixture-of-Experts layers this project can serve)")
+    module = next(iter(found.values()))
+    why = unsupported_traits(module)
+    if why:
+        model_type = getattr(getattr(model, "config", None), "model_type", "this model")
+        raise ValueError(f"{model_type}'s experts ({type(module).__name__}) are not served yet: they declare "
+                         f"{', '.join(why)}")
     return found
+
+
+def unsupported_traits(module: torch.nn.Module) -> list[str]:
+    """What an experts module declares that the expert kernel does not compute: [] when its
+    function is ``down @ (act(gate @ x) * (up @ x))`` over concatenated [gate; up] weights."""
+    from transformers.integrations.moe import _default_apply_gate
+
+    why = []
+    if not getattr(module, "has_gate", True):
+        why.append("no gate (has_gate=False)")
+    if getattr(module, "has_bias", False):
+        why.append("biases")
+    if getattr(module, "is_transposed", False):
+        why.append("transposed weights")
+    if not getattr(module, "is_concatenated", True):
+        why.append("interleaved gate/up")
+    if getattr(module, "has_post_expert_norm", False):
+        why.append("a norm after each expert")
+    if getattr(type(module), "_apply_gate", _default_apply_gate) is not _default_apply_gate:
+        why.append(f"a gate function of their own ({type(module).__name__}._apply_gate)")
+    if not callable(getattr(module, "act_fn", None)):
+        why.append("no act_fn")
+    if not (hasattr(module, "gate_up_proj") and hasattr(module, "down_proj")):
+        why.append("no gate_up_proj/down_proj weights")
+    return why
 
 
 def _fused(module: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor]:

@@ -91,14 +91,54 @@ def _moe_config(path: pathlib.Path) -> tuple[dict[str, Any], dict[str, Any], Any
     if not isinstance(cfg, dict):
         raise CheckpointError(f"{path} is not a model config (a JSON object)")
     text = _text_config(cfg)
-    num_experts = text.get("num_experts", text.get("num_local_experts"))
+    # transformers' names for the count (a family that calls it otherwise, n_routed_experts or
+    # moe_num_experts, aliases one of them in its config class's attribute_map); where the
+    # config.json holds neither, the checkpoint's expert tensors say it.
+    num_experts = text.get("num_experts") or text.get("num_local_experts")
     inter = text.get("moe_intermediate_size", text.get("intermediate_size"))
-    if num_experts is None or inter is None:
-        raise CheckpointError(f"{path}: not a Mixture-of-Experts config (no num_experts / num_local_experts)")
+    if not num_experts:
+        num_experts, inter = _experts_in_tensors(path.parent)
+        if not num_experts:
+            raise CheckpointError(f"{path}: not a Mixture-of-Experts checkpoint (its config names no num_experts / "
+                                  "num_local_experts, and its safetensors files hold no expert tensors)")
+    if inter is None:
+        raise CheckpointError(f"{path}: no moe_intermediate_size / intermediate_size")
     missing = [k for k in ("num_hidden_layers", "hidden_size") if k not in text]
     if missing:
         raise CheckpointError(f"{path}: not a model config this project reads (no {', '.join(missing)})")
     return cfg, text, num_experts, inter
+
+
+def _tensor_shapes(folder: pathlib.Path) -> dict[str, list[int]]:
+    """Every tensor's shape in the safetensors files of ``folder``, from their headers alone
+    (8 bytes of little-endian length, then JSON); a file that does not parse is passed over."""
+    shapes: dict[str, list[int]] = {}
+    for file in sorted(folder.glob("*.safetensors")):
+        try:
+            with open(file, "rb") as f:
+                n = int.from_bytes(f.read(8), "little")
+                header = json.loads(f.read(n)) if 0 < n <= _HEADER_MAX else {}
+        except (OSError, ValueError):
+            continue
+        if isinstance(header, dict):
+            shapes.update({k: list(v["shape"]) for k, v in header.items()
+                           if isinstance(v, dict) and isinstance(v.get("shape"), list)})
+    return shapes
+
+
+def _experts_in_tensors(folder: pathlib.Path) -> tuple[int, int | None]:
+    """``(experts per layer, their intermediate width)`` as the checkpoint's expert tensors
+    show them (per expert: the highest expert id + 1 and a gate's rows; fused: the first and
+    second dimensions), or ``(0, None)`` when it holds none."""
+    experts, inter = 0, None
+    for key, shape in _tensor_shapes(folder).items():
+        if m := _PER_EXPERT.match(key):
+            experts = max(experts, int(m["expert"]) + 1)
+            if _PROJ[m["proj"]] == "gate" and len(shape) == 2:
+                inter = shape[0]
+        elif (m := _FUSED.match(key)) and m["proj"] == "gate_up_proj" and len(shape) == 3:
+            experts, inter = max(experts, shape[0]), shape[1] // 2
+    return experts, inter
 
 
 def read_model_info(model_dir: str | os.PathLike[str]) -> ModelInfo:

@@ -24,11 +24,32 @@ DEFAULT_CERT_HOSTS = ("localhost", "127.0.0.1", "::1")
 
 
 def _cmd_model_tiny(args: argparse.Namespace) -> int:
-    from kvasir_rpc.dev.tiny import make_tiny_checkpoint
+    from kvasir_rpc import fail
 
-    path = make_tiny_checkpoint(args.dir, arch=args.arch, seed=args.seed)
+    try:
+        path = make_model(args.dir, args.arch, seed=args.seed, dtype=args.dtype, shard=args.shard)
+    except ValueError as exc:
+        fail(f"kvasir model tiny: --arch {args.arch}: {exc}")
     print(path)
     return 0
+
+
+def make_model(directory: pathlib.Path, arch: str, *, seed: int = 0, dtype: str = "float32",
+               shard: str | None = None) -> pathlib.Path:
+    """A tiny checkpoint of ``arch`` in ``directory``: one of this project's own (``ARCHES``,
+    float32, one file) or, for any other Mixture-of-Experts family transformers ships (or with
+    another dtype or shards), one transformers makes (``kvasir_rpc.dev.families``). Raises
+    ValueError naming the families when ``arch`` is none of them."""
+    from kvasir_rpc.dev.tiny import ARCHES, make_tiny_checkpoint
+
+    if arch in ARCHES and dtype == "float32" and shard is None:
+        return make_tiny_checkpoint(directory, arch=arch, seed=seed)
+    from kvasir_rpc.dev.families import make_family_checkpoint, moe_model_types
+
+    known = moe_model_types()
+    if arch not in known:
+        raise ValueError(f"not a Mixture-of-Experts model type of this transformers; one of: {', '.join(known)}")
+    return make_family_checkpoint(directory, arch, dtype=dtype, seed=seed, shard=shard or "200KB")
 
 
 def _default_model_dir(arch: str, seed: int) -> pathlib.Path:
@@ -51,12 +72,11 @@ def run_demo(arch: str, *, seed: int = 0, max_new_tokens: int = 12, batch: int =
     (the workers and the hub, the backbones stopped); the swarm stops once it returns."""
     from kvasir_rpc import DEFAULT_RATE_NANO_PER_BYTE, format_kvr, format_units, read_model_info
     from kvasir_rpc.dev.swarm import LocalSwarm
-    from kvasir_rpc.dev.tiny import make_tiny_checkpoint
 
     model_dir = model or _default_model_dir(arch, seed)
     if not (model_dir / "config.json").exists():
         say(f"making tiny {arch} checkpoint in {model_dir}")
-        make_tiny_checkpoint(model_dir, arch=arch, seed=seed)
+        make_model(model_dir, arch, seed=seed)
     model_dir = model_dir.resolve()
     info = read_model_info(model_dir)
     half = info.num_experts // 2
@@ -396,6 +416,16 @@ def _cmd_demo(args: argparse.Namespace) -> int:
             check_checkpoint(args.model)
         except CheckpointError as exc:
             fail(f"kvasir demo: --model {args.model}: {exc}; {CHECKPOINT_HINT}")
+    else:
+        from kvasir_rpc.dev.tiny import ARCHES
+
+        if args.arch not in ARCHES:
+            from kvasir_rpc.dev.families import moe_model_types
+
+            known = moe_model_types()
+            if args.arch not in known:
+                fail(f"kvasir demo: --arch {args.arch}: not a Mixture-of-Experts model type of this transformers; "
+                     f"one of: {', '.join(known)}")
     quiet = args.json
 
     def say(msg: str) -> None:
@@ -468,8 +498,15 @@ def build_parser() -> argparse.ArgumentParser:
     msub = model.add_subparsers(dest="model_command", required=True)
     tiny = add(msub, "tiny", help="write a small random MoE checkpoint in the Hugging Face layout")
     tiny.add_argument("dir", type=pathlib.Path, help="the folder to write (config.json, model.safetensors, tokenizer)")
-    tiny.add_argument("--arch", choices=ARCHES, default="qwen3_moe", help="which transformers model class")
+    tiny.add_argument("--arch", default="qwen3_moe",
+                      help=f"the model type: {', '.join(ARCHES)} (this project's own, one float32 file), or any "
+                           "Mixture-of-Experts model type the installed transformers ships (deepseek_v3, glm4_moe, "
+                           "...: made by transformers' save_pretrained)")
     tiny.add_argument("--seed", type=int, default=0, help="seed of the random weights (same seed, same bytes)")
+    tiny.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32",
+                      help="the weights' dtype (not float32: made by transformers)")
+    tiny.add_argument("--shard", metavar="SIZE",
+                      help="save in shards of at most SIZE (e.g. 200KB), as releases are (made by transformers)")
     tiny.set_defaults(func=_cmd_model_tiny)
     bench = add(sub, "bench", help="benchmarks: the paths side by side in one run, as ratios")
     bench.add_argument("--quick", action="store_true", help="fewer calls per point")
@@ -515,8 +552,9 @@ def build_parser() -> argparse.ArgumentParser:
     show.add_argument("file", type=pathlib.Path, help="the key file; it stays private, only the address is printed")
     show.set_defaults(func=_cmd_key_show)
     demo = add(sub, "demo", help="the whole swarm on this machine: hub, two workers, a live decode, the verdict")
-    demo.add_argument("--arch", choices=ARCHES, default="qwen3_moe",
-                      help="architecture of the tiny checkpoint made when --model is not given")
+    demo.add_argument("--arch", default="qwen3_moe",
+                      help="model type of the tiny checkpoint made when --model is not given (as kvasir model tiny "
+                           "--arch)")
     demo.add_argument("--seed", type=int, default=0, help="seed of that tiny checkpoint's weights")
     demo.add_argument("--model", type=pathlib.Path,
                       help="a checkpoint folder (default: a tiny one, made under .kvasir/models/ on first use)")
