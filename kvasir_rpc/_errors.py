@@ -17,6 +17,10 @@ class CloseCode:
     MESSAGE_TOO_BIG = 1009
     INTERNAL_ERROR = 1011
     TRY_AGAIN_LATER = 1013
+    # Private use (4000-4999): refused for what the worker is or wants (a quarantined wallet,
+    # slices outside the model served, encryption policies that do not meet, another hub's key
+    # than the pinned one). The same hello gets the same answer: do not dial again unchanged.
+    REFUSED = 4008
 
 
 class LocalProtocolError(Exception):

@@ -82,12 +82,16 @@ def slices_to_proto(slices: Slices) -> list[session_pb2.ExpertSlice]:
     ]
 
 
+class OutsideModel(ValueError):
+    """Announced slices name a layer or an expert the model served does not have."""
+
+
 def slices_from_proto(
     items: Sequence[session_pb2.ExpertSlice], shape: ModelShape | None = None
 ) -> dict[int, ExpertSet]:
     """Validate announced slices and store them compactly (ExpertSet). Without ``shape`` the
     protocol's bounds apply; with it every layer and expert must exist in that model.
-    Raises ValueError saying what is wrong."""
+    Raises ValueError saying what is wrong (OutsideModel when a slice is not in the model)."""
     out: dict[int, ExpertSet] = {}
     if len(items) > MAX_LAYERS:
         raise ValueError(f"{len(items)} layers announced, at most {MAX_LAYERS}")
@@ -95,7 +99,7 @@ def slices_from_proto(
         if item.layer in out:
             raise ValueError(f"layer {item.layer} announced twice")
         if shape is not None and item.layer >= shape.layers:
-            raise ValueError(f"layer {item.layer} is not in the model served ({shape.layers} layers)")
+            raise OutsideModel(f"layer {item.layer} is not in the model served ({shape.layers} layers)")
         n = len(item.experts)
         if n > MAX_EXPERTS_PER_LAYER:
             raise ValueError(f"layer {item.layer}: {n} experts, at most {MAX_EXPERTS_PER_LAYER}")
@@ -106,8 +110,8 @@ def slices_from_proto(
         except ValueError:
             raise ValueError(f"layer {item.layer}: experts must be sorted and unique") from None
         if shape is not None and item.experts[-1] >= shape.experts:  # ascending: the last is the largest
-            raise ValueError(f"layer {item.layer}: expert {item.experts[-1]} is not in the model served "
-                             f"({shape.experts} experts per layer)")
+            raise OutsideModel(f"layer {item.layer}: expert {item.experts[-1]} is not in the model served "
+                               f"({shape.experts} experts per layer)")
         out[item.layer] = experts
     return out
 
@@ -271,7 +275,8 @@ class HubHandshake:
         try:
             slices = slices_from_proto(body.slices, self._shape)
         except ValueError as exc:
-            raise RemoteProtocolError(f"hello: {exc}", close_code=CloseCode.POLICY_VIOLATION) from exc
+            code = CloseCode.REFUSED if isinstance(exc, OutsideModel) else CloseCode.POLICY_VIOLATION
+            raise RemoteProtocolError(f"hello: {exc}", close_code=code) from exc
         if len(body.weights_digest) != 32:
             raise RemoteProtocolError(
                 "hello: weights_digest must be 32 bytes (sha256)", close_code=CloseCode.POLICY_VIOLATION
@@ -301,11 +306,11 @@ class HubHandshake:
         if body.require_encryption and self._e2e == "off":
             raise RemoteProtocolError("the worker requires end-to-end encryption and this hub runs with --e2e off "
                                       "(run the worker with --e2e auto)",
-                                      close_code=CloseCode.POLICY_VIOLATION)
+                                      close_code=CloseCode.REFUSED)
         must = self._e2e == "on" or (self._e2e == "auto" and (self._via_gateway or body.require_encryption))
         if must and not body.kx_public:
             raise RemoteProtocolError(f"this hub encrypts this session end to end (--e2e {self._e2e}) and the hello has "
-                                      "no key exchange: upgrade the worker", close_code=CloseCode.POLICY_VIOLATION)
+                                      "no key exchange: upgrade the worker", close_code=CloseCode.REFUSED)
         if body.kx_public and len(body.kx_public) != KX_PUBLIC_BYTES:
             raise RemoteProtocolError(f"hello: kx_public must be {KX_PUBLIC_BYTES} bytes, got {len(body.kx_public)}",
                                       close_code=CloseCode.POLICY_VIOLATION)
@@ -398,13 +403,13 @@ class WorkerHandshake:
         if self._expected_hub_key is not None and ch.hub_key != self._expected_hub_key:
             # Close reasons hold 120 characters: the keys' first 16 hex digits name them.
             raise self._fail(f"unexpected hub key {ch.hub_key[:16]}…: this worker pins {self._expected_hub_key[:16]}… "
-                             "(--hub-key); another answered as the hub", CloseCode.POLICY_VIOLATION)
+                             "(--hub-key); another answered as the hub", CloseCode.REFUSED)
         if ch.kx_public and len(ch.kx_public) != KX_PUBLIC_BYTES:
             raise self._fail(f"challenge kx_public must be {KX_PUBLIC_BYTES} bytes, got {len(ch.kx_public)}",
                              CloseCode.POLICY_VIOLATION)
         if self._require and not ch.kx_public:
             raise self._fail("the hub offers no end-to-end encryption (no key exchange in its challenge) and this "
-                             "worker requires it (--e2e require): upgrade the hub", CloseCode.POLICY_VIOLATION)
+                             "worker requires it (--e2e require): upgrade the hub", CloseCode.REFUSED)
         self.hub_key = ch.hub_key
         self._hub_kx = bytes(ch.kx_public)
         body = session_pb2.HelloBody(
@@ -470,7 +475,7 @@ class WorkerHandshake:
             self.aead = aead
         elif self._require:
             raise self._fail("accept: the hub did not encrypt this session and this worker requires it "
-                             "(--e2e require); the hub runs with --e2e off?", CloseCode.POLICY_VIOLATION)
+                             "(--e2e require); the hub runs with --e2e off?", CloseCode.REFUSED)
         self.encrypted = msg.encrypted
         self._step("receive_accept")
         return msg.session_id

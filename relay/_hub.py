@@ -555,7 +555,7 @@ class _Hub:
                 if until is not None:
                     when = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(until / 1000))
                     raise RemoteProtocolError(f"wallet quarantined by this hub until {when}",
-                                              close_code=CloseCode.POLICY_VIOLATION)
+                                              close_code=CloseCode.REFUSED)
                 standing = await self._standing(info.wallet)
                 # Through a gateway, the worker's address the gateway reports (never the
                 # gateway's own): the caps and the rate count one host's sessions together.

@@ -79,7 +79,7 @@ def test_the_policies_decide_together(hub_mode, via_gateway, require, encrypted)
 def test_a_hub_with_e2e_off_refuses_a_worker_that_requires_it():
     hub, worker = hub_side(e2e="off"), worker_side(require_encryption=True)
     hello = worker.receive_challenge(hub.challenge())
-    refused(hub.receive_hello, hello, CloseCode.POLICY_VIOLATION, "--e2e off")
+    refused(hub.receive_hello, hello, CloseCode.REFUSED, "--e2e off")
 
 
 def _hello_without_kx(ch_bytes: bytes) -> bytes:
@@ -94,7 +94,7 @@ def _hello_without_kx(ch_bytes: bytes) -> bytes:
 @pytest.mark.parametrize("mode, via_gateway", [("auto", True), ("on", False)])
 def test_a_hub_that_must_encrypt_refuses_a_hello_without_key_exchange(mode, via_gateway):
     hub = hub_side(e2e=mode, via_gateway=via_gateway)
-    refused(hub.receive_hello, _hello_without_kx(hub.challenge()), CloseCode.POLICY_VIOLATION, "upgrade the worker")
+    refused(hub.receive_hello, _hello_without_kx(hub.challenge()), CloseCode.REFUSED, "upgrade the worker")
 
 
 def test_an_old_worker_still_joins_a_hub_that_need_not_encrypt():
@@ -109,7 +109,7 @@ def test_a_worker_that_requires_encryption_refuses_a_challenge_without_key_excha
     ch = session_pb2.SessionChallenge.FromString(hub.challenge())
     ch.ClearField("kx_public")
     refused(worker_side(require_encryption=True).receive_challenge, ch.SerializeToString(),
-            CloseCode.POLICY_VIOLATION, "upgrade the hub")
+            CloseCode.REFUSED, "upgrade the hub")
 
 
 # --- the signed accept and the key exchange, tampered --------------------------------------
@@ -163,7 +163,7 @@ def test_an_unencrypted_accept_is_refused_by_a_worker_that_requires_encryption()
     hello = worker.receive_challenge(ch)
     plain = session_pb2.SessionAccept(session_id="s1", encrypted=False, signature=HUB.sign(
         accept_signed_message(transcript_hash(ch, hello), "s1", False))).SerializeToString()
-    refused(worker.receive_accept, plain, CloseCode.POLICY_VIOLATION, "--e2e require")
+    refused(worker.receive_accept, plain, CloseCode.REFUSED, "--e2e require")
 
 
 def test_a_relay_that_substitutes_its_key_exchange_in_the_challenge_is_caught():
@@ -186,7 +186,7 @@ def test_a_relay_that_substitutes_the_workers_key_exchange_breaks_the_wallet_sig
 def test_a_relay_that_impersonates_the_hub_is_refused_by_a_pinned_worker():
     relay = hub_side(key=RELAY)
     refused(worker_side(expected_hub_key=HUB.address).receive_challenge, relay.challenge(),
-            CloseCode.POLICY_VIOLATION, "pins")
+            CloseCode.REFUSED, "pins")
 
 
 @pytest.mark.parametrize("key, words", [(bytes(32), "all-zero"), (b"\x01" + bytes(31), "all-zero"),

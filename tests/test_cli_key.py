@@ -41,3 +41,15 @@ def test_key_show_refuses_a_missing_or_unreadable_file(tmp_path: pathlib.Path, c
     assert main(["key", "show", str(path)]) == 2
     captured = capsys.readouterr()
     assert captured.out == "" and words in captured.err and str(path) in captured.err
+
+
+def test_key_new_makes_a_private_key_file_prints_its_address_and_never_overwrites(
+        tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """So a ledger can trust a hub's key before the hub first runs."""
+    path = tmp_path / "state" / "hub.key"
+    assert main(["key", "new", str(path)]) == 0
+    address = capsys.readouterr().out.strip()
+    assert address == Wallet.load(path).address and path.stat().st_mode & 0o777 == 0o600
+    seed = path.read_text()
+    assert main(["key", "new", str(path)]) == 2  # never overwritten
+    assert "exists already" in capsys.readouterr().err and path.read_text() == seed

@@ -103,7 +103,7 @@ def test_hub_handshake_refuses_a_hello_outside_its_model_with_1008():
     hello = worker.receive_challenge(hub.challenge())
     with pytest.raises(RemoteProtocolError) as exc:
         hub.receive_hello(hello)
-    assert exc.value.close_code == CloseCode.POLICY_VIOLATION
+    assert exc.value.close_code == CloseCode.REFUSED
     assert "layer 9 is not in the model served" in exc.value.reason
     assert HELLO_SIGNATURE_DOMAIN  # the hello was signed: the refusal is the shape's, not the signature's
 

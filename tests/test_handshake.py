@@ -520,7 +520,7 @@ def test_worker_refuses_malformed_hub_key(hub_key):
 
 def test_worker_refuses_an_unexpected_hub_key():
     worker = make_worker(expected_hub_key=OTHER.address)
-    expect_remote(worker.receive_challenge, _challenge(), CloseCode.POLICY_VIOLATION, "unexpected hub key")
+    expect_remote(worker.receive_challenge, _challenge(), CloseCode.REFUSED, "unexpected hub key")
     assert worker.state.value == "FAILED"
 
 

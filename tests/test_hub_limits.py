@@ -164,10 +164,10 @@ def test_hub_with_a_model_refuses_hellos_outside_it_and_stays_small(tmp_path):
                 nursery.cancel_scope.cancel()
 
         trio.run(main)
-        assert results["layer"] == (1008, f"hello: layer {layers} is not in the model served ({layers} layers)")
+        assert results["layer"] == (4008, f"hello: layer {layers} is not in the model served ({layers} layers)")
         code, reason = results["expert"]
-        assert code == 1008 and f"expert {experts} is not in the model served ({experts} experts per layer)" in reason
-        assert results["probe"][0] == 1008
+        assert code == 4008 and f"expert {experts} is not in the model served ({experts} experts per layer)" in reason
+        assert results["probe"][0] == 4008  # outside the model: a refusal the same hello gets again
         assert results["listed"] == 1 + n
         growth = results["growth"]
         assert isinstance(growth, int)
@@ -245,7 +245,7 @@ def test_hub_reads_the_model_shape_from_config_json(tmp_path):
                 nursery.cancel_scope.cancel()
 
         trio.run(main)
-        assert out["outside"] == (1008, "hello: layer 1: expert 4 is not in the model served (4 experts per layer)")
+        assert out["outside"] == (4008, "hello: layer 1: expert 4 is not in the model served (4 experts per layer)")
         assert out["inside"] == 0
 
 

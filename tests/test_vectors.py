@@ -45,7 +45,9 @@ from kvasir_rpc import (
 from kvasir_rpc._channel import Heartbeat, HeartbeatAck, KeyExchange, derive_tunnel_keys, transcript_hash
 from kvasir_rpc._handshake import accept_signed_message
 from kvasir_rpc.protocol import (
+    ACCEPT_AEAD_SIGNATURE_DOMAIN,
     ACCEPT_SIGNATURE_DOMAIN,
+    AEAD_AES_256_GCM,
     SEALED_CONTROL,
     SEALED_DATA,
     SEALED_HEARTBEAT,
@@ -319,6 +321,35 @@ def build_channel() -> dict:  # type: ignore[type-arg]
         "hub_to_worker_key_hex": keys[0].hex(),
         "worker_to_hub_key_hex": keys[1].hex(),
         "messages": messages,
+        "aes_256_gcm": _aes_channel(shared, transcript, sent[:6]),
+    }
+
+
+def _aes_channel(shared: bytes, transcript: bytes, sent: list[tuple[str, object]]) -> dict:  # type: ignore[type-arg]
+    """The same channel when the accept names AES-256-GCM (aead 1): the accept's signed bytes
+    in their own form, the keys from their own HKDF info, and the first messages sealed."""
+    keys = derive_tunnel_keys(shared, transcript, AEAD_AES_256_GCM)
+    hub, worker = TunnelCipher.for_hub(keys, AEAD_AES_256_GCM), TunnelCipher.for_worker(keys, AEAD_AES_256_GCM)
+    messages = []
+    for side, msg in sent:
+        sealer = hub if side == "hub" else worker
+        counter = sealer.sent
+        sealed = sealer.seal(msg)  # type: ignore[arg-type]
+        messages.append({"from": side, "counter": counter, "kind": _kind(msg), "payload_hex": _payload(msg).hex(),
+                         "sealed_hex": sealed.hex()})
+    return {
+        "description": (
+            "The accept with aead = 1 (AES-256-GCM) signs, with the hub key, ACCEPT_AEAD_SIGNATURE_DOMAIN "
+            "('kvasir.v1.SessionAccept.aead' + 0x00) || transcript_hash || aead byte || encrypted byte || "
+            "session_id (UTF-8); the keys are HKDF-SHA256 as above with info 'kvasir.v1.tunnel keys aes-256-gcm'; "
+            "messages are sealed with AES-256-GCM, nonce and plaintext as above."),
+        "aead": AEAD_AES_256_GCM,
+        "session_id": _SESSION_ID,
+        "accept_signed_message_hex": accept_signed_message(transcript, _SESSION_ID, True, AEAD_AES_256_GCM).hex(),
+        "hkdf_info": (TUNNEL_KEYS_INFO + b" aes-256-gcm").decode(),
+        "hub_to_worker_key_hex": keys[0].hex(),
+        "worker_to_hub_key_hex": keys[1].hex(),
+        "messages": messages,
     }
 
 
@@ -571,6 +602,28 @@ def test_channel_sealed_messages():
         key = keys[0] if m["from"] == "hub" else keys[1]
         plain = bytes([_KIND_BYTES[m["kind"]]]) + payload
         assert ChaCha20Poly1305(key).encrypt(m["counter"].to_bytes(12, "big"), plain, None).hex() == m["sealed_hex"]
+
+
+def test_channel_with_aes_256_gcm():
+    """The AES-256-GCM form: the accept's signed bytes, the HKDF info and keys, and messages
+    sealed by hand from the stated recipe."""
+    from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+
+    aes = CHANNEL["aes_256_gcm"]
+    transcript = bytes.fromhex(CHANNEL["transcript_hash_hex"])
+    signed = (ACCEPT_AEAD_SIGNATURE_DOMAIN + transcript + bytes([aes["aead"], 1]) + aes["session_id"].encode())
+    assert signed.hex() == aes["accept_signed_message_hex"]
+    assert accept_signed_message(transcript, aes["session_id"], True, AEAD_AES_256_GCM).hex() == signed.hex()
+    from cryptography.hazmat.primitives import hashes
+    from cryptography.hazmat.primitives.kdf.hkdf import HKDF
+
+    okm = HKDF(algorithm=hashes.SHA256(), length=64, salt=transcript, info=aes["hkdf_info"].encode()).derive(
+        bytes.fromhex(CHANNEL["shared_secret_hex"]))
+    assert (okm[:32].hex(), okm[32:].hex()) == (aes["hub_to_worker_key_hex"], aes["worker_to_hub_key_hex"])
+    for m in aes["messages"]:
+        key = okm[:32] if m["from"] == "hub" else okm[32:]
+        plain = bytes([_KIND_BYTES[m["kind"]]]) + bytes.fromhex(m["payload_hex"])
+        assert AESGCM(key).encrypt(m["counter"].to_bytes(12, "big"), plain, None).hex() == m["sealed_hex"]
 
 
 @pytest.mark.parametrize("case", HANDSHAKE["refusals"], ids=[c["name"] for c in HANDSHAKE["refusals"]])

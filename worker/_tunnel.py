@@ -230,25 +230,15 @@ def _dial_failure(url: str, exc: BaseException) -> tuple[str, str]:
     return f"{where}: {exc}", ""
 
 
-# Refusals that say what this worker is or wants, so the next dial gets the same answer:
-# (a fragment of the close reason, the flag to change). Anything else is retried.
-_FIXED_REFUSALS = (
-    ("--hub-key", "--hub-key"),
-    ("--e2e", "--e2e"),
-    ("not in the model served", "--model/--experts"),
-    ("quarantined", "--wallet"),
-)
-
-
 def _refusal(url: str, reason: str, code: int, *, by_hub: bool) -> str:
-    """The sentence for a handshake refused with ``reason``, or TunnelRefused when retrying
-    cannot change it."""
+    """The sentence for a handshake refused with ``reason``, or TunnelRefused when the close
+    code says the next dial would get the same answer (CloseCode.REFUSED: what this worker is
+    or wants; the reason names the flag to change). Anything else is retried."""
     what, _flag = _peer(url)
-    if code == CloseCode.POLICY_VIOLATION:
-        for fragment, flag in _FIXED_REFUSALS:
-            if fragment in reason:
-                who = "the hub refused this worker" if by_hub else "this worker refused the hub"
-                raise TunnelRefused(f"worker: {who} at {_shown(url)}: {reason}; check {flag}")
+    if code == CloseCode.REFUSED:
+        who = "the hub refused this worker" if by_hub else "this worker refused the hub"
+        raise TunnelRefused(f"worker: {who} at {_shown(url)}: {reason}; dialling again unchanged would get the "
+                            "same answer")
     who = f"{what} at {_shown(url)} refused the session" if by_hub else f"refused {what} at {_shown(url)}"
     return f"{who}: {reason} (close code {code})"
 
@@ -302,6 +292,10 @@ async def run_tunnel(
                         session_id = hs.receive_accept(accept)
                 except RemoteProtocolError as exc:
                     await ws.aclose(exc.close_code, exc.reason[:120])
+                    raise
+                except trio.TooSlowError:
+                    with trio.move_on_after(2):  # as the hub does: 1008, said why
+                        await ws.aclose(CloseCode.POLICY_VIOLATION, "handshake timed out")
                     raise
                 except ConnectionClosed as exc:
                     # The hub closed during the handshake: its close reason says why.

@@ -404,6 +404,24 @@ def _cmd_key_show(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_key_new(args: argparse.Namespace) -> int:
+    """Make a key file (a hub's --key, or a worker's --wallet) and print its address: the hub's
+    key can be trusted by a ledger (--trust-key) before the hub first runs."""
+    from kvasir_rpc import Wallet, WalletError
+
+    if args.file.exists():
+        print(f"kvasir key new: {args.file} exists already (its address: kvasir key show {args.file}); "
+              "a key is never overwritten", file=sys.stderr)
+        return 2
+    try:
+        wallet = Wallet.load_or_create(args.file)
+    except (WalletError, OSError) as exc:
+        print(f"kvasir key new: cannot write {args.file}: {getattr(exc, 'strerror', None) or exc}", file=sys.stderr)
+        return 2
+    print(wallet.address)
+    return 0
+
+
 def _cmd_demo(args: argparse.Namespace) -> int:
     from kvasir_rpc import CHECKPOINT_HINT, CheckpointError, check_checkpoint, fail
     from kvasir_rpc.dev.swarm import SwarmError
@@ -551,6 +569,10 @@ def build_parser() -> argparse.ArgumentParser:
     show = add(ksub, "show", help="print a key file's public address (what a ledger's --trust-key takes)")
     show.add_argument("file", type=pathlib.Path, help="the key file; it stays private, only the address is printed")
     show.set_defaults(func=_cmd_key_show)
+    new = add(ksub, "new", help="make a key file (mode 0600) and print its address: a hub's key to trust on a ledger "
+                                "before the hub first runs, or a worker's wallet")
+    new.add_argument("file", type=pathlib.Path, help="the key file to make (never overwritten), e.g. .kvasir/hub.key")
+    new.set_defaults(func=_cmd_key_new)
     demo = add(sub, "demo", help="the whole swarm on this machine: hub, two workers, a live decode, the verdict")
     demo.add_argument("--arch", default="qwen3_moe",
                       help="model type of the tiny checkpoint made when --model is not given (as kvasir model tiny "
