@@ -227,6 +227,16 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     def say(msg: str) -> None:
         print(msg, file=sys.stderr, flush=True)
 
+    if args.shape is not None:
+        from kvasir_rpc.dev.bench import run_shape_bench
+
+        say(f"shape {args.shape}: wire bytes per token, worker memory per expert, rows/s through the gateway "
+            "against the kernel alone")
+        shapes = run_shape_bench(args.shape, quick=args.quick, say=say)  # says each shape's table
+        brief = {name: {"ratios": r["ratios"], "figures": r["figures"]}  # type: ignore[index]
+                 for name, r in shapes["shapes"].items()}  # type: ignore[attr-defined]
+        print(json.dumps(shapes if args.json else brief, indent=None if args.json else 2))
+        return 0
     if args.service:
         from kvasir_rpc.dev.bench_service import run_service_bench
 
@@ -504,6 +514,7 @@ def _show_verdict(args: argparse.Namespace, result: dict[str, object]) -> int:
 def build_parser() -> argparse.ArgumentParser:
     """The ``kvasir`` command line, every sub-command included."""
     from kvasir_rpc import HelpFormatter
+    from kvasir_rpc.dev.bench import SHAPE_ALL, SHAPES
     from kvasir_rpc.dev.tiny import ARCHES
 
     def add(sub, name: str, **kwargs):  # type: ignore[no-untyped-def]
@@ -542,6 +553,10 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--checks", action="store_true",
                        help="only what checking workers costs: the remote decode with row checks on and off, and "
                             "audits on and off (tokens/s, the backbone's CPU per row, wire bytes per row)")
+    bench.add_argument("--shape", metavar="NAME", choices=[*SHAPES, SHAPE_ALL],
+                       help="only a real release's widths, to size a swarm: bytes on the wire per token, a worker's "
+                            "memory per expert, rows/s through the gateway against the kernel alone; NAME is one of "
+                            f"{', '.join(SHAPES)}, or {SHAPE_ALL} (each in turn)")
     bench.set_defaults(func=_cmd_bench)
     certs = add(sub, "certs", help="make a development CA and a gateway certificate")
     certs.add_argument("dir", type=pathlib.Path, nargs="?", default=DEFAULT_CERTS_DIR,
