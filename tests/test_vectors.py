@@ -293,14 +293,7 @@ def build_channel() -> dict:  # type: ignore[type-arg]
         # The liveness check, either way, in any tunnel state: sequence numbers from 0.
         ("hub", Heartbeat(0)), ("worker", HeartbeatAck(0)), ("worker", Heartbeat(0)), ("hub", HeartbeatAck(0)),
         ("hub", Heartbeat(1)), ("worker", HeartbeatAck(1))]
-    messages = []
-    for side, msg in sent:
-        sealer = hub if side == "hub" else worker
-        counter = sealer.sent
-        sealed = sealer.seal(msg)  # type: ignore[arg-type]
-        assert (worker if side == "hub" else hub).open(sealed) == msg
-        messages.append({"from": side, "counter": counter, "kind": _kind(msg), "payload_hex": _payload(msg).hex(),
-                         "sealed_hex": sealed.hex()})
+    messages = _sealed(hub, worker, sent)
     return {
         "description": (
             "The end-to-end channel (docs/PROTOCOL.md, 'End-to-end channel'), continuing handshake.json: "
@@ -325,18 +318,26 @@ def build_channel() -> dict:  # type: ignore[type-arg]
     }
 
 
-def _aes_channel(shared: bytes, transcript: bytes, sent: list[tuple[str, object]]) -> dict:  # type: ignore[type-arg]
-    """The same channel when the accept names AES-256-GCM (aead 1): the accept's signed bytes
-    in their own form, the keys from their own HKDF info, and the first messages sealed."""
-    keys = derive_tunnel_keys(shared, transcript, AEAD_AES_256_GCM)
-    hub, worker = TunnelCipher.for_hub(keys, AEAD_AES_256_GCM), TunnelCipher.for_worker(keys, AEAD_AES_256_GCM)
+def _sealed(hub: TunnelCipher, worker: TunnelCipher, sent: list[tuple[str, object]]) -> list[dict]:  # type: ignore[type-arg]
+    """Each of ``sent`` sealed by its side in turn (and opened by the other), as channel.json
+    lists them."""
     messages = []
     for side, msg in sent:
         sealer = hub if side == "hub" else worker
         counter = sealer.sent
         sealed = sealer.seal(msg)  # type: ignore[arg-type]
+        assert (worker if side == "hub" else hub).open(sealed) == msg
         messages.append({"from": side, "counter": counter, "kind": _kind(msg), "payload_hex": _payload(msg).hex(),
                          "sealed_hex": sealed.hex()})
+    return messages
+
+
+def _aes_channel(shared: bytes, transcript: bytes, sent: list[tuple[str, object]]) -> dict:  # type: ignore[type-arg]
+    """The same channel when the accept names AES-256-GCM (aead 1): the accept's signed bytes
+    in their own form, the keys from their own HKDF info, and the first messages sealed."""
+    keys = derive_tunnel_keys(shared, transcript, AEAD_AES_256_GCM)
+    hub, worker = TunnelCipher.for_hub(keys, AEAD_AES_256_GCM), TunnelCipher.for_worker(keys, AEAD_AES_256_GCM)
+    messages = _sealed(hub, worker, sent)
     return {
         "description": (
             "The accept with aead = 1 (AES-256-GCM) signs, with the hub key, ACCEPT_AEAD_SIGNATURE_DOMAIN "
