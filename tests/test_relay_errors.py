@@ -223,22 +223,26 @@ def _unprivileged_user() -> pwd.struct_passwd | None:
     for name in ("nobody", "daemon"):
         with contextlib.suppress(KeyError, OSError, subprocess.SubprocessError):
             user = pwd.getpwnam(name)
-            probe = subprocess.run([sys.executable, "-c", "import trio"], capture_output=True, timeout=RUN_TIMEOUT_S,
-                                   cwd="/", env=_env(), user=user.pw_uid, group=user.pw_gid, extra_groups=[])
+            probe = _run(["-c", _AS_USER, str(user.pw_uid), str(user.pw_gid), sys.executable, "-c", "import trio"],
+                         cwd=pathlib.Path("/"))
             if probe.returncode == 0:
                 return user
     return None
 
 
-def _without_bind_capability() -> None:
-    """preexec_fn: drop CAP_NET_BIND_SERVICE from the bounding set, so the root process this
-    becomes holds every privilege but that one (prctl PR_CAPBSET_DROP)."""
-    import ctypes
-
-    pr_capbset_drop, cap_net_bind_service = 24, 10
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.prctl(pr_capbset_drop, cap_net_bind_service, 0, 0, 0) != 0:
-        raise OSError(ctypes.get_errno(), "prctl(PR_CAPBSET_DROP, CAP_NET_BIND_SERVICE)")
+# Run as a launcher: a fresh, single-threaded interpreter drops the privilege and execs the
+# command. Dropping it in the test's own process (preexec_fn, or subprocess's user=) forks a
+# process that may hold grpc's threads (another test in the same pytest worker started them),
+# and grpc's fork handlers could abort the child before it ran (seen once in CI: SIGABRT,
+# "epoll_wait error: Bad file descriptor").
+_AS_USER = ("import os, sys; uid, gid = int(sys.argv[1]), int(sys.argv[2]); os.setgroups([]); os.setgid(gid); "
+            "os.setuid(uid); os.execv(sys.argv[3], sys.argv[3:])")
+# Without CAP_NET_BIND_SERVICE in the bounding set (prctl PR_CAPBSET_DROP 24, capability 10):
+# a root process holding every privilege but the one that binding port 443 asks for.
+_WITHOUT_BIND = ("import ctypes, os, sys; libc = ctypes.CDLL(None, use_errno=True); "
+                 "r = libc.prctl(24, 10, 0, 0, 0); "
+                 "r == 0 or sys.exit(f'prctl(PR_CAPBSET_DROP, CAP_NET_BIND_SERVICE): errno {ctypes.get_errno()}'); "
+                 "os.execv(sys.argv[1], sys.argv[1:])")
 
 
 def test_the_gateway_on_its_default_port_as_a_normal_user_says_what_to_do() -> None:
@@ -247,7 +251,7 @@ def test_the_gateway_on_its_default_port_as_a_normal_user_says_what_to_do() -> N
     folder = pathlib.Path(tempfile.mkdtemp(prefix="kvasir-443-"))
     try:
         token = _token_file(folder / "hub.token")
-        kw: dict[str, object] = {}
+        prefix: list[str] = []
         if os.geteuid() == 0:
             user = _unprivileged_user()
             if user is not None:
@@ -255,12 +259,13 @@ def test_the_gateway_on_its_default_port_as_a_normal_user_says_what_to_do() -> N
                 os.chmod(folder, 0o755)
                 os.chown(folder, user.pw_uid, user.pw_gid)
                 os.chown(token, user.pw_uid, user.pw_gid)
-                kw = {"user": user.pw_uid, "group": user.pw_gid, "extra_groups": []}
+                prefix = ["-c", _AS_USER, str(user.pw_uid), str(user.pw_gid), sys.executable]
             elif sys.platform == "linux":
-                kw = {"preexec_fn": _without_bind_capability}
+                prefix = ["-c", _WITHOUT_BIND, sys.executable]
             else:
                 pytest.skip("running as root, and no unprivileged user can run this interpreter")
-        out = _run(["-m", "relay", "gateway", "--insecure-plain-ws", "--hub-token-file", str(token)], cwd=folder, **kw)
+        out = _run([*prefix, "-m", "relay", "gateway", "--insecure-plain-ws", "--hub-token-file", str(token)],
+                   cwd=folder)
         if out.returncode == 0 or "needs privileges" not in out.stderr:
             with contextlib.suppress(OSError, ValueError):
                 if int(pathlib.Path("/proc/sys/net/ipv4/ip_unprivileged_port_start").read_text()) <= 443:
