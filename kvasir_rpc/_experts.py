@@ -190,9 +190,14 @@ def read_model_shape(model_dir: str | os.PathLike[str]) -> ModelShape:
     except (OSError, json.JSONDecodeError) as exc:
         raise ValueError(f"{path}: {exc}") from None
     text = cfg.get("text_config", cfg) if isinstance(cfg, dict) else {}
-    experts = text.get("num_experts", text.get("num_local_experts"))
+    experts = text.get("num_experts") or text.get("num_local_experts")
     layers = text.get("num_hidden_layers")
+    if not experts and isinstance(layers, int):
+        # As read_model_info: a config that names the count otherwise, its expert tensors say it.
+        from kvasir_rpc._checkpoint import _experts_in_tensors
+
+        experts = _experts_in_tensors(path.parent)[0] or None
     if not isinstance(experts, int) or not isinstance(layers, int):
-        raise ValueError(f"{path}: not a Mixture-of-Experts config (needs num_hidden_layers and num_experts "
-                         "or num_local_experts)")
+        raise ValueError(f"{path}: not a Mixture-of-Experts config (needs num_hidden_layers, and num_experts "
+                         "or num_local_experts or expert tensors in the safetensors files)")
     return ModelShape(layers=layers, experts=experts)

@@ -206,7 +206,7 @@ def _not_checkpoints(tiny: pathlib.Path, base: pathlib.Path) -> dict[str, tuple[
         "missing": (base / "nowhere", "does not exist"),
         "unknown-type": (unknown, "model_type 'no_such_moe' is not one transformers"),
         "no-config": (empty, "has no config.json"),
-        "not-moe": (dense, "not a Mixture-of-Experts config"),
+        "not-moe": (dense, "not a Mixture-of-Experts checkpoint"),
         "no-tokenizer": (no_tokenizer, "has no tokenizer"),
     }
 

@@ -104,7 +104,7 @@ def test_a_family_as_released_is_served_exact_by_the_swarm(model_type, tmp_path)
     assert len(list(model.glob("model-*.safetensors"))) > 1  # sharded, as releases are
     with LocalSwarm(tmp_path / "swarm") as sw:
         sw.start_ledger()
-        sw.start_hub(receipt_interval=0.5)
+        sw.start_hub(receipt_interval=0.5, extra=["--model", str(model)])  # the hub checks slices against it
         sw.start_worker("w1", model, "*:0-3")
         sw.start_worker("w2", model, "*:4-7")
         sw.wait_sessions(2, watch=["w1", "w2"])
