@@ -50,7 +50,7 @@ from collections.abc import Sequence
 
 import torch
 
-from kvasir_rpc import Activation, expert_forward
+from kvasir_rpc import Activation, ExpertFunction, as_function, expert_forward
 
 __all__ = ["DEFAULT_AUDIT_RATE", "SEGMENT_ROWS", "TOLERANCE_FACTOR", "AuditRates", "AuditResult", "RowSampler",
            "audit_rows", "error_scale"]
@@ -154,27 +154,40 @@ class RowSampler:
 
 def error_scale(
     x: torch.Tensor,  # [n, H]
-    gate_up: torch.Tensor,  # [2I, H]
-    down: torch.Tensor,  # [H, I]
-    act: Activation,
+    gate_up: torch.Tensor,  # [2I, H] as stored (fn.matrices reads it)
+    down: torch.Tensor,  # [H, I] as stored
+    fn: Activation | ExpertFunction,
     w: torch.Tensor,  # [n]
+    biases: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(reference, E)``: the expert's output and its error scale, both [n, H], computed in
-    the inputs' dtype (E needs only its magnitude: float32 is plenty)."""
-    wg, wu = gate_up.chunk(2, dim=0)  # [I, H] each
+    the inputs' dtype (E needs only its magnitude: float32 is plenty). With biases, each
+    bias's addition adds one rounding of its sum; a gate of several operations (gpt-oss's)
+    adds one rounding of h for each (``ExpertFunction.roundings``)."""
+    fn = as_function(fn)
+    wg, wu, wd = fn.matrices(gate_up, down)  # [I, H], [I, H], [H, I]
     hidden, inter = x.shape[1], wg.shape[0]
     g, u = x @ wg.T, x @ wu.T  # [n, I]
     x2 = x * x
     e_g = (hidden**0.5) * torch.sqrt(x2 @ (wg * wg).T)
     e_u = (hidden**0.5) * torch.sqrt(x2 @ (wu * wu).T)
-    a = act(g)
+    if biases is not None:
+        b_g, b_u = fn.split(biases[0])
+        e_g, e_u = e_g + (g + b_g).abs() + b_g.abs(), e_u + (u + b_u).abs() + b_u.abs()
+        g, u = g + b_g, u + b_u
+    a, b = fn.factors(g, u)
     step = 1e-3 * (1.0 + g.abs())
-    slope = (act(g + step) - act(g - step)).abs() / (2 * step)
-    h = a * u
-    e_h = slope * u.abs() * e_g + a.abs() * e_u + h.abs()
-    d2 = (down * down).T  # [I, H]
-    out = (h @ down.T) * w[:, None]
+    slope = (fn.factors(g + step, u)[0] - fn.factors(g - step, u)[0]).abs() / (2 * step)
+    h = a * b
+    e_h = slope * b.abs() * e_g + a.abs() * e_u + (fn.roundings / 2) * h.abs()
+    d2 = (wd * wd).T  # [I, H]
+    y = h @ wd.T
+    if biases is not None:
+        y = y + biases[1]
+    out = y * w[:, None]
     e = w.abs()[:, None] * ((inter**0.5) * torch.sqrt((h * h) @ d2) + torch.sqrt((e_h * e_h) @ d2)) + out.abs()
+    if biases is not None:
+        e = e + (w.abs()[:, None] * biases[1].abs())
     return out, e
 
 
@@ -197,9 +210,10 @@ def audit_rows(
     x: torch.Tensor,  # [n, H] the rows as sent (wire dtype)
     gate_up: torch.Tensor,
     down: torch.Tensor,
-    act: Activation,
+    fn: Activation | ExpertFunction,
     w: torch.Tensor,  # [n] routing weights as sent
     row_ids: list[int],  # the rows' positions in the call, for the evidence
+    biases: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> AuditResult:
     """Check audited rows of one expert. Pure: no I/O, no state.
 
@@ -209,14 +223,14 @@ def audit_rows(
     in order, an honest worker's rows match it bit for bit."""
     compute = gate_up.dtype
     xc, wc = x.to(compute), w.to(compute)
-    mine = expert_forward(xc, gate_up, down, act, wc)
+    mine = expert_forward(xc, gate_up, down, fn, wc, biases)
     if mine.dtype != got.dtype:
         mine = mine.to(got.dtype)
     # Equal bits, NaN included (an honest overflow the backbone's own run has too).
     same = ((mine == got) | (mine.isnan() & got.isnan())).all(dim=-1)
     if bool(same.all()):
         return AuditResult(True, len(row_ids), len(row_ids), row_ids[0] if row_ids else 0, 0.0, 0.0)
-    _, scale = error_scale(xc, gate_up, down, act, wc)
+    _, scale = error_scale(xc, gate_up, down, fn, wc, biases)
     ref = mine.to(compute)
     u_c, u_w = _unit_roundoff(compute), _unit_roundoff(got.dtype)
     if u_w > u_c:  # narrowed on the wire: one unit in the last place of the wire dtype

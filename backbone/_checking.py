@@ -22,7 +22,7 @@ from collections.abc import Iterator
 import torch
 
 from kvasir_rpc import (
-    Activation,
+    ExpertFunction,
     Route,
     TensorCodecError,
     all_finite,
@@ -34,7 +34,7 @@ from kvasir_rpc import (
 from backbone._audit import AuditRates, AuditResult, RowSampler, audit_rows
 from backbone._links import CallRecord, WorkerLink
 from backbone._rowcheck import RowChecker
-from backbone._weights import ExpertWeights
+from backbone._weights import ExpertTensors, ExpertWeights
 
 __all__ = ["AnswerChecker", "Checked", "SampledRows", "SentCall"]
 
@@ -71,7 +71,7 @@ class SampledRows:
     rows: the call itself is not kept) so that the audit can run later, on another thread."""
 
     layer: int
-    act: Activation
+    fn: ExpertFunction
     session_id: str
     call_id: int
     call_rows: int  # assignments in the call
@@ -144,7 +144,7 @@ class AnswerChecker:
             while len(self._earned) > _WALLETS_KEPT:
                 self._earned.popitem(last=False)
 
-    def check(self, layer: int, act: Activation, sent: SentCall, msg: expert_pb2.ExpertPartials,
+    def check(self, layer: int, fn: ExpertFunction, sent: SentCall, msg: expert_pb2.ExpertPartials,
               width: int) -> Checked:
         """The answer's verdict: refused (with the evidence) if it fails its whole-answer
         checks or, when the call asked for projections, the row checks of any row; else
@@ -174,7 +174,7 @@ class AnswerChecker:
             projections.numel() * projections.element_size() if projections is not None else 0)
         if not all_finite(out):
             # Wrong unless this backbone's own result is just as non-finite (an honest overflow).
-            mine = self._recompute(layer, act, sent, torch.arange(rec.rows))
+            mine = self._recompute(layer, fn, sent, torch.arange(rec.rows))
             if all_finite(mine) or not torch.equal(mine.isfinite(), out.isfinite()):
                 bad = int((~out.isfinite()).any(dim=-1).nonzero()[0, 0])
                 evidence.violation = session_pb2.VIOLATION_NON_FINITE
@@ -188,7 +188,7 @@ class AnswerChecker:
         if projections is not None and self.row_checks is not None:
             experts = sent.experts()
             x, w = sent.inputs(torch.arange(rec.rows))
-            verdict = self.row_checks.check(layer, act, x, w, experts, out, projections)
+            verdict = self.row_checks.check(layer, fn, x, w, experts, out, projections)
             with self._lock:
                 self.row_checked_rows += rec.rows
             if not verdict.passed:
@@ -208,7 +208,7 @@ class AnswerChecker:
         if not picked.numel():
             return Checked(out, work_bytes=work, z=z)
         x, w = sent.inputs(picked)
-        sampled = SampledRows(layer=layer, act=act, session_id=sent.link.session_id, call_id=rec.call_id,
+        sampled = SampledRows(layer=layer, fn=fn, session_id=sent.link.session_id, call_id=rec.call_id,
                               call_rows=rec.rows, picked=picked, experts=sent.experts()[picked], x=x, w=w,
                               got=out[picked])
         return Checked(out, sampled=sampled, work_bytes=work, z=z)
@@ -234,27 +234,26 @@ class AnswerChecker:
             detail=(f"audited row {verdict.row} of {s.call_rows}: |partial - recomputed| "
                     f"{verdict.max_abs_diff:.3g} > tolerance {verdict.tolerance:.3g}"))
 
-    def _by_expert(self, layer: int,
-                   experts: torch.Tensor) -> Iterator[tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]]:
+    def _by_expert(self, layer: int, experts: torch.Tensor) -> Iterator[tuple[torch.Tensor, ExpertTensors]]:
         """For each expert among ``experts`` (one per row): which rows (a mask) and its
-        weights, read without keeping them (audits touch a sampled few)."""
+        weights ``(gate_up, down, biases)``, read without keeping them (audits touch a sampled few)."""
         for e in experts.unique().tolist():
-            yield experts == e, self._weights.get(layer, e, keep=False)
+            yield experts == e, (*self._weights.get(layer, e, keep=False), self._weights.biases(layer, e))
 
-    def _recompute(self, layer: int, act: Activation, sent: SentCall, picked: torch.Tensor) -> torch.Tensor:
+    def _recompute(self, layer: int, fn: ExpertFunction, sent: SentCall, picked: torch.Tensor) -> torch.Tensor:
         """This backbone's kernel on assignments ``picked`` of a call, in the wire dtype."""
         x, w = sent.inputs(picked)
         result = torch.empty(len(picked), x.shape[1], dtype=sent.rows.dtype)
-        for sel, (gate_up, down) in self._by_expert(layer, sent.experts()[picked]):
-            part = expert_forward(x[sel].to(gate_up.dtype), gate_up, down, act, w[sel].to(gate_up.dtype))
+        for sel, (gate_up, down, biases) in self._by_expert(layer, sent.experts()[picked]):
+            part = expert_forward(x[sel].to(gate_up.dtype), gate_up, down, fn, w[sel].to(gate_up.dtype), biases)
             result[sel] = part.to(result.dtype)
         return result
 
     def _audit(self, s: SampledRows) -> AuditResult:
         """Audit the sampled rows, expert by expert; the first failure, or a pass."""
         rows = exact = 0
-        for sel, (gate_up, down) in self._by_expert(s.layer, s.experts):
-            v = audit_rows(s.got[sel], s.x[sel], gate_up, down, s.act, s.w[sel], s.picked[sel].tolist())
+        for sel, (gate_up, down, biases) in self._by_expert(s.layer, s.experts):
+            v = audit_rows(s.got[sel], s.x[sel], gate_up, down, s.fn, s.w[sel], s.picked[sel].tolist(), biases)
             rows += v.rows
             exact += v.exact
             if not v.passed:

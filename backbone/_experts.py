@@ -39,7 +39,7 @@ import torch
 from transformers.integrations.moe import ExpertsInterface
 
 from kvasir_rpc import (
-    Activation,
+    ExpertFunction,
     ExpertIndex,
     Route,
     expert_forward,
@@ -208,16 +208,15 @@ class Dispatcher:
         if tally is not None:
             routes = tally.without_padding(routes)
         placed, local = self._place(layer, routes, attempt)
-        act = module.act_fn
-        assert callable(act)
+        fn = self.weights.functions[layer]
 
         inflight = [self._send(link, layer, rs, hidden, top_k_weights) for link, rs in placed.items()]
         self.shared.run(layer)  # while the calls fly
-        partials = {r.expert: self._compute(layer, act, hidden, top_k_weights, r) for r in local}
+        partials = {r.expert: self._compute(layer, fn, hidden, top_k_weights, r) for r in local}
         with self._lock:
             self.local_rows += sum(len(r.token_idx) for r in local)
         self._count(RowTally.LOCAL, local)
-        self._collect(layer, act, hidden, top_k_weights, inflight, partials)
+        self._collect(layer, fn, hidden, top_k_weights, inflight, partials)
         if attempt is not None:
             attempt.check()  # a session this pass refused may taint what earlier passes used
         return _combine(hidden, routes, partials)
@@ -258,13 +257,14 @@ class Dispatcher:
             self.sent_bytes += rec.request_bytes
         return SentCall(rec, routes, link, rows, weights, index if dedupe else None, rec.request_bytes, projections)
 
-    def _compute(self, layer: int, act: Activation, hidden: torch.Tensor, top_k_weights: torch.Tensor,
+    def _compute(self, layer: int, fn: ExpertFunction, hidden: torch.Tensor, top_k_weights: torch.Tensor,
                  r: Route) -> torch.Tensor:
         """One expert's partials [rows, H] for its routed rows, computed here."""
         gate_up, down = self.weights.get(layer, r.expert)
-        return expert_forward(hidden[r.token_idx], gate_up, down, act, top_k_weights[r.token_idx, r.top_k_pos])
+        return expert_forward(hidden[r.token_idx], gate_up, down, fn, top_k_weights[r.token_idx, r.top_k_pos],
+                              self.weights.biases(layer, r.expert))
 
-    def _collect(self, layer: int, act: Activation, hidden: torch.Tensor, top_k_weights: torch.Tensor,
+    def _collect(self, layer: int, fn: ExpertFunction, hidden: torch.Tensor, top_k_weights: torch.Tensor,
                  inflight: list[SentCall], partials: dict[int, torch.Tensor]) -> None:
         """Each call's answer into ``partials``: accepted and paid, or lost, refused or late
         and recomputed here (a refused one's session quarantined). All calls are awaited
@@ -281,27 +281,27 @@ class Dispatcher:
             for sent in late:
                 del waiting[sent.record.future]
             for sent in finished:
-                checked = self._answer(layer, act, hidden.shape[1], sent)
+                checked = self._answer(layer, fn, hidden.shape[1], sent)
                 if checked.evidence is not None:
                     self._refuse(sent.link, checked.evidence)
                 if checked.partials is None:  # lost or refused: recomputed here, not paid
-                    self._fall_back(layer, act, hidden, top_k_weights, sent, partials)
+                    self._fall_back(layer, fn, hidden, top_k_weights, sent, partials)
                 else:
                     self._accept(sent, checked, hidden.dtype, partials)
             for sent in late:
                 self._late(layer, sent)
                 self._count(RowTally.FALLBACK, sent.routes)
                 for r in sent.routes:
-                    partials[r.expert] = self._compute(layer, act, hidden, top_k_weights, r)
+                    partials[r.expert] = self._compute(layer, fn, hidden, top_k_weights, r)
 
-    def _fall_back(self, layer: int, act: Activation, hidden: torch.Tensor, top_k_weights: torch.Tensor,
+    def _fall_back(self, layer: int, fn: ExpertFunction, hidden: torch.Tensor, top_k_weights: torch.Tensor,
                    sent: SentCall, partials: dict[int, torch.Tensor]) -> None:
         with self._lock:
             self.fallback_calls += 1
             self.fallback_rows += sent.record.rows
         self._count(RowTally.FALLBACK, sent.routes)
         for r in sent.routes:
-            partials[r.expert] = self._compute(layer, act, hidden, top_k_weights, r)
+            partials[r.expert] = self._compute(layer, fn, hidden, top_k_weights, r)
 
     def _late(self, layer: int, sent: SentCall) -> None:
         """``sent`` passed its deadline unanswered: count it (hedged, or lost at the call
@@ -337,7 +337,7 @@ class Dispatcher:
             with self._lock:
                 self.late_answers_dropped += 1
 
-    def _answer(self, layer: int, act: Activation, width: int, sent: SentCall) -> Checked:
+    def _answer(self, layer: int, fn: ExpertFunction, width: int, sent: SentCall) -> Checked:
         """The finished call's verdict: its checked partials and rows to audit, or none (lost,
         or refused with the evidence)."""
         rec = sent.record
@@ -351,7 +351,7 @@ class Dispatcher:
         answer = rec.future.result()
         with self._lock:
             self.received_bytes += answer.ByteSize()
-        return self.checker.check(layer, act, sent, answer, width)
+        return self.checker.check(layer, fn, sent, answer, width)
 
     def _accept(self, sent: SentCall, checked: Checked, dtype: torch.dtype, partials: dict[int, torch.Tensor]) -> None:
         """Use an answer that passed its checks; its sampled rows, if any, go to the audit

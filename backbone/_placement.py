@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import threading
 
-from kvasir_rpc import Route, get_logger, slices_digest
+from kvasir_rpc import ExpertFunction, Route, get_logger, session_pb2, slices_digest
 from backbone._links import SessionWatcher, WorkerLink
 from backbone._weights import ExpertWeights
 
@@ -105,6 +105,29 @@ class Placement:
                 digests[key] = self._digests[key]
         return slices_digest(digests)
 
+    def _other_function(self, s: session_pb2.Session) -> str:
+        """Why the session's announced expert function is not this model's in one of its
+        layers ("" when it is). An unset one (a worker from before functions were announced)
+        computes the plain function, with the activation of the checkpoint both read."""
+        functions = getattr(self._weights, "functions", None)
+        if not functions:
+            return ""
+        for sl in s.slices:
+            mine = functions.get(sl.layer)
+            if mine is None:
+                continue
+            if not s.HasField("expert_function"):
+                if not mine.plain:
+                    return f"layer {sl.layer}: the worker announces no expert function; this model's is {mine.describe()}"
+                continue
+            try:
+                theirs = ExpertFunction.from_proto(s.expert_function, default_activation=mine.activation)
+            except ValueError as exc:
+                return str(exc)
+            if theirs != mine:
+                return f"layer {sl.layer}: the worker computes {theirs.describe()}; this model's is {mine.describe()}"
+        return ""
+
     def _refresh(self) -> None:
         """Rebuild the route table when the hub's session set changed (lock held)."""
         if self.watcher.version == self._seen_version:
@@ -121,6 +144,12 @@ class Placement:
             if expected is None or expected != s.weights_digest:
                 log.warning("session weights do not match this model; not routing to it", session_id=sid,
                             wallet=s.wallet)
+                self._rejected.add(sid)
+                continue
+            why = self._other_function(s)
+            if why:
+                log.warning("session computes another expert function than this model's; not routing to it",
+                            session_id=sid, wallet=s.wallet, detail=why)
                 self._rejected.add(sid)
                 continue
             self._links[sid] = WorkerLink(s, token=self.watcher.token)

@@ -44,7 +44,7 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
-from kvasir_rpc import Activation
+from kvasir_rpc import Activation, ExpertFunction, as_function
 
 __all__ = ["ROW_CHECK_FACTOR", "NARROW_Z", "RowChecker", "RowVerdict"]
 
@@ -71,6 +71,8 @@ class ExpertSource(Protocol):
     def num_experts(self, layer: int) -> int | None: ...
 
     def get(self, layer: int, expert: int, *, keep: bool = True) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def biases(self, layer: int, expert: int) -> tuple[torch.Tensor, torch.Tensor] | None: ...
 
 
 def _unit(dtype: torch.dtype) -> float:
@@ -119,6 +121,11 @@ class _LayerSecrets:
         self.sq_x = torch.zeros(experts, 4, hidden)  # [|G|^2; |U|^2 by column; (G^T r_g)^2; (U^T r_u)^2]
         self.img_h = torch.zeros(experts, 2, inter)  # [D^T r_y; 0]
         self.sq_h = torch.zeros(experts, 2, inter)  # [|D|^2 by column; (D^T r_y)^2]
+        # Where the experts have biases: [r_g . b_g, r_u . b_u], r_y . b_d and [|b_g|^2, |b_u|^2,
+        # |b_d|^2] per expert (float64), added to the images' side of each check.
+        self.bias_x = torch.zeros(experts, 2, dtype=torch.float64)
+        self.bias_y = torch.zeros(experts, dtype=torch.float64)
+        self.bias_sq = torch.zeros(experts, 3, dtype=torch.float64)
         self.ready = torch.zeros(experts, dtype=torch.bool)
         self.compute = torch.float32  # the experts' dtype, as the first image read found it
         self.lock = threading.Lock()
@@ -149,7 +156,7 @@ class RowChecker:
                 s = self._layers[layer] = _LayerSecrets(n, hidden, inter, now)
             return s
 
-    def _make_images(self, layer: int, s: _LayerSecrets, experts: torch.Tensor) -> None:
+    def _make_images(self, layer: int, s: _LayerSecrets, experts: torch.Tensor, fn: ExpertFunction) -> None:
         """The images of the experts among ``experts`` not made yet, from their weights (in
         float64, then kept in float32)."""
         if bool(s.ready[experts].all()):
@@ -161,9 +168,16 @@ class RowChecker:
                     continue
                 gate_up, down = self._weights.get(layer, e, keep=False)
                 s.compute = gate_up.dtype
-                inter = down.shape[1]
-                g, u, d = gate_up[:inter], gate_up[inter:], down  # [I,H] [I,H] [H,I]
+                g, u, d = fn.matrices(gate_up, down)  # [I,H] [I,H] [H,I] (views of the stored weights)
+                inter = g.shape[0]
                 gtr, utr, dtr = _image(s.r_p[0, :inter], g), _image(s.r_p[1, inter:], u), _image(s.r_y[0], d)
+                biases = self._weights.biases(layer, e) if fn.bias else None
+                if biases is not None:
+                    b_g, b_u = (b.double() for b in fn.split(biases[0]))
+                    b_d = biases[1].double()
+                    s.bias_x[e] = torch.stack([s.r_p[0, :inter].double() @ b_g, s.r_p[1, inter:].double() @ b_u])
+                    s.bias_y[e] = s.r_y[0].double() @ b_d
+                    s.bias_sq[e] = torch.stack([b_g @ b_g, b_u @ b_u, b_d @ b_d])
                 s.img_x[e] = torch.stack([gtr, utr])
                 s.sq_x[e] = torch.stack([_square_columns(g), _square_columns(u), gtr * gtr, utr * utr])
                 s.img_h[e, 0] = dtr
@@ -174,7 +188,7 @@ class RowChecker:
     def check(
         self,
         layer: int,
-        act: Activation,
+        fn: Activation | ExpertFunction,
         x: torch.Tensor,  # [n, H] each assignment's row, as sent (wire dtype)
         w: torch.Tensor,  # [n] routing weights as sent
         experts: torch.Tensor,  # [n] int64
@@ -185,22 +199,22 @@ class RowChecker:
         the answer's shapes and dtypes are right and its partials finite."""
         t0 = time.thread_time()
         try:
-            return self._check(layer, act, x, w, experts, partials, projections)
+            return self._check(layer, as_function(fn), x, w, experts, partials, projections)
         finally:
             with self._lock:
                 self.seconds += time.thread_time() - t0
 
-    def thresholds(self, layer: int, act: Activation, x: torch.Tensor, w: torch.Tensor, experts: torch.Tensor,
+    def thresholds(self, layer: int, fn: Activation | ExpertFunction, x: torch.Tensor, w: torch.Tensor, experts: torch.Tensor,
                    partials: torch.Tensor, projections: torch.Tensor) -> torch.Tensor:
         """[n, 3] each row's thresholds (gate, up, partial): what an honest answer's differences
         stay under. They depend on the row and the answer, not on the secrets."""
-        return self.factor * self._measure(layer, act, x, w, experts, partials, projections)[1]
+        return self.factor * self._measure(layer, as_function(fn), x, w, experts, partials, projections)[1]
 
-    def _check(self, layer: int, act: Activation, x: torch.Tensor, w: torch.Tensor, experts: torch.Tensor,
+    def _check(self, layer: int, fn: ExpertFunction, x: torch.Tensor, w: torch.Tensor, experts: torch.Tensor,
                partials: torch.Tensor, projections: torch.Tensor) -> RowVerdict:
         if x.shape[0] == 0:
             return RowVerdict(True, 0, 0.0, 0.0)
-        diffs, sigma = self._measure(layer, act, x, w, experts, partials, projections)
+        diffs, sigma = self._measure(layer, fn, x, w, experts, partials, projections)
         tau = self.factor * sigma + torch.finfo(torch.float64).tiny
         ratio = diffs / tau  # NaN (a NaN anywhere) fails too: NaN <= 1 is False
         ok = (ratio <= 1.0).all(dim=-1)
@@ -218,7 +232,7 @@ class RowChecker:
                                  f"direction, {float(ratio[row, which]):.3g} times the threshold "
                                  f"{float(tau[row, which]):.3g}")
 
-    def _measure(self, layer: int, act: Activation, x: torch.Tensor, w: torch.Tensor, experts: torch.Tensor,
+    def _measure(self, layer: int, fn: ExpertFunction, x: torch.Tensor, w: torch.Tensor, experts: torch.Tensor,
                  partials: torch.Tensor, projections: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(|differences|, honest standard deviations)``, both [n, 3] float64.
 
@@ -231,16 +245,18 @@ class RowChecker:
         n, hidden = x.shape
         inter = projections.shape[1] // 2
         s = self._secrets(layer, hidden, inter)
-        self._make_images(layer, s, experts)
+        self._make_images(layer, s, experts, fn)
         narrowed = _unit(partials.dtype) > _unit(s.compute)
         diffs = torch.empty(n, 3, dtype=torch.float64)
         sums = torch.empty(n, 11, dtype=torch.float64)
         y_sq = torch.empty(n, 2, dtype=torch.float64)
+        bias_sq = torch.zeros(n, 3, dtype=torch.float64) if fn.bias else None
         xs, ys, ps, ws = x.float(), partials.float(), projections.float(), w.float()
         for rows, expert in _chunks(experts):
             xf, p, y = xs[rows], ps[rows], ys[rows]
             g, u = p[:, :inter], p[:, inter:]
-            h = act(g) * u  # [c, I]
+            a, b = fn.factors(g, u)
+            h = a * b  # [c, I]
             x2, h2 = xf * xf, h * h
             if expert is not None:  # one expert's rows: its images as they are
                 at_x, x_sq = F.linear(xf, s.img_x[expert]), F.linear(x2, s.sq_x[expert])  # [c, 2], [c, 4]
@@ -252,16 +268,28 @@ class RowChecker:
                 at_h, h_sq = (h * s.img_h[ex, 0]).sum(-1), torch.einsum("ci,cki->ck", h2, s.sq_h[ex])
                 d2 = s.sq_h[ex, 0]
             at_p = F.linear(p, s.r_p)  # [c, 2]: r_g . g, r_u . u
-            diffs[rows, :2] = (at_p.double() - at_x.double()).abs()
-            diffs[rows, 2] = (F.linear(y, s.r_y)[:, 0].double() - (at_h * ws[rows]).double()).abs()
+            at_x64, at_h64 = at_x.double(), at_h.double()
+            if bias_sq is not None:  # the biases' side: r_g . b_g, r_u . b_u, r_y . b_d
+                e_rows = expert if expert is not None else experts[rows]
+                at_x64, at_h64 = at_x64 + s.bias_x[e_rows], at_h64 + s.bias_y[e_rows]
+                bias_sq[rows] = s.bias_sq[e_rows]
+            diffs[rows, :2] = (at_p.double() - at_x64).abs()
+            diffs[rows, 2] = (F.linear(y, s.r_y)[:, 0].double() - at_h64 * ws[rows].double()).abs()
             sums[rows, 0:4] = x_sq.double()  # x^2 . |G|^2, x^2 . |U|^2, x^2 . (G^T r_g)^2, x^2 . (U^T r_u)^2
             sums[rows, 4:6] = h_sq.double()  # h^2 . |D|^2, h^2 . (D^T r_y)^2
             sums[rows, 6:10] = F.linear(p * p, s.sq_p).double()  # ||g||^2, g^2 . r_g^2, ||u||^2, u^2 . r_u^2
             y_sq[rows] = F.linear(y * y, s.sq_y).double()  # ||y||^2, y^2 . r_y^2
-            sums[rows, 10] = ((_wire_moves(g.double(), u.double(), act, partials.dtype).pow(2) * d2).sum(-1)
+            sums[rows, 10] = ((_wire_moves(g.double(), u.double(), fn, partials.dtype).pow(2) * d2).sum(-1)
                               if narrowed else 0.0)
         var = _variances(sums, y_sq, w.double(), projections, partials, hidden=hidden, inter=inter,
-                         compute=s.compute)
+                         compute=s.compute, roundings=fn.roundings)
+        if bias_sq is not None:
+            # Each bias is added to a product already rounded to the compute dtype: that rounding
+            # (of a value at most |v| + |b| in size, v the sum after) is not in v's own half ulp.
+            u_c2 = _unit(s.compute) ** 2
+            var[:, 0] += 2 * u_c2 * (sums[:, 6] + bias_sq[:, 0])
+            var[:, 1] += 2 * u_c2 * (sums[:, 8] + bias_sq[:, 1])
+            var[:, 2] += 2 * u_c2 * (y_sq[:, 0] + w.double() ** 2 * bias_sq[:, 2])
         return diffs, var.sqrt()
 
     def layers_ready(self) -> dict[int, int]:
@@ -316,18 +344,21 @@ def _half_ulp_sq(v: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return (torch.where(v == 0, torch.zeros_like(v), half) ** 2).sum(-1) + v.shape[-1] * tiny**2
 
 
-def _wire_moves(g: torch.Tensor, u: torch.Tensor, act: Activation, wire: torch.dtype) -> torch.Tensor:
-    """``a``: how far h = act(g) * u may have moved, per element, when g and u were rounded to
-    the (narrower) wire dtype after the worker computed h from them: ``|u| s ulp(g)/2 +
-    |act(g)| ulp(u)/2``, ``s`` the activation's largest slope. [n, I] float64."""
+def _wire_moves(g: torch.Tensor, u: torch.Tensor, fn: ExpertFunction, wire: torch.dtype) -> torch.Tensor:
+    """``a``: how far h = a(g) * b(u) (``fn.factors``: act(g) and u for a GLU) may have moved,
+    per element, when g and u were rounded to the (narrower) wire dtype after the worker
+    computed h from them: ``|b| s ulp(g)/2 + |a| ulp(u)/2``, ``s`` the largest slope of a (b's is
+    at most 1). [n, I] float64."""
     precision = round(-math.log2(float(torch.finfo(wire).eps))) + 1
     half_g = torch.ldexp(torch.ones_like(g), torch.frexp(g)[1] - precision - 1)
     half_u = torch.ldexp(torch.ones_like(u), torch.frexp(u)[1] - precision - 1)
-    return u.abs() * _MAX_SLOPE * half_g + act(g).abs() * half_u
+    a, b = fn.factors(g, u)
+    return b.abs() * _MAX_SLOPE * half_g + a.abs() * half_u
 
 
 def _variances(sums: torch.Tensor, y_sq: torch.Tensor, w: torch.Tensor, projections: torch.Tensor,
-               partials: torch.Tensor, *, hidden: int, inter: int, compute: torch.dtype) -> torch.Tensor:
+               partials: torch.Tensor, *, hidden: int, inter: int, compute: torch.dtype,
+               roundings: int = 2) -> torch.Tensor:
     """[n, 3] bounds of the variance of an honest answer's differences in the g, u and y
     checks (float64), from the per-row sums ``_measure`` gathered (``sums`` [n, 11], ``y_sq``
     [n, 2]: see there) and the received tensors.
@@ -365,7 +396,7 @@ def _variances(sums: torch.Tensor, y_sq: torch.Tensor, w: torch.Tensor, projecti
     var_g = u_a2 * (hidden * sums[:, 0] + (hidden + 1) * sums[:, 2] + inter * sums[:, 7]) + half_g + extra * gg
     var_u = u_a2 * (hidden * sums[:, 1] + (hidden + 1) * sums[:, 3] + inter * sums[:, 9]) + half_u + extra * uu
     ww = w * w
-    var_y = (ww * ((u_a2 * inter + (2 * u_c) ** 2 + 20 * u_a2) * sums[:, 4] + u_a2 * (inter + 1) * sums[:, 5]
+    var_y = (ww * ((u_a2 * inter + (roundings * u_c) ** 2 + 20 * u_a2) * sums[:, 4] + u_a2 * (inter + 1) * sums[:, 5]
                    + sums[:, 10])
              + u_a2 * hidden * y_sq[:, 1] + half_y + (u_c**2 + extra) * yy)
     return torch.stack([var_g, var_u, var_y], dim=-1)

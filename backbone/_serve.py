@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import hmac
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent import futures
 from typing import Any, TypeVar
 
@@ -34,7 +34,15 @@ from backbone._engine import (
     Summary,
 )
 from backbone._experts import Dispatcher
-from kvasir_rpc import NO_PORT_SHARING, backbone_pb2, backbone_pb2_grpc, check_bearer, get_logger, start_with_health
+from kvasir_rpc import (
+    NO_PORT_SHARING,
+    ExpertFunction,
+    backbone_pb2,
+    backbone_pb2_grpc,
+    check_bearer,
+    get_logger,
+    start_with_health,
+)
 
 log = get_logger("backbone.serve")
 
@@ -102,7 +110,8 @@ class Backbone:
             context_length=self.engine.context_length, layers=int(getattr(config, "num_hidden_layers", 0) or 0),
             experts_per_layer=max((weights.num_experts(layer) or 0 for layer in layers), default=0),
             experts_per_token=int(getattr(config, "num_experts_per_tok", 0) or 0),
-            dtype=str(next(model.parameters()).dtype).replace("torch.", ""), created=self.created)
+            dtype=str(next(model.parameters()).dtype).replace("torch.", ""), created=self.created,
+            expert_functions=_functions_by_layer(weights.functions))
 
     def describe(self) -> backbone_pb2.BackboneServiceDescribeResponse:
         weights = self.dispatcher.weights
@@ -367,3 +376,11 @@ def serve_backbone(address: str, backbone: Backbone, *, extra_workers: int = 8) 
     if not engine.serving():
         on_health(False)
     return server, port, health_servicer
+
+
+def _functions_by_layer(functions: Mapping[int, ExpertFunction]) -> list[Any]:
+    """The model's expert functions, each with the MoE layers it is for (ascending)."""
+    layers: dict[ExpertFunction, list[int]] = {}
+    for layer, fn in sorted(functions.items()):
+        layers.setdefault(fn, []).append(layer)
+    return [fn.to_proto(tuple(ls)) for fn, ls in layers.items()]

@@ -16,9 +16,13 @@ import threading
 
 import torch
 
-from kvasir_rpc import ExpertIndex, expert_digest, get_logger
+from kvasir_rpc import ExpertFunction, ExpertIndex, expert_digest, get_logger
 
-__all__ = ["CheckpointWeights", "ExpertWeights", "HeldWeights", "experts_modules", "load_without_experts"]
+__all__ = ["CheckpointWeights", "ExpertTensors", "ExpertWeights", "HeldWeights", "experts_modules", "function_of",
+           "load_without_experts"]
+
+# One expert's (gate_up, down, biases) as stored: biases (gate_up_bias, down_bias) or None.
+ExpertTensors = tuple[torch.Tensor, torch.Tensor, "tuple[torch.Tensor, torch.Tensor] | None"]
 
 log = get_logger("backbone.weights")
 
@@ -36,7 +40,7 @@ def experts_modules(model: torch.nn.Module) -> dict[int, torch.nn.Module]:
     ``use_experts_implementation`` declared (it gives each the traits ``has_gate``,
     ``is_concatenated``...): the experts that go through ``ExpertsInterface``. Raises
     ValueError when there are none, or when their declared function is not one this project
-    computes (``unsupported_traits``), naming what is missing."""
+    computes (``function_of``), naming what is missing."""
     found: dict[int, torch.nn.Module] = {}
     for name, module in model.named_modules():
         layer = layer_of(name)
@@ -45,38 +49,70 @@ def experts_modules(model: torch.nn.Module) -> dict[int, torch.nn.Module]:
     if not found:
         raise ValueError("the model has no experts modules declared with transformers' use_experts_implementation "
                          "(no Mixture-of-Experts layers this project can serve)")
-    module = next(iter(found.values()))
-    why = unsupported_traits(module)
-    if why:
-        model_type = getattr(getattr(model, "config", None), "model_type", "this model")
-        raise ValueError(f"{model_type}'s experts ({type(module).__name__}) are not served yet: they declare "
-                         f"{', '.join(why)}")
+    for module in found.values():
+        function_of(module)
     return found
 
 
-def unsupported_traits(module: torch.nn.Module) -> list[str]:
-    """What an experts module declares that the expert kernel does not compute: [] when its
-    function is ``down @ (act(gate @ x) * (up @ x))`` over concatenated [gate; up] weights."""
+# transformers' hidden_act names an experts module's act_fn is tried against when the config's
+# own name is not its function (Aria's experts are always SiLU whatever hidden_act says).
+_ACTIVATIONS = ("silu", "gelu", "relu", "gelu_pytorch_tanh", "gelu_new", "swish", "relu2", "sigmoid", "tanh")
+
+
+def function_of(module: torch.nn.Module) -> ExpertFunction:
+    """The expert function of an experts module, from what transformers declares of it (its
+    traits, its ``act_fn``, its ``_apply_gate``): each candidate function is checked against
+    the module's own gate on random values, bit for bit, in the module's dtype. Raises
+    ValueError naming what the module declares that no function here computes."""
     from transformers.integrations.moe import _default_apply_gate
 
+    config = getattr(module, "config", None)  # use_experts_implementation keeps the model's config there
+    model_type = getattr(config, "model_type", None) or "this model"
     why = []
     if not getattr(module, "has_gate", True):
         why.append("no gate (has_gate=False)")
-    if getattr(module, "has_bias", False):
-        why.append("biases")
-    if getattr(module, "is_transposed", False):
-        why.append("transposed weights")
-    if not getattr(module, "is_concatenated", True):
-        why.append("interleaved gate/up")
     if getattr(module, "has_post_expert_norm", False):
         why.append("a norm after each expert")
-    if getattr(type(module), "_apply_gate", _default_apply_gate) is not _default_apply_gate:
-        why.append(f"a gate function of their own ({type(module).__name__}._apply_gate)")
-    if not callable(getattr(module, "act_fn", None)):
-        why.append("no act_fn")
     if not (hasattr(module, "gate_up_proj") and hasattr(module, "down_proj")):
         why.append("no gate_up_proj/down_proj weights")
-    return why
+    bias = bool(getattr(module, "has_bias", False))
+    if bias and not (hasattr(module, "gate_up_proj_bias") and hasattr(module, "down_proj_bias")):
+        why.append("biases under other names than gate_up_proj_bias/down_proj_bias")
+    if why:
+        raise ValueError(f"{model_type}'s experts ({type(module).__name__}) are not served yet: they declare "
+                         f"{', '.join(why)}")
+    interleaved = not getattr(module, "is_concatenated", True)
+    transposed = bool(getattr(module, "is_transposed", False))
+    own_gate = getattr(type(module), "_apply_gate", _default_apply_gate) is not _default_apply_gate
+    candidates: list[ExpertFunction] = []
+    if own_gate:
+        alpha, limit = getattr(module, "alpha", None), getattr(module, "limit", None)
+        if isinstance(alpha, (int, float)) and isinstance(limit, (int, float)) and limit > 0:
+            candidates.append(ExpertFunction(gate="clamped_swiglu", activation="", alpha=float(alpha),
+                                             limit=float(limit), interleaved=interleaved, transposed=transposed,
+                                             bias=bias))
+    elif callable(getattr(module, "act_fn", None)):
+        named = getattr(config, "hidden_act", None)
+        names = [named] if isinstance(named, str) else []
+        candidates.extend(ExpertFunction(activation=n, interleaved=interleaved, transposed=transposed, bias=bias)
+                          for n in [*names, *_ACTIVATIONS] if n)
+    weight = module.gate_up_proj
+    assert isinstance(weight, torch.Tensor)
+    probe = torch.randn(16, 64, generator=torch.Generator().manual_seed(0)).mul(4).to(weight.dtype)
+    apply_gate = getattr(module, "_apply_gate")
+    with torch.no_grad():
+        want = apply_gate(probe)
+        for fn in candidates:
+            try:
+                got = fn.combine(*fn.split(probe))
+            except (KeyError, ValueError):  # an activation name this transformers lacks
+                continue
+            if got.dtype == want.dtype and torch.equal(got, want):
+                return fn
+    what = (f"a gate function of their own ({type(module).__name__}._apply_gate)" if own_gate
+            else "an activation (act_fn) none of " + ", ".join(_ACTIVATIONS) + " computes")
+    raise ValueError(f"{model_type}'s experts ({type(module).__name__}) are not served yet: they compute "
+                     f"{what} that matches no expert function this project knows")
 
 
 def _fused(module: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
@@ -91,6 +127,8 @@ class ExpertWeights:
 
     def __init__(self, modules: dict[int, torch.nn.Module]) -> None:
         self.modules = modules
+        # What each MoE layer's experts compute (what a worker must announce to be used).
+        self.functions = {layer: function_of(m) for layer, m in modules.items()}
 
     def layers(self) -> list[int]:
         """The MoE layers, ascending."""
@@ -102,11 +140,17 @@ class ExpertWeights:
         return None if module is None else int(_fused(module)[0].shape[0])
 
     def intermediate_size(self, layer: int) -> int:
-        """The experts' intermediate width in ``layer`` (I, of gate_up [2I, H])."""
-        return int(_fused(self.modules[layer])[1].shape[-1])
+        """The experts' intermediate width in ``layer`` (I, of down [E, H, I] or, transposed, [E, I, H])."""
+        module = self.modules[layer]
+        down = _fused(module)[1]
+        return int(down.shape[1] if getattr(module, "is_transposed", False) else down.shape[-1])
 
     def get(self, layer: int, expert: int, *, keep: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
         """``keep=False`` (audits, which touch a sampled few): do not grow memory for it."""
+        raise NotImplementedError
+
+    def biases(self, layer: int, expert: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``(gate_up_bias [2I], down_bias [H])``, or None for experts without biases."""
         raise NotImplementedError
 
     def digest(self, layer: int, expert: int) -> bytes:
@@ -125,8 +169,16 @@ class HeldWeights(ExpertWeights):
         gate_up, down = _fused(self.modules[layer])
         return gate_up[expert], down[expert]
 
+    def biases(self, layer: int, expert: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        module = self.modules[layer]
+        if not getattr(module, "has_bias", False):
+            return None
+        gate_up_bias, down_bias = module.gate_up_proj_bias, module.down_proj_bias
+        assert isinstance(gate_up_bias, torch.Tensor) and isinstance(down_bias, torch.Tensor)
+        return gate_up_bias[expert], down_bias[expert]
+
     def digest(self, layer: int, expert: int) -> bytes:
-        return expert_digest(*self.get(layer, expert))
+        return expert_digest(*self.get(layer, expert), *(self.biases(layer, expert) or ()))
 
     def bytes_held(self) -> int:
         return sum(t.numel() * t.element_size() for m in self.modules.values() for t in _fused(m))
@@ -154,6 +206,9 @@ class CheckpointWeights(ExpertWeights):
         # left in memory once the audit drops it), outside the lock, so the decode threads
         # that compute experts here are not held up by the audit thread.
         return self.index.view(layer, expert)
+
+    def biases(self, layer: int, expert: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        return self.index.biases(layer, expert)
 
     def digest(self, layer: int, expert: int) -> bytes:
         return self.index.expert_digest(layer, expert)

@@ -124,6 +124,7 @@ if TYPE_CHECKING:  # the real names, for type checkers; at run time __getattr__ 
         read_model_info,
         slices_digest,
     )
+    from kvasir_rpc._function import ExpertFunction, as_function
     from kvasir_rpc._kernel import (
         Activation,
         DispatchInputError,
@@ -260,6 +261,8 @@ _LAZY = {
     "DispatchInputError": "kvasir_rpc._kernel",
     "validate_dispatch": "kvasir_rpc._kernel",
     "Activation": "kvasir_rpc._kernel",
+    "ExpertFunction": "kvasir_rpc._function",
+    "as_function": "kvasir_rpc._function",
     "all_finite": "kvasir_rpc._kernel",
     "threads_initializer": "kvasir_rpc._kernel",
     "TLSStream": "kvasir_rpc._tls",

@@ -5,9 +5,14 @@ that names slices on the command line.
 Published checkpoints store each expert as separate tensors
 (``model.layers.L.mlp.experts.E.{gate,up,down}_proj.weight``; Mixtral names them
 ``block_sparse_moe.experts.E.{w1,w3,w2}.weight``); some store the fused 3D form
-(``...experts.gate_up_proj`` [E, 2I, H] and ``...experts.down_proj`` [E, H, I]). Both are
-read here, through ``safe_open`` so only the requested bytes are read from disk, or mapped
-(``ExpertIndex.view``) so they are not even copied.
+(``...experts.gate_up_proj`` [E, 2I, H] and ``...experts.down_proj`` [E, H, I], with
+``..._bias`` [E, 2I] and [E, H] where the experts have biases; gpt-oss and Aria store them
+transposed, [E, H, 2I] and [E, I, H]), under transformers' names or the older ones its
+conversion mapping renames (GraniteMoE's ``block_sparse_moe.input_linear.weight`` /
+``output_linear.weight``, Aria's ``mlp.experts.fc1.weight`` / ``fc2.weight``). All are read
+here, through ``safe_open`` so only the requested bytes are read from disk, or mapped
+(``ExpertIndex.view``) so they are not even copied. An expert's weights are kept as the
+checkpoint stores them; ``ExpertIndex.function`` says how to compute with them.
 """
 
 from __future__ import annotations
@@ -32,6 +37,8 @@ from kvasir_rpc.protocol import WEIGHTS_DIGEST_DOMAIN
 if TYPE_CHECKING:
     import torch
 
+    from kvasir_rpc._function import ExpertFunction
+
 __all__ = [
     "CHECKPOINT_HINT",
     "CheckpointError",
@@ -49,9 +56,19 @@ _PER_EXPERT = re.compile(
     r"(?P<proj>gate_proj|up_proj|down_proj|w1|w2|w3)\.weight$"
 )
 _FUSED = re.compile(
-    r"^(?P<prefix>.*?)layers\.(?P<layer>\d+)\.(?:mlp|block_sparse_moe)\.experts\.(?P<proj>gate_up_proj|down_proj)$"
+    r"^(?P<prefix>.*?)layers\.(?P<layer>\d+)\.(?:mlp|block_sparse_moe)\."
+    r"(?:experts\.(?P<proj>gate_up_proj|down_proj|gate_up_proj_bias|down_proj_bias)"
+    r"|(?P<old>input_linear|output_linear|experts\.fc1|experts\.fc2)\.weight)$"
 )
 _PROJ = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up", "down_proj": "down", "w2": "down"}
+# The fused tensors' older names that transformers' conversion mapping renames on load.
+_OLD_FUSED = {"input_linear": "gate_up_proj", "output_linear": "down_proj", "experts.fc1": "gate_up_proj",
+              "experts.fc2": "down_proj"}
+
+
+def _fused_proj(m: re.Match[str]) -> str:
+    """The transformers name of a fused tensor ``_FUSED`` matched."""
+    return m["proj"] or _OLD_FUSED[m["old"]]
 
 
 class CheckpointError(ValueError):
@@ -97,7 +114,8 @@ def _moe_config(path: pathlib.Path) -> tuple[dict[str, Any], dict[str, Any], Any
     num_experts = text.get("num_experts") or text.get("num_local_experts")
     inter = text.get("moe_intermediate_size", text.get("intermediate_size"))
     if not num_experts:
-        num_experts, inter = _experts_in_tensors(path.parent)
+        num_experts, tensors_inter = _experts_in_tensors(path.parent)
+        inter = inter if inter is not None else tensors_inter
         if not num_experts:
             raise CheckpointError(f"{path}: not a Mixture-of-Experts checkpoint (its config names no num_experts / "
                                   "num_local_experts, and its safetensors files hold no expert tensors)")
@@ -136,8 +154,8 @@ def _experts_in_tensors(folder: pathlib.Path) -> tuple[int, int | None]:
             experts = max(experts, int(m["expert"]) + 1)
             if _PROJ[m["proj"]] == "gate" and len(shape) == 2:
                 inter = shape[0]
-        elif (m := _FUSED.match(key)) and m["proj"] == "gate_up_proj" and len(shape) == 3:
-            experts, inter = max(experts, shape[0]), shape[1] // 2
+        elif (m := _FUSED.match(key)) and _fused_proj(m) == "down_proj" and len(shape) == 3:
+            experts, inter = max(experts, shape[0]), min(shape[1], shape[2])  # [E, H, I] or [E, I, H]
     return experts, inter
 
 
@@ -280,11 +298,15 @@ class ExpertIndex:
     Opening reads only the safetensors headers. ``load(layer, expert)`` reads that expert's
     bytes and returns ``(gate_up [2I, H], down [H, I])`` as the fused form transformers uses;
     ``view(layer, expert)`` returns the same tensors mapped from the files rather than read.
+    Both keep the checkpoint's orientation (``[H, 2I]`` and ``[I, H]`` where it stores them
+    transposed); ``function`` says how an expert computes with them, and ``biases`` gives
+    an expert's biases where it has them.
     """
 
     def __init__(self, model_dir: str | os.PathLike[str]) -> None:
         self.model_dir = pathlib.Path(model_dir)
         self.info = read_model_info(self.model_dir)
+        self._bias_cache: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
         self._locs: dict[tuple[int, int], dict[str, _Loc]] = {}
         self._others: dict[str, pathlib.Path] = {}
         self._spans: dict[pathlib.Path, dict[str, _Span]] = {}  # by file, read when first mapped
@@ -294,10 +316,10 @@ class ExpertIndex:
                     slot = self._locs.setdefault((int(m["layer"]), int(m["expert"])), {})
                     slot[_PROJ[m["proj"]]] = _Loc(file, key, None)
                 elif m := _FUSED.match(key):
-                    layer = int(m["layer"])
+                    layer, proj = int(m["layer"]), _fused_proj(m)
                     for e in range(self.info.num_experts):
                         slot = self._locs.setdefault((layer, e), {})
-                        slot[m["proj"]] = _Loc(file, key, e)
+                        slot[proj] = _Loc(file, key, e)
                 else:
                     self._others[key] = file
         incomplete = [
@@ -307,6 +329,38 @@ class ExpertIndex:
             raise CheckpointError(f"{self.model_dir}: experts with missing projections: {sorted(incomplete)[:8]}")
         if not self._locs:
             raise CheckpointError(f"{self.model_dir}: no expert tensors found in the safetensors files")
+        self.function = self._read_function()
+
+    def _read_function(self) -> ExpertFunction:
+        """The expert function, from the config and the expert tensors (docs/PROTOCOL.md
+        §11.2): biases when the checkpoint has them, transposed when the fused tensors' shapes
+        are [E, H, 2I] / [E, I, H] (H and I from the config; per-expert tensors are [out, in])."""
+        from kvasir_rpc._function import ExpertFunction
+
+        slot = next(iter(self._locs.values()))
+        has_bias = {"gate_up_proj_bias", "down_proj_bias"} <= slot.keys()
+        if any(("gate_up_proj_bias" in v) != has_bias for v in self._locs.values()):
+            raise CheckpointError(f"{self.model_dir}: some experts have biases and some do not")
+        transposed = False
+        if "gate_up_proj" in slot:
+            shapes = _tensor_shapes(self.model_dir)
+            hidden, inter = self.info.hidden_size, self.info.intermediate_size
+            gu, down = shapes.get(slot["gate_up_proj"].key), shapes.get(slot["down_proj"].key)
+            if gu is not None and down is not None:
+                stored = ([hidden, 2 * inter], [inter, hidden])
+                plain = ([2 * inter, hidden], [hidden, inter])
+                if (gu[1:], down[1:]) == stored:
+                    transposed = True
+                elif (gu[1:], down[1:]) != plain:
+                    raise CheckpointError(
+                        f"{self.model_dir}: fused expert tensors of shapes {gu} and {down} fit neither "
+                        f"[E, 2I, H] / [E, H, I] nor [E, H, 2I] / [E, I, H] with hidden_size {hidden} and "
+                        f"intermediate size {inter}")
+        _, text, _, _ = _moe_config(self.model_dir / "config.json")
+        try:
+            return ExpertFunction.from_config(text, transposed=transposed, bias=has_bias)
+        except (TypeError, ValueError) as exc:
+            raise CheckpointError(f"{self.model_dir / 'config.json'}: {exc}") from None
 
     def _files_and_keys(self) -> Iterable[tuple[pathlib.Path, list[str]]]:
         index = self.model_dir / "model.safetensors.index.json"
@@ -346,6 +400,21 @@ class ExpertIndex:
             if loc.index is None:
                 return h.get_tensor(loc.key)
             return h.get_slice(loc.key)[loc.index]
+
+    def biases(self, layer: int, expert: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``(gate_up_bias [2I], down_bias [H])`` of one expert (read once, then kept: they are
+        tiny), or None when the experts have no biases. Raises KeyError if absent."""
+        slot = self._locs[(layer, expert)]
+        if "gate_up_proj_bias" not in slot:
+            return None
+        held = self._bias_cache.get((layer, expert))
+        if held is None:
+            from kvasir_rpc._kernel import _aligned
+
+            held = self._bias_cache[(layer, expert)] = (
+                _aligned(self._read(slot["gate_up_proj_bias"]).contiguous()),
+                _aligned(self._read(slot["down_proj_bias"]).contiguous()))
+        return held
 
     def load(self, layer: int, expert: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Read one expert: ``(gate_up [2I, H], down [H, I])``, contiguous and starting on a
@@ -415,18 +484,19 @@ class ExpertIndex:
         return _map_tensor(loc.file, start, start + per, span.dtype, span.shape[1:])
 
     def expert_digest(self, layer: int, expert: int) -> bytes:
-        """sha256 of one expert's weights in the fused form, with dtype and shapes."""
+        """sha256 of one expert's weights in the fused form, with dtype and shapes (and its
+        biases after them, where it has them)."""
         gate_up, down = self.view(layer, expert)
-        return expert_digest(gate_up, down)
+        return expert_digest(gate_up, down, *(self.biases(layer, expert) or ()))
 
 
-def expert_digest(gate_up: torch.Tensor, down: torch.Tensor) -> bytes:
-    """sha256 over dtype, shapes and raw bytes of ``(gate_up, down)``; the same bytes
-    digest the same wherever they are loaded."""
+def expert_digest(*tensors: torch.Tensor) -> bytes:
+    """sha256 over dtype, shapes and raw bytes of ``(gate_up, down[, gate_up_bias,
+    down_bias])``; the same bytes digest the same wherever they are loaded."""
     import torch
 
     h = hashlib.sha256()
-    for t in (gate_up, down):
+    for t in tensors:
         t = t.detach().cpu().contiguous()
         h.update(str(t.dtype).encode() + b"\x00" + struct.pack(f"<{t.dim()}Q", *t.shape))
         h.update(t.reshape(-1).view(torch.uint8).numpy().data)  # hashed in place, not copied to bytes first

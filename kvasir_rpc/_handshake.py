@@ -128,6 +128,20 @@ class HelloInfo:
     worker_version: str
     # The worker returns projections when a call asks (row checks possible).
     projections: bool = False
+    # The expert function it computes: a serialized kvasir.v1.ExpertFunction (b"": unset, the
+    # default function), kept as bytes so the hub passes it on without interpreting it.
+    expert_function: bytes = b""
+
+
+def _bounded_function(body: session_pb2.HelloBody) -> bytes:
+    """The hello's expert function as the hub keeps and lists it: its activation name cut to 64
+    characters, and no layers (a hello's function is for all its slices); b"" when unset."""
+    if not body.HasField("expert_function"):
+        return b""
+    fn = body.expert_function
+    fn.activation = fn.activation[:64]
+    del fn.layers[:]
+    return fn.SerializeToString(deterministic=True)
 
 
 class _HubState(enum.Enum):
@@ -298,6 +312,7 @@ class HubHandshake:
             model_type=body.model_type[:64],
             worker_version=body.worker_version[:64],
             projections=body.projections,
+            expert_function=_bounded_function(body),
         )
 
     def _must_encrypt(self, body: session_pb2.HelloBody) -> bool:
@@ -348,6 +363,7 @@ class WorkerHandshake:
         kx_private: bytes | None = None,
         aeads: Sequence[int] = (),
         projections: bool = False,
+        expert_function: object | None = None,
     ) -> None:
         """``expected_hub_key``: the pinned hub key (a challenge from another is refused,
         1008). ``require_encryption``: refuse an accept that does not encrypt (1008).
@@ -365,6 +381,8 @@ class WorkerHandshake:
         self._kx = KeyExchange(kx_private)
         self._aeads = tuple(aeads)
         self._projections = projections
+        # The kvasir.v1.ExpertFunction announced (None: unset, the default function).
+        self._expert_function = expert_function
         unknown = [a for a in self._aeads if a not in AEAD_NAMES or a == AEAD_CHACHA20_POLY1305]
         if unknown or len(self._aeads) > MAX_AEADS_OFFERED:
             raise ValueError(f"aeads: offer at most {MAX_AEADS_OFFERED} of {sorted(AEAD_NAMES)[1:]} "
@@ -426,6 +444,7 @@ class WorkerHandshake:
             require_encryption=self._require,
             aeads=self._aeads,  # type: ignore[arg-type]
             projections=self._projections,
+            expert_function=self._expert_function,  # type: ignore[arg-type]
         ).SerializeToString()
         self._step("receive_challenge")
         signature = self._wallet.sign(HELLO_SIGNATURE_DOMAIN + body)

@@ -16,9 +16,12 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.nn.functional as F
 
+from kvasir_rpc._function import ExpertFunction
+
 __all__ = [
     "WIRE_DTYPES",
     "Activation",
+    "ExpertFunction",
     "DispatchInputError",
     "all_finite",
     "Route",
@@ -65,31 +68,55 @@ def get_activation(name: str) -> Activation:
 
 def expert_forward(
     hidden: torch.Tensor,  # [n, H]
-    gate_up: torch.Tensor,  # [2I, H]
-    down: torch.Tensor,  # [H, I]
-    act: Activation,
+    gate_up: torch.Tensor,  # [2I, H] ([H, 2I] transposed)
+    down: torch.Tensor,  # [H, I] ([I, H] transposed)
+    fn: Activation | ExpertFunction,
     weights: torch.Tensor,  # [n]
+    biases: tuple[torch.Tensor, torch.Tensor] | None = None,  # ([2I], [H]) with fn.bias
 ) -> torch.Tensor:
-    """One SwiGLU-style expert over ``n`` rows, each scaled by its routing weight. [n, H]."""
-    return expert_forward_projections(hidden, gate_up, down, act, weights)[0]
+    """One expert over ``n`` rows, each scaled by its routing weight. [n, H].
+
+    ``fn``: the expert function (``ExpertFunction``), or an activation alone for the plain
+    SwiGLU-style function ``down @ (act(gate @ x) * (up @ x))``."""
+    return expert_forward_projections(hidden, gate_up, down, fn, weights, biases)[0]
 
 
 def expert_forward_projections(
     hidden: torch.Tensor,  # [n, H]
-    gate_up: torch.Tensor,  # [2I, H]
-    down: torch.Tensor,  # [H, I]
-    act: Activation,
+    gate_up: torch.Tensor,  # [2I, H] ([H, 2I] transposed)
+    down: torch.Tensor,  # [H, I] ([I, H] transposed)
+    fn: Activation | ExpertFunction,
     weights: torch.Tensor,  # [n]
+    biases: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``expert_forward``'s partials [n, H], the same bits, and the projections they were
-    computed from, ``hidden @ gate_up.T`` [n, 2I] (gate then up): what a worker returns for
-    the backbone's row checks, at no extra compute."""
+    computed from, ``[g | u]`` [n, 2I] (all gates, then all ups, biases added): what a worker
+    returns for the backbone's row checks, at no extra compute (a copy when interleaved).
+
+    Each operation is the one transformers' eager experts run for the function, in the same
+    order (so, on one machine, the same bits): ``F.linear`` against weights stored [out, in],
+    ``@`` against transposed ones, a bias added after its product, the routing weight last."""
     hidden, gate_up, down = _aligned(hidden), _aligned(gate_up), _aligned(down)
-    projections = F.linear(hidden, gate_up)  # [n, 2I]
-    gate, up = projections.chunk(2, dim=-1)  # [n, I] each
-    h = act(gate) * up  # [n, I]
-    h = F.linear(h, down)  # [n, H]
-    return h * weights[:, None], projections
+    if not isinstance(fn, ExpertFunction) or fn.plain:
+        act = fn.act if isinstance(fn, ExpertFunction) else fn
+        projections = F.linear(hidden, gate_up)  # [n, 2I]
+        gate, up = projections.chunk(2, dim=-1)  # [n, I] each
+        h = act(gate) * up  # [n, I]
+        h = F.linear(h, down)  # [n, H]
+        return h * weights[:, None], projections
+    if fn.bias and biases is None:
+        raise ValueError(f"the expert function ({fn.describe()}) has biases; none were given")
+    gu = hidden @ gate_up if fn.transposed else F.linear(hidden, gate_up)
+    if fn.bias:
+        assert biases is not None
+        gu = gu + biases[0]
+    gate, up = fn.split(gu)
+    h = fn.combine(gate, up)
+    y = h @ down if fn.transposed else F.linear(h, down)
+    if fn.bias:
+        assert biases is not None
+        y = y + biases[1]
+    return y * weights[:, None], (torch.cat([gate, up], dim=-1) if fn.interleaved else gu)
 
 
 # torch's CPU allocator aligns every tensor it makes to 64 bytes.

@@ -49,9 +49,11 @@ class SessionStats:
     credited_nano_kvr: int = 0
     # The worker returns projections when asked: each row of its answers can be checked.
     projections: bool = False
+    # The expert function it announced, serialized (b"": unset).
+    expert_function: bytes = b""
 
     def to_proto(self) -> session_pb2.Session:
-        return session_pb2.Session(
+        s = session_pb2.Session(
             session_id=self.session_id,
             wallet=self.wallet,
             slices=slices_to_proto(self.slices),
@@ -74,6 +76,9 @@ class SessionStats:
             credited_nano_kvr=self.credited_nano_kvr,
             projections=self.projections,
         )
+        if self.expert_function:
+            s.expert_function.MergeFromString(self.expert_function)
+        return s
 
 
 @dataclasses.dataclass(frozen=True)
@@ -169,6 +174,7 @@ class SessionRegistry:
             credited_bytes=e.credited_bytes,
             credited_nano_kvr=e.credited_nano_kvr,
             projections=h.projections,
+            expert_function=h.expert_function,
         )
 
     def _notify(self, kind: session_pb2.SessionEvent.Kind, stats: SessionStats) -> None:

@@ -197,6 +197,9 @@ class _Weights:
     def get(self, layer: int, expert: int, *, keep: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
         return self.experts[expert]
 
+    def biases(self, layer: int, expert: int) -> None:
+        return None
+
 
 def _answered_call(session_id: str, sizes: dict[int, int], lie_at: int | None = None):  # type: ignore[no-untyped-def]
     """A sent call with one segment per expert of ``sizes`` and a worker's answer to it

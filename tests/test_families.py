@@ -40,7 +40,7 @@ def judge(model_type: str, folder: pathlib.Path, *, dtype: str = "float32") -> s
         return f"not served: a worker cannot read its experts: {str(exc).replace(str(folder) + '/', '')}"
     from backbone._experts import Dispatcher
     from backbone._generate import load_model
-    from backbone._weights import experts_modules
+    from backbone._weights import experts_modules, function_of
 
     try:
         model, _ = load_model(folder)
@@ -51,6 +51,10 @@ def judge(model_type: str, folder: pathlib.Path, *, dtype: str = "float32") -> s
     except ValueError as exc:
         return f"not served: {exc}"
     for layer, module in modules.items():
+        declared = function_of(module)
+        if index.function != declared:
+            return (f"not served: a worker reads the expert function {index.function.describe()} from the checkpoint; "
+                    f"transformers declares {declared.describe()}")
         fused_gate_up, fused_down = module.gate_up_proj, module.down_proj
         assert isinstance(fused_gate_up, torch.Tensor) and isinstance(fused_down, torch.Tensor)
         for e in range(int(fused_gate_up.shape[0])):
@@ -59,6 +63,10 @@ def judge(model_type: str, folder: pathlib.Path, *, dtype: str = "float32") -> s
         gate_up, down = index.load(layer, 0)
         if not (torch.equal(gate_up, fused_gate_up[0]) and torch.equal(down, fused_down[0])):
             return f"not served: layer {layer} expert 0 as a worker reads it differs from the model's"
+        biases = index.biases(layer, 0)
+        if declared.bias and not (biases is not None and torch.equal(biases[0], module.gate_up_proj_bias[0])
+                                  and torch.equal(biases[1], module.down_proj_bias[0])):
+            return f"not served: layer {layer} expert 0's biases as a worker reads them differ from the model's"
     Dispatcher(model, None)
     ids = torch.tensor([[1, 5, 9, 13, 17, 21, 25, 29]])
     with torch.inference_mode():
@@ -77,7 +85,7 @@ def judge(model_type: str, folder: pathlib.Path, *, dtype: str = "float32") -> s
 # Served exactly before this walk existed (issue 28's table), and the families it added.
 SERVED_BEFORE = ["qwen3_moe", "qwen3_next", "mixtral", "olmoe", "qwen2_moe", "minimax_m2", "hunyuan_v1_moe", "phimoe",
                  "flex_olmo"]
-NOW_SERVED = ["deepseek_v3", "deepseek_v2", "glm4_moe", "dots1", "ernie4_5_moe"]
+NOW_SERVED = ["deepseek_v3", "deepseek_v2", "glm4_moe", "dots1", "ernie4_5_moe", "gpt_oss", "granitemoe"]
 
 
 def test_every_moe_family_transformers_ships_is_served_exact_or_says_why(tmp_path, capsys):

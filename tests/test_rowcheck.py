@@ -32,6 +32,9 @@ class Weights:
         self.reads += 1
         return self.gate_up[e], self.down[e]
 
+    def biases(self, layer: int, e: int) -> None:
+        return None
+
 
 def _reordered(x, gate_up, down, a, w):  # type: ignore[no-untyped-def]
     """An honest float32 worker in another language: the same function summed in other orders."""

@@ -26,6 +26,7 @@ from kvasir_rpc import (
     TunnelCipher,
     verify_signature,
     CloseCode,
+    ExpertFunction,
     HubHandshake,
     RemoteProtocolError,
     TensorCodecError,
@@ -418,7 +419,7 @@ def _dispatch(req: expert_pb2.DispatchRequest, weights: dict, act_name: str,  # 
     """The Python worker's answer to one call (its real servicer, on the CPU)."""
     from worker._service import ExpertServicer, LoadedExperts
 
-    experts = LoadedExperts({(0, e): gd for e, gd in weights.items()}, act=get_activation(act_name),
+    experts = LoadedExperts({(0, e): gd for e, gd in weights.items()}, function=ExpertFunction(activation=act_name),
                             hidden_size=hidden_size, dtype=torch.float32, device=torch.device("cpu"),
                             model_type="qwen3_moe", weights_digest=bytes(32))
     (answer,) = list(ExpertServicer(experts, "0" * 64).Dispatch(iter([req]), None))

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvasir_rpc import encode_tensor, expert_forward, expert_pb2, get_activation
+from kvasir_rpc import ExpertFunction, encode_tensor, expert_forward, expert_pb2, get_activation
 from worker import _service
 from worker._service import ExpertServicer, LoadedExperts
 
@@ -17,7 +17,7 @@ def _servicer() -> ExpertServicer:
     g = torch.Generator().manual_seed(5)
     weights = {(layer, e): (torch.randn(2 * I, H, generator=g), torch.randn(H, I, generator=g))
                for layer in (0, 1) for e in range(6)}
-    experts = LoadedExperts(weights, act=get_activation("silu"), hidden_size=H, dtype=torch.float32,
+    experts = LoadedExperts(weights, function=ExpertFunction(), hidden_size=H, dtype=torch.float32,
                             device=torch.device("cpu"), model_type="qwen3_moe", weights_digest=bytes(32))
     return ExpertServicer(experts, "0" * 64)
 
@@ -48,9 +48,9 @@ def test_same_layer_calls_alternate_their_order_and_answer_the_same_bits(monkeyp
     computed: list[tuple[int, int]] = []
     real = _service.expert_forward_projections
 
-    def spy(x, gate_up, down, act, w):  # type: ignore[no-untyped-def]
+    def spy(x, gate_up, down, fn, w, biases=None):  # type: ignore[no-untyped-def]
         computed.append(by_ptr[gate_up.data_ptr()])
-        return real(x, gate_up, down, act, w)
+        return real(x, gate_up, down, fn, w, biases)
 
     monkeypatch.setattr(_service, "expert_forward_projections", spy)
     calls = [

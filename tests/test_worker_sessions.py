@@ -7,7 +7,7 @@ import pytest
 import torch
 from helpers import wait_until
 
-from kvasir_rpc import expert_digest, get_activation, slices_digest
+from kvasir_rpc import ExpertFunction, expert_digest, slices_digest
 from kvasir_rpc.dev.swarm import LocalSwarm
 from worker._load import load_experts
 from worker._service import LoadedExperts
@@ -18,7 +18,7 @@ def _loaded(pairs: list[tuple[int, int]]) -> LoadedExperts:
     for i, key in enumerate(pairs):
         gate_up, down = torch.full((4, 2), float(i)), torch.full((2, 2), float(i))
         weights[key], digests[key] = (gate_up, down), expert_digest(gate_up, down)
-    return LoadedExperts(weights, act=get_activation("silu"), hidden_size=2, dtype=torch.float32,
+    return LoadedExperts(weights, function=ExpertFunction(), hidden_size=2, dtype=torch.float32,
                          device=torch.device("cpu"), model_type="qwen3_moe", weights_digest=slices_digest(digests),
                          expert_digests=digests)
 

@@ -265,6 +265,7 @@ def _serve(args: argparse.Namespace, *, url: str, ssl_context: ssl.SSLContext | 
             require_encryption=require_e2e,
             aeads=preferred_aeads(),
             projections=not args.echo_experts,  # row checks: an echo worker computes none
+            expert_function=experts.function.to_proto(),
         )
 
     holders = [TunnelHolder(url) for _ in shares]

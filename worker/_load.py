@@ -8,7 +8,7 @@ from collections.abc import Callable
 
 import torch
 
-from kvasir_rpc import ExpertIndex, SpecError, expert_digest, get_activation, parse_expert_spec, slices_digest
+from kvasir_rpc import ExpertIndex, SpecError, expert_digest, parse_expert_spec, slices_digest
 from worker._service import LoadedExperts
 
 __all__ = ["LoadProgress", "load_experts", "pick_device"]
@@ -57,11 +57,15 @@ def load_experts(model: str | pathlib.Path | ExpertIndex, spec: str, device_name
     if progress is not None:
         progress(LoadProgress(0, len(todo), 0, per_expert * len(todo)))
     weights = {}
+    biases = {}
     digests = {}
     for i, (layer, e) in enumerate(todo):
         gate_up, down = index.load(layer, e)
-        digests[(layer, e)] = expert_digest(gate_up, down)
+        bias = index.biases(layer, e)
+        digests[(layer, e)] = expert_digest(gate_up, down, *(bias or ()))
         weights[(layer, e)] = (gate_up.to(device), down.to(device))
+        if bias is not None:
+            biases[(layer, e)] = (bias[0].to(device), bias[1].to(device))
         done_bytes += gate_up.nbytes + down.nbytes
         if progress is not None:
             progress(LoadProgress(i + 1, len(todo), done_bytes, max(done_bytes, per_expert * len(todo))))
@@ -69,7 +73,8 @@ def load_experts(model: str | pathlib.Path | ExpertIndex, spec: str, device_name
         raise SpecError(f"SPEC {spec!r} names no expert that {index.model_dir} has")
     return LoadedExperts(
         weights,
-        act=get_activation(info.hidden_act),
+        function=index.function,
+        biases=biases,
         hidden_size=info.hidden_size,
         dtype=info.dtype,
         device=device,

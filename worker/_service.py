@@ -10,8 +10,8 @@ import grpc
 import torch
 
 from kvasir_rpc import (
-    Activation,
     DispatchInputError,
+    ExpertFunction,
     TensorCodecError,
     decode_tensor,
     expert_forward_projections,
@@ -38,18 +38,21 @@ class LoadedExperts:
         self,
         weights: Mapping[tuple[int, int], tuple[torch.Tensor, torch.Tensor]],
         *,
-        act: Activation,
+        function: ExpertFunction,
         hidden_size: int,
         dtype: torch.dtype,
         device: torch.device,
         model_type: str,
         weights_digest: bytes,
         expert_digests: Mapping[tuple[int, int], bytes] | None = None,
+        biases: Mapping[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] | None = None,
     ) -> None:
         self.weights = dict(weights)
+        # Per (layer, expert), where the function has biases: (gate_up_bias, down_bias).
+        self.biases = dict(biases or {})
         # Per (layer, expert): what a session announcing only some of the slices digests.
         self.expert_digests = dict(expert_digests or {})
-        self.act = act
+        self.function = function  # what each expert computes (announced in the hello)
         self.hidden_size = hidden_size
         self.dtype = dtype
         self.device = device
@@ -236,7 +239,8 @@ class ExpertServicer(expert_pb2_grpc.ExpertServiceServicer):
                 (expert, rows), s0 = segments[i], starts[i]
                 gate_up, down = e.weights[(req.layer, expert)]
                 x = hidden[s0 : s0 + rows] if index is None else hidden[index[s0 : s0 + rows]]
-                out[i], proj[i] = expert_forward_projections(x, gate_up, down, e.act, weights[s0 : s0 + rows])
+                out[i], proj[i] = expert_forward_projections(x, gate_up, down, e.function, weights[s0 : s0 + rows],
+                                                             e.biases.get((req.layer, expert)))
             self._last = (req.layer, [experts[i] for i in order])
             if not out:  # a call with no assignments is valid: its partials are [0, hidden_size]
                 partials, projections = hidden.new_empty((0, e.hidden_size)), hidden.new_empty((0, 0))

@@ -48,7 +48,7 @@ if TYPE_CHECKING:
     import torch
     from trio_websocket import WebSocketConnection, WebSocketRequest
 
-    from kvasir_rpc import Activation, ExpertIndex, HelloInfo, SealedHeartbeat, TunnelCipher, expert_pb2
+    from kvasir_rpc import ExpertFunction, ExpertIndex, HelloInfo, SealedHeartbeat, TunnelCipher, expert_pb2
 
 __all__ = ["PASS", "FAIL", "SKIP", "StepResult", "add_parser", "judge_partials", "run", "run_check"]
 
@@ -178,9 +178,12 @@ class _IndexWeights:
     def get(self, layer: int, expert: int, *, keep: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
         return self._experts.load(layer, expert)
 
+    def biases(self, layer: int, expert: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        return self._experts.biases(layer, expert)
+
 
 def judge_projections(call: _Call, partials: torch.Tensor, answer: Any, experts: ExpertIndex,
-                      act: Activation) -> tuple[bool, str]:
+                      fn: ExpertFunction) -> tuple[bool, str]:
     """The row checks the backbone runs on every row of an answer whose projections it asked
     for (docs/PROTOCOL.md 11.1), on a call's answer: ``(passed, why not)``."""
     import torch
@@ -203,15 +206,15 @@ def judge_projections(call: _Call, partials: torch.Tensor, answer: Any, experts:
                        f"{list(want)} {call.hidden.dtype}")
     x = call.hidden if call.row_index is None else call.hidden[call.row_index]
     ids = torch.tensor([e for e, n in call.segments for _ in range(n)], dtype=torch.long)
-    verdict = RowChecker(_IndexWeights(experts)).check(call.layer, act, x, call.weights, ids, partials, got)
+    verdict = RowChecker(_IndexWeights(experts)).check(call.layer, fn, x, call.weights, ids, partials, got)
     if not verdict.passed:
         return False, (f"call {cid} ({call.name}), layer {call.layer}: the row checks fail: {verdict.detail} "
-                       "(PROTOCOL.md 11.1: the projections must be [gate @ x | up @ x] and the partials computed "
-                       "from them)")
+                       "(PROTOCOL.md 11.1: the projections must be [g | u], all gates then all ups, biases added, "
+                       "and the partials computed from them)")
     return True, ""
 
 
-def judge_partials(call: _Call, got: torch.Tensor, experts: ExpertIndex, act: Activation) -> tuple[bool, str]:
+def judge_partials(call: _Call, got: torch.Tensor, experts: ExpertIndex, fn: ExpertFunction) -> tuple[bool, str]:
     """Compare a worker's partials for ``call`` with the reference kernel on the checkpoint.
 
     Returns ``(passed, note)``: bit-equal passes with an empty note; within the backbone's audit
@@ -233,10 +236,11 @@ def judge_partials(call: _Call, got: torch.Tensor, experts: ExpertIndex, act: Ac
         picked = torch.arange(start, start + n) if call.row_index is None else call.row_index[start : start + n]
         x, w, g = call.hidden[picked], call.weights[start : start + n], got[start : start + n]
         gate_up, down = experts.load(call.layer, expert)
-        verdict = audit_rows(g, x, gate_up, down, act, w, list(range(start, start + n)))
+        biases = experts.biases(call.layer, expert)
+        verdict = audit_rows(g, x, gate_up, down, fn, w, list(range(start, start + n)), biases)
         exact += verdict.exact
         if not verdict.passed:
-            ref = expert_forward(x.to(gate_up.dtype), gate_up, down, act, w.to(gate_up.dtype)).to(got.dtype)
+            ref = expert_forward(x.to(gate_up.dtype), gate_up, down, fn, w.to(gate_up.dtype), biases).to(got.dtype)
             diff = torch.nan_to_num((g - ref).abs().float(), nan=float("inf"))
             r, c = divmod(int(diff.argmax()), diff.shape[1])
             gap = float(diff[r, c])
@@ -263,13 +267,13 @@ class _Check:
     worker broke the protocol, closed, or we closed it); later steps are skipped."""
 
     def __init__(self, cfg: _Config, say: Callable[[StepResult], None]) -> None:
-        from kvasir_rpc import ExpertIndex, Wallet, get_activation
+        from kvasir_rpc import ExpertIndex, Wallet
         from kvasir_rpc.protocol import HubTunnel
 
         self.cfg = cfg
         self.say = say
         self.experts = ExpertIndex(cfg.model)
-        self.act = get_activation(self.experts.info.hidden_act)
+        self.function = self.experts.function  # what the checkpoint says each expert computes
         self.hub_key = Wallet.generate()
         self.results: list[StepResult] = []
         self.url = ""
@@ -489,6 +493,9 @@ class _Check:
             raise _StepFailed(f"the hello announces {len(missing)} experts the checkpoint does not have, "
                               f"e.g. (layer, expert) {missing[:4]}")
         got = self.hello.weights_digest
+        why = self._other_function()
+        if why:
+            raise _StepFailed(why)
         if got != want:
             raise _StepFailed(
                 f"announced digest {got.hex()}, the checkpoint's digest of the announced slices is {want.hex()}: "
@@ -496,6 +503,27 @@ class _Check:
                 "(dtype, shape, raw bytes) of gate_up [2I, H] then down [H, I]; then sha256 of "
                 "'kvasir.v1.weights\\0' and, by ascending (layer, expert), u32le layer, u32le expert, digest")
         return f"{got.hex()[:16]}… equals the checkpoint's digest of the announced slices", []
+
+    def _other_function(self) -> str:
+        """Why the hello's expert function is not the checkpoint's ("" when it is)."""
+        from kvasir_rpc import ExpertFunction
+        from kvasir_rpc._gen.kvasir.v1 import function_pb2
+
+        assert self.hello is not None
+        mine = self.function
+        if not self.hello.expert_function:
+            return "" if mine.plain else (
+                f"the hello announces no expert_function (HelloBody 14); this checkpoint's experts compute "
+                f"{mine.describe()} (PROTOCOL.md 11.2): a backbone will not route to this worker")
+        try:
+            theirs = ExpertFunction.from_proto(function_pb2.ExpertFunction.FromString(self.hello.expert_function),
+                                               default_activation=mine.activation)
+        except ValueError as exc:
+            return f"the hello's expert_function: {exc}"
+        if theirs != mine:
+            return (f"the hello announces the expert function {theirs.describe()}; this checkpoint's is "
+                    f"{mine.describe()} (PROTOCOL.md 11.2): a backbone will not route to this worker")
+        return ""
 
     def _checkpoint_digest(self, slices: Mapping[int, Sequence[int]]) -> tuple[bytes, list[tuple[int, int]]]:
         from kvasir_rpc import slices_digest
@@ -627,7 +655,7 @@ class _Check:
                 out = decode_tensor(answers[c.request.call_id].partials)
             except TensorCodecError as exc:
                 raise _StepFailed(f"call {c.request.call_id} ({c.name}): malformed partials: {exc}") from None
-            ok, note = await trio.to_thread.run_sync(judge_partials, c, out, self.experts, self.act,
+            ok, note = await trio.to_thread.run_sync(judge_partials, c, out, self.experts, self.function,
                                                      abandon_on_cancel=True)
             if not ok:
                 raise _StepFailed(note)
@@ -635,7 +663,7 @@ class _Check:
                 notes.append(note)
             if c.request.projections:
                 ok, note = await trio.to_thread.run_sync(judge_projections, c, out, answers[c.request.call_id],
-                                                         self.experts, self.act, abandon_on_cancel=True)
+                                                         self.experts, self.function, abandon_on_cancel=True)
                 if not ok:
                     raise _StepFailed(note)
         assert self.hello is not None

@@ -22,39 +22,40 @@ _runtime_version.ValidateProtobufRuntimeVersion(
 _sym_db = _symbol_database.Default()
 
 
+from kvasir_rpc._gen.kvasir.v1 import function_pb2 as kvasir_dot_v1_dot_function__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18kvasir/v1/backbone.proto\x12\tkvasir.v1\"Y\n\x08Sampling\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\r\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x00\x88\x01\x01\x42\x07\n\x05_seed\"\xbe\x01\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\r\x12\x12\n\nmax_tokens\x18\x04 \x01(\r\x12%\n\x08sampling\x18\x05 \x01(\x0b\x32\x13.kvasir.v1.Sampling\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x12\n\nignore_eos\x18\x07 \x01(\x08\x12\x15\n\rdigest_logits\x18\x08 \x01(\x08\"\xfa\x02\n\x0fGenerateSummary\x12.\n\rfinish_reason\x18\x01 \x01(\x0e\x32\x17.kvasir.v1.FinishReason\x12\x0c\n\x04stop\x18\x02 \x01(\t\x12\x15\n\rprompt_tokens\x18\x03 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x04 \x01(\r\x12\x15\n\rqueue_seconds\x18\x05 \x01(\x01\x12#\n\x1btime_to_first_token_seconds\x18\x06 \x01(\x01\x12\x15\n\rtotal_seconds\x18\x07 \x01(\x01\x12\x19\n\x11tokens_per_second\x18\x08 \x01(\x01\x12\x13\n\x0bremote_rows\x18\t \x01(\x04\x12\x12\n\nlocal_rows\x18\n \x01(\x04\x12\x15\n\rfallback_rows\x18\x0b \x01(\x04\x12\x16\n\x0emax_batch_size\x18\x0c \x01(\r\x12\x11\n\x04seed\x18\r \x01(\x04H\x00\x88\x01\x01\x12\x15\n\rlogits_digest\x18\x0e \x01(\x0c\x42\x07\n\x05_seed\"`\n\x10GenerateResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12+\n\x07summary\x18\x03 \x01(\x0b\x32\x1a.kvasir.v1.GenerateSummary\"\x13\n\x11ListModelsRequest\"\xab\x01\n\tModelCard\x12\n\n\x02id\x18\x01 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12\x16\n\x0e\x63ontext_length\x18\x03 \x01(\r\x12\x0e\n\x06layers\x18\x04 \x01(\r\x12\x19\n\x11\x65xperts_per_layer\x18\x05 \x01(\r\x12\x19\n\x11\x65xperts_per_token\x18\x06 \x01(\r\x12\r\n\x05\x64type\x18\x07 \x01(\t\x12\x0f\n\x07\x63reated\x18\x08 \x01(\x03\":\n\x12ListModelsResponse\x12$\n\x06models\x18\x01 \x03(\x0b\x32\x14.kvasir.v1.ModelCard\"/\n\x1e\x42\x61\x63kboneServiceDescribeRequest\x12\r\n\x05model\x18\x01 \x01(\t\"@\n\rLayerCoverage\x12\r\n\x05layer\x18\x01 \x01(\r\x12\x0f\n\x07\x65xperts\x18\x02 \x01(\r\x12\x0f\n\x07\x63overed\x18\x03 \x03(\r\"\xa3\x02\n\x1f\x42\x61\x63kboneServiceDescribeResponse\x12#\n\x05model\x18\x01 \x01(\x0b\x32\x14.kvasir.v1.ModelCard\x12(\n\x06layers\x18\x02 \x03(\x0b\x32\x18.kvasir.v1.LayerCoverage\x12\x10\n\x08\x63overage\x18\x03 \x01(\x01\x12\x15\n\rlive_sessions\x18\x04 \x01(\r\x12\x0f\n\x07running\x18\x05 \x01(\r\x12\x0f\n\x07waiting\x18\x06 \x01(\r\x12\x16\n\x0emax_batch_size\x18\x07 \x01(\r\x12\x13\n\x0bmax_waiting\x18\x08 \x01(\r\x12\x0e\n\x06remote\x18\t \x01(\x08\x12)\n\x05stats\x18\n \x01(\x0b\x32\x1a.kvasir.v1.ExpertPathStats\"\xdb\x02\n\x0f\x45xpertPathStats\x12\x14\n\x0cremote_calls\x18\x01 \x01(\x04\x12\x13\n\x0bremote_rows\x18\x02 \x01(\x04\x12\x12\n\nlocal_rows\x18\x03 \x01(\x04\x12\x16\n\x0e\x66\x61llback_calls\x18\x04 \x01(\x04\x12\x15\n\rfallback_rows\x18\x05 \x01(\x04\x12\x14\n\x0chedged_calls\x18\x06 \x01(\x04\x12\x14\n\x0c\x61udited_rows\x18\x07 \x01(\x04\x12\x18\n\x10\x61udit_exact_rows\x18\x08 \x01(\x04\x12\x1c\n\x14sessions_quarantined\x18\t \x03(\t\x12\x0f\n\x07replays\x18\n \x01(\r\x12\x19\n\x11requests_finished\x18\x0b \x01(\x04\x12\x18\n\x10tokens_generated\x18\x0c \x01(\x04\x12\x15\n\rsessions_used\x18\r \x03(\t\x12\x19\n\x11shared_overlapped\x18\x0e \x01(\x04*v\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12\x15\n\x11\x46INISH_REASON_EOS\x10\x02\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x03\x32\x86\x02\n\x0f\x42\x61\x63kboneService\x12\x45\n\x08Generate\x12\x1a.kvasir.v1.GenerateRequest\x1a\x1b.kvasir.v1.GenerateResponse0\x01\x12I\n\nListModels\x12\x1c.kvasir.v1.ListModelsRequest\x1a\x1d.kvasir.v1.ListModelsResponse\x12\x61\n\x08\x44\x65scribe\x12).kvasir.v1.BackboneServiceDescribeRequest\x1a*.kvasir.v1.BackboneServiceDescribeResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18kvasir/v1/backbone.proto\x12\tkvasir.v1\x1a\x18kvasir/v1/function.proto\"Y\n\x08Sampling\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\r\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x00\x88\x01\x01\x42\x07\n\x05_seed\"\xbe\x01\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\r\x12\x12\n\nmax_tokens\x18\x04 \x01(\r\x12%\n\x08sampling\x18\x05 \x01(\x0b\x32\x13.kvasir.v1.Sampling\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x12\n\nignore_eos\x18\x07 \x01(\x08\x12\x15\n\rdigest_logits\x18\x08 \x01(\x08\"\xfa\x02\n\x0fGenerateSummary\x12.\n\rfinish_reason\x18\x01 \x01(\x0e\x32\x17.kvasir.v1.FinishReason\x12\x0c\n\x04stop\x18\x02 \x01(\t\x12\x15\n\rprompt_tokens\x18\x03 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x04 \x01(\r\x12\x15\n\rqueue_seconds\x18\x05 \x01(\x01\x12#\n\x1btime_to_first_token_seconds\x18\x06 \x01(\x01\x12\x15\n\rtotal_seconds\x18\x07 \x01(\x01\x12\x19\n\x11tokens_per_second\x18\x08 \x01(\x01\x12\x13\n\x0bremote_rows\x18\t \x01(\x04\x12\x12\n\nlocal_rows\x18\n \x01(\x04\x12\x15\n\rfallback_rows\x18\x0b \x01(\x04\x12\x16\n\x0emax_batch_size\x18\x0c \x01(\r\x12\x11\n\x04seed\x18\r \x01(\x04H\x00\x88\x01\x01\x12\x15\n\rlogits_digest\x18\x0e \x01(\x0c\x42\x07\n\x05_seed\"`\n\x10GenerateResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12+\n\x07summary\x18\x03 \x01(\x0b\x32\x1a.kvasir.v1.GenerateSummary\"\x13\n\x11ListModelsRequest\"\xe0\x01\n\tModelCard\x12\n\n\x02id\x18\x01 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12\x16\n\x0e\x63ontext_length\x18\x03 \x01(\r\x12\x0e\n\x06layers\x18\x04 \x01(\r\x12\x19\n\x11\x65xperts_per_layer\x18\x05 \x01(\r\x12\x19\n\x11\x65xperts_per_token\x18\x06 \x01(\r\x12\r\n\x05\x64type\x18\x07 \x01(\t\x12\x0f\n\x07\x63reated\x18\x08 \x01(\x03\x12\x33\n\x10\x65xpert_functions\x18\t \x03(\x0b\x32\x19.kvasir.v1.ExpertFunction\":\n\x12ListModelsResponse\x12$\n\x06models\x18\x01 \x03(\x0b\x32\x14.kvasir.v1.ModelCard\"/\n\x1e\x42\x61\x63kboneServiceDescribeRequest\x12\r\n\x05model\x18\x01 \x01(\t\"@\n\rLayerCoverage\x12\r\n\x05layer\x18\x01 \x01(\r\x12\x0f\n\x07\x65xperts\x18\x02 \x01(\r\x12\x0f\n\x07\x63overed\x18\x03 \x03(\r\"\xa3\x02\n\x1f\x42\x61\x63kboneServiceDescribeResponse\x12#\n\x05model\x18\x01 \x01(\x0b\x32\x14.kvasir.v1.ModelCard\x12(\n\x06layers\x18\x02 \x03(\x0b\x32\x18.kvasir.v1.LayerCoverage\x12\x10\n\x08\x63overage\x18\x03 \x01(\x01\x12\x15\n\rlive_sessions\x18\x04 \x01(\r\x12\x0f\n\x07running\x18\x05 \x01(\r\x12\x0f\n\x07waiting\x18\x06 \x01(\r\x12\x16\n\x0emax_batch_size\x18\x07 \x01(\r\x12\x13\n\x0bmax_waiting\x18\x08 \x01(\r\x12\x0e\n\x06remote\x18\t \x01(\x08\x12)\n\x05stats\x18\n \x01(\x0b\x32\x1a.kvasir.v1.ExpertPathStats\"\xdb\x02\n\x0f\x45xpertPathStats\x12\x14\n\x0cremote_calls\x18\x01 \x01(\x04\x12\x13\n\x0bremote_rows\x18\x02 \x01(\x04\x12\x12\n\nlocal_rows\x18\x03 \x01(\x04\x12\x16\n\x0e\x66\x61llback_calls\x18\x04 \x01(\x04\x12\x15\n\rfallback_rows\x18\x05 \x01(\x04\x12\x14\n\x0chedged_calls\x18\x06 \x01(\x04\x12\x14\n\x0c\x61udited_rows\x18\x07 \x01(\x04\x12\x18\n\x10\x61udit_exact_rows\x18\x08 \x01(\x04\x12\x1c\n\x14sessions_quarantined\x18\t \x03(\t\x12\x0f\n\x07replays\x18\n \x01(\r\x12\x19\n\x11requests_finished\x18\x0b \x01(\x04\x12\x18\n\x10tokens_generated\x18\x0c \x01(\x04\x12\x15\n\rsessions_used\x18\r \x03(\t\x12\x19\n\x11shared_overlapped\x18\x0e \x01(\x04*v\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12\x15\n\x11\x46INISH_REASON_EOS\x10\x02\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x03\x32\x86\x02\n\x0f\x42\x61\x63kboneService\x12\x45\n\x08Generate\x12\x1a.kvasir.v1.GenerateRequest\x1a\x1b.kvasir.v1.GenerateResponse0\x01\x12I\n\nListModels\x12\x1c.kvasir.v1.ListModelsRequest\x1a\x1d.kvasir.v1.ListModelsResponse\x12\x61\n\x08\x44\x65scribe\x12).kvasir.v1.BackboneServiceDescribeRequest\x1a*.kvasir.v1.BackboneServiceDescribeResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kvasir.v1.backbone_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=1816
-  _globals['_FINISHREASON']._serialized_end=1934
-  _globals['_SAMPLING']._serialized_start=39
-  _globals['_SAMPLING']._serialized_end=128
-  _globals['_GENERATEREQUEST']._serialized_start=131
-  _globals['_GENERATEREQUEST']._serialized_end=321
-  _globals['_GENERATESUMMARY']._serialized_start=324
-  _globals['_GENERATESUMMARY']._serialized_end=702
-  _globals['_GENERATERESPONSE']._serialized_start=704
-  _globals['_GENERATERESPONSE']._serialized_end=800
-  _globals['_LISTMODELSREQUEST']._serialized_start=802
-  _globals['_LISTMODELSREQUEST']._serialized_end=821
-  _globals['_MODELCARD']._serialized_start=824
-  _globals['_MODELCARD']._serialized_end=995
-  _globals['_LISTMODELSRESPONSE']._serialized_start=997
-  _globals['_LISTMODELSRESPONSE']._serialized_end=1055
-  _globals['_BACKBONESERVICEDESCRIBEREQUEST']._serialized_start=1057
-  _globals['_BACKBONESERVICEDESCRIBEREQUEST']._serialized_end=1104
-  _globals['_LAYERCOVERAGE']._serialized_start=1106
-  _globals['_LAYERCOVERAGE']._serialized_end=1170
-  _globals['_BACKBONESERVICEDESCRIBERESPONSE']._serialized_start=1173
-  _globals['_BACKBONESERVICEDESCRIBERESPONSE']._serialized_end=1464
-  _globals['_EXPERTPATHSTATS']._serialized_start=1467
-  _globals['_EXPERTPATHSTATS']._serialized_end=1814
-  _globals['_BACKBONESERVICE']._serialized_start=1937
-  _globals['_BACKBONESERVICE']._serialized_end=2199
+  _globals['_FINISHREASON']._serialized_start=1895
+  _globals['_FINISHREASON']._serialized_end=2013
+  _globals['_SAMPLING']._serialized_start=65
+  _globals['_SAMPLING']._serialized_end=154
+  _globals['_GENERATEREQUEST']._serialized_start=157
+  _globals['_GENERATEREQUEST']._serialized_end=347
+  _globals['_GENERATESUMMARY']._serialized_start=350
+  _globals['_GENERATESUMMARY']._serialized_end=728
+  _globals['_GENERATERESPONSE']._serialized_start=730
+  _globals['_GENERATERESPONSE']._serialized_end=826
+  _globals['_LISTMODELSREQUEST']._serialized_start=828
+  _globals['_LISTMODELSREQUEST']._serialized_end=847
+  _globals['_MODELCARD']._serialized_start=850
+  _globals['_MODELCARD']._serialized_end=1074
+  _globals['_LISTMODELSRESPONSE']._serialized_start=1076
+  _globals['_LISTMODELSRESPONSE']._serialized_end=1134
+  _globals['_BACKBONESERVICEDESCRIBEREQUEST']._serialized_start=1136
+  _globals['_BACKBONESERVICEDESCRIBEREQUEST']._serialized_end=1183
+  _globals['_LAYERCOVERAGE']._serialized_start=1185
+  _globals['_LAYERCOVERAGE']._serialized_end=1249
+  _globals['_BACKBONESERVICEDESCRIBERESPONSE']._serialized_start=1252
+  _globals['_BACKBONESERVICEDESCRIBERESPONSE']._serialized_end=1543
+  _globals['_EXPERTPATHSTATS']._serialized_start=1546
+  _globals['_EXPERTPATHSTATS']._serialized_end=1893
+  _globals['_BACKBONESERVICE']._serialized_start=2016
+  _globals['_BACKBONESERVICE']._serialized_end=2278
 # @@protoc_insertion_point(module_scope)

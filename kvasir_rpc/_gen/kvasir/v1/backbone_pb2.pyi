@@ -1,3 +1,4 @@
+from kvasir_rpc._gen.kvasir.v1 import function_pb2 as _function_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
@@ -97,7 +98,7 @@ class ListModelsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelCard(_message.Message):
-    __slots__ = ("id", "architecture", "context_length", "layers", "experts_per_layer", "experts_per_token", "dtype", "created")
+    __slots__ = ("id", "architecture", "context_length", "layers", "experts_per_layer", "experts_per_token", "dtype", "created", "expert_functions")
     ID_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
     CONTEXT_LENGTH_FIELD_NUMBER: _ClassVar[int]
@@ -106,6 +107,7 @@ class ModelCard(_message.Message):
     EXPERTS_PER_TOKEN_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     CREATED_FIELD_NUMBER: _ClassVar[int]
+    EXPERT_FUNCTIONS_FIELD_NUMBER: _ClassVar[int]
     id: str
     architecture: str
     context_length: int
@@ -114,7 +116,8 @@ class ModelCard(_message.Message):
     experts_per_token: int
     dtype: str
     created: int
-    def __init__(self, id: _Optional[str] = ..., architecture: _Optional[str] = ..., context_length: _Optional[int] = ..., layers: _Optional[int] = ..., experts_per_layer: _Optional[int] = ..., experts_per_token: _Optional[int] = ..., dtype: _Optional[str] = ..., created: _Optional[int] = ...) -> None: ...
+    expert_functions: _containers.RepeatedCompositeFieldContainer[_function_pb2.ExpertFunction]
+    def __init__(self, id: _Optional[str] = ..., architecture: _Optional[str] = ..., context_length: _Optional[int] = ..., layers: _Optional[int] = ..., experts_per_layer: _Optional[int] = ..., experts_per_token: _Optional[int] = ..., dtype: _Optional[str] = ..., created: _Optional[int] = ..., expert_functions: _Optional[_Iterable[_Union[_function_pb2.ExpertFunction, _Mapping]]] = ...) -> None: ...
 
 class ListModelsResponse(_message.Message):
     __slots__ = ("models",)

@@ -1,3 +1,4 @@
+from kvasir_rpc._gen.kvasir.v1 import function_pb2 as _function_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
@@ -48,7 +49,7 @@ class SessionChallenge(_message.Message):
     def __init__(self, nonce: _Optional[bytes] = ..., hub_key: _Optional[str] = ..., issued_at_unix_ms: _Optional[int] = ..., kx_public: _Optional[bytes] = ...) -> None: ...
 
 class HelloBody(_message.Message):
-    __slots__ = ("nonce", "hub_key", "wallet", "slices", "weights_digest", "device", "model_type", "worker_version", "kx_public", "hub_kx_public", "require_encryption", "aeads", "projections")
+    __slots__ = ("nonce", "hub_key", "wallet", "slices", "weights_digest", "device", "model_type", "worker_version", "kx_public", "hub_kx_public", "require_encryption", "aeads", "projections", "expert_function")
     NONCE_FIELD_NUMBER: _ClassVar[int]
     HUB_KEY_FIELD_NUMBER: _ClassVar[int]
     WALLET_FIELD_NUMBER: _ClassVar[int]
@@ -62,6 +63,7 @@ class HelloBody(_message.Message):
     REQUIRE_ENCRYPTION_FIELD_NUMBER: _ClassVar[int]
     AEADS_FIELD_NUMBER: _ClassVar[int]
     PROJECTIONS_FIELD_NUMBER: _ClassVar[int]
+    EXPERT_FUNCTION_FIELD_NUMBER: _ClassVar[int]
     nonce: bytes
     hub_key: str
     wallet: str
@@ -75,7 +77,8 @@ class HelloBody(_message.Message):
     require_encryption: bool
     aeads: _containers.RepeatedScalarFieldContainer[TunnelAead]
     projections: bool
-    def __init__(self, nonce: _Optional[bytes] = ..., hub_key: _Optional[str] = ..., wallet: _Optional[str] = ..., slices: _Optional[_Iterable[_Union[ExpertSlice, _Mapping]]] = ..., weights_digest: _Optional[bytes] = ..., device: _Optional[str] = ..., model_type: _Optional[str] = ..., worker_version: _Optional[str] = ..., kx_public: _Optional[bytes] = ..., hub_kx_public: _Optional[bytes] = ..., require_encryption: _Optional[bool] = ..., aeads: _Optional[_Iterable[_Union[TunnelAead, str]]] = ..., projections: _Optional[bool] = ...) -> None: ...
+    expert_function: _function_pb2.ExpertFunction
+    def __init__(self, nonce: _Optional[bytes] = ..., hub_key: _Optional[str] = ..., wallet: _Optional[str] = ..., slices: _Optional[_Iterable[_Union[ExpertSlice, _Mapping]]] = ..., weights_digest: _Optional[bytes] = ..., device: _Optional[str] = ..., model_type: _Optional[str] = ..., worker_version: _Optional[str] = ..., kx_public: _Optional[bytes] = ..., hub_kx_public: _Optional[bytes] = ..., require_encryption: _Optional[bool] = ..., aeads: _Optional[_Iterable[_Union[TunnelAead, str]]] = ..., projections: _Optional[bool] = ..., expert_function: _Optional[_Union[_function_pb2.ExpertFunction, _Mapping]] = ...) -> None: ...
 
 class SessionHello(_message.Message):
     __slots__ = ("body", "signature")
@@ -98,7 +101,7 @@ class SessionAccept(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., encrypted: _Optional[bool] = ..., signature: _Optional[bytes] = ..., aead: _Optional[_Union[TunnelAead, str]] = ...) -> None: ...
 
 class Session(_message.Message):
-    __slots__ = ("session_id", "wallet", "slices", "weights_digest", "device", "model_type", "connected_since_unix_ms", "bytes_to_worker", "bytes_from_worker", "target", "remote_address", "work_bytes", "encrypted", "via_gateway", "rtt_ms", "work_calls", "work_rows", "credited_bytes", "credited_nano_kvr", "aead", "projections")
+    __slots__ = ("session_id", "wallet", "slices", "weights_digest", "device", "model_type", "connected_since_unix_ms", "bytes_to_worker", "bytes_from_worker", "target", "remote_address", "work_bytes", "encrypted", "via_gateway", "rtt_ms", "work_calls", "work_rows", "credited_bytes", "credited_nano_kvr", "aead", "projections", "expert_function")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     WALLET_FIELD_NUMBER: _ClassVar[int]
     SLICES_FIELD_NUMBER: _ClassVar[int]
@@ -120,6 +123,7 @@ class Session(_message.Message):
     CREDITED_NANO_KVR_FIELD_NUMBER: _ClassVar[int]
     AEAD_FIELD_NUMBER: _ClassVar[int]
     PROJECTIONS_FIELD_NUMBER: _ClassVar[int]
+    EXPERT_FUNCTION_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     wallet: str
     slices: _containers.RepeatedCompositeFieldContainer[ExpertSlice]
@@ -141,7 +145,8 @@ class Session(_message.Message):
     credited_nano_kvr: int
     aead: TunnelAead
     projections: bool
-    def __init__(self, session_id: _Optional[str] = ..., wallet: _Optional[str] = ..., slices: _Optional[_Iterable[_Union[ExpertSlice, _Mapping]]] = ..., weights_digest: _Optional[bytes] = ..., device: _Optional[str] = ..., model_type: _Optional[str] = ..., connected_since_unix_ms: _Optional[int] = ..., bytes_to_worker: _Optional[int] = ..., bytes_from_worker: _Optional[int] = ..., target: _Optional[str] = ..., remote_address: _Optional[str] = ..., work_bytes: _Optional[int] = ..., encrypted: _Optional[bool] = ..., via_gateway: _Optional[bool] = ..., rtt_ms: _Optional[float] = ..., work_calls: _Optional[int] = ..., work_rows: _Optional[int] = ..., credited_bytes: _Optional[int] = ..., credited_nano_kvr: _Optional[int] = ..., aead: _Optional[_Union[TunnelAead, str]] = ..., projections: _Optional[bool] = ...) -> None: ...
+    expert_function: _function_pb2.ExpertFunction
+    def __init__(self, session_id: _Optional[str] = ..., wallet: _Optional[str] = ..., slices: _Optional[_Iterable[_Union[ExpertSlice, _Mapping]]] = ..., weights_digest: _Optional[bytes] = ..., device: _Optional[str] = ..., model_type: _Optional[str] = ..., connected_since_unix_ms: _Optional[int] = ..., bytes_to_worker: _Optional[int] = ..., bytes_from_worker: _Optional[int] = ..., target: _Optional[str] = ..., remote_address: _Optional[str] = ..., work_bytes: _Optional[int] = ..., encrypted: _Optional[bool] = ..., via_gateway: _Optional[bool] = ..., rtt_ms: _Optional[float] = ..., work_calls: _Optional[int] = ..., work_rows: _Optional[int] = ..., credited_bytes: _Optional[int] = ..., credited_nano_kvr: _Optional[int] = ..., aead: _Optional[_Union[TunnelAead, str]] = ..., projections: _Optional[bool] = ..., expert_function: _Optional[_Union[_function_pb2.ExpertFunction, _Mapping]] = ...) -> None: ...
 
 class ListSessionsRequest(_message.Message):
     __slots__ = ()

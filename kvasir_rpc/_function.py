@@ -1,0 +1,178 @@
+"""What a routed expert computes: the expert function, written down.
+
+Every MoE family transformers ships computes, for one row x routed to one expert with weight w::
+
+    g = G x (+ b_g),  u = U x (+ b_u),  h = gate(g, u),  y = w * (D h (+ b_d))
+
+and they differ in four things only: how g and u combine (``gate``: act(g) * u with an
+activation, or gpt-oss's clamped SwiGLU with its alpha and limit), whether the gate and up
+outputs are stored one block after the other or alternating (``interleaved``), whether the
+checkpoint stores the projections [in, out] (``transposed``), and biases. ``ExpertFunction``
+holds those facts; the kernel (``_kernel.expert_forward``) computes any of them, operation by
+operation as transformers' eager experts do; the hello and the model card carry them
+(``function.proto``), so a worker written from docs/PROTOCOL.md knows what to compute.
+
+The backbone reads the function from transformers' own declaration of the experts module
+(``backbone._weights.function_of``); a worker, which does not import transformers, from the
+checkpoint (``ExpertIndex.function``: the config and the expert tensors' names and shapes); the
+backbone uses a worker only when the two agree.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+    from kvasir_rpc._kernel import Activation
+
+__all__ = ["CLAMPED_SWIGLU", "GLU", "ExpertFunction", "as_function"]
+
+GLU = "glu"  # h = act(g) * u
+CLAMPED_SWIGLU = "clamped_swiglu"  # gpt-oss: h = (clamp(u) + 1) * g' sigmoid(alpha g'), g' = min(g, limit)
+_GATES = (GLU, CLAMPED_SWIGLU)
+
+
+@dataclasses.dataclass(frozen=True)
+class ExpertFunction:
+    """One expert function (see the module's docstring). The default is the function of most
+    families: SwiGLU over concatenated [gate; up] weights stored [out, in], no biases."""
+
+    gate: str = GLU
+    activation: str = "silu"  # GLU's activation, by transformers' hidden_act name; "" otherwise
+    alpha: float = 0.0  # CLAMPED_SWIGLU's
+    limit: float = 0.0
+    interleaved: bool = False
+    transposed: bool = False
+    bias: bool = False
+
+    def __post_init__(self) -> None:
+        if self.gate not in _GATES:
+            raise ValueError(f"unknown expert gate {self.gate!r} (known: {', '.join(_GATES)})")
+        if self.gate == GLU and not self.activation:
+            raise ValueError("a GLU expert function needs an activation")
+        if self.gate == CLAMPED_SWIGLU and not (math.isfinite(self.alpha) and math.isfinite(self.limit)
+                                                and self.limit > 0):
+            raise ValueError(f"a clamped SwiGLU needs a finite alpha and a positive limit "
+                             f"(got alpha={self.alpha}, limit={self.limit})")
+
+    @property
+    def plain(self) -> bool:
+        """The function every worker computed before functions were written down: GLU over
+        concatenated weights stored [out, in], no biases (any activation)."""
+        return self.gate == GLU and not (self.interleaved or self.transposed or self.bias)
+
+    @functools.cached_property
+    def act(self) -> Activation:
+        """GLU's activation (the torch function transformers' ACT2FN runs for the name)."""
+        from kvasir_rpc._kernel import get_activation
+
+        return get_activation(self.activation)
+
+    def split(self, gate_up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(g, u)`` from the projections' output as stored, [..., 2I] (views, no copy)."""
+        if self.interleaved:
+            return gate_up[..., ::2], gate_up[..., 1::2]
+        inter = gate_up.shape[-1] // 2
+        return gate_up[..., :inter], gate_up[..., inter:]
+
+    def combine(self, g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+        """``h`` from g and u, each operation as transformers' eager experts run it (so, in
+        the same dtype, the same bits)."""
+        if self.gate == GLU:
+            return self.act(g) * u
+        import torch
+
+        g = g.clamp(min=None, max=self.limit)
+        u = u.clamp(min=-self.limit, max=self.limit)
+        glu = g * torch.sigmoid(g * self.alpha)
+        return (u + 1) * glu
+
+    def factors(self, g: torch.Tensor, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(a, b)`` with ``h = a * b`` (up to rounding), ``a`` the factor of g, ``b`` of u: what
+        the row checks need to bound how far h moves when g and u move by their rounding."""
+        if self.gate == GLU:
+            return self.act(g), u
+        import torch
+
+        gc = g.clamp(max=self.limit)
+        return gc * torch.sigmoid(gc * self.alpha), u.clamp(-self.limit, self.limit) + 1
+
+    @property
+    def roundings(self) -> int:
+        """How many operations, each rounded to the compute dtype, make h from g and u (the
+        activation counted as one): its error, in units of the compute dtype's roundoff."""
+        return 2 if self.gate == GLU else 5  # act, *  |  g*alpha, sigmoid, g*, u+1, *
+
+    def matrices(self, gate_up: torch.Tensor, down: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(G [I, H], U [I, H], D [H, I])`` as views of one expert's stored weights."""
+        if self.transposed:  # gate_up [H, 2I], down [I, H]
+            g, u = self.split(gate_up)
+            return g.T, u.T, down.T
+        if self.interleaved:
+            return gate_up[::2], gate_up[1::2], down
+        inter = gate_up.shape[0] // 2
+        return gate_up[:inter], gate_up[inter:], down
+
+    def describe(self) -> str:
+        """One line, e.g. ``clamped SwiGLU (alpha 1.702, limit 7), interleaved, transposed, biases``."""
+        head = (f"GLU with {self.activation}" if self.gate == GLU
+                else f"clamped SwiGLU (alpha {self.alpha:g}, limit {self.limit:g})")
+        traits = [t for t, on in (("interleaved", self.interleaved), ("transposed", self.transposed),
+                                  ("biases", self.bias)) if on]
+        return ", ".join([head, *traits])
+
+    def to_proto(self, layers: tuple[int, ...] = ()) -> Any:
+        """As a ``kvasir.v1.ExpertFunction``."""
+        from kvasir_rpc._gen.kvasir.v1 import function_pb2
+
+        gate = (function_pb2.EXPERT_GATE_GLU if self.gate == GLU else function_pb2.EXPERT_GATE_CLAMPED_SWIGLU)
+        return function_pb2.ExpertFunction(
+            gate=gate, activation=self.activation if self.gate == GLU else "", alpha=self.alpha, limit=self.limit,
+            interleaved=self.interleaved, transposed=self.transposed, bias=self.bias, layers=list(layers))
+
+    @classmethod
+    def from_proto(cls, msg: Any, *, default_activation: str) -> ExpertFunction:
+        """A ``kvasir.v1.ExpertFunction`` as received; unset (a peer from before the message):
+        the plain function with ``default_activation`` (the checkpoint's hidden_act). Raises
+        ValueError for a gate this project does not know, or parameters that make no function."""
+        from kvasir_rpc._gen.kvasir.v1 import function_pb2
+
+        if msg.gate == function_pb2.EXPERT_GATE_UNSPECIFIED and not (msg.interleaved or msg.transposed or msg.bias):
+            return cls(activation=msg.activation or default_activation)
+        if msg.gate in (function_pb2.EXPERT_GATE_UNSPECIFIED, function_pb2.EXPERT_GATE_GLU):
+            return cls(activation=msg.activation or default_activation, interleaved=msg.interleaved,
+                       transposed=msg.transposed, bias=msg.bias)
+        if msg.gate == function_pb2.EXPERT_GATE_CLAMPED_SWIGLU:
+            return cls(gate=CLAMPED_SWIGLU, activation="", alpha=msg.alpha, limit=msg.limit,
+                       interleaved=msg.interleaved, transposed=msg.transposed, bias=msg.bias)
+        raise ValueError(f"expert gate {msg.gate} is not one this project computes")
+
+    @classmethod
+    def from_config(cls, text_config: dict[str, Any], *, transposed: bool, bias: bool) -> ExpertFunction:
+        """The function a checkpoint's config says (docs/PROTOCOL.md §11.2): a clamped SwiGLU
+        over interleaved gate/up outputs when it has ``swiglu_limit`` (gpt-oss's, alpha
+        ``swiglu_alpha``, 1.702 when absent), else GLU with ``hidden_act``; ``transposed`` and
+        ``bias`` come from the expert tensors (``ExpertIndex``)."""
+        limit = text_config.get("swiglu_limit")
+        if limit is not None:
+            return cls(gate=CLAMPED_SWIGLU, activation="", alpha=float(text_config.get("swiglu_alpha", 1.702)),
+                       limit=float(limit), interleaved=True, transposed=transposed, bias=bias)
+        return cls(activation=str(text_config.get("hidden_act", "silu")), transposed=transposed, bias=bias)
+
+
+class _GivenActivation(ExpertFunction):
+    """The plain function with an activation given as a callable rather than by name."""
+
+    def __init__(self, act: Activation) -> None:
+        super().__init__(activation=getattr(act, "__name__", "given"))
+        self.__dict__["act"] = act  # where functools.cached_property keeps its value
+
+
+def as_function(fn: Activation | ExpertFunction) -> ExpertFunction:
+    """``fn`` as an ExpertFunction: an activation alone stands for the plain function with it."""
+    return fn if isinstance(fn, ExpertFunction) else _GivenActivation(fn)
