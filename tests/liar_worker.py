@@ -1,6 +1,7 @@
 """A dishonest worker for the tests: the real ``python -m worker`` with one lie patched in.
 
-    python tests/liar_worker.py LIE [--after N] [--segments P] [--unchecked] -- <python -m worker arguments>
+    python tests/liar_worker.py LIE [--after N] [--segments P] [--unchecked] [--announce-plain]
+        -- <python -m worker arguments>
 
 LIE is one of:
   offset  silu(x) + 1e-3 in place of the activation (weights, digest and projections right)
@@ -12,11 +13,13 @@ LIE is one of:
   pad     honest partials, each DispatchResponse padded with 1 MiB of an unknown field
   reorder HONEST: the same function summed in another order, as a float32 worker written in
           another language would (differences around 1e-7 relative); it must never be caught
+  honest  no lie in the numbers (for the lies of the hello: --unchecked, --announce-plain)
 With ``--after N`` the first N calls are answered honestly, then the lie starts. With
 ``--segments P`` only a share P of the segments (an expert's rows in a call) lie, drawn at
 random, and the first call of every Dispatch stream is honest (that is when the first-call
 audit happens). ``--unchecked`` leaves ``projections`` out of the hello, as an older worker
-would: only sampled audits check it.
+would: only sampled audits check it. ``--announce-plain`` announces the plain expert function
+(GLU with silu) whatever the checkpoint's is.
 """
 
 from __future__ import annotations
@@ -31,7 +34,8 @@ import torch
 
 
 def _reordered(hidden, gate_up, down, act, weights):  # type: ignore[no-untyped-def]
-    """The expert with both reductions summed in chunks, last chunk first."""
+    """The expert with both reductions summed in chunks, last chunk first (the plain function,
+    ``act`` its activation)."""
     k = hidden.shape[1]
     g = sum(hidden[:, i : i + 7] @ gate_up[:, i : i + 7].T for i in reversed(range(0, k, 7)))
     gate, up = g.chunk(2, dim=-1)
@@ -45,10 +49,11 @@ def main() -> int:
     argv = sys.argv[1:]
     split = argv.index("--")
     p = argparse.ArgumentParser()
-    p.add_argument("lie", choices=["offset", "zeros", "nan", "bound", "proj", "pad", "reorder"])
+    p.add_argument("lie", choices=["offset", "zeros", "nan", "bound", "proj", "pad", "reorder", "honest"])
     p.add_argument("--after", type=int, default=0)
     p.add_argument("--segments", type=float, default=1.0)
     p.add_argument("--unchecked", action="store_true")
+    p.add_argument("--announce-plain", action="store_true")
     args = p.parse_args(argv[:split])
 
     import worker.__main__ as worker_cli
@@ -84,9 +89,12 @@ def main() -> int:
 
         yield from original_dispatch(self, requests(), context)
 
-    def forward(hidden, gate_up, down, act, weights):  # type: ignore[no-untyped-def]
-        if args.lie == "pad" or not lying():
-            return honest_forward(hidden, gate_up, down, act, weights)
+    def forward(hidden, gate_up, down, fn, weights, biases=None):  # type: ignore[no-untyped-def]
+        if args.lie in ("pad", "honest") or not lying():
+            return honest_forward(hidden, gate_up, down, fn, weights, biases)
+        if not fn.plain:
+            raise SystemExit(f"liar_worker: lies only on the plain expert function, not {fn.describe()}")
+        act = fn.act
         if args.lie == "offset":
             return honest_forward(hidden, gate_up, down, lambda g: act(g) + 1e-3, weights)
         if args.lie == "reorder":
@@ -106,14 +114,19 @@ def main() -> int:
     service.expert_forward_projections = forward  # type: ignore[assignment]
     service.ExpertServicer._compute = compute  # type: ignore[method-assign]
     service.ExpertServicer.Dispatch = dispatch  # type: ignore[method-assign]
-    if args.unchecked:
+    if args.unchecked or args.announce_plain:
+        from kvasir_rpc import ExpertFunction
+
         real_handshake = worker_cli.WorkerHandshake
 
-        def unchecked_handshake(*a, **kw):  # type: ignore[no-untyped-def]
-            kw["projections"] = False
+        def lying_handshake(*a, **kw):  # type: ignore[no-untyped-def]
+            if args.unchecked:
+                kw["projections"] = False
+            if args.announce_plain:
+                kw["expert_function"] = ExpertFunction().to_proto()
             return real_handshake(*a, **kw)
 
-        worker_cli.WorkerHandshake = unchecked_handshake  # type: ignore[misc,assignment]
+        worker_cli.WorkerHandshake = lying_handshake  # type: ignore[misc,assignment]
     if args.lie == "pad":
         # Field 99, length-delimited, 1 MiB: an unknown field every parser must skip.
         padding = b"\x9a\x06" + bytes([0x80, 0x80, 0x40]) + b"\x00" * (1 << 20)

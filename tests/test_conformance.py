@@ -128,6 +128,26 @@ def test_a_worker_without_projections_passes_with_a_note(tiny_models, tmp_path):
     assert any("does not announce projections" in n for n in steps["dispatch"].notes), steps["dispatch"]
 
 
+def test_the_python_worker_passes_every_step_on_gpt_oss(tmp_path):
+    # gpt-oss's expert function (docs/PROTOCOL.md 11.2): clamped SwiGLU, biases, interleaved and
+    # transposed weights; bfloat16 and sharded as released.
+    from kvasir_rpc.dev.families import make_family_checkpoint
+
+    model = make_family_checkpoint(tmp_path / "gpt_oss", "gpt_oss", dtype="bfloat16", shard="100KB")
+    steps = _check(model, tmp_path, ["-m", "worker"])
+    assert {name: s.status for name, s in steps.items()} == {name: PASS for name in STEPS}, steps
+    assert "bit-exact" in steps["dispatch"].detail and "its projections pass the row checks" in steps["dispatch"].detail
+
+
+def test_a_worker_announcing_another_function_fails_the_digest_step(tmp_path):
+    from kvasir_rpc.dev.families import make_family_checkpoint
+
+    model = make_family_checkpoint(tmp_path / "gpt_oss", "gpt_oss", dtype="bfloat16")
+    steps = _check(model, tmp_path, [str(TESTS / "liar_worker.py"), "honest", "--announce-plain", "--"])
+    assert steps["digest"].status == FAIL
+    assert "GLU with silu" in steps["digest"].detail and "clamped SwiGLU (alpha 1.702, limit 7)" in steps["digest"].detail
+
+
 def test_a_worker_command_without_url_is_refused(tiny_models):
     out = subprocess.run([sys.executable, "-m", "kvasir_rpc", "conformance", "--model", str(tiny_models("qwen3_moe")),
                           "--worker-cmd", "python -m worker"], capture_output=True, text=True, timeout=60, cwd=ROOT)

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 import backbone._rowcheck as rowcheck
 from backbone._rowcheck import ROW_CHECK_FACTOR, RowChecker
-from kvasir_rpc import expert_forward_projections
+from kvasir_rpc import ExpertFunction, expert_forward_projections
 
 act = F.silu
 
@@ -210,3 +210,69 @@ def test_chunks_cover_every_row_once_in_order_and_name_their_expert_only_when_th
         assert 0 < rows.stop - rows.start <= rowcheck._CHUNK_ROWS
         if expert is not None:
             assert set(experts[rows].tolist()) == {expert}
+
+
+# -- gpt-oss's expert function: biases, interleaved and transposed weights, the clamped gate --
+
+GPT_OSS = ExpertFunction(gate="clamped_swiglu", activation="", alpha=1.702, limit=7.0, interleaved=True,
+                         transposed=True, bias=True)
+
+
+class BiasedWeights(Weights):
+    """gpt-oss's experts as stored: [E, H, 2I], [E, I, H] and their biases."""
+
+    def __init__(self, gate_up: torch.Tensor, down: torch.Tensor, b_gu: torch.Tensor, b_d: torch.Tensor) -> None:
+        super().__init__(gate_up, down)
+        self.b_gu, self.b_d = b_gu, b_d
+
+    def biases(self, layer: int, e: int) -> tuple[torch.Tensor, torch.Tensor]:  # type: ignore[override]
+        return self.b_gu[e], self.b_d[e]
+
+
+def _gpt_oss_case(model: torch.dtype, hidden: int = 96, inter: int = 48, experts: int = 4, n: int = 48):  # type: ignore[no-untyped-def]
+    g = torch.Generator().manual_seed(5)
+    gate_up = (torch.randn(experts, hidden, 2 * inter, generator=g) * 0.3).to(model)  # projections past +-7
+    down = (torch.randn(experts, inter, hidden, generator=g) * 0.05).to(model)
+    b_gu, b_d = (torch.randn(experts, 2 * inter, generator=g)).to(model), (torch.randn(experts, hidden, generator=g)).to(model)
+    x = torch.randn(n, hidden, generator=g)
+    w = torch.rand(n, generator=g)
+    ex = torch.randint(0, experts, (n,), generator=g)
+    return gate_up, down, b_gu, b_d, x, w, ex
+
+
+def _gpt_oss_answer(case, model, fn=GPT_OSS, biased=True):  # type: ignore[no-untyped-def]
+    gate_up, down, b_gu, b_d, x, w, ex = case
+    xs = x.to(model)
+    ys, ps = [], []
+    for i in range(x.shape[0]):
+        e = int(ex[i])
+        y, p = expert_forward_projections(xs[i : i + 1], gate_up[e], down[e], fn, w[i : i + 1].to(model),
+                                          (b_gu[e], b_d[e]) if biased else None)
+        ys.append(y)
+        ps.append(p)
+    return xs, torch.cat(ys), torch.cat(ps)
+
+
+@pytest.mark.parametrize("model", [torch.float32, torch.bfloat16], ids=lambda d: str(d).replace("torch.", ""))
+def test_gpt_oss_honest_rows_pass_and_its_shortcuts_fail(model):
+    import dataclasses
+
+    case = _gpt_oss_case(model)
+    gate_up, down, b_gu, b_d, x, w, ex = case
+    checker = RowChecker(BiasedWeights(gate_up, down, b_gu, b_d))
+    xs, y, p = _gpt_oss_answer(case, model)
+    g, u = p[:, : p.shape[1] // 2].float(), p[:, p.shape[1] // 2 :].float()
+    assert float(g.max()) > 7 and float(u.abs().max()) > 7  # the clamps are exercised
+    honest = checker.check(0, GPT_OSS, xs, w.to(model), ex, y, p)
+    assert honest.passed and honest.z < 0.6 * ROW_CHECK_FACTOR, honest
+    # A worker that leaves out the biases, or the clamps, or computes the plain SwiGLU over the
+    # same weights: every such answer fails.
+    no_bias = dataclasses.replace(GPT_OSS, bias=False)
+    unclamped = dataclasses.replace(GPT_OSS, limit=1e30)
+    for name, (fn, biased) in {"no biases": (no_bias, False), "no clamps": (unclamped, True)}.items():
+        _, y2, p2 = _gpt_oss_answer(case, model, fn, biased)
+        verdict = checker.check(0, GPT_OSS, xs, w.to(model), ex, y2, p2)
+        assert not verdict.passed, name
+    # The partials right but the projections of another layout (interleaved, as stored): refused.
+    stored = torch.stack([xs[i : i + 1] @ gate_up[int(ex[i])] + b_gu[int(ex[i])] for i in range(xs.shape[0])])[:, 0]
+    assert not checker.check(0, GPT_OSS, xs, w.to(model), ex, y, stored).passed

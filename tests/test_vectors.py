@@ -36,6 +36,7 @@ from kvasir_rpc import (
     encode_tensor,
     expert_digest,
     expert_forward,
+    expert_forward_projections,
     expert_pb2,
     get_activation,
     session_pb2,
@@ -411,7 +412,63 @@ def build_expert_compute() -> dict:  # type: ignore[type-arg]
         "single": single,
         "experts": {str(e): {"gate_up": _tensor_json(g), "down": _tensor_json(d)} for e, (g, d) in weights.items()},
         "dispatch": dispatches,
+        "functions_description": (
+            "One expert per distinct expert function (docs/PROTOCOL.md 11.2), as expert_forward_projections "
+            "computes it on the CPU: 'function' is the kvasir.v1.ExpertFunction a worker announces (its fields, "
+            "and its serialized bytes), the weights as the checkpoint stores them (transposed: gate_up [H, 2I], "
+            "down [I, H]; interleaved: gate and up columns alternate), 'projections' [g | u] (all gates, then all "
+            "ups, biases added) and 'output' the partials. The inputs are multiples of 1/4 and powers of two, so "
+            "the projections are exact bytes on every CPU; some rows reach past gpt-oss's limit (7) on both "
+            "sides, so its clamps are exercised. The outputs pass through exp: their last bit may differ with "
+            "the CPU and library (the audit bound and the row checks allow it)."),
+        "functions": build_expert_functions(),
     }
+
+
+def build_expert_functions() -> list[dict]:  # type: ignore[type-arg]
+    """The ``functions`` vectors: the default function and gpt-oss's, float32 and bfloat16."""
+    from kvasir_rpc._function import CLAMPED_SWIGLU
+
+    gen = torch.Generator().manual_seed(11)
+    hidden_size, inter = 4, 2
+    x = _dyadic(gen, (4, hidden_size), steps=12, scale=0.5)
+    x[3] = torch.tensor([6.0, -6.0, 4.0, 2.0])  # a row whose projections reach past +-7
+    w = torch.tensor([0.5, 0.25, 1.0, 0.5])
+    gate_up = _dyadic(gen, (2 * inter, hidden_size), steps=4, scale=0.25)
+    down = _powers_of_two(gen, (hidden_size, inter))
+    b_gu, b_d = _dyadic(gen, (2 * inter,), steps=4, scale=0.25), _dyadic(gen, (hidden_size,), steps=4, scale=0.25)
+    default = ExpertFunction()
+    gpt_oss = ExpertFunction(gate=CLAMPED_SWIGLU, activation="", alpha=1.702, limit=7.0, interleaved=True,
+                             transposed=True, bias=True)
+    cases = []
+    for name, fn, dtype in (("default: GLU with silu, float32", default, torch.float32),
+                            ("gpt-oss: clamped SwiGLU, interleaved, transposed, biases, float32", gpt_oss,
+                             torch.float32),
+                            ("gpt-oss: clamped SwiGLU, interleaved, transposed, biases, bfloat16", gpt_oss,
+                             torch.bfloat16)):
+        # The same [gate; up] rows, stored as the function says.
+        stored = gate_up
+        if fn.interleaved:
+            stored = torch.stack([gate_up[:inter], gate_up[inter:]], dim=1).reshape(2 * inter, hidden_size)
+        bias = torch.stack([b_gu[:inter], b_gu[inter:]], dim=1).reshape(-1) if fn.interleaved else b_gu
+        stored_down = down
+        if fn.transposed:
+            stored, stored_down = stored.T.contiguous(), down.T.contiguous()
+        args = [t.to(dtype) for t in (x, stored, stored_down)]
+        biases = (bias.to(dtype), b_d.to(dtype)) if fn.bias else None
+        out, projections = expert_forward_projections(*args, fn, w.to(dtype), biases)
+        case = {"name": name, "dtype": str(dtype).replace("torch.", ""),
+                "function": {"gate": fn.to_proto().gate, "activation": fn.activation, "alpha": fn.alpha,
+                             "limit": fn.limit, "interleaved": fn.interleaved, "transposed": fn.transposed,
+                             "bias": fn.bias},
+                "function_proto_hex": fn.to_proto().SerializeToString().hex(),
+                "hidden": _tensor_json(args[0]), "gate_up": _tensor_json(args[1]), "down": _tensor_json(args[2]),
+                "routing_weights": _tensor_json(w.to(dtype))}
+        if biases is not None:
+            case["gate_up_bias"], case["down_bias"] = _tensor_json(biases[0]), _tensor_json(biases[1])
+        case["projections"], case["output"] = _tensor_json(projections), _tensor_json(out)
+        cases.append(case)
+    return cases
 
 
 def _dispatch(req: expert_pb2.DispatchRequest, weights: dict, act_name: str,  # type: ignore[type-arg]
@@ -662,6 +719,44 @@ def test_dispatch(case):
         experts = [s.expert for s in req.segments for _ in range(s.rows)]
         want = torch.stack([weights[e][0] @ r for r, e in zip(rows, experts)]).to(decode_tensor(req.hidden).dtype)
         assert torch.equal(decode_tensor(answer.projections), want)
+
+
+@pytest.mark.parametrize("case", COMPUTE["functions"], ids=[c["name"] for c in COMPUTE["functions"]])
+def test_expert_functions(case):
+    from backbone._audit import audit_rows
+    from kvasir_rpc._gen.kvasir.v1 import function_pb2
+
+    fn = ExpertFunction.from_proto(function_pb2.ExpertFunction.FromString(bytes.fromhex(case["function_proto_hex"])),
+                                   default_activation="silu")
+    f = case["function"]
+    assert (fn.gate, fn.alpha, fn.limit, fn.interleaved, fn.transposed, fn.bias) == (
+        "glu" if f["gate"] == function_pb2.EXPERT_GATE_GLU else "clamped_swiglu", f["alpha"], f["limit"],
+        f["interleaved"], f["transposed"], f["bias"])
+    x, gate_up, down, w = (_tensor(case[k]) for k in ("hidden", "gate_up", "down", "routing_weights"))
+    biases = (_tensor(case["gate_up_bias"]), _tensor(case["down_bias"])) if fn.bias else None
+    out, projections = expert_forward_projections(x, gate_up, down, fn, w, biases)
+    # The projections are exact on every CPU: products and sums of multiples of 1/4.
+    assert _tensor_json(projections) == case["projections"]
+    # The partials pass through exp: equal here or, on another CPU, within the audit bound.
+    want = _tensor(case["output"])
+    verdict = audit_rows(want, x, gate_up, down, fn, w, list(range(x.shape[0])), biases)
+    assert verdict.passed, verdict
+    if fn.gate == "clamped_swiglu":  # the clamps are exercised: some projections lie past +-limit
+        g, u = fn.split(projections.float())[0], projections.float()[:, projections.shape[1] // 2:]
+        assert float(g.max()) > fn.limit and (float(u.min()) < -fn.limit or float(u.max()) > fn.limit)
+
+
+def test_expert_function_vectors_follow_the_spec_by_hand():
+    # gpt-oss's function written out from docs/PROTOCOL.md 11.2 in float64, against the float32 vector.
+    case = next(c for c in COMPUTE["functions"] if c["dtype"] == "float32" and c["function"]["bias"])
+    x, gu, d, w = (_tensor(case[k]).double() for k in ("hidden", "gate_up", "down", "routing_weights"))
+    b_gu, b_d = _tensor(case["gate_up_bias"]).double(), _tensor(case["down_bias"]).double()
+    p = x @ gu + b_gu  # transposed storage: x @ W
+    g, u = p[:, ::2].clamp(max=7.0), p[:, 1::2].clamp(-7.0, 7.0)
+    h = (u + 1) * (g * torch.sigmoid(g * 1.702))
+    out = (h @ d + b_d) * w[:, None]
+    assert torch.equal(_tensor(case["projections"]).double(), torch.cat([p[:, ::2], p[:, 1::2]], dim=1))
+    assert torch.allclose(_tensor(case["output"]).double(), out, rtol=1e-5, atol=1e-5)
 
 
 def test_dispatch_rows_are_the_single_expert_rows():
