@@ -16,7 +16,7 @@ import threading
 
 import torch
 
-from kvasir_rpc import ExpertFunction, ExpertIndex, expert_digest, get_logger
+from kvasir_rpc import ExpertFunction, ExpertIndex, expert_digest, function_of_module, get_logger
 
 __all__ = ["CheckpointWeights", "ExpertTensors", "ExpertWeights", "HeldWeights", "experts_modules", "function_of",
            "load_without_experts"]
@@ -54,65 +54,9 @@ def experts_modules(model: torch.nn.Module) -> dict[int, torch.nn.Module]:
     return found
 
 
-# transformers' hidden_act names an experts module's act_fn is tried against when the config's
-# own name is not its function (Aria's experts are always SiLU whatever hidden_act says).
-_ACTIVATIONS = ("silu", "gelu", "relu", "gelu_pytorch_tanh", "gelu_new", "swish", "relu2", "sigmoid", "tanh")
-
-
 def function_of(module: torch.nn.Module) -> ExpertFunction:
-    """The expert function of an experts module, from what transformers declares of it (its
-    traits, its ``act_fn``, its ``_apply_gate``): each candidate function is checked against
-    the module's own gate on random values, bit for bit, in the module's dtype. Raises
-    ValueError naming what the module declares that no function here computes."""
-    from transformers.integrations.moe import _default_apply_gate
-
-    config = getattr(module, "config", None)  # use_experts_implementation keeps the model's config there
-    model_type = getattr(config, "model_type", None) or "this model"
-    why = []
-    if not getattr(module, "has_gate", True):
-        why.append("no gate (has_gate=False)")
-    if getattr(module, "has_post_expert_norm", False):
-        why.append("a norm after each expert")
-    if not (hasattr(module, "gate_up_proj") and hasattr(module, "down_proj")):
-        why.append("no gate_up_proj/down_proj weights")
-    bias = bool(getattr(module, "has_bias", False))
-    if bias and not (hasattr(module, "gate_up_proj_bias") and hasattr(module, "down_proj_bias")):
-        why.append("biases under other names than gate_up_proj_bias/down_proj_bias")
-    if why:
-        raise ValueError(f"{model_type}'s experts ({type(module).__name__}) are not served yet: they declare "
-                         f"{', '.join(why)}")
-    interleaved = not getattr(module, "is_concatenated", True)
-    transposed = bool(getattr(module, "is_transposed", False))
-    own_gate = getattr(type(module), "_apply_gate", _default_apply_gate) is not _default_apply_gate
-    candidates: list[ExpertFunction] = []
-    if own_gate:
-        alpha, limit = getattr(module, "alpha", None), getattr(module, "limit", None)
-        if isinstance(alpha, (int, float)) and isinstance(limit, (int, float)) and limit > 0:
-            candidates.append(ExpertFunction(gate="clamped_swiglu", activation="", alpha=float(alpha),
-                                             limit=float(limit), interleaved=interleaved, transposed=transposed,
-                                             bias=bias))
-    elif callable(getattr(module, "act_fn", None)):
-        named = getattr(config, "hidden_act", None)
-        names = [named] if isinstance(named, str) else []
-        candidates.extend(ExpertFunction(activation=n, interleaved=interleaved, transposed=transposed, bias=bias)
-                          for n in [*names, *_ACTIVATIONS] if n)
-    weight = module.gate_up_proj
-    assert isinstance(weight, torch.Tensor)
-    probe = torch.randn(16, 64, generator=torch.Generator().manual_seed(0)).mul(4).to(weight.dtype)
-    apply_gate = getattr(module, "_apply_gate")
-    with torch.no_grad():
-        want = apply_gate(probe)
-        for fn in candidates:
-            try:
-                got = fn.combine(*fn.split(probe))
-            except (KeyError, ValueError):  # an activation name this transformers lacks
-                continue
-            if got.dtype == want.dtype and torch.equal(got, want):
-                return fn
-    what = (f"a gate function of their own ({type(module).__name__}._apply_gate)" if own_gate
-            else "an activation (act_fn) none of " + ", ".join(_ACTIVATIONS) + " computes")
-    raise ValueError(f"{model_type}'s experts ({type(module).__name__}) are not served yet: they compute "
-                     f"{what} that matches no expert function this project knows")
+    """The expert function transformers declares for an experts module (``function_of_module``)."""
+    return function_of_module(module)
 
 
 def _fused(module: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor]:

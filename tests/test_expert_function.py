@@ -13,7 +13,7 @@ import torch
 
 from backbone._placement import Placement
 from kvasir_rpc import ExpertFunction, session_pb2
-from kvasir_rpc._function import CLAMPED_SWIGLU
+from kvasir_rpc._function import CLAMPED_GLU, CLAMPED_SWIGLU
 from kvasir_rpc._gen.kvasir.v1 import function_pb2
 from test_handshake import HUB, make_hub, make_worker
 
@@ -22,7 +22,9 @@ GPT_OSS = ExpertFunction(gate=CLAMPED_SWIGLU, activation="", alpha=1.702, limit=
 
 
 @pytest.mark.parametrize("fn", [ExpertFunction(), ExpertFunction(activation="gelu"), GPT_OSS,
-                                ExpertFunction(transposed=True)], ids=lambda f: f.describe())
+                                ExpertFunction(transposed=True),
+                                ExpertFunction(gate=CLAMPED_GLU, activation="silu", limit=10.0)],
+                         ids=lambda f: f.describe())
 def test_a_function_survives_its_message(fn):
     msg = function_pb2.ExpertFunction.FromString(fn.to_proto().SerializeToString())
     assert ExpertFunction.from_proto(msg, default_activation="relu") == fn
@@ -50,7 +52,13 @@ def test_the_config_says_the_gate_and_the_tensors_say_the_layout():
         ExpertFunction(activation="gelu")
     assert ExpertFunction.from_config({"hidden_act": "silu", "swiglu_limit": 7.0, "swiglu_alpha": 1.702},
                                       transposed=True, bias=True) == GPT_OSS
-    assert ExpertFunction.from_config({"swiglu_limit": 5.0}, transposed=False, bias=False).alpha == 1.702
+    # A limit without an alpha: the clamped GLU (DeepSeek-V4, Hunyuan V4); the clamped SwiGLU
+    # stored [out, in] is concatenated (MiniMax-M3), transposed it is interleaved (gpt-oss).
+    assert ExpertFunction.from_config({"swiglu_limit": 10.0, "hidden_act": "silu"}, transposed=False, bias=False) == \
+        ExpertFunction(gate=CLAMPED_GLU, activation="silu", limit=10.0)
+    assert ExpertFunction.from_config({"swiglu_limit": 7.0, "swiglu_alpha": 1.702}, transposed=False,
+                                      bias=False) == dataclasses.replace(GPT_OSS, interleaved=False, transposed=False,
+                                                                         bias=False)
 
 
 def test_the_kernel_refuses_a_biased_function_without_biases():
@@ -68,7 +76,7 @@ def _checkpoint(folder, *, transposed: bool, down_shape=None, bias: bool = False
     cfg = {"model_type": "x", "num_hidden_layers": 1, "hidden_size": 8, "intermediate_size": 2,
            "num_local_experts": 2, "hidden_act": "silu", "dtype": "float32"}
     if limit is not None:
-        cfg["swiglu_limit"] = limit
+        cfg["swiglu_limit"], cfg["swiglu_alpha"] = limit, 1.702
     (folder / "config.json").write_text(json.dumps(cfg))
     gu = torch.randn(2, 8, 4) if transposed else torch.randn(2, 4, 8)
     down = torch.randn(*(down_shape or ((2, 2, 8) if transposed else (2, 8, 2))))

@@ -427,7 +427,7 @@ def build_expert_compute() -> dict:  # type: ignore[type-arg]
 
 def build_expert_functions() -> list[dict]:  # type: ignore[type-arg]
     """The ``functions`` vectors: the default function and gpt-oss's, float32 and bfloat16."""
-    from kvasir_rpc._function import CLAMPED_SWIGLU
+    from kvasir_rpc._function import CLAMPED_GLU, CLAMPED_SWIGLU
 
     gen = torch.Generator().manual_seed(11)
     hidden_size, inter = 4, 2
@@ -440,8 +440,10 @@ def build_expert_functions() -> list[dict]:  # type: ignore[type-arg]
     default = ExpertFunction()
     gpt_oss = ExpertFunction(gate=CLAMPED_SWIGLU, activation="", alpha=1.702, limit=7.0, interleaved=True,
                              transposed=True, bias=True)
+    clamped_glu = ExpertFunction(gate=CLAMPED_GLU, activation="silu", limit=7.0)
     cases = []
     for name, fn, dtype in (("default: GLU with silu, float32", default, torch.float32),
+                            ("DeepSeek-V4: clamped GLU with silu, limit 7, float32", clamped_glu, torch.float32),
                             ("gpt-oss: clamped SwiGLU, interleaved, transposed, biases, float32", gpt_oss,
                              torch.float32),
                             ("gpt-oss: clamped SwiGLU, interleaved, transposed, biases, bfloat16", gpt_oss,
@@ -729,9 +731,10 @@ def test_expert_functions(case):
     fn = ExpertFunction.from_proto(function_pb2.ExpertFunction.FromString(bytes.fromhex(case["function_proto_hex"])),
                                    default_activation="silu")
     f = case["function"]
+    gates = {function_pb2.EXPERT_GATE_GLU: "glu", function_pb2.EXPERT_GATE_CLAMPED_SWIGLU: "clamped_swiglu",
+             function_pb2.EXPERT_GATE_CLAMPED_GLU: "clamped_glu"}
     assert (fn.gate, fn.alpha, fn.limit, fn.interleaved, fn.transposed, fn.bias) == (
-        "glu" if f["gate"] == function_pb2.EXPERT_GATE_GLU else "clamped_swiglu", f["alpha"], f["limit"],
-        f["interleaved"], f["transposed"], f["bias"])
+        gates[f["gate"]], f["alpha"], f["limit"], f["interleaved"], f["transposed"], f["bias"])
     x, gate_up, down, w = (_tensor(case[k]) for k in ("hidden", "gate_up", "down", "routing_weights"))
     biases = (_tensor(case["gate_up_bias"]), _tensor(case["down_bias"])) if fn.bias else None
     out, projections = expert_forward_projections(x, gate_up, down, fn, w, biases)
@@ -741,7 +744,7 @@ def test_expert_functions(case):
     want = _tensor(case["output"])
     verdict = audit_rows(want, x, gate_up, down, fn, w, list(range(x.shape[0])), biases)
     assert verdict.passed, verdict
-    if fn.gate == "clamped_swiglu":  # the clamps are exercised: some projections lie past +-limit
+    if fn.gate != "glu":  # the clamps are exercised: some projections lie past +-limit
         g, u = fn.split(projections.float())[0], projections.float()[:, projections.shape[1] // 2:]
         assert float(g.max()) > fn.limit and (float(u.min()) < -fn.limit or float(u.max()) > fn.limit)
 

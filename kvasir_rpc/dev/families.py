@@ -61,10 +61,15 @@ def _shrink(config: Any) -> Any:
             if hasattr(c, name):
                 setattr(c, name, _EXPERTS)
         layers = getattr(c, "num_hidden_layers", None)
-        for name in ("layer_types", "mlp_layer_types"):
-            kinds = getattr(c, name, None)
-            if isinstance(kinds, list) and layers:
-                setattr(c, name, (kinds * layers)[:layers])
+        kinds = getattr(c, "layer_types", None)
+        if isinstance(kinds, list) and layers:
+            setattr(c, "layer_types", (kinds * layers)[:layers])
+        kinds = getattr(c, "mlp_layer_types", None)
+        if isinstance(kinds, list) and kinds and layers:
+            # Releases start with layers of another kind (DeepSeek-V3.2's first three dense,
+            # DeepSeek-V4's first three hash-routed): at test sizes the first layer of that kind,
+            # then the kind most of the model has, so that it has routed experts at all.
+            setattr(c, "mlp_layer_types", [kinds[0]] + [kinds[-1]] * (layers - 1))
         if isinstance(getattr(c, "mlp_only_layers", None), list):
             c.mlp_only_layers = []
         if getattr(c, "decoder_sparse_step", None):

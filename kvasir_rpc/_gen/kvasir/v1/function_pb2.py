@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18kvasir/v1/function.proto\x12\tkvasir.v1\"\xae\x01\n\x0e\x45xpertFunction\x12#\n\x04gate\x18\x01 \x01(\x0e\x32\x15.kvasir.v1.ExpertGate\x12\x12\n\nactivation\x18\x02 \x01(\t\x12\r\n\x05\x61lpha\x18\x03 \x01(\x01\x12\r\n\x05limit\x18\x04 \x01(\x01\x12\x13\n\x0binterleaved\x18\x05 \x01(\x08\x12\x12\n\ntransposed\x18\x06 \x01(\x08\x12\x0c\n\x04\x62ias\x18\x07 \x01(\x08\x12\x0e\n\x06layers\x18\x08 \x03(\r*^\n\nExpertGate\x12\x1b\n\x17\x45XPERT_GATE_UNSPECIFIED\x10\x00\x12\x13\n\x0f\x45XPERT_GATE_GLU\x10\x01\x12\x1e\n\x1a\x45XPERT_GATE_CLAMPED_SWIGLU\x10\x02\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18kvasir/v1/function.proto\x12\tkvasir.v1\"\xae\x01\n\x0e\x45xpertFunction\x12#\n\x04gate\x18\x01 \x01(\x0e\x32\x15.kvasir.v1.ExpertGate\x12\x12\n\nactivation\x18\x02 \x01(\t\x12\r\n\x05\x61lpha\x18\x03 \x01(\x01\x12\r\n\x05limit\x18\x04 \x01(\x01\x12\x13\n\x0binterleaved\x18\x05 \x01(\x08\x12\x12\n\ntransposed\x18\x06 \x01(\x08\x12\x0c\n\x04\x62ias\x18\x07 \x01(\x08\x12\x0e\n\x06layers\x18\x08 \x03(\r*{\n\nExpertGate\x12\x1b\n\x17\x45XPERT_GATE_UNSPECIFIED\x10\x00\x12\x13\n\x0f\x45XPERT_GATE_GLU\x10\x01\x12\x1e\n\x1a\x45XPERT_GATE_CLAMPED_SWIGLU\x10\x02\x12\x1b\n\x17\x45XPERT_GATE_CLAMPED_GLU\x10\x03\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -32,7 +32,7 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kvasir.v1.function_pb2', _g
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_EXPERTGATE']._serialized_start=216
-  _globals['_EXPERTGATE']._serialized_end=310
+  _globals['_EXPERTGATE']._serialized_end=339
   _globals['_EXPERTFUNCTION']._serialized_start=40
   _globals['_EXPERTFUNCTION']._serialized_end=214
 # @@protoc_insertion_point(module_scope)

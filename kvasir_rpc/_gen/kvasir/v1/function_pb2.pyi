@@ -12,9 +12,11 @@ class ExpertGate(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     EXPERT_GATE_UNSPECIFIED: _ClassVar[ExpertGate]
     EXPERT_GATE_GLU: _ClassVar[ExpertGate]
     EXPERT_GATE_CLAMPED_SWIGLU: _ClassVar[ExpertGate]
+    EXPERT_GATE_CLAMPED_GLU: _ClassVar[ExpertGate]
 EXPERT_GATE_UNSPECIFIED: ExpertGate
 EXPERT_GATE_GLU: ExpertGate
 EXPERT_GATE_CLAMPED_SWIGLU: ExpertGate
+EXPERT_GATE_CLAMPED_GLU: ExpertGate
 
 class ExpertFunction(_message.Message):
     __slots__ = ("gate", "activation", "alpha", "limit", "interleaved", "transposed", "bias", "layers")

@@ -10,7 +10,7 @@ import type { Message } from "@bufbuild/protobuf";
  * Describes the file kvasir/v1/function.proto.
  */
 export const file_kvasir_v1_function: GenFile = /*@__PURE__*/
-  fileDesc("ChhrdmFzaXIvdjEvZnVuY3Rpb24ucHJvdG8SCWt2YXNpci52MSKuAQoORXhwZXJ0RnVuY3Rpb24SIwoEZ2F0ZRgBIAEoDjIVLmt2YXNpci52MS5FeHBlcnRHYXRlEhIKCmFjdGl2YXRpb24YAiABKAkSDQoFYWxwaGEYAyABKAESDQoFbGltaXQYBCABKAESEwoLaW50ZXJsZWF2ZWQYBSABKAgSEgoKdHJhbnNwb3NlZBgGIAEoCBIMCgRiaWFzGAcgASgIEg4KBmxheWVycxgIIAMoDSpeCgpFeHBlcnRHYXRlEhsKF0VYUEVSVF9HQVRFX1VOU1BFQ0lGSUVEEAASEwoPRVhQRVJUX0dBVEVfR0xVEAESHgoaRVhQRVJUX0dBVEVfQ0xBTVBFRF9TV0lHTFUQAmIGcHJvdG8z");
+  fileDesc("ChhrdmFzaXIvdjEvZnVuY3Rpb24ucHJvdG8SCWt2YXNpci52MSKuAQoORXhwZXJ0RnVuY3Rpb24SIwoEZ2F0ZRgBIAEoDjIVLmt2YXNpci52MS5FeHBlcnRHYXRlEhIKCmFjdGl2YXRpb24YAiABKAkSDQoFYWxwaGEYAyABKAESDQoFbGltaXQYBCABKAESEwoLaW50ZXJsZWF2ZWQYBSABKAgSEgoKdHJhbnNwb3NlZBgGIAEoCBIMCgRiaWFzGAcgASgIEg4KBmxheWVycxgIIAMoDSp7CgpFeHBlcnRHYXRlEhsKF0VYUEVSVF9HQVRFX1VOU1BFQ0lGSUVEEAASEwoPRVhQRVJUX0dBVEVfR0xVEAESHgoaRVhQRVJUX0dBVEVfQ0xBTVBFRF9TV0lHTFUQAhIbChdFWFBFUlRfR0FURV9DTEFNUEVEX0dMVRADYgZwcm90bzM");
 
 /**
  * ExpertFunction says what one routed expert computes from a row x, so that a
@@ -35,16 +35,18 @@ export type ExpertFunction = Message<"kvasir.v1.ExpertFunction"> & {
   gate: ExpertGate;
 
   /**
-   * EXPERT_GATE_GLU's activation, by transformers' `hidden_act` name
-   * ("silu", "gelu", "relu", ...); empty for the other gates.
+   * The activation of EXPERT_GATE_GLU and EXPERT_GATE_CLAMPED_GLU, by
+   * transformers' `hidden_act` name ("silu", "gelu", "relu", ...); empty for
+   * EXPERT_GATE_CLAMPED_SWIGLU.
    *
    * @generated from field: string activation = 2;
    */
   activation: string;
 
   /**
-   * EXPERT_GATE_CLAMPED_SWIGLU's parameters (gpt-oss: `swiglu_alpha` 1.702,
-   * `swiglu_limit` 7.0), as the config holds them.
+   * The clamped gates' parameters (gpt-oss: `swiglu_alpha` 1.702,
+   * `swiglu_limit` 7.0), as the config holds them; alpha only for
+   * EXPERT_GATE_CLAMPED_SWIGLU.
    *
    * @generated from field: double alpha = 3;
    */
@@ -124,6 +126,14 @@ export enum ExpertGate {
    * @generated from enum value: EXPERT_GATE_CLAMPED_SWIGLU = 2;
    */
   CLAMPED_SWIGLU = 2,
+
+  /**
+   * The clamped GLU (DeepSeek-V4, Hunyuan V4): g' = min(g, limit), u' =
+   * clamp(u, -limit, limit), h = act(g') * u', act the named activation.
+   *
+   * @generated from enum value: EXPERT_GATE_CLAMPED_GLU = 3;
+   */
+  CLAMPED_GLU = 3,
 }
 
 /**
