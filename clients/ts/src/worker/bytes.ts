@@ -1,0 +1,99 @@
+// Small byte helpers shared by the worker's modules.
+
+/** Lowercase hex of `b`. */
+export function toHex(b: Uint8Array): string {
+  return Buffer.from(b.buffer, b.byteOffset, b.byteLength).toString("hex");
+}
+
+/** Bytes of an even-length hex string (throws on anything else). */
+export function fromHex(hex: string): Uint8Array {
+  if (hex.length % 2 !== 0 || !/^[0-9a-fA-F]*$/.test(hex)) throw new Error(`not hex: ${hex.slice(0, 40)}`);
+  return new Uint8Array(Buffer.from(hex, "hex"));
+}
+
+/** The concatenation of `parts`, as one fresh Uint8Array. */
+export function concat(...parts: Uint8Array[]): Uint8Array {
+  let n = 0;
+  for (const p of parts) n += p.byteLength;
+  const out = new Uint8Array(n);
+  let at = 0;
+  for (const p of parts) {
+    out.set(p, at);
+    at += p.byteLength;
+  }
+  return out;
+}
+
+export function ascii(text: string): Uint8Array {
+  return new Uint8Array(Buffer.from(text, "ascii"));
+}
+
+export function utf8(text: string): Uint8Array {
+  return new Uint8Array(Buffer.from(text, "utf8"));
+}
+
+export function u32be(n: number): Uint8Array {
+  const b = new Uint8Array(4);
+  new DataView(b.buffer).setUint32(0, n, false);
+  return b;
+}
+
+export function u32le(n: number): Uint8Array {
+  const b = new Uint8Array(4);
+  new DataView(b.buffer).setUint32(0, n, true);
+  return b;
+}
+
+export function u64le(n: number | bigint): Uint8Array {
+  const b = new Uint8Array(8);
+  new DataView(b.buffer).setBigUint64(0, BigInt(n), true);
+  return b;
+}
+
+export function u64be(n: number | bigint): Uint8Array {
+  const b = new Uint8Array(8);
+  new DataView(b.buffer).setBigUint64(0, BigInt(n), false);
+  return b;
+}
+
+export function equalBytes(a: Uint8Array, b: Uint8Array): boolean {
+  if (a.byteLength !== b.byteLength) return false;
+  for (let i = 0; i < a.byteLength; i++) if (a[i] !== b[i]) return false;
+  return true;
+}
+
+/** A Node Buffer over the same memory as `b` (no copy). */
+export function asBuffer(b: Uint8Array): Buffer {
+  return Buffer.from(b.buffer, b.byteOffset, b.byteLength);
+}
+
+/** An error that ends a session with a WebSocket close code (PROTOCOL.md 7) and a reason. */
+export class ProtocolError extends Error {
+  constructor(
+    readonly code: number,
+    reason: string,
+  ) {
+    super(reason);
+    this.name = "ProtocolError";
+  }
+}
+
+/** A call of this side's own that the protocol does not allow in the current state (a bug). */
+export class LocalProtocolError extends Error {
+  constructor(message: string) {
+    super(message);
+    this.name = "LocalProtocolError";
+  }
+}
+
+/** Close codes (PROTOCOL.md 7). */
+export const CloseCode = {
+  NORMAL: 1000,
+  GOING_AWAY: 1001,
+  PROTOCOL_ERROR: 1002,
+  POLICY_VIOLATION: 1008,
+  MESSAGE_TOO_BIG: 1009,
+  INTERNAL_ERROR: 1011,
+  TRY_AGAIN_LATER: 1013,
+  REFUSED: 4008,
+} as const;
