@@ -37,22 +37,31 @@ BATCHES = (1, 8, 64, 512)
 
 
 def make_bench_checkpoint(directory: pathlib.Path, *, experts: int = 2, inter: int = INTER,
-                          hidden: int = HIDDEN) -> pathlib.Path:
+                          hidden: int = HIDDEN, gpt_oss: bool = False) -> pathlib.Path:
     """One MoE layer of ``experts`` float32 experts of random weights, per-expert tensors, in
     ``directory`` (made if absent); returns it. By default two of Qwen3-30B-A3B's expert shape
     (38 MB). ``hidden`` is the width of a row on the wire; a small ``inter`` makes computing
-    an expert cost next to nothing. The tensors are all in memory once while it writes them."""
+    an expert cost next to nothing. ``gpt_oss``: gpt-oss's experts instead (fused tensors stored
+    transposed, biases, its clamped SwiGLU over interleaved outputs). The tensors are all in
+    memory once while it writes them."""
     import torch
     from safetensors.torch import save_file
 
     directory.mkdir(parents=True, exist_ok=True)
-    (directory / "config.json").write_text(json.dumps({
-        "model_type": "qwen3_moe", "num_hidden_layers": 1, "num_experts": experts, "hidden_size": hidden,
-        "moe_intermediate_size": inter, "hidden_act": "silu", "dtype": "float32",
-    }))
+    config: dict[str, object] = {"model_type": "gpt_oss" if gpt_oss else "qwen3_moe", "num_hidden_layers": 1, "num_experts": experts,
+              "hidden_size": hidden, "moe_intermediate_size": inter, "hidden_act": "silu", "dtype": "float32"}
+    if gpt_oss:
+        config.update(swiglu_alpha=1.702, swiglu_limit=7.0)
+    (directory / "config.json").write_text(json.dumps(config))
     g = torch.Generator().manual_seed(0)
     tensors = {}
-    for e in range(experts):
+    if gpt_oss:
+        p = "model.layers.0.mlp.experts"
+        tensors[f"{p}.gate_up_proj"] = torch.randn(experts, hidden, 2 * inter, generator=g).mul_(0.02)
+        tensors[f"{p}.gate_up_proj_bias"] = torch.randn(experts, 2 * inter, generator=g).mul_(0.02)
+        tensors[f"{p}.down_proj"] = torch.randn(experts, inter, hidden, generator=g).mul_(0.02)
+        tensors[f"{p}.down_proj_bias"] = torch.randn(experts, hidden, generator=g).mul_(0.02)
+    for e in range(0 if gpt_oss else experts):
         p = f"model.layers.0.mlp.experts.{e}"
         tensors[f"{p}.gate_proj.weight"] = torch.randn(inter, hidden, generator=g).mul_(0.02)
         tensors[f"{p}.up_proj.weight"] = torch.randn(inter, hidden, generator=g).mul_(0.02)
@@ -1027,8 +1036,8 @@ SHAPES: dict[str, ReleaseShape] = {s.name: s for s in (
                  experts=128, top_k=8, released="bfloat16", note="FP8 releases exist"),
     ReleaseShape("gpt-oss-120b", ("gpt-oss-120b",), hidden=2880, intermediate=2880, moe_layers=36, experts=128,
                  top_k=4, released="mxfp4",
-                 note="its experts have biases, interleaved gate/up and a clamped SwiGLU of their own, which "
-                      "kvasir does not serve: measured here as the standard SwiGLU at its widths"),
+                 note="its own expert function: biases, gate/up interleaved and stored transposed, the clamped "
+                      "SwiGLU (docs/PROTOCOL.md 11.2), measured as such"),
     ReleaseShape("qwen3-30b-a3b", ("Qwen3-30B-A3B",), hidden=2048, intermediate=768, moe_layers=48, experts=128,
                  top_k=8, released="bfloat16", note="FP8 releases exist"),
 )}
@@ -1185,7 +1194,6 @@ def shape_dispatch(shape: ReleaseShape, *, quick: bool = False,
         ExpertIndex,
         expert_forward,
         expert_pb2,
-        get_activation,
         serialize_dispatch_request,
         serialize_dispatch_response,
         target_key,
@@ -1203,14 +1211,15 @@ def shape_dispatch(shape: ReleaseShape, *, quick: bool = False,
         say(f"{shape.name}: {SHAPE_EXPERTS} experts of random float32 weights ({weights_bytes / 1e6:.0f} MB), "
             "a TLS gateway, a hub and a worker")
         ckpt = make_bench_checkpoint(pathlib.Path(tmp) / "expert", experts=SHAPE_EXPERTS, inter=shape.intermediate,
-                                     hidden=shape.hidden)
+                                     hidden=shape.hidden, gpt_oss=shape.name.startswith("gpt-oss"))
         sw.start_gateway()
         sw.start_hub(gateway=True)
         sw.start_worker("worker", ckpt, f"0:0-{SHAPE_EXPERTS - 1}", via="gateway")
         session = sw.wait_sessions(1, timeout=300, watch=["gateway", "worker"])[0]
         index = ExpertIndex(ckpt)
         experts = [index.load(0, e) for e in range(SHAPE_EXPERTS)]
-        act = get_activation("silu")
+        biases = [index.biases(0, e) for e in range(SHAPE_EXPERTS)]
+        fn = index.function
         meta = ((TARGET_KEY_METADATA, target_key(sw.backbone_token, session.session_id)),)
         stream = _RawStream(session.target, meta, timeout=600 + 20 * budget_s)
         g = torch.Generator().manual_seed(3)
@@ -1225,7 +1234,8 @@ def shape_dispatch(shape: ReleaseShape, *, quick: bool = False,
                     start = 0
                     for e, rows in segments:
                         gate_up, down = experts[e]
-                        expert_forward(hidden[start:start + rows], gate_up, down, act, weights[start:start + rows])
+                        expert_forward(hidden[start:start + rows], gate_up, down, fn, weights[start:start + rows],
+                                       biases[e])
                         start += rows
 
                 def call() -> bytes:
