@@ -130,7 +130,8 @@ def test_a_fake_worker_with_a_copied_digest_earns_nothing(tiny_models, tmp_path)
 def test_an_honest_worker_that_sums_in_another_order_is_never_caught(tiny_models, tmp_path):
     """A float32 worker in another language computes the same function in another order: its
     partials differ from ours around 1e-7 relative. Audited on every row, it passes all; and
-    --compare-local, on a bit-exact wire, reports the logit difference and exits 1."""
+    --compare-local reports the logit difference with the verdict 'within the audit bound,
+    tokens identical' and exits 0 (1 with --require-bitwise)."""
     model = tiny_models("qwen3_moe")
     with LocalSwarm(tmp_path) as sw:
         other, honest = _swarm_with_liar(sw, model, ["reorder"])
@@ -140,5 +141,10 @@ def test_an_honest_worker_that_sums_in_another_order_is_never_caught(tiny_models
         assert result["sessions_quarantined"] == [] and result["replays"] == 0
         assert other.session_id in result["sessions_used"] and result["fallback_calls"] == 0
         assert result["audited_rows"] == result["remote_rows"] > result["audit_exact_rows"]
-        assert 0.0 < result["max_abs_logit_diff"] < 1e-4
-        assert result["bit_exact_wire"] is True and result["backbone_exit_code"] == 1
+        assert 0.0 < result["max_abs_logit_diff"] < 1e-4 and result["min_logit_cosine"] > 0.999999
+        assert result["tokens_identical"] is True and result["verdict"] == "within the audit bound, tokens identical"
+        assert result["bit_exact_wire"] is True and result["backbone_exit_code"] == 0
+        strict = sw.run_backbone(["--model", str(model), "--prompt", "another order", "--batch", "4",
+                                  "--max-new-tokens", "4", "--compare-local", "--wait-sessions", "2",
+                                  "--require-bitwise"])
+        assert strict["verdict"] == "within the audit bound, tokens identical" and strict["backbone_exit_code"] == 1

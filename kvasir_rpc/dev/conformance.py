@@ -254,8 +254,8 @@ def judge_partials(call: _Call, got: torch.Tensor, experts: ExpertIndex, fn: Exp
         return False, worst[1]
     if exact < rows:
         return True, (f"call {call.request.call_id} ({call.name}): {rows - exact} of {rows} rows within the "
-                      "backbone's audit tolerance but not bit-exact: the backbone's --compare-local will report "
-                      "a difference")
+                      "backbone's audit tolerance but not bit-exact: a backbone's --compare-local gives the verdict "
+                      "'within the audit bound, tokens identical' (a pass; --require-bitwise fails it)")
     return True, ""
 
 
@@ -671,8 +671,8 @@ class _Check:
             notes.append("the hello does not announce projections: a backbone checks this worker by sampled audits "
                          "alone, at a higher rate (PROTOCOL.md 11.1, 13); announce them and return them when asked")
         rows = sum(int(c.request.weights.shape[0]) for c in judged)
-        verdict = ("within the backbone's audit tolerance of the reference kernel" if any(
-            "not bit-exact" in n for n in notes) else "equal to the reference kernel, bit-exact")
+        verdict = ("within the audit bound of the reference kernel, not bitwise" if any(
+            "not bit-exact" in n for n in notes) else "bitwise equal to the reference kernel (bit-exact)")
         if self.hello.projections:
             verdict += ", and its projections pass the row checks"
         return (f"{len(judged)} calls, {rows} assignment rows of layer {judged[0].layer}, experts "
