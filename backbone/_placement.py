@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import threading
 
-from kvasir_rpc import ExpertFunction, Route, get_logger, session_pb2, slices_digest
+from kvasir_rpc import Route, announced_mismatch, get_logger, session_pb2, slices_digest
 from backbone._links import SessionWatcher, WorkerLink
 from backbone._weights import ExpertWeights
 
@@ -107,25 +107,16 @@ class Placement:
 
     def _other_function(self, s: session_pb2.Session) -> str:
         """Why the session's announced expert function is not this model's in one of its
-        layers ("" when it is). An unset one (a worker from before functions were announced)
-        computes the plain function, with the activation of the checkpoint both read."""
+        layers ("" when it is)."""
         functions = getattr(self._weights, "functions", None)
         if not functions:
             return ""
+        announced = s.expert_function if s.HasField("expert_function") else None
         for sl in s.slices:
             mine = functions.get(sl.layer)
-            if mine is None:
-                continue
-            if not s.HasField("expert_function"):
-                if not mine.plain:
-                    return f"layer {sl.layer}: the worker announces no expert function; this model's is {mine.describe()}"
-                continue
-            try:
-                theirs = ExpertFunction.from_proto(s.expert_function, default_activation=mine.activation)
-            except ValueError as exc:
-                return str(exc)
-            if theirs != mine:
-                return f"layer {sl.layer}: the worker computes {theirs.describe()}; this model's is {mine.describe()}"
+            why = announced_mismatch(announced, mine) if mine is not None else ""
+            if why:
+                return f"layer {sl.layer}: {why}"
         return ""
 
     def _refresh(self) -> None:

@@ -124,7 +124,7 @@ if TYPE_CHECKING:  # the real names, for type checkers; at run time __getattr__ 
         read_model_info,
         slices_digest,
     )
-    from kvasir_rpc._function import ExpertFunction, as_function, function_of_module
+    from kvasir_rpc._function import ExpertFunction, announced_mismatch, as_function, function_of_module
     from kvasir_rpc._kernel import (
         Activation,
         DispatchInputError,
@@ -262,6 +262,7 @@ _LAZY = {
     "validate_dispatch": "kvasir_rpc._kernel",
     "Activation": "kvasir_rpc._kernel",
     "ExpertFunction": "kvasir_rpc._function",
+    "announced_mismatch": "kvasir_rpc._function",
     "as_function": "kvasir_rpc._function",
     "function_of_module": "kvasir_rpc._function",
     "all_finite": "kvasir_rpc._kernel",

@@ -30,7 +30,8 @@ if TYPE_CHECKING:
 
     from kvasir_rpc._kernel import Activation
 
-__all__ = ["CLAMPED_GLU", "CLAMPED_SWIGLU", "GLU", "ExpertFunction", "as_function", "function_of_module"]
+__all__ = ["CLAMPED_GLU", "CLAMPED_SWIGLU", "GLU", "ExpertFunction", "announced_mismatch", "as_function",
+           "function_of_module"]
 
 GLU = "glu"  # h = act(g) * u
 CLAMPED_SWIGLU = "clamped_swiglu"  # gpt-oss: h = (clamp(u) + 1) * g' sigmoid(alpha g'), g' = min(g, limit)
@@ -180,6 +181,21 @@ class ExpertFunction:
         if limit is not None:
             return cls(gate=CLAMPED_GLU, activation=act, limit=float(limit), transposed=transposed, bias=bias)
         return cls(activation=act, transposed=transposed, bias=bias)
+
+
+def announced_mismatch(announced: Any | None, mine: ExpertFunction) -> str:
+    """Why a worker that announced ``announced`` (a ``kvasir.v1.ExpertFunction``; None: it
+    announced none, as workers before the field) does not compute ``mine``; "" when it does.
+    An unset function is the plain one with the checkpoint's activation."""
+    if announced is None:
+        return "" if mine.plain else f"the worker announces no expert function; this model's is {mine.describe()}"
+    try:
+        theirs = ExpertFunction.from_proto(announced, default_activation=mine.activation)
+    except ValueError as exc:
+        return f"the worker's expert function: {exc}"
+    if theirs != mine:
+        return f"the worker computes {theirs.describe()}; this model's is {mine.describe()}"
+    return ""
 
 
 class _GivenActivation(ExpertFunction):

@@ -506,24 +506,14 @@ class _Check:
 
     def _other_function(self) -> str:
         """Why the hello's expert function is not the checkpoint's ("" when it is)."""
-        from kvasir_rpc import ExpertFunction
+        from kvasir_rpc import announced_mismatch
         from kvasir_rpc._gen.kvasir.v1 import function_pb2
 
         assert self.hello is not None
-        mine = self.function
-        if not self.hello.expert_function:
-            return "" if mine.plain else (
-                f"the hello announces no expert_function (HelloBody 14); this checkpoint's experts compute "
-                f"{mine.describe()} (PROTOCOL.md 11.2): a backbone will not route to this worker")
-        try:
-            theirs = ExpertFunction.from_proto(function_pb2.ExpertFunction.FromString(self.hello.expert_function),
-                                               default_activation=mine.activation)
-        except ValueError as exc:
-            return f"the hello's expert_function: {exc}"
-        if theirs != mine:
-            return (f"the hello announces the expert function {theirs.describe()}; this checkpoint's is "
-                    f"{mine.describe()} (PROTOCOL.md 11.2): a backbone will not route to this worker")
-        return ""
+        raw = self.hello.expert_function
+        why = announced_mismatch(function_pb2.ExpertFunction.FromString(raw) if raw else None, self.function)
+        return (f"{why} (HelloBody.expert_function, PROTOCOL.md 11.2): a backbone will not route to this worker"
+                if why else "")
 
     def _checkpoint_digest(self, slices: Mapping[int, Sequence[int]]) -> tuple[bytes, list[tuple[int, int]]]:
         from kvasir_rpc import slices_digest
