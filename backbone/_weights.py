@@ -180,7 +180,7 @@ def load_without_experts(model_dir: str | os.PathLike[str], index: ExpertIndex |
     from transformers.conversion_mapping import get_model_conversion_mapping
     from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
 
-    from kvasir_rpc import CheckpointError
+    from kvasir_rpc import CheckpointError, dequantize_block_fp8
 
     model_dir = pathlib.Path(model_dir)
     index = index if index is not None else ExpertIndex(model_dir)
@@ -195,7 +195,14 @@ def load_without_experts(model_dir: str | os.PathLike[str], index: ExpertIndex |
     converters = [t for t in transforms if isinstance(t, WeightConverter)]
     by_file: dict[pathlib.Path, dict[str, str]] = {}
     unexpected: list[str] = []
-    for name, file in sorted(index.other_tensors().items()):
+    others = index.other_tensors()
+    # A block-FP8 release keeps each quantized weight's scales beside it: the weight is
+    # dequantized as transformers' from_pretrained does (the same formula, the same bits).
+    scales = {name[: -len("_scale_inv")]: (file, name) for name, file in others.items()
+              if name.endswith(".weight_scale_inv")}
+    for name, file in sorted(others.items()):
+        if name.endswith(".weight_scale_inv"):
+            continue
         target, converter = rename_source_key(name, renamings, converters, model.base_model_prefix, wanted)
         if converter is not None:
             raise CheckpointError(f"{model_dir}: tensor {name} must be converted ({converter}) to load, not only "
@@ -215,7 +222,15 @@ def load_without_experts(model_dir: str | os.PathLike[str], index: ExpertIndex |
                 if tensor.shape != like.shape:
                     mismatched.append(f"{name}: {list(tensor.shape)} in the checkpoint, {list(like.shape)} in the model")
                     continue
-                state[target] = tensor.to(like.dtype)
+                if name in scales:
+                    scale_file, scale_name = scales[name]
+                    with safe_open(str(scale_file), framework="pt") as hs:
+                        scale = hs.get_tensor(scale_name)
+                    state[target] = dequantize_block_fp8(tensor, scale, like.dtype)
+                elif tensor.dtype == torch.float8_e4m3fn:
+                    raise CheckpointError(f"{model_dir}: {name} is stored in FP8 without its {name}_scale_inv")
+                else:
+                    state[target] = tensor.to(like.dtype)
     tied = set(getattr(model, "all_tied_weights_keys", {}) or {})
     persistent = set(model.state_dict().keys())
     missing = sorted(k for k in wanted if k in persistent and k not in state and k not in tied)

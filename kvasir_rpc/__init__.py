@@ -125,6 +125,7 @@ if TYPE_CHECKING:  # the real names, for type checkers; at run time __getattr__ 
         slices_digest,
     )
     from kvasir_rpc._function import ExpertFunction, announced_mismatch, as_function, function_of_module
+    from kvasir_rpc._quant import QuantizedExpert, dequantize_block_fp8, quantize_block_fp8, write_fp8_release
     from kvasir_rpc._kernel import (
         Activation,
         DispatchInputError,
@@ -253,6 +254,10 @@ _LAZY = {
     "parse_expert_spec": "kvasir_rpc._checkpoint",
     "read_model_info": "kvasir_rpc._checkpoint",
     "slices_digest": "kvasir_rpc._checkpoint",
+    "QuantizedExpert": "kvasir_rpc._quant",
+    "dequantize_block_fp8": "kvasir_rpc._quant",
+    "quantize_block_fp8": "kvasir_rpc._quant",
+    "write_fp8_release": "kvasir_rpc._quant",
     "expert_forward": "kvasir_rpc._kernel",
     "expert_forward_projections": "kvasir_rpc._kernel",
     "plan_routes": "kvasir_rpc._kernel",

@@ -38,6 +38,7 @@ if TYPE_CHECKING:
     import torch
 
     from kvasir_rpc._function import ExpertFunction
+    from kvasir_rpc._quant import QuantizedExpert
 
 __all__ = [
     "CHECKPOINT_HINT",
@@ -53,7 +54,7 @@ __all__ = [
 
 _PER_EXPERT = re.compile(
     r"^(?P<prefix>.*?)layers\.(?P<layer>\d+)\.(?:mlp|block_sparse_moe|ffn)\.experts\.(?P<expert>\d+)\."
-    r"(?P<proj>gate_proj|up_proj|down_proj|w1|w2|w3)\.weight$"
+    r"(?P<proj>gate_proj|up_proj|down_proj|w1|w2|w3)\.(?P<kind>weight|weight_scale_inv)$"
 )
 _FUSED = re.compile(
     r"^(?P<prefix>.*?)layers\.(?P<layer>\d+)\.(?:mlp|block_sparse_moe)\."
@@ -152,7 +153,7 @@ def _experts_in_tensors(folder: pathlib.Path) -> tuple[int, int | None]:
     for key, shape in _tensor_shapes(folder).items():
         if m := _PER_EXPERT.match(key):
             experts = max(experts, int(m["expert"]) + 1)
-            if _PROJ[m["proj"]] == "gate" and len(shape) == 2:
+            if _PROJ[m["proj"]] == "gate" and m["kind"] == "weight" and len(shape) == 2:
                 inter = shape[0]
         elif (m := _FUSED.match(key)) and _fused_proj(m) == "down_proj" and len(shape) == 3:
             experts, inter = max(experts, shape[0]), min(shape[1], shape[2])  # [E, H, I] or [E, I, H]
@@ -314,7 +315,9 @@ class ExpertIndex:
             for key in keys:
                 if m := _PER_EXPERT.match(key):
                     slot = self._locs.setdefault((int(m["layer"]), int(m["expert"])), {})
-                    slot[_PROJ[m["proj"]]] = _Loc(file, key, None)
+                    # A block-FP8 release keeps each weight's scales beside it (weight_scale_inv).
+                    suffix = "_scale" if m["kind"] == "weight_scale_inv" else ""
+                    slot[_PROJ[m["proj"]] + suffix] = _Loc(file, key, None)
                 elif m := _FUSED.match(key):
                     layer, proj = int(m["layer"]), _fused_proj(m)
                     for e in range(self.info.num_experts):
@@ -329,6 +332,11 @@ class ExpertIndex:
             raise CheckpointError(f"{self.model_dir}: experts with missing projections: {sorted(incomplete)[:8]}")
         if not self._locs:
             raise CheckpointError(f"{self.model_dir}: no expert tensors found in the safetensors files")
+        scaled = [("gate_scale" in v, "up_scale" in v, "down_scale" in v) for v in self._locs.values()]
+        self.quantized = any(any(t) for t in scaled)
+        if self.quantized and not all(all(t) for t in scaled):
+            raise CheckpointError(f"{self.model_dir}: some expert weights have FP8 scales (weight_scale_inv) and "
+                                  "some do not")
         self.function = self._read_function()
 
     def _read_function(self) -> ExpertFunction:
@@ -430,10 +438,25 @@ class ExpertIndex:
         if "gate_up_proj" in slot:
             return (_aligned(self._read(slot["gate_up_proj"]).contiguous()),
                     _aligned(self._read(slot["down_proj"]).contiguous()))
+        if self.quantized:
+            return self.load_quantized(layer, expert).dequantize()
         gate, up, down = (self._read(slot[p]) for p in ("gate", "up", "down"))
         import torch
 
         return torch.cat([gate, up], dim=0).contiguous(), _aligned(down.contiguous())
+
+    def load_quantized(self, layer: int, expert: int) -> QuantizedExpert:
+        """One expert of a block-FP8 checkpoint as stored (its FP8 weights and scales, about
+        half its bfloat16 size), to dequantize when computing. Raises KeyError if absent,
+        CheckpointError when the checkpoint is not quantized."""
+        from kvasir_rpc._quant import QuantizedExpert
+
+        if not self.quantized:
+            raise CheckpointError(f"{self.model_dir}: not a block-FP8 checkpoint")
+        slot = self._locs[(layer, expert)]
+        t = {p: self._read(slot[p]).contiguous() for p in ("gate", "up", "down", "gate_scale", "up_scale", "down_scale")}
+        return QuantizedExpert(t["gate"], t["up"], t["down"], t["gate_scale"], t["up_scale"], t["down_scale"],
+                               dtype=self.info.dtype)
 
     def view(self, layer: int, expert: int) -> tuple[torch.Tensor, torch.Tensor]:
         """What ``load`` returns, equal bit for bit, without reading the bytes: each tensor maps
@@ -448,7 +471,7 @@ class ExpertIndex:
         the kernel reads the page cache in place. A file must not be truncated while a
         mapping of it is in use (the process would get SIGBUS); replace checkpoints by rename."""
         slot = self._locs[(layer, expert)]
-        if sys.byteorder != "little":
+        if sys.byteorder != "little" or self.quantized:  # FP8 weights are dequantized, not mapped
             return self.load(layer, expert)
         if "gate_up_proj" in slot:
             fused_gu, fused_down = (self._map_slice(slot[p]) for p in ("gate_up_proj", "down_proj"))

@@ -14,6 +14,8 @@ LIE is one of:
   reorder HONEST: the same function summed in another order, as a float32 worker written in
           another language would (differences around 1e-7 relative); it must never be caught
   honest  no lie in the numbers (for the lies of the hello: --unchecked, --announce-plain)
+  noscale a block-FP8 checkpoint's experts used without their scales (weight_scale_inv): the FP8
+          values taken as the weights (its digest, made while loading, is the honest one)
 With ``--after N`` the first N calls are answered honestly, then the lie starts. With
 ``--segments P`` only a share P of the segments (an expert's rows in a call) lie, drawn at
 random, and the first call of every Dispatch stream is honest (that is when the first-call
@@ -49,7 +51,7 @@ def main() -> int:
     argv = sys.argv[1:]
     split = argv.index("--")
     p = argparse.ArgumentParser()
-    p.add_argument("lie", choices=["offset", "zeros", "nan", "bound", "proj", "pad", "reorder", "honest"])
+    p.add_argument("lie", choices=["offset", "zeros", "nan", "bound", "proj", "pad", "reorder", "honest", "noscale"])
     p.add_argument("--after", type=int, default=0)
     p.add_argument("--segments", type=float, default=1.0)
     p.add_argument("--unchecked", action="store_true")
@@ -90,7 +92,7 @@ def main() -> int:
         yield from original_dispatch(self, requests(), context)
 
     def forward(hidden, gate_up, down, fn, weights, biases=None):  # type: ignore[no-untyped-def]
-        if args.lie in ("pad", "honest") or not lying():
+        if args.lie in ("pad", "honest", "noscale") or not lying():
             return honest_forward(hidden, gate_up, down, fn, weights, biases)
         if not fn.plain:
             raise SystemExit(f"liar_worker: lies only on the plain expert function, not {fn.describe()}")
@@ -111,6 +113,17 @@ def main() -> int:
             return torch.zeros(shape, dtype=hidden.dtype), torch.zeros(hidden.shape[0], inter, dtype=hidden.dtype)
         return torch.full(shape, float("nan"), dtype=hidden.dtype), torch.zeros(hidden.shape[0], inter, dtype=hidden.dtype)
 
+    if args.lie == "noscale":
+        from kvasir_rpc._quant import QuantizedExpert
+
+        honest_dequantize = QuantizedExpert.dequantize
+
+        def without_scales(self):  # type: ignore[no-untyped-def]
+            if not lying():  # loading (the digest) and the honest calls
+                return honest_dequantize(self)
+            return torch.cat([self.gate.to(self.dtype), self.up.to(self.dtype)]), self.down.to(self.dtype)
+
+        QuantizedExpert.dequantize = without_scales  # type: ignore[method-assign]
     service.expert_forward_projections = forward  # type: ignore[assignment]
     service.ExpertServicer._compute = compute  # type: ignore[method-assign]
     service.ExpertServicer.Dispatch = dispatch  # type: ignore[method-assign]

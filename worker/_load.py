@@ -8,7 +8,7 @@ from collections.abc import Callable
 
 import torch
 
-from kvasir_rpc import ExpertIndex, SpecError, expert_digest, parse_expert_spec, slices_digest
+from kvasir_rpc import ExpertIndex, QuantizedExpert, SpecError, expert_digest, parse_expert_spec, slices_digest
 from worker._service import LoadedExperts
 
 __all__ = ["LoadProgress", "load_experts", "pick_device"]
@@ -56,17 +56,26 @@ def load_experts(model: str | pathlib.Path | ExpertIndex, spec: str, device_name
     done_bytes = 0
     if progress is not None:
         progress(LoadProgress(0, len(todo), 0, per_expert * len(todo)))
-    weights = {}
+    weights: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor] | QuantizedExpert] = {}
     biases = {}
     digests = {}
     for i, (layer, e) in enumerate(todo):
-        gate_up, down = index.load(layer, e)
         bias = index.biases(layer, e)
+        if index.quantized:
+            # Kept as the checkpoint stores it (FP8 and scales: about half the bfloat16 bytes),
+            # dequantized for each call; digested as the weights it computes with.
+            quantized = index.load_quantized(layer, e)
+            gate_up, down = quantized.dequantize()
+            weights[(layer, e)] = quantized.to(device)
+            held = quantized.nbytes
+        else:
+            gate_up, down = index.load(layer, e)
+            weights[(layer, e)] = (gate_up.to(device), down.to(device))
+            held = gate_up.nbytes + down.nbytes
         digests[(layer, e)] = expert_digest(gate_up, down, *(bias or ()))
-        weights[(layer, e)] = (gate_up.to(device), down.to(device))
         if bias is not None:
             biases[(layer, e)] = (bias[0].to(device), bias[1].to(device))
-        done_bytes += gate_up.nbytes + down.nbytes
+        done_bytes += held
         if progress is not None:
             progress(LoadProgress(i + 1, len(todo), done_bytes, max(done_bytes, per_expert * len(todo))))
     if not weights:

@@ -12,6 +12,7 @@ import torch
 from kvasir_rpc import (
     DispatchInputError,
     ExpertFunction,
+    QuantizedExpert,
     TensorCodecError,
     decode_tensor,
     expert_forward_projections,
@@ -36,7 +37,7 @@ class LoadedExperts:
 
     def __init__(
         self,
-        weights: Mapping[tuple[int, int], tuple[torch.Tensor, torch.Tensor]],
+        weights: Mapping[tuple[int, int], tuple[torch.Tensor, torch.Tensor] | QuantizedExpert],
         *,
         function: ExpertFunction,
         hidden_size: int,
@@ -237,7 +238,8 @@ class ExpertServicer(expert_pb2_grpc.ExpertServiceServicer):
         with torch.inference_mode():
             for i in order:
                 (expert, rows), s0 = segments[i], starts[i]
-                gate_up, down = e.weights[(req.layer, expert)]
+                held = e.weights[(req.layer, expert)]
+                gate_up, down = held.dequantize() if isinstance(held, QuantizedExpert) else held
                 x = hidden[s0 : s0 + rows] if index is None else hidden[index[s0 : s0 + rows]]
                 out[i], proj[i] = expert_forward_projections(x, gate_up, down, e.function, weights[s0 : s0 + rows],
                                                              e.biases.get((req.layer, expert)))

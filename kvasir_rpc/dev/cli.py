@@ -27,7 +27,8 @@ def _cmd_model_tiny(args: argparse.Namespace) -> int:
     from kvasir_rpc import fail
 
     try:
-        path = make_model(args.dir, args.arch, seed=args.seed, dtype=args.dtype, shard=args.shard)
+        path = make_model(args.dir, args.arch, seed=args.seed, dtype=args.dtype, shard=args.shard, quant=args.quant,
+                          block=args.fp8_block)
     except ValueError as exc:
         fail(f"kvasir model tiny: --arch {args.arch}: {exc}")
     print(path)
@@ -35,21 +36,22 @@ def _cmd_model_tiny(args: argparse.Namespace) -> int:
 
 
 def make_model(directory: pathlib.Path, arch: str, *, seed: int = 0, dtype: str = "float32",
-               shard: str | None = None) -> pathlib.Path:
+               shard: str | None = None, quant: str | None = None, block: int = 128) -> pathlib.Path:
     """A tiny checkpoint of ``arch`` in ``directory``: one of this project's own (``ARCHES``,
     float32, one file) or, for any other Mixture-of-Experts family transformers ships (or with
     another dtype or shards), one transformers makes (``kvasir_rpc.dev.families``). Raises
     ValueError naming the families when ``arch`` is none of them."""
     from kvasir_rpc.dev.tiny import ARCHES, make_tiny_checkpoint
 
-    if arch in ARCHES and dtype == "float32" and shard is None:
+    if arch in ARCHES and dtype == "float32" and shard is None and quant is None:
         return make_tiny_checkpoint(directory, arch=arch, seed=seed)
     from kvasir_rpc.dev.families import make_family_checkpoint, moe_model_types
 
     known = moe_model_types()
     if arch not in known:
         raise ValueError(f"not a Mixture-of-Experts model type of this transformers; one of: {', '.join(known)}")
-    return make_family_checkpoint(directory, arch, dtype=dtype, seed=seed, shard=shard or "200KB")
+    return make_family_checkpoint(directory, arch, dtype=dtype, seed=seed, shard=shard or "200KB", quant=quant,
+                                  block=block)
 
 
 def _default_model_dir(arch: str, seed: int) -> pathlib.Path:
@@ -550,6 +552,11 @@ def build_parser() -> argparse.ArgumentParser:
                       help="the weights' dtype (not float32: made by transformers)")
     tiny.add_argument("--shard", metavar="SIZE",
                       help="save in shards of at most SIZE (e.g. 200KB), as releases are (made by transformers)")
+    tiny.add_argument("--quant", choices=["fp8"],
+                      help="write it as a block-FP8 release is laid out (float8_e4m3fn weights with a float32 "
+                           "weight_scale_inv per block; needs --dtype bfloat16)")
+    tiny.add_argument("--fp8-block", type=int, default=128, metavar="N",
+                      help="the FP8 blocks' side (the releases' 128; smaller to give tiny weights several blocks)")
     tiny.set_defaults(func=_cmd_model_tiny)
     bench = add(sub, "bench", help="benchmarks: the paths side by side in one run, as ratios")
     bench.add_argument("--quick", action="store_true", help="fewer calls per point")

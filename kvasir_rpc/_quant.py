@@ -1,0 +1,139 @@
+"""Quantized checkpoints as they ship: block FP8 (DeepSeek-V3/R1's and Qwen3's official FP8
+releases: ``quant_method: "fp8"``, each linear weight stored ``float8_e4m3fn`` with a float32
+``weight_scale_inv`` per block, 128 x 128 in the releases).
+
+``dequantize_block_fp8`` is transformers' own dequantization (``Fp8Dequantize`` in
+``transformers.integrations.finegrained_fp8``, what ``from_pretrained`` runs on a CPU): each
+weight times its block's scale in float32, rounded once to the model's dtype. A worker and the
+backbone that dequantize so hold, bit for bit, the weights transformers' model holds.
+
+``QuantizedExpert`` keeps one expert as the checkpoint stores it (its FP8 bytes and scales:
+about half its bfloat16 size) and dequantizes when a call needs it.
+
+``quantize_block_fp8`` / ``write_fp8_release`` make such a checkpoint from a bfloat16 one (the
+release format: the same keys, ``_scale_inv`` beside each quantized weight, the config's
+``quantization_config``), for tests and demos: no hub download.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import pathlib
+import re
+import shutil
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["FP8_MAX", "QuantizedExpert", "dequantize_block_fp8", "quantize_block_fp8", "write_fp8_release"]
+
+#: The largest finite float8_e4m3fn.
+FP8_MAX = 448.0
+#: What a release's quantization_config says (DeepSeek-V3's and Qwen3's FP8 releases).
+_FP8_CONFIG = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8"}
+# Left in the model's dtype by the releases: embeddings, the head, norms, routers.
+_NOT_QUANTIZED = re.compile(r"(embed|lm_head|norm|\.gate\.weight$|router|\.mlp\.gate\.)")
+
+
+def dequantize_block_fp8(q: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``q`` [rows, cols] float8 times ``scale_inv`` [rows / bm, cols / bn] (one per block of the
+    grid the scales' shape gives), in float32, rounded to ``dtype``: transformers' formula,
+    operation for operation. Raises ValueError when the grid does not divide the weight."""
+    import torch
+
+    rows, cols = q.shape[-2:]
+    scale_rows, scale_cols = scale_inv.shape[-2:]
+    if rows % scale_rows or cols % scale_cols:  # transformers refuses it too
+        raise ValueError(f"weight [{rows}, {cols}] is not divisible by its scale grid [{scale_rows}, {scale_cols}]")
+    block_m, block_n = rows // scale_rows, cols // scale_cols
+    qf = q.to(torch.float32).reshape(-1, scale_rows, block_m, scale_cols, block_n)
+    s = scale_inv.to(torch.float32).reshape(-1, scale_rows, scale_cols).unsqueeze(-1).unsqueeze(2)
+    return (qf * s).to(dtype).reshape(rows, cols)
+
+
+def quantize_block_fp8(w: torch.Tensor, block: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(q float8_e4m3fn [rows, cols], scale_inv float32 [ceil(rows/block), ceil(cols/block)])``
+    with each block's largest magnitude at FP8_MAX, as the releases were made."""
+    import torch
+
+    rows, cols = w.shape
+    sr, sc = -(-rows // block), -(-cols // block)
+    padded = torch.zeros(sr * block, sc * block)
+    padded[:rows, :cols] = w.float()
+    blocks = padded.reshape(sr, block, sc, block)
+    scale = blocks.abs().amax(dim=(1, 3)).clamp(min=1e-12) / FP8_MAX
+    q = (blocks / scale[:, None, :, None]).reshape(sr * block, sc * block)[:rows, :cols].to(torch.float8_e4m3fn)
+    return q.contiguous(), scale.float()
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantizedExpert:
+    """One expert as a block-FP8 checkpoint stores it: gate, up [I, H] and down [H, I] in
+    float8_e4m3fn with their scales; ``dequantize`` gives ``(gate_up [2I, H], down [H, I])`` in
+    ``dtype``, bit for bit what ``ExpertIndex.load`` and transformers' model hold."""
+
+    gate: torch.Tensor
+    up: torch.Tensor
+    down: torch.Tensor
+    gate_scale: torch.Tensor
+    up_scale: torch.Tensor
+    down_scale: torch.Tensor
+    dtype: torch.dtype
+
+    def dequantize(self) -> tuple[torch.Tensor, torch.Tensor]:
+        import torch
+
+        from kvasir_rpc._kernel import _aligned
+
+        gate_up = torch.cat([dequantize_block_fp8(self.gate, self.gate_scale, self.dtype),
+                             dequantize_block_fp8(self.up, self.up_scale, self.dtype)], dim=0)
+        return gate_up, _aligned(dequantize_block_fp8(self.down, self.down_scale, self.dtype).contiguous())
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held: the FP8 weights and their scales."""
+        return sum(t.numel() * t.element_size() for t in (self.gate, self.up, self.down, self.gate_scale,
+                                                           self.up_scale, self.down_scale))
+
+    def to(self, device: torch.device) -> QuantizedExpert:
+        return dataclasses.replace(self, **{f: getattr(self, f).to(device) for f in
+                                            ("gate", "up", "down", "gate_scale", "up_scale", "down_scale")})
+
+
+def write_fp8_release(src: pathlib.Path, dst: pathlib.Path, *, block: int = 128) -> pathlib.Path:
+    """Write ``src`` (a bfloat16 checkpoint in safetensors shards) to ``dst`` as a block-FP8
+    release is laid out: every linear weight but the embeddings, the head, norms and routers in
+    float8_e4m3fn with ``<name>_scale_inv`` beside it (same shard), the index updated, and the
+    config's ``quantization_config`` (``weight_block_size`` [block, block]). Other files copied."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    dst.mkdir(parents=True, exist_ok=True)
+    index_path = src / "model.safetensors.index.json"
+    files = (sorted(set(json.loads(index_path.read_text())["weight_map"].values())) if index_path.exists()
+             else sorted(p.name for p in src.glob("*.safetensors")))
+    weight_map: dict[str, str] = {}
+    for name in files:
+        out = {}
+        with safe_open(str(src / name), framework="pt") as h:
+            for key in h.keys():
+                t = h.get_tensor(key)
+                if key.endswith(".weight") and t.dim() == 2 and not _NOT_QUANTIZED.search(key):
+                    out[key], out[key + "_scale_inv"] = quantize_block_fp8(t, block)
+                else:
+                    out[key] = t
+        save_file(out, str(dst / name), metadata={"format": "pt"})
+        weight_map.update({k: name for k in out})
+    if index_path.exists():
+        index = json.loads(index_path.read_text())
+        index["weight_map"] = dict(sorted(weight_map.items()))
+        (dst / index_path.name).write_text(json.dumps(index, indent=2) + "\n")
+    config = json.loads((src / "config.json").read_text())
+    config["quantization_config"] = {**_FP8_CONFIG, "weight_block_size": [block, block]}
+    (dst / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    for p in src.iterdir():
+        if p.is_file() and not p.name.endswith(".safetensors") and p.name not in ("config.json", index_path.name):
+            shutil.copy2(p, dst / p.name)
+    return dst

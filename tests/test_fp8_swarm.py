@@ -1,0 +1,69 @@
+"""Block-FP8 releases (issue 29) through a real swarm: made in the release layout from a
+transformers bfloat16 checkpoint (``quant_method: "fp8"``, float8_e4m3fn weights with a float32
+``weight_scale_inv`` per block), served with every expert remote by workers that keep their
+experts in FP8 and dequantize per call: tokens and logits bitwise the local run's (transformers'
+own dequantize-on-CPU model), on the backbone's two loading paths; a worker that drops the
+scales is refused on its first call and earns nothing."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+
+import pytest
+
+from kvasir_rpc.dev.families import make_family_checkpoint
+from kvasir_rpc.dev.swarm import LocalSwarm
+
+pytestmark = pytest.mark.integration
+
+TESTS = pathlib.Path(__file__).resolve().parent
+# Blocks of 16: the tiny weights (64 x 32) get several per matrix, as a release's 7168 x 2048 do at 128.
+BLOCK = 16
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "deepseek_v3", "glm4_moe"])
+def test_a_block_fp8_release_is_served_exact(model_type, tmp_path):
+    model = make_family_checkpoint(tmp_path / "model", model_type, dtype="bfloat16", shard="100KB", quant="fp8",
+                                   block=BLOCK)
+    with LocalSwarm(tmp_path / "swarm") as sw:
+        sw.start_ledger()
+        sw.start_hub(receipt_interval=0.5, extra=["--model", str(model)])
+        sw.start_worker("w1", model, "*:0-3")
+        sw.start_worker("w2", model, "*:4-7")
+        sw.wait_sessions(2, watch=["w1", "w2"])
+        args = ["--model", str(model), "--prompt", "fp8 experts of " + model_type, "--batch", "2",
+                "--max-new-tokens", "8", "--wait-sessions", "2", "--json"]
+        result = sw.run_backbone([*args, "--compare-local", "--require-bitwise"])
+        assert result["backbone_exit_code"] == 0, result
+        assert result["verdict"] == "bitwise equal" and result["wire_dtype"] == "bfloat16"
+        assert result["reference_tokens_identical"] is True  # transformers' own dequantized model
+        assert result["local_rows"] == 0 and result["fallback_calls"] == 0 and result["remote_rows"] > 0
+        assert result["sessions_quarantined"] == [] and result["row_checked_rows"] == result["remote_rows"]
+        # The backbone without the experts (the dense part dequantized as transformers does): the same text.
+        on_demand = sw.run_backbone(args)
+        assert on_demand["expert_weights"] == "on-demand" and on_demand["texts"] == result["texts"]
+        sessions = sw.list_sessions()
+        credited = sw.wait_credited(sessions)
+        for s in sessions:
+            assert credited[s.session_id] == s.work_bytes > 0
+
+
+def test_a_worker_that_drops_the_fp8_scales_is_refused_and_earns_nothing(tmp_path, monkeypatch):
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(p for p in (str(TESTS.parent), os.environ.get("PYTHONPATH"))
+                                                     if p))
+    model = make_family_checkpoint(tmp_path / "model", "qwen3_moe", dtype="bfloat16", quant="fp8", block=BLOCK)
+    with LocalSwarm(tmp_path / "swarm") as sw:
+        sw.start_ledger()
+        sw.start_hub(receipt_interval=0.5, extra=["--model", str(model)])
+        sw.start_worker("honest", model, "*:0-3")
+        sw.start_worker("noscale", model, "*:4-7", launcher=(str(TESTS / "liar_worker.py"), "noscale", "--"))
+        sw.wait_sessions(2, watch=["honest", "noscale"])
+        result = sw.run_backbone(["--model", str(model), "--prompt", "scales", "--max-new-tokens", "8",
+                                  "--compare-local", "--require-bitwise", "--wait-sessions", "2", "--json"])
+        assert result["backbone_exit_code"] == 0 and result["verdict"] == "bitwise equal", result
+        assert len(result["sessions_quarantined"]) == 1 and result["row_check_refusals"] >= 1
+        liar = result["sessions_quarantined"][0]
+        sessions = sw.list_sessions()
+        credited = sw.wait_credited([s for s in sessions if s.session_id != liar])
+        assert all(credited[s.session_id] == s.work_bytes > 0 for s in sessions if s.session_id != liar)

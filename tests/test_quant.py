@@ -1,0 +1,101 @@
+"""Block-FP8 checkpoints as DeepSeek-V3/R1's and Qwen3's releases ship them (issue 29): the
+dequantization is transformers' own, bit for bit; a worker's index reads the release layout
+and keeps an expert in its FP8 bytes (about half its bfloat16 size), dequantized per call."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from kvasir_rpc import CheckpointError, ExpertIndex, dequantize_block_fp8, quantize_block_fp8
+
+
+def _transformers_dequantize(q: torch.Tensor, s: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    from transformers.integrations.finegrained_fp8 import Fp8Dequantize
+
+    return Fp8Dequantize(None)._dequantize_one(q, s, output_dtype=dtype)
+
+
+@pytest.mark.parametrize("shape,block", [((256, 384), 128), ((96, 64), 16), ((32, 64), 128)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bfloat16", "float32"])
+def test_dequantizing_is_transformers_own_formula_bit_for_bit(shape, block, dtype):
+    w = torch.randn(*shape, generator=torch.Generator().manual_seed(1)) * 0.05
+    q, s = quantize_block_fp8(w, block)
+    assert q.dtype == torch.float8_e4m3fn and s.shape == (-(-shape[0] // block), -(-shape[1] // block))
+    ours = dequantize_block_fp8(q, s, dtype)
+    assert ours.dtype == dtype and torch.equal(ours, _transformers_dequantize(q, s, dtype))
+    # Quantized at 3 bits of mantissa, a block's values are within 1/16 of their size.
+    assert float((ours.float() - w).abs().max()) <= float(w.abs().max()) / 15
+
+
+def test_a_grid_that_does_not_divide_the_weight_is_refused_as_transformers_refuses_it():
+    with pytest.raises(ValueError, match="not divisible"):
+        dequantize_block_fp8(torch.zeros(30, 64, dtype=torch.float8_e4m3fn), torch.ones(4, 4), torch.bfloat16)
+
+
+@pytest.fixture(scope="module")
+def fp8_model(tmp_path_factory):
+    from kvasir_rpc.dev.families import make_family_checkpoint
+
+    return make_family_checkpoint(tmp_path_factory.mktemp("fp8") / "qwen3_moe", "qwen3_moe", dtype="bfloat16",
+                                  shard="100KB", quant="fp8", block=16)
+
+
+def test_the_release_layout(fp8_model):
+    config = json.loads((fp8_model / "config.json").read_text())
+    assert config["quantization_config"] == {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
+                                             "weight_block_size": [16, 16]}
+    keys = json.loads((fp8_model / "model.safetensors.index.json").read_text())["weight_map"]
+    assert "model.layers.0.mlp.experts.3.gate_proj.weight_scale_inv" in keys
+    assert "model.layers.0.self_attn.q_proj.weight_scale_inv" in keys
+    assert not any(k.startswith(("model.embed_tokens", "lm_head")) and k.endswith("_scale_inv") for k in keys)
+    assert "model.layers.0.mlp.gate.weight_scale_inv" not in keys  # the router stays in bfloat16
+
+
+def test_a_worker_keeps_an_expert_in_its_fp8_bytes_and_computes_what_load_gives(fp8_model):
+    index = ExpertIndex(fp8_model)
+    assert index.quantized and index.info.dtype == torch.bfloat16
+    held = index.load_quantized(1, 5)
+    gate_up, down = index.load(1, 5)
+    assert gate_up.dtype == down.dtype == torch.bfloat16
+    assert all(torch.equal(a, b) for a, b in zip(held.dequantize(), (gate_up, down)))
+    # The view (audits) and the digest read the same weights.
+    assert all(torch.equal(a, b) for a, b in zip(index.view(1, 5), (gate_up, down)))
+    bf16_bytes = gate_up.nbytes + down.nbytes
+    assert held.nbytes < 0.6 * bf16_bytes  # 16 x 16 blocks: 4 bytes of scale per 256 weights
+
+
+def test_a_worker_loads_fp8_experts_held_as_fp8(fp8_model):
+    from kvasir_rpc import QuantizedExpert
+    from worker._load import load_experts
+
+    experts = load_experts(fp8_model, "0:0-3", "cpu")
+    assert all(isinstance(w, QuantizedExpert) for w in experts.weights.values())
+    held = sum(w.nbytes for w in experts.weights.values())  # type: ignore[union-attr]
+    index = ExpertIndex(fp8_model)
+    bf16 = sum(t.nbytes for e in range(4) for t in index.load(0, e))
+    assert held < 0.6 * bf16
+    # Digested as the weights it computes with, as the backbone digests its own.
+    from kvasir_rpc import expert_digest
+
+    assert experts.expert_digests[(0, 2)] == expert_digest(*index.load(0, 2)) == index.expert_digest(0, 2)
+
+
+def test_scales_on_some_experts_only_are_refused(fp8_model, tmp_path):
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    broken = tmp_path / "broken"
+    shutil.copytree(fp8_model, broken)
+    index = json.loads((broken / "model.safetensors.index.json").read_text())
+    key = "model.layers.1.mlp.experts.2.up_proj.weight_scale_inv"
+    shard = broken / index["weight_map"].pop(key)
+    tensors = load_file(str(shard))
+    del tensors[key]
+    save_file(tensors, str(shard), metadata={"format": "pt"})
+    (broken / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(CheckpointError, match="some do not"):
+        ExpertIndex(broken)
