@@ -124,6 +124,16 @@ if TYPE_CHECKING:  # the real names, for type checkers; at run time __getattr__ 
         read_model_info,
         slices_digest,
     )
+    from kvasir_rpc._fetch import (
+        DEFAULT_MODEL_CACHE,
+        FetchError,
+        FetchProgress,
+        FetchResult,
+        fetch_checkpoint,
+        is_model_url,
+        load_hf_token,
+        model_cache_folder,
+    )
     from kvasir_rpc._function import ExpertFunction, announced_mismatch, as_function, function_of_module
     from kvasir_rpc._quant import QuantizedExpert, dequantize_block_fp8, quantize_block_fp8, write_fp8_release
     from kvasir_rpc._kernel import (
@@ -254,6 +264,14 @@ _LAZY = {
     "parse_expert_spec": "kvasir_rpc._checkpoint",
     "read_model_info": "kvasir_rpc._checkpoint",
     "slices_digest": "kvasir_rpc._checkpoint",
+    "DEFAULT_MODEL_CACHE": "kvasir_rpc._fetch",
+    "FetchError": "kvasir_rpc._fetch",
+    "FetchProgress": "kvasir_rpc._fetch",
+    "FetchResult": "kvasir_rpc._fetch",
+    "fetch_checkpoint": "kvasir_rpc._fetch",
+    "is_model_url": "kvasir_rpc._fetch",
+    "load_hf_token": "kvasir_rpc._fetch",
+    "model_cache_folder": "kvasir_rpc._fetch",
     "QuantizedExpert": "kvasir_rpc._quant",
     "dequantize_block_fp8": "kvasir_rpc._quant",
     "quantize_block_fp8": "kvasir_rpc._quant",

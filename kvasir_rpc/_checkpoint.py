@@ -218,6 +218,11 @@ def check_checkpoint(model_dir: str | os.PathLike[str], *, tokenizer: bool = Tru
                               + (" (PyTorch *.bin files are not read: convert them to safetensors)" if bins else ""))
     if tokenizer and not any((path / name).is_file() for name in _TOKENIZER_FILES):
         raise CheckpointError(f"{path} has no tokenizer ({' or '.join(_TOKENIZER_FILES[:2])})")
+    if tokenizer and (path / ".kvasir-fetch.json").exists():
+        # A worker's fetch of its slices (python -m worker --model URL): every other byte of its
+        # shards is a hole that reads as zeros, the dense part included.
+        raise CheckpointError(f"{path} is a worker's fetched slices (.kvasir-fetch.json): it holds only those "
+                              "experts' bytes, the rest reads as zeros; point at the whole checkpoint")
     return read_model_info(path)
 
 

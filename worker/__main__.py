@@ -1,5 +1,6 @@
-"""python -m worker (--hub ws://HOST:PORT | --gateway wss://HOST:PORT) --model DIR [--experts SPEC]
-[--wallet PATH] [--hub-key HEX] [--e2e auto|require] [--device auto|cpu|cuda|mps] [--sessions N] [--ledger HOST:PORT]"""
+"""python -m worker (--hub ws://HOST:PORT | --gateway wss://HOST:PORT) --model DIR|URL [--experts SPEC]
+[--hf-token-file FILE] [--cache-dir DIR] [--wallet PATH] [--hub-key HEX] [--e2e auto|require]
+[--device auto|cpu|cuda|mps] [--sessions N] [--ledger HOST:PORT]"""
 
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ from kvasir_rpc import (
     NO_PORT_SHARING,
     EXIT_INTERRUPTED,
     CheckpointError,
+    DEFAULT_MODEL_CACHE,
     ExpertIndex,
     HelpFormatter,
     ListenError,
@@ -48,6 +50,7 @@ from kvasir_rpc import (
     hostport,
     hostport_text,
     is_address,
+    is_model_url,
     leaf_exception,
     parse_expert_spec,
     run_main,
@@ -58,7 +61,9 @@ from worker._console import BALANCE_INTERVAL_S
 
 if TYPE_CHECKING:
     from rich.console import Console
+    from rich.progress import Progress, TaskID
 
+    from kvasir_rpc import FetchProgress
     from worker._console import StatusView
     from worker._service import ExpertServicer, LoadedExperts
     from worker._tunnel import TunnelHolder
@@ -79,7 +84,15 @@ def _parser() -> argparse.ArgumentParser:
                        help="a public gateway (port 443 passes most NATs; ws:// only behind a TLS edge)")
     p.add_argument("--ca-file", type=pathlib.Path,
                    help="CA bundle to verify the gateway's certificate; without it, the system's trust store")
-    p.add_argument("--model", required=True, type=pathlib.Path, help="Hugging Face checkpoint folder")
+    p.add_argument("--model", required=True,
+                   help="Hugging Face checkpoint folder, or the http(s) URL of one "
+                        "(https://huggingface.co/ORG/REPO/resolve/REV/): then only the slices' bytes are fetched, "
+                        "into --cache-dir, resuming what an interrupted fetch left")
+    p.add_argument("--hf-token-file", type=pathlib.Path, metavar="FILE",
+                   help="with --model URL: a file (mode 0600) holding the token for a gated or private repository, "
+                        "sent as 'Authorization: Bearer'")
+    p.add_argument("--cache-dir", type=pathlib.Path, default=DEFAULT_MODEL_CACHE, metavar="DIR",
+                   help="with --model URL: where fetched checkpoints are kept, one folder per URL")
     p.add_argument("--experts", default="all", help="slices to serve: all, 0-3:0-15, *:0-7, comma-separated")
     p.add_argument("--wallet", type=pathlib.Path, default=DEFAULT_WALLET,
                    help="Ed25519 wallet file that is paid for the work (created, mode 0600, if missing)")
@@ -158,6 +171,67 @@ def _open_checkpoint(args: argparse.Namespace) -> ExpertIndex:
     return index
 
 
+def _fetch_model(args: argparse.Namespace, console: Console | None) -> pathlib.Path:
+    """With --model URL: fetch the --experts slices' bytes (and config, tokenizer) into the
+    cache, showing the bytes of the slice; the local folder, or fail()."""
+    from kvasir_rpc import FetchError, fetch_checkpoint, load_hf_token
+
+    token = None
+    if args.hf_token_file is not None:
+        try:
+            token = load_hf_token(args.hf_token_file)
+        except FetchError as exc:
+            fail(f"worker: --hf-token-file: {exc}")
+    reporter = _FetchReporter(console)
+    log.info("fetching the slices' bytes", model=args.model, experts=args.experts, cache_dir=str(args.cache_dir))
+    try:
+        result = fetch_checkpoint(args.model, args.experts, args.cache_dir, token=token, progress=reporter)
+    except SpecError as exc:
+        fail(f"worker: --experts {args.experts}: {exc}")
+    except (CheckpointError, OSError) as exc:
+        fail(f"worker: --model {args.model}: {exc}")
+    finally:
+        reporter.close()
+    log.info("fetched", folder=str(result.folder), slice_bytes=result.slice_bytes, bytes_received=result.fetched_bytes,
+             bytes_reused=result.reused_bytes, requests=result.requests)
+    return result.folder
+
+
+class _FetchReporter:
+    """``fetch_checkpoint``'s progress callback, in the worker's loading style: a rich bar of
+    the slice's bytes on a terminal, else an info line at each quarter."""
+
+    def __init__(self, console: Console | None) -> None:
+        self._console = console
+        self._progress: Progress | None = None
+        self._task: TaskID | None = None
+        self._next_quarter = 1
+
+    def __call__(self, p: FetchProgress) -> None:
+        if self._console is None:
+            while p.bytes_total and p.bytes_done * 4 >= self._next_quarter * p.bytes_total and self._next_quarter <= 4:
+                log.info("fetching", percent=25 * self._next_quarter, bytes=p.bytes_done, bytes_total=p.bytes_total)
+                self._next_quarter += 1
+            return
+        from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
+
+        from worker._console import REFRESH_PER_SECOND
+
+        if self._progress is None:
+            self._progress = Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(),
+                                      TransferSpeedColumn(), TimeRemainingColumn(), console=self._console,
+                                      refresh_per_second=REFRESH_PER_SECOND)
+            self._progress.start()
+            self._task = self._progress.add_task("fetching the slices", total=p.bytes_total)
+        assert self._task is not None
+        self._progress.update(self._task, completed=p.bytes_done, total=p.bytes_total)
+
+    def close(self) -> None:
+        if self._progress is not None:
+            self._progress.stop()
+            self._progress = None
+
+
 def _console() -> Console | None:
     """A rich console on stderr when stderr is a terminal, else None (log lines only)."""
     if not sys.stderr.isatty():
@@ -185,6 +259,13 @@ def main(argv: list[str] | None = None) -> int:
             check_listen(args.direct_grpc)  # now, not after minutes of loading experts
         except ListenError as exc:
             fail(exc.line("worker", "--direct-grpc"))
+    console = _console()
+    if is_model_url(args.model):
+        args.model = _fetch_model(args, console)
+    else:
+        if args.hf_token_file is not None:
+            p.error("--hf-token-file is for --model URL (a checkpoint fetched over HTTP)")
+        args.model = pathlib.Path(args.model)
     index = _open_checkpoint(args)
     try:
         args.wallet.parent.mkdir(parents=True, exist_ok=True)
@@ -202,7 +283,6 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    console = _console()
     log.info("loading experts", model=str(args.model), experts=args.experts, device=str(pick_device(args.device)),
              wallet=wallet.address)
     reporter = LoadReporter(console)
