@@ -135,7 +135,17 @@ if TYPE_CHECKING:  # the real names, for type checkers; at run time __getattr__ 
         model_cache_folder,
     )
     from kvasir_rpc._function import ExpertFunction, announced_mismatch, as_function, function_of_module
-    from kvasir_rpc._quant import QuantizedExpert, dequantize_block_fp8, quantize_block_fp8, write_fp8_release
+    from kvasir_rpc._quant import (
+        Mxfp4Expert,
+        QuantizedExpert,
+        QuantizedWeights,
+        dequantize_block_fp8,
+        dequantize_mxfp4,
+        quantize_block_fp8,
+        quantize_mxfp4,
+        write_fp8_release,
+        write_mxfp4_release,
+    )
     from kvasir_rpc._kernel import (
         Activation,
         DispatchInputError,
@@ -273,6 +283,11 @@ _LAZY = {
     "load_hf_token": "kvasir_rpc._fetch",
     "model_cache_folder": "kvasir_rpc._fetch",
     "QuantizedExpert": "kvasir_rpc._quant",
+    "QuantizedWeights": "kvasir_rpc._quant",
+    "Mxfp4Expert": "kvasir_rpc._quant",
+    "dequantize_mxfp4": "kvasir_rpc._quant",
+    "quantize_mxfp4": "kvasir_rpc._quant",
+    "write_mxfp4_release": "kvasir_rpc._quant",
     "dequantize_block_fp8": "kvasir_rpc._quant",
     "quantize_block_fp8": "kvasir_rpc._quant",
     "write_fp8_release": "kvasir_rpc._quant",

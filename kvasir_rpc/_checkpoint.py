@@ -38,7 +38,7 @@ if TYPE_CHECKING:
     import torch
 
     from kvasir_rpc._function import ExpertFunction
-    from kvasir_rpc._quant import QuantizedExpert
+    from kvasir_rpc._quant import QuantizedWeights
 
 __all__ = [
     "CHECKPOINT_HINT",
@@ -58,7 +58,8 @@ _PER_EXPERT = re.compile(
 )
 _FUSED = re.compile(
     r"^(?P<prefix>.*?)layers\.(?P<layer>\d+)\.(?:mlp|block_sparse_moe)\."
-    r"(?:experts\.(?P<proj>gate_up_proj|down_proj|gate_up_proj_bias|down_proj_bias)"
+    r"(?:experts\.(?P<proj>gate_up_proj|down_proj|gate_up_proj_bias|down_proj_bias"
+    r"|gate_up_proj_blocks|gate_up_proj_scales|down_proj_blocks|down_proj_scales)"
     r"|(?P<old>input_linear|output_linear|experts\.fc1|experts\.fc2)\.weight)$"
 )
 _PROJ = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up", "down_proj": "down", "w2": "down"}
@@ -330,18 +331,27 @@ class ExpertIndex:
                         slot[proj] = _Loc(file, key, e)
                 else:
                     self._others[key] = file
-        incomplete = [
-            k for k, v in self._locs.items() if not ({"gate", "up", "down"} <= v.keys() or {"gate_up_proj", "down_proj"} <= v.keys())
-        ]
+        forms = ({"gate", "up", "down"}, {"gate_up_proj", "down_proj"},
+                 {"gate_up_proj_blocks", "gate_up_proj_scales", "down_proj_blocks", "down_proj_scales"})
+        incomplete = [k for k, v in self._locs.items() if not any(f <= v.keys() for f in forms)]
         if incomplete:
             raise CheckpointError(f"{self.model_dir}: experts with missing projections: {sorted(incomplete)[:8]}")
         if not self._locs:
             raise CheckpointError(f"{self.model_dir}: no expert tensors found in the safetensors files")
         scaled = [("gate_scale" in v, "up_scale" in v, "down_scale" in v) for v in self._locs.values()]
-        self.quantized = any(any(t) for t in scaled)
-        if self.quantized and not all(all(t) for t in scaled):
-            raise CheckpointError(f"{self.model_dir}: some expert weights have FP8 scales (weight_scale_inv) and "
-                                  "some do not")
+        # How the experts are quantized: "fp8" (block FP8, weight_scale_inv beside each weight),
+        # "mxfp4" (gpt-oss's *_blocks and *_scales), or None.
+        self.quant: str | None = None
+        if any(any(t) for t in scaled):
+            if not all(all(t) for t in scaled):
+                raise CheckpointError(f"{self.model_dir}: some expert weights have FP8 scales (weight_scale_inv) and "
+                                      "some do not")
+            self.quant = "fp8"
+        elif any("gate_up_proj_blocks" in v for v in self._locs.values()):
+            if not all(forms[2] <= v.keys() for v in self._locs.values()):
+                raise CheckpointError(f"{self.model_dir}: some experts are in MXFP4 (*_blocks, *_scales) and some not")
+            self.quant = "mxfp4"
+        self.quantized = self.quant is not None
         self.function = self._read_function()
 
     def _read_function(self) -> ExpertFunction:
@@ -354,7 +364,7 @@ class ExpertIndex:
         has_bias = {"gate_up_proj_bias", "down_proj_bias"} <= slot.keys()
         if any(("gate_up_proj_bias" in v) != has_bias for v in self._locs.values()):
             raise CheckpointError(f"{self.model_dir}: some experts have biases and some do not")
-        transposed = False
+        transposed = self.quant == "mxfp4"  # dequantized to [in, out], as gpt-oss's experts hold them
         if "gate_up_proj" in slot:
             shapes = _tensor_shapes(self.model_dir)
             hidden, inter = self.info.hidden_size, self.info.intermediate_size
@@ -440,25 +450,31 @@ class ExpertIndex:
         from kvasir_rpc._kernel import _aligned
 
         slot = self._locs[(layer, expert)]
+        if self.quantized:
+            return self.load_quantized(layer, expert).dequantize()
         if "gate_up_proj" in slot:
             return (_aligned(self._read(slot["gate_up_proj"]).contiguous()),
                     _aligned(self._read(slot["down_proj"]).contiguous()))
-        if self.quantized:
-            return self.load_quantized(layer, expert).dequantize()
         gate, up, down = (self._read(slot[p]) for p in ("gate", "up", "down"))
         import torch
 
         return torch.cat([gate, up], dim=0).contiguous(), _aligned(down.contiguous())
 
-    def load_quantized(self, layer: int, expert: int) -> QuantizedExpert:
-        """One expert of a block-FP8 checkpoint as stored (its FP8 weights and scales, about
-        half its bfloat16 size), to dequantize when computing. Raises KeyError if absent,
-        CheckpointError when the checkpoint is not quantized."""
-        from kvasir_rpc._quant import QuantizedExpert
+    def load_quantized(self, layer: int, expert: int) -> QuantizedWeights:
+        """One expert of a quantized checkpoint as stored (block FP8: its FP8 weights and scales,
+        about half its bfloat16 size; MXFP4: its blocks and scales, about a quarter), to
+        dequantize when computing. Raises KeyError if absent, CheckpointError when the
+        checkpoint is not quantized."""
+        from kvasir_rpc._quant import Mxfp4Expert, QuantizedExpert
 
         if not self.quantized:
-            raise CheckpointError(f"{self.model_dir}: not a block-FP8 checkpoint")
+            raise CheckpointError(f"{self.model_dir}: not a quantized checkpoint")
         slot = self._locs[(layer, expert)]
+        if self.quant == "mxfp4":
+            m = {p: self._read(slot[p]).contiguous() for p in ("gate_up_proj_blocks", "gate_up_proj_scales",
+                                                                "down_proj_blocks", "down_proj_scales")}
+            return Mxfp4Expert(m["gate_up_proj_blocks"], m["gate_up_proj_scales"], m["down_proj_blocks"],
+                               m["down_proj_scales"], dtype=self.info.dtype)
         t = {p: self._read(slot[p]).contiguous() for p in ("gate", "up", "down", "gate_scale", "up_scale", "down_scale")}
         return QuantizedExpert(t["gate"], t["up"], t["down"], t["gate_scale"], t["up_scale"], t["down_scale"],
                                dtype=self.info.dtype)

@@ -27,7 +27,8 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["FP8_MAX", "QuantizedExpert", "dequantize_block_fp8", "quantize_block_fp8", "write_fp8_release"]
+__all__ = ["FP4_VALUES", "FP8_MAX", "Mxfp4Expert", "QuantizedExpert", "QuantizedWeights", "dequantize_block_fp8",
+           "dequantize_mxfp4", "quantize_block_fp8", "quantize_mxfp4", "write_fp8_release", "write_mxfp4_release"]
 
 #: The largest finite float8_e4m3fn.
 FP8_MAX = 448.0
@@ -68,8 +69,23 @@ def quantize_block_fp8(w: torch.Tensor, block: int = 128) -> tuple[torch.Tensor,
     return q.contiguous(), scale.float()
 
 
+class QuantizedWeights:
+    """An expert held as its checkpoint stores it, dequantized when a call needs it."""
+
+    def dequantize(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(gate_up, down)`` as ``ExpertIndex.load`` gives them."""
+        raise NotImplementedError
+
+    @property
+    def nbytes(self) -> int:
+        raise NotImplementedError
+
+    def to(self, device: torch.device) -> QuantizedWeights:
+        raise NotImplementedError
+
+
 @dataclasses.dataclass(frozen=True)
-class QuantizedExpert:
+class QuantizedExpert(QuantizedWeights):
     """One expert as a block-FP8 checkpoint stores it: gate, up [I, H] and down [H, I] in
     float8_e4m3fn with their scales; ``dequantize`` gives ``(gate_up [2I, H], down [H, I])`` in
     ``dtype``, bit for bit what ``ExpertIndex.load`` and transformers' model hold."""
@@ -132,6 +148,128 @@ def write_fp8_release(src: pathlib.Path, dst: pathlib.Path, *, block: int = 128)
         (dst / index_path.name).write_text(json.dumps(index, indent=2) + "\n")
     config = json.loads((src / "config.json").read_text())
     config["quantization_config"] = {**_FP8_CONFIG, "weight_block_size": [block, block]}
+    (dst / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    for p in src.iterdir():
+        if p.is_file() and not p.name.endswith(".safetensors") and p.name not in ("config.json", index_path.name):
+            shutil.copy2(p, dst / p.name)
+    return dst
+
+
+# --- MXFP4 (gpt-oss's release) ----------------------------------------------------------------
+
+#: The 16 float4 (e2m1) values, by nibble: transformers' (and OpenAI's) table.
+FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+MXFP4_BLOCK = 32  # values per scale (one E8M0 exponent byte per 32 values)
+
+
+def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """One expert's MXFP4 weight: ``blocks`` uint8 [out, in / 32, 16] (two float4 values a byte,
+    the low nibble first) and ``scales`` uint8 [out, in / 32] (exponents biased by 127), to
+    ``dtype`` [in, out] (transposed, as gpt-oss's experts hold it): transformers'
+    ``convert_moe_packed_tensors`` operation for operation (the table in ``dtype``, then
+    ``ldexp``)."""
+    import torch
+
+    out_rows, groups, half = blocks.shape
+    lut = torch.tensor(FP4_VALUES, dtype=dtype)
+    b = blocks.to(torch.uint8).reshape(out_rows * groups, half)
+    exp = (scales.to(torch.int32) - 127).reshape(out_rows * groups, 1)
+    w = torch.empty(out_rows * groups, half * 2, dtype=dtype)
+    w[:, 0::2] = lut[(b & 0x0F).to(torch.int)]
+    w[:, 1::2] = lut[(b >> 4).to(torch.int)]
+    torch.ldexp(w, exp, out=w)
+    return w.reshape(out_rows, groups * half * 2).transpose(0, 1).contiguous()
+
+
+def quantize_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``w`` [in, out] (gpt-oss's orientation) as MXFP4: ``(blocks uint8 [out, in / 32, 16],
+    scales uint8 [out, in / 32])``, each block of 32 inputs scaled by a power of two so that its
+    largest magnitude fits the float4 range, each value rounded to the nearest float4."""
+    import torch
+
+    wt = w.float().transpose(0, 1)  # [out, in]
+    out_rows, inputs = wt.shape
+    if inputs % MXFP4_BLOCK:
+        raise ValueError(f"MXFP4 needs the input width to be a multiple of {MXFP4_BLOCK}, got {inputs}")
+    g = wt.reshape(out_rows, inputs // MXFP4_BLOCK, MXFP4_BLOCK)
+    amax = g.abs().amax(dim=-1).clamp(min=2.0**-126)
+    exp = torch.ceil(torch.log2(amax / 6.0)).clamp(-127, 127)  # the block's largest magnitude within 6
+    scaled = g / torch.exp2(exp)[..., None]
+    table = torch.tensor(FP4_VALUES[:8])
+    idx = (scaled.abs()[..., None] - table).abs().argmin(dim=-1)  # nearest magnitude
+    nib = (idx + 8 * (scaled < 0).long()).to(torch.uint8)
+    nib = nib.reshape(out_rows, inputs // MXFP4_BLOCK, MXFP4_BLOCK // 2, 2)
+    blocks = (nib[..., 0] | (nib[..., 1] << 4)).to(torch.uint8)
+    return blocks.contiguous(), (exp + 127).to(torch.uint8).contiguous()
+
+
+@dataclasses.dataclass(frozen=True)
+class Mxfp4Expert(QuantizedWeights):
+    """One expert of an MXFP4 checkpoint (gpt-oss's release) as stored: the gate_up and down
+    blocks and scales (about 0.27 of the bfloat16 bytes); ``dequantize`` gives ``(gate_up [H, 2I],
+    down [I, H])`` in ``dtype``, bit for bit what transformers' model holds."""
+
+    gate_up_blocks: torch.Tensor
+    gate_up_scales: torch.Tensor
+    down_blocks: torch.Tensor
+    down_scales: torch.Tensor
+    dtype: torch.dtype
+
+    def dequantize(self) -> tuple[torch.Tensor, torch.Tensor]:
+        from kvasir_rpc._kernel import _aligned
+
+        return (_aligned(dequantize_mxfp4(self.gate_up_blocks, self.gate_up_scales, self.dtype)),
+                _aligned(dequantize_mxfp4(self.down_blocks, self.down_scales, self.dtype)))
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.gate_up_blocks, self.gate_up_scales, self.down_blocks,
+                                                           self.down_scales))
+
+    def to(self, device: torch.device) -> Mxfp4Expert:
+        return dataclasses.replace(self, **{f: getattr(self, f).to(device) for f in
+                                            ("gate_up_blocks", "gate_up_scales", "down_blocks", "down_scales")})
+
+
+def write_mxfp4_release(src: pathlib.Path, dst: pathlib.Path) -> pathlib.Path:
+    """Write ``src`` (a bfloat16 gpt-oss checkpoint: fused experts stored [E, H, 2I] and
+    [E, I, H]) to ``dst`` as gpt-oss's release lays it out: each experts weight as
+    ``<name>_blocks`` [E, out, in / 32, 16] and ``<name>_scales`` [E, out, in / 32] (uint8), the
+    rest (attention, router, biases, embeddings) as it is, and ``quantization_config``
+    ``{"quant_method": "mxfp4"}``. Other files copied."""
+    import torch
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    dst.mkdir(parents=True, exist_ok=True)
+    index_path = src / "model.safetensors.index.json"
+    files = (sorted(set(json.loads(index_path.read_text())["weight_map"].values())) if index_path.exists()
+             else sorted(p.name for p in src.glob("*.safetensors")))
+    weight_map: dict[str, str] = {}
+    quantized = 0
+    for name in files:
+        out = {}
+        with safe_open(str(src / name), framework="pt") as h:
+            for key in h.keys():
+                t = h.get_tensor(key)
+                if key.endswith((".experts.gate_up_proj", ".experts.down_proj")) and t.dim() == 3:
+                    blocks, scales = zip(*(quantize_mxfp4(t[e]) for e in range(t.shape[0])))
+                    out[key + "_blocks"], out[key + "_scales"] = torch.stack(blocks), torch.stack(scales)
+                    quantized += 1
+                else:
+                    out[key] = t
+        save_file(out, str(dst / name), metadata={"format": "pt"})
+        weight_map.update({k: name for k in out})
+    if not quantized:
+        raise ValueError(f"{src}: no fused experts weights (experts.gate_up_proj / down_proj) to write as MXFP4")
+    if index_path.exists():
+        index = json.loads(index_path.read_text())
+        index["weight_map"] = dict(sorted(weight_map.items()))
+        (dst / index_path.name).write_text(json.dumps(index, indent=2) + "\n")
+    config = json.loads((src / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4",
+                                     "modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router",
+                                                                "model.embed_tokens", "lm_head"]}
     (dst / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     for p in src.iterdir():
         if p.is_file() and not p.name.endswith(".safetensors") and p.name not in ("config.json", index_path.name):

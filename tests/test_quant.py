@@ -1,6 +1,7 @@
-"""Block-FP8 checkpoints as DeepSeek-V3/R1's and Qwen3's releases ship them (issue 29): the
-dequantization is transformers' own, bit for bit; a worker's index reads the release layout
-and keeps an expert in its FP8 bytes (about half its bfloat16 size), dequantized per call."""
+"""Quantized checkpoints as they ship (issue 29): block FP8 (DeepSeek-V3/R1's and Qwen3's
+releases) and MXFP4 (gpt-oss's). The dequantization is transformers' own, bit for bit; a worker's
+index reads the release layout and keeps an expert in its quantized bytes (FP8: about half its
+bfloat16 size; MXFP4: about a quarter), dequantized per call."""
 
 from __future__ import annotations
 
@@ -99,3 +100,38 @@ def test_scales_on_some_experts_only_are_refused(fp8_model, tmp_path):
     (broken / "model.safetensors.index.json").write_text(json.dumps(index))
     with pytest.raises(CheckpointError, match="some do not"):
         ExpertIndex(broken)
+
+
+def test_mxfp4_dequantizing_is_transformers_own_bit_for_bit():
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    from kvasir_rpc import dequantize_mxfp4, quantize_mxfp4
+
+    w = torch.randn(3, 64, 96, generator=torch.Generator().manual_seed(2)) * 0.05  # [E, in, out]
+    blocks, scales = (torch.stack(t) for t in zip(*(quantize_mxfp4(w[e]) for e in range(3))))
+    assert blocks.shape == (3, 96, 2, 16) and blocks.dtype == scales.dtype == torch.uint8
+    theirs = convert_moe_packed_tensors(blocks, scales, dtype=torch.bfloat16)  # [E, in, out]
+    for e in range(3):
+        ours = dequantize_mxfp4(blocks[e], scales[e], torch.bfloat16)
+        assert torch.equal(ours, theirs[e])
+        # Four bits: within a quarter of each block's largest magnitude (no value clipped).
+        err = (ours.float() - w[e]).abs().transpose(0, 1).reshape(96, 2, 32).amax(-1)
+        top = w[e].abs().transpose(0, 1).reshape(96, 2, 32).amax(-1)
+        assert bool((err <= top / 4 + 1e-12).all())
+
+
+def test_an_mxfp4_worker_holds_about_a_quarter_of_the_bfloat16_bytes(tmp_path):
+    from kvasir_rpc import Mxfp4Expert
+    from kvasir_rpc.dev.families import make_family_checkpoint
+
+    model = make_family_checkpoint(tmp_path / "gpt_oss", "gpt_oss", dtype="bfloat16", quant="mxfp4")
+    config = json.loads((model / "config.json").read_text())
+    assert config["quantization_config"]["quant_method"] == "mxfp4"
+    index = ExpertIndex(model)
+    assert index.quant == "mxfp4" and index.function.transposed and index.function.bias
+    held = index.load_quantized(0, 2)
+    assert isinstance(held, Mxfp4Expert)
+    gate_up, down = index.load(0, 2)
+    assert gate_up.shape == (64, 192) and down.shape == (96, 64)  # [H, 2I], [I, H]: gpt-oss's orientation
+    assert all(torch.equal(a, b) for a, b in zip(held.dequantize(), (gate_up, down)))
+    assert held.nbytes < 0.35 * (gate_up.nbytes + down.nbytes)

@@ -8,7 +8,7 @@ from collections.abc import Callable
 
 import torch
 
-from kvasir_rpc import ExpertIndex, QuantizedExpert, SpecError, expert_digest, parse_expert_spec, slices_digest
+from kvasir_rpc import ExpertIndex, QuantizedWeights, SpecError, expert_digest, parse_expert_spec, slices_digest
 from worker._service import LoadedExperts
 
 __all__ = ["LoadProgress", "load_experts", "pick_device"]
@@ -56,13 +56,14 @@ def load_experts(model: str | pathlib.Path | ExpertIndex, spec: str, device_name
     done_bytes = 0
     if progress is not None:
         progress(LoadProgress(0, len(todo), 0, per_expert * len(todo)))
-    weights: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor] | QuantizedExpert] = {}
+    weights: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor] | QuantizedWeights] = {}
     biases = {}
     digests = {}
     for i, (layer, e) in enumerate(todo):
         bias = index.biases(layer, e)
         if index.quantized:
-            # Kept as the checkpoint stores it (FP8 and scales: about half the bfloat16 bytes),
+            # Kept as the checkpoint stores it (FP8 and scales: about half the bfloat16 bytes; MXFP4:
+            # about a quarter),
             # dequantized for each call; digested as the weights it computes with.
             quantized = index.load_quantized(layer, e)
             gate_up, down = quantized.dequantize()

@@ -12,7 +12,7 @@ import torch
 from kvasir_rpc import (
     DispatchInputError,
     ExpertFunction,
-    QuantizedExpert,
+    QuantizedWeights,
     TensorCodecError,
     decode_tensor,
     expert_forward_projections,
@@ -37,7 +37,7 @@ class LoadedExperts:
 
     def __init__(
         self,
-        weights: Mapping[tuple[int, int], tuple[torch.Tensor, torch.Tensor] | QuantizedExpert],
+        weights: Mapping[tuple[int, int], tuple[torch.Tensor, torch.Tensor] | QuantizedWeights],
         *,
         function: ExpertFunction,
         hidden_size: int,
@@ -239,7 +239,7 @@ class ExpertServicer(expert_pb2_grpc.ExpertServiceServicer):
             for i in order:
                 (expert, rows), s0 = segments[i], starts[i]
                 held = e.weights[(req.layer, expert)]
-                gate_up, down = held.dequantize() if isinstance(held, QuantizedExpert) else held
+                gate_up, down = held.dequantize() if isinstance(held, QuantizedWeights) else held
                 x = hidden[s0 : s0 + rows] if index is None else hidden[index[s0 : s0 + rows]]
                 out[i], proj[i] = expert_forward_projections(x, gate_up, down, e.function, weights[s0 : s0 + rows],
                                                              e.biases.get((req.layer, expert)))

@@ -552,9 +552,10 @@ def build_parser() -> argparse.ArgumentParser:
                       help="the weights' dtype (not float32: made by transformers)")
     tiny.add_argument("--shard", metavar="SIZE",
                       help="save in shards of at most SIZE (e.g. 200KB), as releases are (made by transformers)")
-    tiny.add_argument("--quant", choices=["fp8"],
-                      help="write it as a block-FP8 release is laid out (float8_e4m3fn weights with a float32 "
-                           "weight_scale_inv per block; needs --dtype bfloat16)")
+    tiny.add_argument("--quant", choices=["fp8", "mxfp4"],
+                      help="write it as a release is laid out: fp8, block FP8 (float8_e4m3fn weights with a float32 "
+                           "weight_scale_inv per block); mxfp4, gpt-oss's experts (4-bit blocks and scales); needs "
+                           "--dtype bfloat16")
     tiny.add_argument("--fp8-block", type=int, default=128, metavar="N",
                       help="the FP8 blocks' side (the releases' 128; smaller to give tiny weights several blocks)")
     tiny.set_defaults(func=_cmd_model_tiny)

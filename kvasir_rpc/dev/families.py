@@ -86,7 +86,8 @@ def make_family_checkpoint(directory: str | pathlib.Path, model_type: str, *, dt
     """Write a tiny random checkpoint of ``model_type`` with transformers' ``save_pretrained``
     (``dtype`` float32, bfloat16 or float16; shards of at most ``shard``), and the tiny
     tokenizer. ``quant="fp8"``: then rewritten as a block-FP8 release is laid out
-    (``kvasir_rpc._quant.write_fp8_release``, blocks of ``block``; the model's dtype bfloat16).
+    (``kvasir_rpc._quant.write_fp8_release``, blocks of ``block``); ``"mxfp4"``: as gpt-oss's
+    release (``write_mxfp4_release``; fused experts); the model's dtype bfloat16.
     Returns the folder. Raises ValueError for a type transformers does not know or cannot build
     at these sizes (the message says why)."""
     import torch
@@ -96,10 +97,10 @@ def make_family_checkpoint(directory: str | pathlib.Path, model_type: str, *, dt
 
     if dtype not in ("float32", "bfloat16", "float16"):
         raise ValueError(f"dtype must be float32, bfloat16 or float16, got {dtype!r}")
-    if quant not in (None, "fp8"):
-        raise ValueError(f"quant must be fp8 (or none), got {quant!r}")
-    if quant == "fp8" and dtype != "bfloat16":
-        raise ValueError("a block-FP8 release's model computes in bfloat16: use --dtype bfloat16")
+    if quant not in (None, "fp8", "mxfp4"):
+        raise ValueError(f"quant must be fp8 or mxfp4 (or none), got {quant!r}")
+    if quant is not None and dtype != "bfloat16":
+        raise ValueError(f"a {quant} release's model computes in bfloat16: use --dtype bfloat16")
     path = pathlib.Path(directory)
     path.mkdir(parents=True, exist_ok=True)
     try:
@@ -113,14 +114,15 @@ def make_family_checkpoint(directory: str | pathlib.Path, model_type: str, *, dt
         first = str(exc).strip().splitlines()[-1] if str(exc).strip() else ""
         raise ValueError(f"transformers cannot build it at the test sizes: {type(exc).__name__}: {first[:200]}") from exc
     _write_tokenizer(path, int(config.get_text_config().vocab_size))
-    if quant == "fp8":
+    if quant is not None:
         import shutil
         import tempfile
 
-        from kvasir_rpc._quant import write_fp8_release
+        from kvasir_rpc._quant import write_fp8_release, write_mxfp4_release
 
         with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
-            staged = write_fp8_release(path, pathlib.Path(tmp) / "fp8", block=block)
+            staged = (write_fp8_release(path, pathlib.Path(tmp) / "q", block=block) if quant == "fp8"
+                      else write_mxfp4_release(path, pathlib.Path(tmp) / "q"))
             for old_file in path.glob("*.safetensors"):
                 old_file.unlink()
             for f in staged.iterdir():

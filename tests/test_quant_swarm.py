@@ -1,7 +1,7 @@
-"""Block-FP8 releases (issue 29) through a real swarm: made in the release layout from a
-transformers bfloat16 checkpoint (``quant_method: "fp8"``, float8_e4m3fn weights with a float32
-``weight_scale_inv`` per block), served with every expert remote by workers that keep their
-experts in FP8 and dequantize per call: tokens and logits bitwise the local run's (transformers'
+"""Quantized releases (issue 29) through a real swarm: made in the release layout from a
+transformers bfloat16 checkpoint (block FP8: ``quant_method: "fp8"``, float8_e4m3fn weights with
+a float32 ``weight_scale_inv`` per block; MXFP4: gpt-oss's ``*_blocks`` and ``*_scales``), served
+with every expert remote by workers that keep their experts quantized and dequantize per call: tokens and logits bitwise the local run's (transformers'
 own dequantize-on-CPU model), on the backbone's two loading paths; a worker that drops the
 scales is refused on its first call and earns nothing."""
 
@@ -22,9 +22,10 @@ TESTS = pathlib.Path(__file__).resolve().parent
 BLOCK = 16
 
 
-@pytest.mark.parametrize("model_type", ["qwen3_moe", "deepseek_v3", "glm4_moe"])
-def test_a_block_fp8_release_is_served_exact(model_type, tmp_path):
-    model = make_family_checkpoint(tmp_path / "model", model_type, dtype="bfloat16", shard="100KB", quant="fp8",
+@pytest.mark.parametrize("model_type,quant", [("qwen3_moe", "fp8"), ("deepseek_v3", "fp8"), ("glm4_moe", "fp8"),
+                                              ("gpt_oss", "mxfp4")])
+def test_a_quantized_release_is_served_exact(model_type, quant, tmp_path):
+    model = make_family_checkpoint(tmp_path / "model", model_type, dtype="bfloat16", shard="100KB", quant=quant,
                                    block=BLOCK)
     with LocalSwarm(tmp_path / "swarm") as sw:
         sw.start_ledger()
@@ -32,7 +33,7 @@ def test_a_block_fp8_release_is_served_exact(model_type, tmp_path):
         sw.start_worker("w1", model, "*:0-3")
         sw.start_worker("w2", model, "*:4-7")
         sw.wait_sessions(2, watch=["w1", "w2"])
-        args = ["--model", str(model), "--prompt", "fp8 experts of " + model_type, "--batch", "2",
+        args = ["--model", str(model), "--prompt", f"{quant} experts of {model_type}", "--batch", "2",
                 "--max-new-tokens", "8", "--wait-sessions", "2", "--json"]
         result = sw.run_backbone([*args, "--compare-local", "--require-bitwise"])
         assert result["backbone_exit_code"] == 0, result
