@@ -16,6 +16,8 @@ LIE is one of:
   honest  no lie in the numbers (for the lies of the hello: --unchecked, --announce-plain)
   noscale a block-FP8 checkpoint's experts used without their scales (weight_scale_inv): the FP8
           values taken as the weights (its digest, made while loading, is the honest one)
+  coarse  a bfloat16 checkpoint's experts rounded to block FP8 (128 x 128) to hold half the bytes:
+          a coarser format than the checkpoint's
 With ``--after N`` the first N calls are answered honestly, then the lie starts. With
 ``--segments P`` only a share P of the segments (an expert's rows in a call) lie, drawn at
 random, and the first call of every Dispatch stream is honest (that is when the first-call
@@ -51,7 +53,8 @@ def main() -> int:
     argv = sys.argv[1:]
     split = argv.index("--")
     p = argparse.ArgumentParser()
-    p.add_argument("lie", choices=["offset", "zeros", "nan", "bound", "proj", "pad", "reorder", "honest", "noscale"])
+    p.add_argument("lie", choices=["offset", "zeros", "nan", "bound", "proj", "pad", "reorder", "honest", "noscale",
+                                   "coarse"])
     p.add_argument("--after", type=int, default=0)
     p.add_argument("--segments", type=float, default=1.0)
     p.add_argument("--unchecked", action="store_true")
@@ -94,6 +97,13 @@ def main() -> int:
     def forward(hidden, gate_up, down, fn, weights, biases=None):  # type: ignore[no-untyped-def]
         if args.lie in ("pad", "honest", "noscale") or not lying():
             return honest_forward(hidden, gate_up, down, fn, weights, biases)
+        if args.lie == "coarse":
+            from kvasir_rpc import dequantize_block_fp8, quantize_block_fp8
+
+            def rounded(w):  # type: ignore[no-untyped-def]
+                return dequantize_block_fp8(*quantize_block_fp8(w), w.dtype)
+
+            return honest_forward(hidden, rounded(gate_up), rounded(down), fn, weights, biases)
         if not fn.plain:
             raise SystemExit(f"liar_worker: lies only on the plain expert function, not {fn.describe()}")
         act = fn.act
