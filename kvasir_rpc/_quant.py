@@ -18,6 +18,7 @@ release format: the same keys, ``_scale_inv`` beside each quantized weight, the 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import pathlib
 import re
@@ -49,9 +50,19 @@ def dequantize_block_fp8(q: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.
     if rows % scale_rows or cols % scale_cols:  # transformers refuses it too
         raise ValueError(f"weight [{rows}, {cols}] is not divisible by its scale grid [{scale_rows}, {scale_cols}]")
     block_m, block_n = rows // scale_rows, cols // scale_cols
-    qf = q.to(torch.float32).reshape(-1, scale_rows, block_m, scale_cols, block_n)
+    # float8 to float32 by a table of the 256 codes (exact, as the cast is; twice as fast here).
+    qf = _fp8_table().take(q.view(torch.uint8).long()) if q.dtype == torch.float8_e4m3fn else q.to(torch.float32)
+    qf = qf.reshape(-1, scale_rows, block_m, scale_cols, block_n)
     s = scale_inv.to(torch.float32).reshape(-1, scale_rows, scale_cols).unsqueeze(-1).unsqueeze(2)
     return (qf * s).to(dtype).reshape(rows, cols)
+
+
+@functools.cache
+def _fp8_table() -> torch.Tensor:
+    """Every float8_e4m3fn code's value in float32 (NaN for the two NaN codes)."""
+    import torch
+
+    return torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn).to(torch.float32)
 
 
 def quantize_block_fp8(w: torch.Tensor, block: int = 128) -> tuple[torch.Tensor, torch.Tensor]:

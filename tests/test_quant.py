@@ -135,3 +135,20 @@ def test_an_mxfp4_worker_holds_about_a_quarter_of_the_bfloat16_bytes(tmp_path):
     assert gate_up.shape == (64, 192) and down.shape == (96, 64)  # [H, 2I], [I, H]: gpt-oss's orientation
     assert all(torch.equal(a, b) for a, b in zip(held.dequantize(), (gate_up, down)))
     assert held.nbytes < 0.35 * (gate_up.nbytes + down.nbytes)
+
+
+def test_the_dequantized_cache_keeps_the_most_recently_used_within_its_bytes(fp8_model):
+    from worker._load import load_experts
+
+    index = ExpertIndex(fp8_model)
+    one = sum(t.nbytes for t in index.load(0, 0))  # every expert has the same shape
+    experts = load_experts(fp8_model, "0:0-3", "cpu", dequantized_cache_bytes=2 * one)
+    for e in (0, 1, 0, 2):  # 1 is the least recently used when 2 comes in
+        got = experts.matrices(0, e)
+        assert all(torch.equal(a, b) for a, b in zip(got, index.load(0, e)))
+    assert experts.dequantized_bytes == 2 * one
+    assert set(experts._dequantized) == {(0, 0), (0, 2)}
+    assert experts.matrices(0, 2) is experts.matrices(0, 2)  # served from the cache
+    none = load_experts(fp8_model, "0:0-1", "cpu", dequantized_cache_bytes=0)
+    none.matrices(0, 1)
+    assert none.dequantized_bytes == 0

@@ -94,6 +94,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--cache-dir", type=pathlib.Path, default=DEFAULT_MODEL_CACHE, metavar="DIR",
                    help="with --model URL: where fetched checkpoints are kept, one folder per URL")
     p.add_argument("--experts", default="all", help="slices to serve: all, 0-3:0-15, *:0-7, comma-separated")
+    p.add_argument("--dequantized-cache-mb", type=float, default=256.0, metavar="MB",
+                   help="a quantized checkpoint's (FP8, MXFP4) experts are held as stored and dequantized per call; "
+                        "this many MB of the most recently used stay dequantized (0: none)")
     p.add_argument("--wallet", type=pathlib.Path, default=DEFAULT_WALLET,
                    help="Ed25519 wallet file that is paid for the work (created, mode 0600, if missing)")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda", "mps"],
@@ -250,6 +253,8 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--sessions must be at least 1")
     if args.status_interval <= 0:
         p.error("--status-interval must be positive")
+    if not 0 <= args.dequantized_cache_mb < float("inf"):
+        p.error("--dequantized-cache-mb must be 0 or more")
     url = _tunnel_url(args)
     require_e2e = (args.e2e or ("require" if args.gateway else "auto")) == "require"
     configure_logging("worker", level=args.log_level)
@@ -287,7 +292,8 @@ def main(argv: list[str] | None = None) -> int:
              wallet=wallet.address)
     reporter = LoadReporter(console)
     try:
-        experts = load_experts(index, args.experts, args.device, progress=reporter)
+        experts = load_experts(index, args.experts, args.device, progress=reporter,
+                               dequantized_cache_bytes=int(args.dequantized_cache_mb * (1 << 20)))
         shares = experts.shares(args.sessions)
     except (CheckpointError, SpecError, ValueError, OSError) as exc:
         print(f"worker: {exc}", file=sys.stderr)

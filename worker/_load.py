@@ -9,7 +9,7 @@ from collections.abc import Callable
 import torch
 
 from kvasir_rpc import ExpertIndex, QuantizedWeights, SpecError, expert_digest, parse_expert_spec, slices_digest
-from worker._service import LoadedExperts
+from worker._service import DEFAULT_DEQUANTIZED_CACHE_BYTES, LoadedExperts
 
 __all__ = ["LoadProgress", "load_experts", "pick_device"]
 
@@ -38,7 +38,8 @@ def pick_device(name: str) -> torch.device:
 
 
 def load_experts(model: str | pathlib.Path | ExpertIndex, spec: str, device_name: str, *,
-                 progress: Callable[[LoadProgress], None] | None = None) -> LoadedExperts:
+                 progress: Callable[[LoadProgress], None] | None = None,
+                 dequantized_cache_bytes: int = DEFAULT_DEQUANTIZED_CACHE_BYTES) -> LoadedExperts:
     """Read only the named slices from the checkpoint (lazily, through safetensors).
 
     ``model`` is a checkpoint folder or an ``ExpertIndex`` already opened on one (so a caller
@@ -85,6 +86,7 @@ def load_experts(model: str | pathlib.Path | ExpertIndex, spec: str, device_name
         weights,
         function=index.function,
         biases=biases,
+        dequantized_cache_bytes=dequantized_cache_bytes,
         hidden_size=info.hidden_size,
         dtype=info.dtype,
         device=device,
