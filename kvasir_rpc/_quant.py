@@ -176,20 +176,33 @@ MXFP4_BLOCK = 32  # values per scale (one E8M0 exponent byte per 32 values)
 def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """One expert's MXFP4 weight: ``blocks`` uint8 [out, in / 32, 16] (two float4 values a byte,
     the low nibble first) and ``scales`` uint8 [out, in / 32] (exponents biased by 127), to
-    ``dtype`` [in, out] (transposed, as gpt-oss's experts hold it): transformers'
-    ``convert_moe_packed_tensors`` operation for operation (the table in ``dtype``, then
-    ``ldexp``)."""
+    ``dtype`` [in, out] (transposed, as gpt-oss's experts hold it): the values of transformers'
+    ``convert_moe_packed_tensors``, bit for bit. Each float4 value times its power of two is
+    exact in float32 and rounds once to ``dtype``, as transformers' table in ``dtype`` and its
+    ``ldexp`` give; by a table of the 256 bytes' value pairs, three times faster."""
     import torch
 
     out_rows, groups, half = blocks.shape
-    lut = torch.tensor(FP4_VALUES, dtype=dtype)
-    b = blocks.to(torch.uint8).reshape(out_rows * groups, half)
-    exp = (scales.to(torch.int32) - 127).reshape(out_rows * groups, 1)
-    w = torch.empty(out_rows * groups, half * 2, dtype=dtype)
-    w[:, 0::2] = lut[(b & 0x0F).to(torch.int)]
-    w[:, 1::2] = lut[(b >> 4).to(torch.int)]
-    torch.ldexp(w, exp, out=w)
-    return w.reshape(out_rows, groups * half * 2).transpose(0, 1).contiguous()
+    pairs = _fp4_pair_table().index_select(0, blocks.reshape(-1).to(torch.int64))  # [n, 2] (low, high)
+    values = pairs.reshape(out_rows, groups, half * 2)
+    # The power of two in float32 up to 2^127; the byte 255 (2^128) as 2^127 and a factor 2 more,
+    # so that 0.5 * 2^128 stays finite, as ldexp keeps it.
+    e = scales.to(torch.int32) - 127
+    w = values * torch.exp2(e.clamp(max=127).to(torch.float32))[..., None]
+    if bool((e > 127).any()):
+        w = torch.where((e > 127)[..., None], w * 2.0, w)
+    w = w.to(dtype).reshape(out_rows, groups * half * 2)
+    return w.transpose(0, 1).contiguous()
+
+
+@functools.cache
+def _fp4_pair_table() -> torch.Tensor:
+    """[256, 2] float32: a byte's two float4 values, the low nibble's first."""
+    import torch
+
+    lut = torch.tensor(FP4_VALUES, dtype=torch.float32)
+    codes = torch.arange(256)
+    return torch.stack([lut[codes & 0x0F], lut[codes >> 4]], dim=1).contiguous()
 
 
 def quantize_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

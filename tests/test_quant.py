@@ -120,6 +120,21 @@ def test_mxfp4_dequantizing_is_transformers_own_bit_for_bit():
         assert bool((err <= top / 4 + 1e-12).all())
 
 
+def test_mxfp4_every_byte_and_exponent_dequantizes_as_transformers_does():
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    from kvasir_rpc import dequantize_mxfp4
+
+    # Random bytes (every float4 pair) under every exponent byte, 0 (2^-127) to 255 (2^128).
+    blocks = torch.randint(0, 256, (1, 256, 2, 16), dtype=torch.uint8, generator=torch.Generator().manual_seed(3))
+    scales = torch.arange(256, dtype=torch.int32).to(torch.uint8).reshape(1, 256, 1).repeat(1, 1, 2)
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        ours = dequantize_mxfp4(blocks[0], scales[0], dtype)
+        theirs = convert_moe_packed_tensors(blocks, scales, dtype=dtype)[0]
+        assert torch.equal(ours.isnan(), theirs.isnan()), dtype
+        assert torch.equal(torch.nan_to_num(ours), torch.nan_to_num(theirs)), dtype  # overflow, subnormals too
+
+
 def test_an_mxfp4_worker_holds_about_a_quarter_of_the_bfloat16_bytes(tmp_path):
     from kvasir_rpc import Mxfp4Expert
     from kvasir_rpc.dev.families import make_family_checkpoint
