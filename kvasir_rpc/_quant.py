@@ -23,7 +23,8 @@ import json
 import pathlib
 import re
 import shutil
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import torch
@@ -134,6 +135,22 @@ def write_fp8_release(src: pathlib.Path, dst: pathlib.Path, *, block: int = 128)
     release is laid out: every linear weight but the embeddings, the head, norms and routers in
     float8_e4m3fn with ``<name>_scale_inv`` beside it (same shard), the index updated, and the
     config's ``quantization_config`` (``weight_block_size`` [block, block]). Other files copied."""
+
+    def convert(key: str, t: torch.Tensor) -> dict[str, torch.Tensor] | None:
+        if key.endswith(".weight") and t.dim() == 2 and not _NOT_QUANTIZED.search(key):
+            q, scale_inv = quantize_block_fp8(t, block)
+            return {key: q, key + "_scale_inv": scale_inv}
+        return None
+
+    return _rewrite_release(src, dst, convert, {**_FP8_CONFIG, "weight_block_size": [block, block]})
+
+
+def _rewrite_release(src: pathlib.Path, dst: pathlib.Path,
+                     convert: Callable[[str, torch.Tensor], dict[str, torch.Tensor] | None],
+                     quantization_config: dict[str, Any]) -> pathlib.Path:
+    """``src``'s safetensors shards written to ``dst`` with each tensor ``convert`` turns into
+    others (None: kept as it is), the index's weight map updated, ``quantization_config`` in the
+    config, and every other file copied. Raises ValueError when ``convert`` changed nothing."""
     from safetensors import safe_open
     from safetensors.torch import save_file
 
@@ -142,23 +159,25 @@ def write_fp8_release(src: pathlib.Path, dst: pathlib.Path, *, block: int = 128)
     files = (sorted(set(json.loads(index_path.read_text())["weight_map"].values())) if index_path.exists()
              else sorted(p.name for p in src.glob("*.safetensors")))
     weight_map: dict[str, str] = {}
+    converted = 0
     for name in files:
-        out = {}
+        out: dict[str, torch.Tensor] = {}
         with safe_open(str(src / name), framework="pt") as h:
             for key in h.keys():
                 t = h.get_tensor(key)
-                if key.endswith(".weight") and t.dim() == 2 and not _NOT_QUANTIZED.search(key):
-                    out[key], out[key + "_scale_inv"] = quantize_block_fp8(t, block)
-                else:
-                    out[key] = t
+                new = convert(key, t)
+                converted += new is not None
+                out.update(new if new is not None else {key: t})
         save_file(out, str(dst / name), metadata={"format": "pt"})
         weight_map.update({k: name for k in out})
+    if not converted:
+        raise ValueError(f"{src}: no tensor to quantize ({quantization_config['quant_method']})")
     if index_path.exists():
         index = json.loads(index_path.read_text())
         index["weight_map"] = dict(sorted(weight_map.items()))
         (dst / index_path.name).write_text(json.dumps(index, indent=2) + "\n")
     config = json.loads((src / "config.json").read_text())
-    config["quantization_config"] = {**_FP8_CONFIG, "weight_block_size": [block, block]}
+    config["quantization_config"] = quantization_config
     (dst / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     for p in src.iterdir():
         if p.is_file() and not p.name.endswith(".safetensors") and p.name not in ("config.json", index_path.name):
@@ -260,42 +279,17 @@ def write_mxfp4_release(src: pathlib.Path, dst: pathlib.Path) -> pathlib.Path:
     [E, I, H]) to ``dst`` as gpt-oss's release lays it out: each experts weight as
     ``<name>_blocks`` [E, out, in / 32, 16] and ``<name>_scales`` [E, out, in / 32] (uint8), the
     rest (attention, router, biases, embeddings) as it is, and ``quantization_config``
-    ``{"quant_method": "mxfp4"}``. Other files copied."""
+    ``{"quant_method": "mxfp4"}``. Other files copied. Raises ValueError for a checkpoint
+    without fused experts weights."""
     import torch
-    from safetensors import safe_open
-    from safetensors.torch import save_file
 
-    dst.mkdir(parents=True, exist_ok=True)
-    index_path = src / "model.safetensors.index.json"
-    files = (sorted(set(json.loads(index_path.read_text())["weight_map"].values())) if index_path.exists()
-             else sorted(p.name for p in src.glob("*.safetensors")))
-    weight_map: dict[str, str] = {}
-    quantized = 0
-    for name in files:
-        out = {}
-        with safe_open(str(src / name), framework="pt") as h:
-            for key in h.keys():
-                t = h.get_tensor(key)
-                if key.endswith((".experts.gate_up_proj", ".experts.down_proj")) and t.dim() == 3:
-                    blocks, scales = zip(*(quantize_mxfp4(t[e]) for e in range(t.shape[0])))
-                    out[key + "_blocks"], out[key + "_scales"] = torch.stack(blocks), torch.stack(scales)
-                    quantized += 1
-                else:
-                    out[key] = t
-        save_file(out, str(dst / name), metadata={"format": "pt"})
-        weight_map.update({k: name for k in out})
-    if not quantized:
-        raise ValueError(f"{src}: no fused experts weights (experts.gate_up_proj / down_proj) to write as MXFP4")
-    if index_path.exists():
-        index = json.loads(index_path.read_text())
-        index["weight_map"] = dict(sorted(weight_map.items()))
-        (dst / index_path.name).write_text(json.dumps(index, indent=2) + "\n")
-    config = json.loads((src / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "mxfp4",
-                                     "modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router",
-                                                                "model.embed_tokens", "lm_head"]}
-    (dst / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    for p in src.iterdir():
-        if p.is_file() and not p.name.endswith(".safetensors") and p.name not in ("config.json", index_path.name):
-            shutil.copy2(p, dst / p.name)
-    return dst
+    def convert(key: str, t: torch.Tensor) -> dict[str, torch.Tensor] | None:
+        if key.endswith((".experts.gate_up_proj", ".experts.down_proj")) and t.dim() == 3:
+            blocks, scales = zip(*(quantize_mxfp4(t[e]) for e in range(t.shape[0])))
+            return {key + "_blocks": torch.stack(blocks), key + "_scales": torch.stack(scales)}
+        return None
+
+    return _rewrite_release(src, dst, convert, {
+        "quant_method": "mxfp4",
+        "modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens",
+                                   "lm_head"]})
