@@ -108,9 +108,7 @@ class Placement:
     def _other_function(self, s: session_pb2.Session) -> str:
         """Why the session's announced expert function is not this model's in one of its
         layers ("" when it is)."""
-        functions = getattr(self._weights, "functions", None)
-        if not functions:
-            return ""
+        functions = self._weights.functions
         announced = s.expert_function if s.HasField("expert_function") else None
         for sl in s.slices:
             mine = functions.get(sl.layer)

@@ -16,9 +16,9 @@ import threading
 
 import torch
 
-from kvasir_rpc import ExpertFunction, ExpertIndex, expert_digest, function_of_module, get_logger
+from kvasir_rpc import ExpertIndex, expert_digest, function_of_module, get_logger
 
-__all__ = ["CheckpointWeights", "ExpertTensors", "ExpertWeights", "HeldWeights", "experts_modules", "function_of",
+__all__ = ["CheckpointWeights", "ExpertTensors", "ExpertWeights", "HeldWeights", "experts_modules",
            "load_without_experts"]
 
 # One expert's (gate_up, down, biases) as stored: biases (gate_up_bias, down_bias) or None.
@@ -40,7 +40,7 @@ def experts_modules(model: torch.nn.Module) -> dict[int, torch.nn.Module]:
     ``use_experts_implementation`` declared (it gives each the traits ``has_gate``,
     ``is_concatenated``...): the experts that go through ``ExpertsInterface``. Raises
     ValueError when there are none, or when their declared function is not one this project
-    computes (``function_of``), naming what is missing."""
+    computes (``function_of_module``), naming what is missing."""
     found: dict[int, torch.nn.Module] = {}
     for name, module in model.named_modules():
         layer = layer_of(name)
@@ -50,13 +50,8 @@ def experts_modules(model: torch.nn.Module) -> dict[int, torch.nn.Module]:
         raise ValueError("the model has no experts modules declared with transformers' use_experts_implementation "
                          "(no Mixture-of-Experts layers this project can serve)")
     for module in found.values():
-        function_of(module)
+        function_of_module(module)
     return found
-
-
-def function_of(module: torch.nn.Module) -> ExpertFunction:
-    """The expert function transformers declares for an experts module (``function_of_module``)."""
-    return function_of_module(module)
 
 
 def _fused(module: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
@@ -72,7 +67,7 @@ class ExpertWeights:
     def __init__(self, modules: dict[int, torch.nn.Module]) -> None:
         self.modules = modules
         # What each MoE layer's experts compute (what a worker must announce to be used).
-        self.functions = {layer: function_of(m) for layer, m in modules.items()}
+        self.functions = {layer: function_of_module(m) for layer, m in modules.items()}
 
     def layers(self) -> list[int]:
         """The MoE layers, ascending."""
@@ -224,8 +219,11 @@ def load_without_experts(model_dir: str | os.PathLike[str], index: ExpertIndex |
                     continue
                 if name in scales:
                     scale_file, scale_name = scales[name]
-                    with safe_open(str(scale_file), framework="pt") as hs:
-                        scale = hs.get_tensor(scale_name)
+                    if scale_file == file:  # the releases keep a weight's scales in its shard
+                        scale = h.get_tensor(scale_name)
+                    else:
+                        with safe_open(str(scale_file), framework="pt") as hs:
+                            scale = hs.get_tensor(scale_name)
                     state[target] = dequantize_block_fp8(tensor, scale, like.dtype)
                 elif tensor.dtype == torch.float8_e4m3fn:
                     raise CheckpointError(f"{model_dir}: {name} is stored in FP8 without its {name}_scale_inv")

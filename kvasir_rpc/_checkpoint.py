@@ -30,7 +30,7 @@ import sys
 from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from kvasir_rpc.protocol import WEIGHTS_DIGEST_DOMAIN
 
@@ -366,9 +366,8 @@ class ExpertIndex:
             raise CheckpointError(f"{self.model_dir}: some experts have biases and some do not")
         transposed = self.quant == "mxfp4"  # dequantized to [in, out], as gpt-oss's experts hold them
         if "gate_up_proj" in slot:
-            shapes = _tensor_shapes(self.model_dir)
             hidden, inter = self.info.hidden_size, self.info.intermediate_size
-            gu, down = shapes.get(slot["gate_up_proj"].key), shapes.get(slot["down_proj"].key)
+            gu, down = self._shape(slot["gate_up_proj"]), self._shape(slot["down_proj"])
             if gu is not None and down is not None:
                 stored = ([hidden, 2 * inter], [inter, hidden])
                 plain = ([2 * inter, hidden], [hidden, inter])
@@ -423,6 +422,15 @@ class ExpertIndex:
             if loc.index is None:
                 return h.get_tensor(loc.key)
             return h.get_slice(loc.key)[loc.index]
+
+    def _shape(self, loc: _Loc) -> list[int] | None:
+        """The whole stored tensor's shape at ``loc`` (a fused one's [E, ...]), from its file's
+        header alone; None where the header does not say."""
+        try:
+            with safe_open(str(loc.file), framework="pt") as h:
+                return list(h.get_slice(loc.key).get_shape())
+        except (OSError, SafetensorError):  # a missing or damaged file: the reads say what is wrong
+            return None
 
     def biases(self, layer: int, expert: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         """``(gate_up_bias [2I], down_bias [H])`` of one expert (read once, then kept: they are

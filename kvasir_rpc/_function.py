@@ -13,7 +13,7 @@ operation as transformers' eager experts do; the hello and the model card carry 
 (``function.proto``), so a worker written from docs/PROTOCOL.md knows what to compute.
 
 The backbone reads the function from transformers' own declaration of the experts module
-(``backbone._weights.function_of``); a worker, which does not import transformers, from the
+(``function_of_module``); a worker, which does not import transformers, from the
 checkpoint (``ExpertIndex.function``: the config and the expert tensors' names and shapes); the
 backbone uses a worker only when the two agree.
 """

@@ -40,7 +40,8 @@ def judge(model_type: str, folder: pathlib.Path, *, dtype: str = "float32") -> s
         return f"not served: a worker cannot read its experts: {str(exc).replace(str(folder) + '/', '')}"
     from backbone._experts import Dispatcher
     from backbone._generate import load_model
-    from backbone._weights import experts_modules, function_of
+    from backbone._weights import experts_modules
+    from kvasir_rpc import function_of_module
 
     try:
         model, _ = load_model(folder)
@@ -51,7 +52,7 @@ def judge(model_type: str, folder: pathlib.Path, *, dtype: str = "float32") -> s
     except ValueError as exc:
         return f"not served: {exc}"
     for layer, module in modules.items():
-        declared = function_of(module)
+        declared = function_of_module(module)
         if index.function != declared:
             return (f"not served: a worker reads the expert function {index.function.describe()} from the checkpoint; "
                     f"transformers declares {declared.describe()}")

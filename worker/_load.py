@@ -63,9 +63,9 @@ def load_experts(model: str | pathlib.Path | ExpertIndex, spec: str, device_name
     for i, (layer, e) in enumerate(todo):
         bias = index.biases(layer, e)
         if index.quantized:
-            # Kept as the checkpoint stores it (FP8 and scales: about half the bfloat16 bytes; MXFP4:
-            # about a quarter),
-            # dequantized for each call; digested as the weights it computes with.
+            # Kept as the checkpoint stores it (FP8 and scales: about half the bfloat16 bytes;
+            # MXFP4: about a quarter), dequantized for each call; digested as the weights it
+            # computes with.
             quantized = index.load_quantized(layer, e)
             gate_up, down = quantized.dequantize()
             weights[(layer, e)] = quantized.to(device)
