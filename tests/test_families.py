@@ -134,30 +134,23 @@ def test_a_family_as_released_is_served_exact_by_the_swarm(model_type, tmp_path)
             assert credited[s.session_id] == s.work_bytes > 0
 
 
-def test_a_worker_announcing_another_function_gets_no_rows_and_the_output_stays_exact(tmp_path, monkeypatch):
+def test_a_worker_announcing_another_function_gets_no_rows_and_the_output_stays_exact(tmp_path):
     # A stranger holding gpt-oss's weights (digest right) that announces the plain SwiGLU: the
     # backbone does not route to it; its experts are computed here, the tokens stay exact, and
     # it earns nothing.
-    import os
-    import pathlib as _pathlib
+    from helpers import swarm_with_dishonest
 
     from kvasir_rpc.dev.families import make_family_checkpoint
 
-    tests = _pathlib.Path(__file__).resolve().parent
+    liar_worker = str(pathlib.Path(__file__).with_name("liar_worker.py"))
     model = make_family_checkpoint(tmp_path / "model", "gpt_oss", dtype="bfloat16", shard="100KB")
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(p for p in (str(tests.parent), os.environ.get("PYTHONPATH")) if p))
     with LocalSwarm(tmp_path / "swarm") as sw:
-        sw.start_hub(extra=["--model", str(model)])
-        sw.start_worker("honest", model, "*:0-3")
-        sw.start_worker("plain", model, "*:4-7",
-                        launcher=(str(tests / "liar_worker.py"), "honest", "--announce-plain", "--"))
-        sw.wait_sessions(2, watch=["honest", "plain"])
+        plain, honest = swarm_with_dishonest(sw, model, "plain", (liar_worker, "honest", "--announce-plain", "--"))
+        assert plain.expert_function.gate == 1 and not plain.expert_function.interleaved  # as the hub lists it
         result = sw.run_backbone(["--model", str(model), "--prompt", "another function", "--max-new-tokens", "6",
                                   "--compare-local", "--wait-sessions", "2", "--json"])
         assert result["backbone_exit_code"] == 0, result
         assert result["tokens_identical"] is True and result["max_abs_logit_diff"] == 0.0
-        assert result["remote_rows"] > 0 and result["local_rows"] > 0  # experts 4-7 computed here
-        by_wallet = {s.session_id: s for s in sw.list_sessions()}
-        plain = [s for s in by_wallet.values() if s.expert_function.gate == 1 and not s.expert_function.interleaved]
-        assert len(plain) == 1 and plain[0].work_bytes == 0
-        assert [s for s in by_wallet.values() if s is not plain[0]][0].work_bytes > 0
+        assert result["remote_rows"] > 0 and result["local_rows"] > 0  # the plain worker's experts computed here
+        work = {s.session_id: s.work_bytes for s in sw.list_sessions()}
+        assert work[plain.session_id] == 0 and work[honest.session_id] > 0

@@ -15,6 +15,7 @@ import signal
 import time
 
 import pytest
+from helpers import wait_until
 
 from kvasir_rpc.dev.swarm import LocalSwarm, free_port
 
@@ -80,13 +81,6 @@ def access_log(sw: LocalSwarm) -> list[tuple[int, int, str, str]]:
     return out
 
 
-def wait_for(what: str, check, timeout: float = 60.0) -> None:  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout
-    while not check():
-        assert time.monotonic() < deadline, f"no {what} after {timeout}s"
-        time.sleep(0.05)
-
-
 def test_a_worker_fetches_only_its_slice_from_nginx_resumes_and_serves_exact(tmp_path):
     nginx = find_nginx()
     if nginx is None:
@@ -111,8 +105,8 @@ def test_a_worker_fetches_only_its_slice_from_nginx_resumes_and_serves_exact(tmp
         # The first worker is killed (SIGKILL) while it waits to retry the blocked shard's 503.
         t0 = time.monotonic()
         sw.start_worker("killed", url, SPEC, extra=["--cache-dir", str(cache)])
-        wait_for("503 in nginx's access log", lambda: (sw.logs / "access.log").exists()
-                 and any(s == 503 for s, *_ in access_log(sw)))
+        wait_until(lambda: (sw.logs / "access.log").exists() and any(s == 503 for s, *_ in access_log(sw)),
+                   60.0, "a 503 in nginx's access log")
         sw.stop_process("killed", sig=signal.SIGKILL)
         first = access_log(sw)
         [folder] = cache.iterdir()

@@ -7,10 +7,10 @@ scales is refused on its first call and earns nothing."""
 
 from __future__ import annotations
 
-import os
 import pathlib
 
 import pytest
+from helpers import swarm_with_dishonest
 
 from kvasir_rpc.dev.families import make_family_checkpoint
 from kvasir_rpc.dev.swarm import LocalSwarm
@@ -50,22 +50,13 @@ def test_a_quantized_release_is_served_exact(model_type, quant, tmp_path):
             assert credited[s.session_id] == s.work_bytes > 0
 
 
-@pytest.fixture
-def with_liar(tmp_path, monkeypatch):  # type: ignore[no-untyped-def]
-    """``start(model, lie)``: a swarm (ledger, hub) with an honest worker on experts 0-3 and
-    tests/liar_worker.py LIE on 4-7, both joined; the swarm is stopped at the test's end."""
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(p for p in (str(TESTS.parent), os.environ.get("PYTHONPATH"))
-                                                     if p))
-    with LocalSwarm(tmp_path / "swarm") as sw:
-        def start(model: pathlib.Path, lie: str) -> LocalSwarm:
-            sw.start_ledger()
-            sw.start_hub(receipt_interval=0.5, extra=["--model", str(model)])
-            sw.start_worker("honest", model, "*:0-3")
-            sw.start_worker(lie, model, "*:4-7", launcher=(str(TESTS / "liar_worker.py"), lie, "--"))
-            sw.wait_sessions(2, watch=["honest", lie])
-            return sw
+LIAR = str(TESTS / "liar_worker.py")
 
-        yield start
+
+def _with(sw: LocalSwarm, model: pathlib.Path, lie: str) -> str:
+    """Ledger, hub, an honest worker and tests/liar_worker.py LIE, joined; the liar's session."""
+    liar, _ = swarm_with_dishonest(sw, model, lie, (LIAR, lie, "--"))
+    return str(liar.session_id)
 
 
 def _decode(sw: LocalSwarm, model: pathlib.Path, *extra: str) -> dict:  # type: ignore[type-arg]
@@ -73,31 +64,35 @@ def _decode(sw: LocalSwarm, model: pathlib.Path, *extra: str) -> dict:  # type: 
                             "--max-new-tokens", "8", "--compare-local", "--wait-sessions", "2", "--json", *extra])
 
 
-def test_a_worker_that_drops_the_fp8_scales_is_refused_and_earns_nothing(tmp_path, with_liar):
+def test_a_worker_that_drops_the_fp8_scales_is_refused_and_earns_nothing(tmp_path):
     model = make_family_checkpoint(tmp_path / "model", "qwen3_moe", dtype="bfloat16", quant="fp8", block=BLOCK)
-    sw = with_liar(model, "noscale")
-    result = _decode(sw, model, "--require-bitwise")
-    assert result["backbone_exit_code"] == 0 and result["verdict"] == "bitwise equal", result
-    assert len(result["sessions_quarantined"]) == 1 and result["row_check_refusals"] >= 1
-    liar = result["sessions_quarantined"][0]
-    sessions = [s for s in sw.list_sessions() if s.session_id != liar]
-    credited = sw.wait_credited(sessions)
-    assert all(credited[s.session_id] == s.work_bytes > 0 for s in sessions)
+    with LocalSwarm(tmp_path / "swarm") as sw:
+        liar = _with(sw, model, "noscale")
+        result = _decode(sw, model, "--require-bitwise")
+        assert result["backbone_exit_code"] == 0 and result["verdict"] == "bitwise equal", result
+        assert result["sessions_quarantined"] == [liar] and result["row_check_refusals"] >= 1
+        sessions = [s for s in sw.list_sessions() if s.session_id != liar]
+        credited = sw.wait_credited(sessions)
+        assert all(credited[s.session_id] == s.work_bytes > 0 for s in sessions)
 
 
-def test_an_honest_worker_summing_in_another_order_on_fp8_is_never_caught(tmp_path, with_liar):
+def test_an_honest_worker_summing_in_another_order_on_fp8_is_never_caught(tmp_path):
     model = make_family_checkpoint(tmp_path / "model", "qwen3_moe", dtype="bfloat16", quant="fp8", block=BLOCK)
-    result = _decode(with_liar(model, "reorder"), model, "--audit-rate", "1")
-    assert result["backbone_exit_code"] == 0, result
-    assert result["sessions_quarantined"] == [] and result["fallback_calls"] == 0
-    assert result["audited_rows"] == result["remote_rows"] > 0
-    assert result["verdict"] in ("bitwise equal", "within the audit bound, tokens identical")
+    with LocalSwarm(tmp_path / "swarm") as sw:
+        _with(sw, model, "reorder")
+        result = _decode(sw, model, "--audit-rate", "1")
+        assert result["backbone_exit_code"] == 0, result
+        assert result["sessions_quarantined"] == [] and result["fallback_calls"] == 0
+        assert result["audited_rows"] == result["remote_rows"] > 0
+        assert result["verdict"] in ("bitwise equal", "within the audit bound, tokens identical")
 
 
-def test_a_worker_that_rounds_bfloat16_experts_to_fp8_is_refused(tmp_path, with_liar):
+def test_a_worker_that_rounds_bfloat16_experts_to_fp8_is_refused(tmp_path):
     # A coarser format than the checkpoint's (half the memory, 1/16 of each value off): the row
     # checks refuse its first answer; the output is the local run's, bit for bit.
     model = make_family_checkpoint(tmp_path / "model", "qwen3_moe", dtype="bfloat16")
-    result = _decode(with_liar(model, "coarse"), model, "--require-bitwise")
-    assert result["backbone_exit_code"] == 0 and result["verdict"] == "bitwise equal", result
-    assert len(result["sessions_quarantined"]) == 1 and result["row_check_refusals"] >= 1
+    with LocalSwarm(tmp_path / "swarm") as sw:
+        liar = _with(sw, model, "coarse")
+        result = _decode(sw, model, "--require-bitwise")
+        assert result["backbone_exit_code"] == 0 and result["verdict"] == "bitwise equal", result
+        assert result["sessions_quarantined"] == [liar] and result["row_check_refusals"] >= 1
