@@ -15,7 +15,7 @@ import torch
 from backbone._attempt import DecodeAttempt, ReplayNeeded
 from backbone._experts import IMPLEMENTATION, Dispatcher, install
 from backbone._weights import load_without_experts
-from kvasir_rpc import get_logger, threads_initializer
+from kvasir_rpc import decompress_now, get_logger, threads_initializer
 
 if TYPE_CHECKING:
     from transformers import DynamicCache
@@ -42,6 +42,7 @@ def load_model(model_dir: str | pathlib.Path, *, experts: str = "all"):  # type:
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
     if experts == "all":
         model = AutoModelForCausalLM.from_pretrained(str(model_dir), local_files_only=True, dtype="auto")
+        decompress_now(model)  # compressed-tensors: once, not racing in the first forwards of two groups
     elif experts == "on-demand":
         model = load_without_experts(model_dir)
     else:

@@ -175,7 +175,13 @@ def load_without_experts(model_dir: str | os.PathLike[str], index: ExpertIndex |
     from transformers.conversion_mapping import get_model_conversion_mapping
     from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
 
-    from kvasir_rpc import CheckpointError, dequantize_block_fp8
+    from kvasir_rpc import (
+        CT_COMPANIONS,
+        CheckpointError,
+        dequantize_block_fp8,
+        dequantize_ct_dense,
+        quantize_ct_activations,
+    )
 
     model_dir = pathlib.Path(model_dir)
     index = index if index is not None else ExpertIndex(model_dir)
@@ -189,14 +195,34 @@ def load_without_experts(model_dir: str | os.PathLike[str], index: ExpertIndex |
     renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
     converters = [t for t in transforms if isinstance(t, WeightConverter)]
     by_file: dict[pathlib.Path, dict[str, str]] = {}
+    ct_modules: dict[str, dict[str, tuple[pathlib.Path, str]]] = {}
     unexpected: list[str] = []
     others = index.other_tensors()
     # A block-FP8 release keeps each quantized weight's scales beside it: the weight is
     # dequantized as transformers' from_pretrained does (the same formula, the same bits).
     scales = {name[: -len("_scale_inv")]: (file, name) for name, file in others.items()
               if name.endswith(".weight_scale_inv")}
+    # A compressed-tensors release keeps a module's weight_scale (and, packed, weight_packed and
+    # weight_shape) beside or instead of its weight: dequantized by compressed-tensors' own
+    # decompressor, as transformers does. {the module's weight name: {local name: (file, name)}}
+    ct_config = index.quantization_config() if index.ct is not None else None
+    compressed: dict[str, dict[str, tuple[pathlib.Path, str]]] = {}
+    if ct_config is not None:
+        for name, file in others.items():
+            module, _, leaf = name.rpartition(".")
+            if leaf in CT_COMPANIONS or (leaf == "weight" and module + ".weight_scale" in others):
+                compressed.setdefault(module + ".weight", {})[leaf] = (file, name)
     for name, file in sorted(others.items()):
         if name.endswith(".weight_scale_inv"):
+            continue
+        if name in compressed or (name.rpartition(".")[0] + ".weight") in compressed:
+            if name.endswith(".weight_scale"):  # one entry per module: its scale's
+                target, _ = rename_source_key(name[: -len("_scale")], renamings, converters,
+                                              model.base_model_prefix, wanted)
+                if target in wanted:
+                    ct_modules[target] = compressed[name[: -len("_scale")]]
+                else:
+                    unexpected.append(name)
             continue
         target, converter = rename_source_key(name, renamings, converters, model.base_model_prefix, wanted)
         if converter is not None:
@@ -209,6 +235,22 @@ def load_without_experts(model_dir: str | os.PathLike[str], index: ExpertIndex |
 
     state: dict[str, torch.Tensor] = {}
     mismatched: list[str] = []
+    for target, parts in sorted(ct_modules.items()):
+        assert ct_config is not None
+        tensors = {}
+        for leaf, (file, name) in parts.items():
+            with safe_open(str(file), framework="pt") as h:
+                tensors[leaf] = h.get_tensor(name)
+        like = wanted[target]
+        try:
+            weight = dequantize_ct_dense(ct_config, tensors, like.dtype)
+        except (ValueError, KeyError, RuntimeError) as exc:
+            raise CheckpointError(f"{model_dir}: {target} cannot be decompressed ({type(exc).__name__}: {exc}); load "
+                                  "this checkpoint with every expert (--expert-weights all)") from None
+        if weight.shape != like.shape:
+            mismatched.append(f"{target}: {list(weight.shape)} decompressed, {list(like.shape)} in the model")
+        else:
+            state[target] = weight
     for file, names in sorted(by_file.items()):
         with safe_open(str(file), framework="pt") as h:
             for name, target in names.items():
@@ -254,6 +296,11 @@ def load_without_experts(model_dir: str | os.PathLike[str], index: ExpertIndex |
             tensor._is_hf_initialized = True
     model.initialize_weights()
     model.tie_weights()
+    if ct_config is not None:  # FP8_DYNAMIC's per-token FP8 inputs to the dense layers, as transformers runs them
+        try:
+            quantize_ct_activations(model, ct_config)
+        except ValueError as exc:
+            raise CheckpointError(f"{model_dir}: {exc}") from None
     try:
         model.generation_config = GenerationConfig.from_pretrained(str(model_dir), local_files_only=True)
     except OSError:

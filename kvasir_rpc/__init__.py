@@ -136,13 +136,19 @@ if TYPE_CHECKING:  # the real names, for type checkers; at run time __getattr__ 
     )
     from kvasir_rpc._function import ExpertFunction, announced_mismatch, as_function, function_of_module
     from kvasir_rpc._quant import (
+        CT_COMPANIONS,
+        CtExpert,
         Mxfp4Expert,
         QuantizedExpert,
         QuantizedWeights,
+        decompress_now,
         dequantize_block_fp8,
+        dequantize_ct_dense,
         dequantize_mxfp4,
         quantize_block_fp8,
+        quantize_ct_activations,
         quantize_mxfp4,
+        write_ct_release,
         write_fp8_release,
         write_mxfp4_release,
     )
@@ -291,6 +297,12 @@ _LAZY = {
     "dequantize_block_fp8": "kvasir_rpc._quant",
     "quantize_block_fp8": "kvasir_rpc._quant",
     "write_fp8_release": "kvasir_rpc._quant",
+    "CT_COMPANIONS": "kvasir_rpc._quant",
+    "CtExpert": "kvasir_rpc._quant",
+    "dequantize_ct_dense": "kvasir_rpc._quant",
+    "write_ct_release": "kvasir_rpc._quant",
+    "quantize_ct_activations": "kvasir_rpc._quant",
+    "decompress_now": "kvasir_rpc._quant",
     "expert_forward": "kvasir_rpc._kernel",
     "expert_forward_projections": "kvasir_rpc._kernel",
     "plan_routes": "kvasir_rpc._kernel",

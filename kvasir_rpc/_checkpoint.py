@@ -38,7 +38,7 @@ if TYPE_CHECKING:
     import torch
 
     from kvasir_rpc._function import ExpertFunction
-    from kvasir_rpc._quant import QuantizedWeights
+    from kvasir_rpc._quant import CtScheme, QuantizedWeights
 
 __all__ = [
     "CHECKPOINT_HINT",
@@ -54,7 +54,8 @@ __all__ = [
 
 _PER_EXPERT = re.compile(
     r"^(?P<prefix>.*?)layers\.(?P<layer>\d+)\.(?:mlp|block_sparse_moe|ffn)\.experts\.(?P<expert>\d+)\."
-    r"(?P<proj>gate_proj|up_proj|down_proj|w1|w2|w3)\.(?P<kind>weight|weight_scale_inv)$"
+    r"(?P<proj>gate_proj|up_proj|down_proj|w1|w2|w3)\.(?P<kind>weight|weight_scale_inv|weight_scale|weight_packed"
+    r"|weight_shape|weight_zero_point|weight_g_idx)$"
 )
 _FUSED = re.compile(
     r"^(?P<prefix>.*?)layers\.(?P<layer>\d+)\.(?:mlp|block_sparse_moe)\."
@@ -63,6 +64,11 @@ _FUSED = re.compile(
     r"|(?P<old>input_linear|output_linear|experts\.fc1|experts\.fc2)\.weight)$"
 )
 _PROJ = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up", "down_proj": "down", "w2": "down"}
+# A per-expert weight's companions, by the suffix its slot name takes: a block-FP8 release's
+# weight_scale_inv; a compressed-tensors release's weight_scale, weight_packed, weight_shape
+# (and the zero points and activation orders it may have, refused in ExpertIndex).
+_KIND = {"weight": "", "weight_scale_inv": "_scale", "weight_scale": "_scale", "weight_packed": "_packed",
+         "weight_shape": "_shape", "weight_zero_point": "_zero_point", "weight_g_idx": "_g_idx"}
 # The fused tensors' older names that transformers' conversion mapping renames on load.
 _OLD_FUSED = {"input_linear": "gate_up_proj", "output_linear": "down_proj", "experts.fc1": "gate_up_proj",
               "experts.fc2": "down_proj"}
@@ -321,9 +327,7 @@ class ExpertIndex:
             for key in keys:
                 if m := _PER_EXPERT.match(key):
                     slot = self._locs.setdefault((int(m["layer"]), int(m["expert"])), {})
-                    # A block-FP8 release keeps each weight's scales beside it (weight_scale_inv).
-                    suffix = "_scale" if m["kind"] == "weight_scale_inv" else ""
-                    slot[_PROJ[m["proj"]] + suffix] = _Loc(file, key, None)
+                    slot[_PROJ[m["proj"]] + _KIND[m["kind"]]] = _Loc(file, key, None)
                 elif m := _FUSED.match(key):
                     layer, proj = int(m["layer"]), _fused_proj(m)
                     for e in range(self.info.num_experts):
@@ -332,7 +336,8 @@ class ExpertIndex:
                 else:
                     self._others[key] = file
         forms = ({"gate", "up", "down"}, {"gate_up_proj", "down_proj"},
-                 {"gate_up_proj_blocks", "gate_up_proj_scales", "down_proj_blocks", "down_proj_scales"})
+                 {"gate_up_proj_blocks", "gate_up_proj_scales", "down_proj_blocks", "down_proj_scales"},
+                 {"gate_packed", "up_packed", "down_packed"})
         incomplete = [k for k, v in self._locs.items() if not any(f <= v.keys() for f in forms)]
         if incomplete:
             raise CheckpointError(f"{self.model_dir}: experts with missing projections: {sorted(incomplete)[:8]}")
@@ -340,9 +345,15 @@ class ExpertIndex:
             raise CheckpointError(f"{self.model_dir}: no expert tensors found in the safetensors files")
         scaled = [("gate_scale" in v, "up_scale" in v, "down_scale" in v) for v in self._locs.values()]
         # How the experts are quantized: "fp8" (block FP8, weight_scale_inv beside each weight),
-        # "mxfp4" (gpt-oss's *_blocks and *_scales), or None.
+        # "mxfp4" (gpt-oss's *_blocks and *_scales), "ct-fp8" or "ct-int" (compressed-tensors:
+        # self.ct says how), or None.
         self.quant: str | None = None
-        if any(any(t) for t in scaled):
+        self.ct: CtScheme | None = None
+        quantization = self.quantization_config()
+        if quantization.get("quant_method") == "compressed-tensors":
+            self.ct = self._read_ct(quantization)
+            self.quant = self.ct.kind
+        elif any(any(t) for t in scaled):
             if not all(all(t) for t in scaled):
                 raise CheckpointError(f"{self.model_dir}: some expert weights have FP8 scales (weight_scale_inv) and "
                                       "some do not")
@@ -353,6 +364,37 @@ class ExpertIndex:
             self.quant = "mxfp4"
         self.quantized = self.quant is not None
         self.function = self._read_function()
+
+    def quantization_config(self) -> dict[str, Any]:
+        """The config's ``quantization_config`` ({} when there is none)."""
+        cfg, text, _, _ = _moe_config(self.model_dir / "config.json")
+        found = cfg.get("quantization_config") or text.get("quantization_config") or {}
+        return found if isinstance(found, dict) else {}
+
+    def _read_ct(self, quantization: dict[str, Any]) -> CtScheme:
+        """A compressed-tensors checkpoint's experts scheme, checked against the tensors: each
+        expert has every tensor its kind needs (``CT_TENSORS``) and none it cannot use (zero
+        points, activation orders). Raises CheckpointError, saying what is served."""
+        from kvasir_rpc._quant import CT_TENSORS, ct_experts_scheme
+
+        try:
+            ct = ct_experts_scheme(quantization)
+        except ImportError as exc:
+            raise CheckpointError(f"{self.model_dir}: a compressed-tensors checkpoint needs the compressed-tensors "
+                                  f"package ({exc}); reinstall kvasir-rpc") from None
+        except ValueError as exc:
+            raise CheckpointError(f"{self.model_dir / 'config.json'}: {exc}") from None
+        suffixes = {_KIND[name] for name in CT_TENSORS[ct.kind]}
+        needed = {proj + suffix for proj in ("gate", "up", "down") for suffix in suffixes}
+        for key, slot in sorted(self._locs.items()):
+            if not needed <= slot.keys():
+                raise CheckpointError(f"{self.model_dir}: expert {key} lacks {sorted(needed - slot.keys())} for "
+                                      f"{ct.describe()} (is it per-expert, as compressed-tensors stores it?)")
+            extra = sorted(k for k in slot if k.endswith(("_zero_point", "_g_idx")))
+            if extra:
+                raise CheckpointError(f"{self.model_dir}: expert {key} has {extra}: zero points and activation "
+                                      f"orders are not served ({ct.describe()} expected)")
+        return ct
 
     def _read_function(self) -> ExpertFunction:
         """The expert function, from the config and the expert tensors (docs/PROTOCOL.md
@@ -473,11 +515,15 @@ class ExpertIndex:
         about half its bfloat16 size; MXFP4: its blocks and scales, about a quarter), to
         dequantize when computing. Raises KeyError if absent, CheckpointError when the
         checkpoint is not quantized."""
-        from kvasir_rpc._quant import Mxfp4Expert, QuantizedExpert
+        from kvasir_rpc._quant import CT_TENSORS, CtExpert, Mxfp4Expert, QuantizedExpert
 
         if not self.quantized:
             raise CheckpointError(f"{self.model_dir}: not a quantized checkpoint")
         slot = self._locs[(layer, expert)]
+        if self.ct is not None:
+            names = CT_TENSORS[self.ct.kind]
+            parts = {p: {n: self._read(slot[p + _KIND[n]]).contiguous() for n in names} for p in ("gate", "up", "down")}
+            return CtExpert(self.ct.kind, self.ct.scheme, parts, dtype=self.info.dtype)
         if self.quant == "mxfp4":
             m = {p: self._read(slot[p]).contiguous() for p in ("gate_up_proj_blocks", "gate_up_proj_scales",
                                                                 "down_proj_blocks", "down_proj_scales")}

@@ -29,8 +29,10 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["FP4_VALUES", "FP8_MAX", "Mxfp4Expert", "QuantizedExpert", "QuantizedWeights", "dequantize_block_fp8",
-           "dequantize_mxfp4", "quantize_block_fp8", "quantize_mxfp4", "write_fp8_release", "write_mxfp4_release"]
+__all__ = ["CT_COMPANIONS", "CT_KINDS", "CT_TENSORS", "FP4_VALUES", "FP8_MAX", "CtExpert", "CtScheme", "Mxfp4Expert", "QuantizedExpert",
+           "QuantizedWeights", "ct_experts_scheme", "decompress_now", "dequantize_block_fp8", "dequantize_ct", "dequantize_ct_dense",
+           "dequantize_mxfp4", "quantize_block_fp8", "quantize_ct_activations", "quantize_mxfp4", "write_ct_release", "write_fp8_release",
+           "write_mxfp4_release"]
 
 #: The largest finite float8_e4m3fn.
 FP8_MAX = 448.0
@@ -293,3 +295,247 @@ def write_mxfp4_release(src: pathlib.Path, dst: pathlib.Path) -> pathlib.Path:
         "quant_method": "mxfp4",
         "modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens",
                                    "lm_head"]})
+
+
+# --- compressed-tensors (llm-compressor's releases: most community FP8 and int4 checkpoints) ---
+
+#: What ``ExpertIndex.quant`` says of a compressed-tensors checkpoint, by its experts' format.
+CT_KINDS = {"float-quantized": "ct-fp8", "pack-quantized": "ct-int"}
+#: The tensors each kind keeps beside a weight (by projection), as the checkpoint names them.
+CT_TENSORS = {"ct-fp8": ("weight", "weight_scale"), "ct-int": ("weight_packed", "weight_scale", "weight_shape")}
+
+
+@dataclasses.dataclass(frozen=True)
+class CtScheme:
+    """How a compressed-tensors checkpoint quantizes its experts: ``kind`` ("ct-fp8", float8
+    weights with a scale per output row or per tensor; "ct-int", symmetric integers of ``bits``
+    packed eight (4-bit) to an int32, a scale per ``group_size`` inputs or per row), and the
+    package's scheme object (``compressed_tensors.quantization.QuantizationScheme``)."""
+
+    kind: str
+    bits: int
+    strategy: str
+    group_size: int | None
+    scheme: Any
+
+    def describe(self) -> str:
+        if self.kind == "ct-fp8":
+            return f"compressed-tensors FP8 (scale per {self.strategy})"
+        per = f"group of {self.group_size}" if self.strategy == "group" else self.strategy
+        return f"compressed-tensors int{self.bits} weight-only (symmetric, scale per {per})"
+
+
+def ct_experts_scheme(quantization_config: dict[str, Any]) -> CtScheme:
+    """The scheme of the config group quantizing the experts (the group transformers picks,
+    ``get_experts_scheme``: the one whose ``re:`` targets name the experts, else the first
+    class-name group). Raises ValueError, in a line that says what is served, for what
+    transformers cannot load exactly on a CPU or this project does not serve: asymmetric
+    integers (transformers' fused experts drop the zero points), FP8 in blocks (transformers
+    cannot broadcast the scales), sparse formats, NVFP4/MXFP4 and other formats (activation
+    orders stored as ``weight_g_idx`` are refused by ``ExpertIndex``, which sees the tensors)."""
+    from transformers.integrations.compressed_tensors import get_experts_scheme
+
+    served = ("served: float-quantized FP8 with a scale per channel or tensor, and pack-quantized symmetric "
+              "integers (W4A16, W8A16) with a scale per group or channel")
+    if quantization_config.get("sparsity_config"):
+        raise ValueError(f"sparse compressed-tensors checkpoints are not served ({served})")
+    config = _ct_config(quantization_config)
+    if not config.config_groups:
+        raise ValueError("quantization_config has no config_groups: nothing says how the experts are stored")
+    scheme = get_experts_scheme(config)
+    weights = scheme.weights
+    fmt = str(scheme.format or config.format)
+    kind = CT_KINDS.get(fmt)
+    if weights is None or kind is None:
+        raise ValueError(f"experts in compressed-tensors format {fmt!r} are not served ({served})")
+    strategy = str(getattr(weights.strategy, "value", weights.strategy))
+    typ = str(getattr(weights.type, "value", weights.type))
+    if kind == "ct-fp8" and not (typ == "float" and weights.num_bits == 8 and strategy in ("channel", "tensor")):
+        raise ValueError(f"float-quantized experts of {weights.num_bits} bits per {strategy} are not served ({served})")
+    if kind == "ct-int":
+        if typ != "int" or strategy not in ("group", "channel"):
+            raise ValueError(f"pack-quantized {typ} experts per {strategy} are not served ({served})")
+        if not weights.symmetric:
+            raise ValueError("asymmetric integer experts (zero points) are not served: transformers' fused experts "
+                             f"drop the zero points, so no exact reference exists ({served})")
+    return CtScheme(kind, int(weights.num_bits), strategy, weights.group_size, scheme)
+
+
+def _ct_config(quantization_config: dict[str, Any]) -> Any:
+    """The config as compressed-tensors reads it (its ``QuantizationConfig``; the keys only
+    transformers reads left out). Raises ValueError for one it cannot read."""
+    from compressed_tensors.quantization import QuantizationConfig
+
+    try:
+        return QuantizationConfig.model_validate(
+            {k: v for k, v in quantization_config.items() if k not in ("quant_method", "sparsity_config",
+                                                                       "transform_config", "version")})
+    except Exception as exc:  # pydantic's ValidationError (what and where), or whatever it raises
+        errors = getattr(exc, "errors", None)
+        first = errors()[0] if callable(errors) and errors() else None
+        said = (f"{'.'.join(str(x) for x in first['loc'])}: {first['msg']}" if first
+                else str(exc).strip().splitlines()[0])
+        raise ValueError(f"quantization_config is not a compressed-tensors config compressed-tensors reads: {said}"
+                         ) from None
+
+
+def dequantize_ct(kind: str, scheme: Any, tensors: dict[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+    """One compressed-tensors weight ([out, in]) in ``dtype``, as transformers' loader gives it
+    (``CompressedTensorsDequantize``): FP8 times its scale in float32, rounded once; packed
+    integers through compressed-tensors' own decompressor (the code transformers runs)."""
+    import torch
+
+    if kind == "ct-fp8":
+        q, scale = tensors["weight"], tensors["weight_scale"]
+        qf = _fp8_table().take(q.view(torch.uint8).long()) if q.dtype == torch.float8_e4m3fn else q.to(torch.float32)
+        return (qf * scale.to(torch.float32)).to(dtype)
+    from compressed_tensors.compressors import BaseCompressor
+
+    compressor = BaseCompressor.get_value_from_registry("pack-quantized")
+    return compressor.decompress(dict(tensors), scheme)["weight"].to(dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class CtExpert(QuantizedWeights):
+    """One expert of a compressed-tensors checkpoint as stored: per projection (``gate``,
+    ``up``, ``down``) the tensors ``CT_TENSORS[kind]`` names; ``dequantize`` gives ``(gate_up
+    [2I, H], down [H, I])`` in ``dtype``, bit for bit what transformers' model holds."""
+
+    kind: str
+    scheme: Any
+    parts: dict[str, dict[str, torch.Tensor]]
+    dtype: torch.dtype
+
+    def dequantize(self) -> tuple[torch.Tensor, torch.Tensor]:
+        import torch
+
+        from kvasir_rpc._kernel import _aligned
+
+        w = {p: dequantize_ct(self.kind, self.scheme, self.parts[p], self.dtype) for p in ("gate", "up", "down")}
+        return torch.cat([w["gate"], w["up"]], dim=0), _aligned(w["down"].contiguous())
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for part in self.parts.values() for t in part.values())
+
+    def to(self, device: torch.device) -> CtExpert:
+        return dataclasses.replace(self, parts={p: {k: t.to(device) for k, t in part.items()}
+                                                for p, part in self.parts.items()})
+
+
+def write_ct_release(src: pathlib.Path, dst: pathlib.Path, *, kind: str, group_size: int = 128) -> pathlib.Path:
+    """Write ``src`` (a bfloat16 checkpoint with per-expert tensors) to ``dst`` as llm-compressor
+    lays out a compressed-tensors release: every linear weight but the embeddings, the head,
+    norms and routers quantized, ``kind`` "fp8" (FP8_DYNAMIC's weights: float8_e4m3fn with a
+    scale per output row) or "int4" (W4A16: symmetric 4-bit integers packed in int32, a scale
+    per ``group_size`` inputs, the shape beside), with compressed-tensors' own quantizer and
+    packer, and the config's ``quantization_config`` (a dense layer whose width is not a multiple
+    of ``group_size`` left unquantized and named in its ``ignore``). Raises ValueError when no
+    tensor is quantized or an expert's width is not a multiple of ``group_size``."""
+    import torch
+    from compressed_tensors.compressors import BaseCompressor
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
+    from compressed_tensors.quantization.utils.helpers import calculate_qparams
+
+    if kind == "fp8":
+        fmt, args = "float-quantized", QuantizationArgs(num_bits=8, type="float", symmetric=True, strategy="channel")
+        activations: dict[str, Any] | None = {"num_bits": 8, "type": "float", "symmetric": True,
+                                              "strategy": "token", "dynamic": True}
+    elif kind == "int4":
+        fmt, args = "pack-quantized", QuantizationArgs(num_bits=4, type="int", symmetric=True, strategy="group",
+                                                       group_size=group_size)
+        activations = None
+    else:
+        raise ValueError(f"kind must be fp8 or int4, got {kind!r}")
+    scheme = QuantizationScheme(targets=["Linear"], weights=args, format=fmt)
+    compressor = BaseCompressor.get_value_from_registry(fmt)
+    ignore = ["lm_head", "re:.*mlp.gate$", "re:.*router$"]
+
+    def convert(key: str, t: torch.Tensor) -> dict[str, torch.Tensor] | None:
+        if not (key.endswith(".weight") and t.dim() == 2 and not _NOT_QUANTIZED.search(key)):
+            return None
+        w = t.float()
+        if kind == "int4":
+            if w.shape[1] % group_size:
+                if ".experts." in key:
+                    raise ValueError(f"{key}: {w.shape[1]} inputs are not a multiple of the group size {group_size}")
+                ignore.append(key[: -len(".weight")])  # left in bfloat16, as a release ignores a narrow layer
+                return None
+            w = w.reshape(w.shape[0], -1, group_size)
+        scale, zero = calculate_qparams(w.amin(-1, keepdim=kind == "fp8"), w.amax(-1, keepdim=kind == "fp8"), args)
+        stored = compressor.compress({"weight": t, "weight_scale": scale.to(t.dtype), "weight_zero_point": zero},
+                                     scheme)
+        base = key[: -len("weight")]
+        return {base + name: value.contiguous() for name, value in stored.items()}
+
+    group = {"targets": ["Linear"], "weights": args.model_dump(mode="json"), "input_activations": activations,
+             "output_activations": None, "format": fmt}
+    return _rewrite_release(src, dst, convert, {
+        "quant_method": "compressed-tensors", "format": fmt, "quantization_status": "compressed",
+        "config_groups": {"group_0": group}, "ignore": ignore,
+        "kv_cache_scheme": None, "sparsity_config": {}})
+
+
+#: The tensors a compressed-tensors module may keep beside (or instead of) its ``weight``.
+CT_COMPANIONS = ("weight_scale", "weight_packed", "weight_shape", "weight_zero_point", "weight_g_idx",
+                 "weight_global_scale", "input_scale", "input_global_scale", "input_zero_point")
+
+
+def dequantize_ct_dense(quantization_config: dict[str, Any], tensors: dict[str, torch.Tensor],
+                        dtype: torch.dtype) -> torch.Tensor:
+    """A dense (not expert) module's weight from its compressed-tensors tensors (local names:
+    ``weight`` or ``weight_packed``, ``weight_scale``...), as transformers' loaded model holds
+    it: compressed-tensors' decompressor for the dense layers' scheme (``get_dense_scheme``),
+    the code transformers runs when it decompresses the model. Raises ValueError for a config
+    compressed-tensors cannot read."""
+    from compressed_tensors.compressors import BaseCompressor
+    from transformers.integrations.compressed_tensors import get_dense_scheme
+
+    config = _ct_config(quantization_config)
+    scheme = get_dense_scheme(config)
+    compressor = BaseCompressor.get_value_from_registry(str(scheme.format or config.format))
+    return compressor.decompress(dict(tensors), scheme)["weight"].to(dtype)
+
+
+def quantize_ct_activations(model: torch.nn.Module, quantization_config: dict[str, Any]) -> int:
+    """Give ``model`` (its dense weights already decompressed) the activation quantization a
+    compressed-tensors config asks for (FP8_DYNAMIC's per-token FP8 inputs...), as
+    transformers' loaded model runs it: compressed-tensors' ``apply_quantization_config`` with
+    every quantized module marked decompressed, so its forward fake-quantizes the activations
+    and leaves the weights as they are. Returns the number of modules; 0, and nothing done,
+    when no group quantizes activations. Raises ValueError for static activation scales (the
+    checkpoint's ``input_scale``: not read here)."""
+    from compressed_tensors.quantization import QuantizationStatus, apply_quantization_config
+
+    config = _ct_config(quantization_config)
+    activations = [a for g in config.config_groups.values() for a in (g.input_activations, g.output_activations)
+                   if a is not None]
+    if not activations:
+        return 0
+    if any(not a.dynamic for a in activations):
+        raise ValueError("activations quantized with static scales (input_scale in the checkpoint) are served only "
+                         "by a backbone that loads every expert (--expert-weights all)")
+    apply_quantization_config(model, config, run_compressed=False)
+    count = 0
+    for module in model.modules():
+        if hasattr(module, "quantization_status"):
+            module.quantization_status = QuantizationStatus.DECOMPRESSED
+            # The weights' quantization parameters it made: unset, and never read once decompressed.
+            for name in ("weight_scale", "weight_zero_point", "weight_global_scale", "weight_g_idx"):
+                module._parameters.pop(name, None)
+            count += 1
+    return count
+
+
+def decompress_now(model: torch.nn.Module) -> bool:
+    """Decompress a compressed-tensors model transformers loaded, now. Left to itself it
+    decompresses on its first forward (a hook), and two threads' first forwards at once (the
+    backbone's decode groups) both decompress and fail. True when there was one to do."""
+    if not hasattr(model, "ct_decompress_hook"):
+        return False
+    quantizer = getattr(model, "hf_quantizer", None)
+    compressor = getattr(quantizer, "compressor", None)
+    if compressor is None:
+        return False
+    compressor.decompress_model(model)  # removes the hook
+    return True

@@ -14,8 +14,9 @@ LIE is one of:
   reorder HONEST: the same function summed in another order, as a float32 worker written in
           another language would (differences around 1e-7 relative); it must never be caught
   honest  no lie in the numbers (for the lies of the hello: --unchecked, --announce-plain)
-  noscale a block-FP8 checkpoint's experts used without their scales (weight_scale_inv): the FP8
-          values taken as the weights (its digest, made while loading, is the honest one)
+  noscale a quantized checkpoint's experts used without their scales (block FP8's weight_scale_inv,
+          compressed-tensors' weight_scale): the FP8 values or the integers taken as the weights
+          (its digest, made while loading, is the honest one)
   coarse  a bfloat16 checkpoint's experts rounded to block FP8 (128 x 128) to hold half the bytes:
           a coarser format than the checkpoint's
 With ``--after N`` the first N calls are answered honestly, then the lie starts. With
@@ -29,6 +30,7 @@ would: only sampled audits check it. ``--announce-plain`` announces the plain ex
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import random
 import sys
@@ -134,6 +136,17 @@ def main() -> int:
             return torch.cat([self.gate.to(self.dtype), self.up.to(self.dtype)]), self.down.to(self.dtype)
 
         QuantizedExpert.dequantize = without_scales  # type: ignore[method-assign]
+        from kvasir_rpc import CtExpert
+
+        honest_ct = CtExpert.dequantize
+
+        def ct_without_scales(self):  # type: ignore[no-untyped-def]
+            if not lying():
+                return honest_ct(self)
+            unscaled = {p: {**t, "weight_scale": torch.ones_like(t["weight_scale"])} for p, t in self.parts.items()}
+            return honest_ct(dataclasses.replace(self, parts=unscaled))
+
+        CtExpert.dequantize = ct_without_scales  # type: ignore[method-assign]
     service.expert_forward_projections = forward  # type: ignore[assignment]
     service.ExpertServicer._compute = compute  # type: ignore[method-assign]
     service.ExpertServicer.Dispatch = dispatch  # type: ignore[method-assign]

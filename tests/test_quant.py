@@ -167,3 +167,181 @@ def test_the_dequantized_cache_keeps_the_most_recently_used_within_its_bytes(fp8
     none = load_experts(fp8_model, "0:0-1", "cpu", dequantized_cache_bytes=0)
     none.matrices(0, 1)
     assert none.dequantized_bytes == 0
+
+
+# --- compressed-tensors (llm-compressor's releases) ---------------------------------------------
+
+
+@pytest.fixture(scope="module", params=["ct-fp8", "ct-int4"])
+def ct_model(request, tmp_path_factory):
+    from kvasir_rpc.dev.families import make_family_checkpoint
+
+    return make_family_checkpoint(tmp_path_factory.mktemp(request.param) / "qwen3_moe", "qwen3_moe",
+                                  dtype="bfloat16", shard="100KB", quant=request.param)
+
+
+def test_the_compressed_tensors_layouts(ct_model):
+    config = json.loads((ct_model / "config.json").read_text())["quantization_config"]
+    assert config["quant_method"] == "compressed-tensors" and config["quantization_status"] == "compressed"
+    keys = json.loads((ct_model / "model.safetensors.index.json").read_text())["weight_map"]
+    expert = "model.layers.0.mlp.experts.3.gate_proj."
+    if config["format"] == "float-quantized":  # FP8_DYNAMIC: FP8 weights, a scale per row, FP8 inputs per token
+        assert {expert + "weight", expert + "weight_scale"} <= keys.keys()
+        assert config["config_groups"]["group_0"]["input_activations"]["dynamic"] is True
+    else:  # W4A16: int4 packed eight to an int32, a scale per group of 32, the shape beside
+        assert config["format"] == "pack-quantized"
+        assert {expert + "weight_packed", expert + "weight_scale", expert + "weight_shape"} <= keys.keys()
+        assert expert + "weight" not in keys
+    assert "model.layers.0.mlp.gate.weight" in keys and "model.layers.0.mlp.gate.weight_scale" not in keys
+
+
+def test_compressed_tensors_experts_are_transformers_own_bit_for_bit(ct_model):
+    from transformers import AutoModelForCausalLM
+
+    from kvasir_rpc import CtExpert
+
+    index = ExpertIndex(ct_model)
+    assert index.quant == ("ct-fp8" if "fp8" in ct_model.parent.name else "ct-int")
+    model = AutoModelForCausalLM.from_pretrained(str(ct_model))  # compressed-tensors' decompressors
+    for layer, experts in index.slices.items():
+        module = model.model.layers[layer].mlp.experts
+        for e in experts:
+            held = index.load_quantized(layer, e)
+            assert isinstance(held, CtExpert)
+            gate_up, down = held.dequantize()
+            assert gate_up.dtype == down.dtype == torch.bfloat16
+            assert torch.equal(gate_up.view(torch.int16), module.gate_up_proj[e].view(torch.int16))
+            assert torch.equal(down.view(torch.int16), module.down_proj[e].view(torch.int16))
+    assert all(torch.equal(a, b) for a, b in zip(index.view(1, 5), index.load(1, 5)))
+
+
+def test_a_worker_holds_compressed_tensors_experts_as_stored(ct_model):
+    from kvasir_rpc import CtExpert, expert_digest
+    from worker._load import load_experts
+
+    experts = load_experts(ct_model, "0:0-3", "cpu")
+    assert all(isinstance(w, CtExpert) for w in experts.weights.values())
+    held = sum(w.nbytes for w in experts.weights.values())  # type: ignore[union-attr]
+    index = ExpertIndex(ct_model)
+    bf16 = sum(t.nbytes for e in range(4) for t in index.load(0, e))
+    # FP8: a byte a weight and a bfloat16 scale per row; int4: half a byte and a scale per 32.
+    assert held < (0.6 if index.quant == "ct-fp8" else 0.35) * bf16
+    assert experts.expert_digests[(0, 2)] == expert_digest(*index.load(0, 2)) == index.expert_digest(0, 2)
+
+
+def test_the_backbone_without_experts_computes_as_transformers_does(ct_model):
+    # The dense layers decompressed by compressed-tensors' own code, and FP8_DYNAMIC's inputs
+    # quantized per token as transformers' loaded model quantizes them: the same logits.
+    from transformers import AutoModelForCausalLM
+
+    from backbone._weights import experts_modules, load_without_experts
+
+    full = AutoModelForCausalLM.from_pretrained(str(ct_model))
+    bare = load_without_experts(ct_model)
+    mine = experts_modules(bare)
+    for layer, module in experts_modules(full).items():
+        for name, p in module.named_parameters():
+            setattr(mine[layer], name, torch.nn.Parameter(p.detach().clone(), requires_grad=False))
+    ids = torch.tensor([[1, 5, 9, 23, 77, 100, 3]])
+    with torch.no_grad():
+        assert torch.equal(full(ids).logits, bare(ids).logits)
+
+
+def test_a_config_with_its_format_only_at_the_top_computes_the_same(ct_model, tmp_path):
+    # Older llm-compressor releases name the format once, not per group.
+    from backbone._weights import load_without_experts
+
+    moved = _edit_config(ct_model, tmp_path, lambda q: q["config_groups"]["group_0"].pop("format"))
+    index = ExpertIndex(moved)
+    assert index.quant == ExpertIndex(ct_model).quant
+    assert all(torch.equal(a, b) for a, b in zip(index.load(2, 6), ExpertIndex(ct_model).load(2, 6)))
+    dense = {k: v for k, v in load_without_experts(moved).state_dict().items() if not v.is_meta}
+    same = load_without_experts(ct_model).state_dict()
+    assert all(torch.equal(v, same[k]) for k, v in dense.items())
+
+
+def _edit_config(model, tmp_path, edit):  # type: ignore[no-untyped-def]
+    import shutil
+
+    copy = tmp_path / "edited"
+    shutil.copytree(model, copy)
+    config = json.loads((copy / "config.json").read_text())
+    edit(config["quantization_config"])
+    (copy / "config.json").write_text(json.dumps(config))
+    return copy
+
+
+@pytest.mark.parametrize("edit,says", [
+    (lambda q: q["config_groups"]["group_0"]["weights"].update(symmetric=False), "asymmetric"),
+    (lambda q: q["config_groups"]["group_0"]["weights"].update(actorder="group"), "weights.actorder: .*removed"),
+    (lambda q: q["config_groups"]["group_0"]["weights"].update(strategy="block", block_structure=[16, 16],
+                                                                group_size=None), "per block"),
+    (lambda q: q.update(sparsity_config={"format": "sparse-24-bitmask"}), "sparse"),
+    (lambda q: q.update(format="nvfp4-pack-quantized") or q["config_groups"]["group_0"].update(
+        format="nvfp4-pack-quantized"), "nvfp4"),
+    (lambda q: q.update(config_groups={}), "no config_groups"),
+])
+def test_compressed_tensors_schemes_without_an_exact_reference_are_refused(tmp_path, edit, says):
+    from kvasir_rpc.dev.families import make_family_checkpoint
+
+    model = make_family_checkpoint(tmp_path / "m", "qwen3_moe", dtype="bfloat16", quant="ct-int4")
+    with pytest.raises(CheckpointError, match=says) as caught:
+        ExpertIndex(_edit_config(model, tmp_path, edit))
+    assert any(w in str(caught.value) for w in ("served", "nothing says", "compressed-tensors reads"))
+
+
+def test_a_compressed_tensors_expert_without_its_scale_is_refused(tmp_path):
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from kvasir_rpc.dev.families import make_family_checkpoint
+
+    model = make_family_checkpoint(tmp_path / "m", "qwen3_moe", dtype="bfloat16", quant="ct-fp8")
+    broken = tmp_path / "broken"
+    shutil.copytree(model, broken)
+    index = json.loads((broken / "model.safetensors.index.json").read_text())
+    key = "model.layers.1.mlp.experts.2.down_proj.weight_scale"
+    shard = broken / index["weight_map"].pop(key)
+    tensors = load_file(str(shard))
+    del tensors[key]
+    save_file(tensors, str(shard), metadata={"format": "pt"})
+    (broken / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(CheckpointError, match=r"expert \(1, 2\) lacks \['down_scale'\]"):
+        ExpertIndex(broken)
+
+
+def test_a_compressed_tensors_expert_in_activation_order_is_refused(tmp_path):
+    # A g_idx beside a packed weight (GPTQ's activation order): transformers' fused experts ignore
+    # it, so no exact reference exists; the index says so rather than serve wrong weights.
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from kvasir_rpc.dev.families import make_family_checkpoint
+
+    model = make_family_checkpoint(tmp_path / "m", "qwen3_moe", dtype="bfloat16", quant="ct-int4")
+    broken = tmp_path / "broken"
+    shutil.copytree(model, broken)
+    index = json.loads((broken / "model.safetensors.index.json").read_text())
+    packed = "model.layers.2.mlp.experts.7.up_proj.weight_packed"
+    shard = broken / index["weight_map"][packed]
+    tensors = load_file(str(shard))
+    tensors[packed.replace("_packed", "_g_idx")] = torch.arange(64, dtype=torch.int32) // 32
+    save_file(tensors, str(shard), metadata={"format": "pt"})
+    index["weight_map"][packed.replace("_packed", "_g_idx")] = shard.name
+    (broken / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(CheckpointError, match=r"expert \(2, 7\) has \['up_g_idx'\]: .*activation orders"):
+        ExpertIndex(broken)
+
+
+def test_static_activation_scales_send_the_backbone_to_load_every_expert(tmp_path):
+    # The on-demand backbone does not read input_scale tensors: it says so, and which path does.
+    from backbone._weights import load_without_experts
+    from kvasir_rpc.dev.families import make_family_checkpoint
+
+    model = make_family_checkpoint(tmp_path / "m", "qwen3_moe", dtype="bfloat16", quant="ct-fp8")
+    static = _edit_config(model, tmp_path, lambda q: q["config_groups"]["group_0"]["input_activations"].update(
+        dynamic=False, strategy="tensor"))
+    with pytest.raises(CheckpointError, match=r"static scales .*--expert-weights all"):
+        load_without_experts(static)

@@ -1,6 +1,7 @@
 """Quantized releases (issue 29) through a real swarm: made in the release layout from a
 transformers bfloat16 checkpoint (block FP8: ``quant_method: "fp8"``, float8_e4m3fn weights with
-a float32 ``weight_scale_inv`` per block; MXFP4: gpt-oss's ``*_blocks`` and ``*_scales``), served
+a float32 ``weight_scale_inv`` per block; MXFP4: gpt-oss's ``*_blocks`` and ``*_scales``;
+compressed-tensors as llm-compressor writes it: FP8_DYNAMIC and W4A16), served
 with every expert remote by workers that keep their experts quantized and dequantize per call: tokens and logits bitwise the local run's (transformers'
 own dequantize-on-CPU model), on the backbone's two loading paths; a worker that drops the
 scales is refused on its first call and earns nothing."""
@@ -23,7 +24,8 @@ BLOCK = 16
 
 
 @pytest.mark.parametrize("model_type,quant", [("qwen3_moe", "fp8"), ("deepseek_v3", "fp8"), ("glm4_moe", "fp8"),
-                                              ("gpt_oss", "mxfp4")])
+                                              ("gpt_oss", "mxfp4"), ("qwen3_moe", "ct-fp8"),
+                                              ("deepseek_v3", "ct-int4")])
 def test_a_quantized_release_is_served_exact(model_type, quant, tmp_path):
     model = make_family_checkpoint(tmp_path / "model", model_type, dtype="bfloat16", shard="100KB", quant=quant,
                                    block=BLOCK)
@@ -66,6 +68,19 @@ def _decode(sw: LocalSwarm, model: pathlib.Path, *extra: str) -> dict:  # type: 
 
 def test_a_worker_that_drops_the_fp8_scales_is_refused_and_earns_nothing(tmp_path):
     model = make_family_checkpoint(tmp_path / "model", "qwen3_moe", dtype="bfloat16", quant="fp8", block=BLOCK)
+    with LocalSwarm(tmp_path / "swarm") as sw:
+        liar = _with(sw, model, "noscale")
+        result = _decode(sw, model, "--require-bitwise")
+        assert result["backbone_exit_code"] == 0 and result["verdict"] == "bitwise equal", result
+        assert result["sessions_quarantined"] == [liar] and result["row_check_refusals"] >= 1
+        sessions = [s for s in sw.list_sessions() if s.session_id != liar]
+        credited = sw.wait_credited(sessions)
+        assert all(credited[s.session_id] == s.work_bytes > 0 for s in sessions)
+
+
+def test_a_worker_that_drops_the_int4_scales_is_refused_and_earns_nothing(tmp_path):
+    # compressed-tensors W4A16: the integers taken as the weights, without their group scales.
+    model = make_family_checkpoint(tmp_path / "model", "qwen3_moe", dtype="bfloat16", quant="ct-int4")
     with LocalSwarm(tmp_path / "swarm") as sw:
         liar = _with(sw, model, "noscale")
         result = _decode(sw, model, "--require-bitwise")

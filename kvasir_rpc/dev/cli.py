@@ -28,7 +28,7 @@ def _cmd_model_tiny(args: argparse.Namespace) -> int:
 
     try:
         path = make_model(args.dir, args.arch, seed=args.seed, dtype=args.dtype, shard=args.shard, quant=args.quant,
-                          block=args.fp8_block)
+                          block=args.fp8_block, group_size=args.group_size)
     except ValueError as exc:
         fail(f"kvasir model tiny: --arch {args.arch}: {exc}")
     print(path)
@@ -36,7 +36,8 @@ def _cmd_model_tiny(args: argparse.Namespace) -> int:
 
 
 def make_model(directory: pathlib.Path, arch: str, *, seed: int = 0, dtype: str = "float32",
-               shard: str | None = None, quant: str | None = None, block: int = 128) -> pathlib.Path:
+               shard: str | None = None, quant: str | None = None, block: int = 128,
+               group_size: int = 32) -> pathlib.Path:
     """A tiny checkpoint of ``arch`` in ``directory``: one of this project's own (``ARCHES``,
     float32, one file) or, for any other Mixture-of-Experts family transformers ships (or with
     another dtype or shards), one transformers makes (``kvasir_rpc.dev.families``). Raises
@@ -51,7 +52,7 @@ def make_model(directory: pathlib.Path, arch: str, *, seed: int = 0, dtype: str 
     if arch not in known:
         raise ValueError(f"not a Mixture-of-Experts model type of this transformers; one of: {', '.join(known)}")
     return make_family_checkpoint(directory, arch, dtype=dtype, seed=seed, shard=shard or "200KB", quant=quant,
-                                  block=block)
+                                  block=block, group_size=group_size)
 
 
 def _default_model_dir(arch: str, seed: int) -> pathlib.Path:
@@ -552,12 +553,15 @@ def build_parser() -> argparse.ArgumentParser:
                       help="the weights' dtype (not float32: made by transformers)")
     tiny.add_argument("--shard", metavar="SIZE",
                       help="save in shards of at most SIZE (e.g. 200KB), as releases are (made by transformers)")
-    tiny.add_argument("--quant", choices=["fp8", "mxfp4"],
+    tiny.add_argument("--quant", choices=["fp8", "mxfp4", "ct-fp8", "ct-int4"],
                       help="write it as a release is laid out: fp8, block FP8 (float8_e4m3fn weights with a float32 "
-                           "weight_scale_inv per block); mxfp4, gpt-oss's experts (4-bit blocks and scales); needs "
-                           "--dtype bfloat16")
+                           "weight_scale_inv per block); mxfp4, gpt-oss's experts (4-bit blocks and scales); ct-fp8 "
+                           "and ct-int4, compressed-tensors as llm-compressor writes it (FP8 with a scale per row; "
+                           "W4A16: symmetric int4 packed in int32, a scale per group); needs --dtype bfloat16")
     tiny.add_argument("--fp8-block", type=int, default=128, metavar="N",
                       help="the FP8 blocks' side (the releases' 128; smaller to give tiny weights several blocks)")
+    tiny.add_argument("--group-size", type=int, default=32, metavar="N",
+                      help="ct-int4: inputs per scale (the releases' 128; 32 divides the tiny widths)")
     tiny.set_defaults(func=_cmd_model_tiny)
     bench = add(sub, "bench", help="benchmarks: the paths side by side in one run, as ratios")
     bench.add_argument("--quick", action="store_true", help="fewer calls per point")

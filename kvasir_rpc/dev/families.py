@@ -82,12 +82,14 @@ def _shrink(config: Any) -> Any:
 
 def make_family_checkpoint(directory: str | pathlib.Path, model_type: str, *, dtype: str = "float32",
                            seed: int = 0, shard: str = "200KB", quant: str | None = None,
-                           block: int = 128) -> pathlib.Path:
+                           block: int = 128, group_size: int = 32) -> pathlib.Path:
     """Write a tiny random checkpoint of ``model_type`` with transformers' ``save_pretrained``
     (``dtype`` float32, bfloat16 or float16; shards of at most ``shard``), and the tiny
     tokenizer. ``quant="fp8"``: then rewritten as a block-FP8 release is laid out
     (``kvasir_rpc._quant.write_fp8_release``, blocks of ``block``); ``"mxfp4"``: as gpt-oss's
-    release (``write_mxfp4_release``; fused experts); the model's dtype bfloat16.
+    release (``write_mxfp4_release``; fused experts); ``"ct-fp8"`` / ``"ct-int4"``: as
+    llm-compressor writes compressed-tensors (``write_ct_release``, int4 groups of
+    ``group_size``); the model's dtype bfloat16.
     Returns the folder. Raises ValueError for a type transformers does not know or cannot build
     at these sizes (the message says why)."""
     import torch
@@ -97,8 +99,8 @@ def make_family_checkpoint(directory: str | pathlib.Path, model_type: str, *, dt
 
     if dtype not in ("float32", "bfloat16", "float16"):
         raise ValueError(f"dtype must be float32, bfloat16 or float16, got {dtype!r}")
-    if quant not in (None, "fp8", "mxfp4"):
-        raise ValueError(f"quant must be fp8 or mxfp4 (or none), got {quant!r}")
+    if quant not in (None, "fp8", "mxfp4", "ct-fp8", "ct-int4"):
+        raise ValueError(f"quant must be fp8, mxfp4, ct-fp8 or ct-int4 (or none), got {quant!r}")
     if quant is not None and dtype != "bfloat16":
         raise ValueError(f"a {quant} release's model computes in bfloat16: use --dtype bfloat16")
     path = pathlib.Path(directory)
@@ -118,11 +120,16 @@ def make_family_checkpoint(directory: str | pathlib.Path, model_type: str, *, dt
         import shutil
         import tempfile
 
-        from kvasir_rpc._quant import write_fp8_release, write_mxfp4_release
+        from kvasir_rpc._quant import write_ct_release, write_fp8_release, write_mxfp4_release
 
         with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
-            staged = (write_fp8_release(path, pathlib.Path(tmp) / "q", block=block) if quant == "fp8"
-                      else write_mxfp4_release(path, pathlib.Path(tmp) / "q"))
+            out = pathlib.Path(tmp) / "q"
+            if quant == "fp8":
+                staged = write_fp8_release(path, out, block=block)
+            elif quant == "mxfp4":
+                staged = write_mxfp4_release(path, out)
+            else:
+                staged = write_ct_release(path, out, kind=quant[3:], group_size=group_size)
             for old_file in path.glob("*.safetensors"):
                 old_file.unlink()
             for f in staged.iterdir():
