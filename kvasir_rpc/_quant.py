@@ -30,7 +30,7 @@ if TYPE_CHECKING:
     import torch
 
 __all__ = ["CT_COMPANIONS", "CT_KINDS", "CT_TENSORS", "FP4_VALUES", "FP8_MAX", "CtExpert", "CtScheme", "Mxfp4Expert", "QuantizedExpert",
-           "QuantizedWeights", "ct_experts_scheme", "decompress_now", "dequantize_block_fp8", "dequantize_ct", "dequantize_ct_dense",
+           "QuantizedWeights", "compress_ct", "ct_experts_scheme", "ct_scheme_of", "decompress_now", "dequantize_block_fp8", "dequantize_ct", "dequantize_ct_dense",
            "dequantize_mxfp4", "quantize_block_fp8", "quantize_ct_activations", "quantize_mxfp4", "write_ct_release", "write_fp8_release",
            "write_mxfp4_release"]
 
@@ -423,6 +423,42 @@ class CtExpert(QuantizedWeights):
                                                 for p, part in self.parts.items()})
 
 
+def ct_scheme_of(kind: str, group_size: int = 128) -> CtScheme:
+    """The scheme llm-compressor writes for ``kind``: "fp8" (FP8_DYNAMIC's weights: float8 with
+    a scale per output row) or "int4" (W4A16: symmetric int4, a scale per ``group_size``)."""
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
+
+    if kind == "fp8":
+        args = QuantizationArgs(num_bits=8, type="float", symmetric=True, strategy="channel")
+        return CtScheme("ct-fp8", 8, "channel", None,
+                        QuantizationScheme(targets=["Linear"], weights=args, format="float-quantized"))
+    if kind == "int4":
+        args = QuantizationArgs(num_bits=4, type="int", symmetric=True, strategy="group", group_size=group_size)
+        return CtScheme("ct-int", 4, "group", group_size,
+                        QuantizationScheme(targets=["Linear"], weights=args, format="pack-quantized"))
+    raise ValueError(f"kind must be fp8 or int4, got {kind!r}")
+
+
+def compress_ct(ct: CtScheme, w: torch.Tensor) -> dict[str, torch.Tensor]:
+    """``w`` [out, in] as a compressed-tensors release stores it under ``ct`` (local names:
+    ``weight``/``weight_packed``, ``weight_scale``, ``weight_shape``): the scales as
+    llm-compressor's min-max observer makes them (``calculate_qparams``), in ``w``'s dtype,
+    then compressed-tensors' own quantizer and packer."""
+    from compressed_tensors.compressors import BaseCompressor
+    from compressed_tensors.quantization.utils.helpers import calculate_qparams
+
+    args = ct.scheme.weights
+    x = w.float()
+    if ct.strategy == "group":
+        x = x.reshape(x.shape[0], -1, int(ct.group_size or 0))
+    per_row = ct.strategy == "channel"
+    scale, zero = calculate_qparams(x.amin(-1, keepdim=per_row), x.amax(-1, keepdim=per_row), args)
+    compressor = BaseCompressor.get_value_from_registry(str(ct.scheme.format))
+    stored = compressor.compress({"weight": w, "weight_scale": scale.to(w.dtype), "weight_zero_point": zero},
+                                 ct.scheme)
+    return {name: value.contiguous() for name, value in stored.items()}
+
+
 def write_ct_release(src: pathlib.Path, dst: pathlib.Path, *, kind: str, group_size: int = 128) -> pathlib.Path:
     """Write ``src`` (a bfloat16 checkpoint with per-expert tensors) to ``dst`` as llm-compressor
     lays out a compressed-tensors release: every linear weight but the embeddings, the head,
@@ -432,44 +468,25 @@ def write_ct_release(src: pathlib.Path, dst: pathlib.Path, *, kind: str, group_s
     packer, and the config's ``quantization_config`` (a dense layer whose width is not a multiple
     of ``group_size`` left unquantized and named in its ``ignore``). Raises ValueError when no
     tensor is quantized or an expert's width is not a multiple of ``group_size``."""
-    import torch
-    from compressed_tensors.compressors import BaseCompressor
-    from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
-    from compressed_tensors.quantization.utils.helpers import calculate_qparams
-
-    if kind == "fp8":
-        fmt, args = "float-quantized", QuantizationArgs(num_bits=8, type="float", symmetric=True, strategy="channel")
-        activations: dict[str, Any] | None = {"num_bits": 8, "type": "float", "symmetric": True,
-                                              "strategy": "token", "dynamic": True}
-    elif kind == "int4":
-        fmt, args = "pack-quantized", QuantizationArgs(num_bits=4, type="int", symmetric=True, strategy="group",
-                                                       group_size=group_size)
-        activations = None
-    else:
-        raise ValueError(f"kind must be fp8 or int4, got {kind!r}")
-    scheme = QuantizationScheme(targets=["Linear"], weights=args, format=fmt)
-    compressor = BaseCompressor.get_value_from_registry(fmt)
+    ct = ct_scheme_of(kind, group_size)
+    activations = ({"num_bits": 8, "type": "float", "symmetric": True, "strategy": "token", "dynamic": True}
+                   if kind == "fp8" else None)  # FP8_DYNAMIC quantizes the dense layers' inputs per token
     ignore = ["lm_head", "re:.*mlp.gate$", "re:.*router$"]
 
     def convert(key: str, t: torch.Tensor) -> dict[str, torch.Tensor] | None:
         if not (key.endswith(".weight") and t.dim() == 2 and not _NOT_QUANTIZED.search(key)):
             return None
-        w = t.float()
-        if kind == "int4":
-            if w.shape[1] % group_size:
-                if ".experts." in key:
-                    raise ValueError(f"{key}: {w.shape[1]} inputs are not a multiple of the group size {group_size}")
-                ignore.append(key[: -len(".weight")])  # left in bfloat16, as a release ignores a narrow layer
-                return None
-            w = w.reshape(w.shape[0], -1, group_size)
-        scale, zero = calculate_qparams(w.amin(-1, keepdim=kind == "fp8"), w.amax(-1, keepdim=kind == "fp8"), args)
-        stored = compressor.compress({"weight": t, "weight_scale": scale.to(t.dtype), "weight_zero_point": zero},
-                                     scheme)
+        if kind == "int4" and t.shape[1] % group_size:
+            if ".experts." in key:
+                raise ValueError(f"{key}: {t.shape[1]} inputs are not a multiple of the group size {group_size}")
+            ignore.append(key[: -len(".weight")])  # left in bfloat16, as a release ignores a narrow layer
+            return None
         base = key[: -len("weight")]
-        return {base + name: value.contiguous() for name, value in stored.items()}
+        return {base + name: value for name, value in compress_ct(ct, t).items()}
 
-    group = {"targets": ["Linear"], "weights": args.model_dump(mode="json"), "input_activations": activations,
-             "output_activations": None, "format": fmt}
+    group = {"targets": ["Linear"], "weights": ct.scheme.weights.model_dump(mode="json"),
+             "input_activations": activations, "output_activations": None, "format": ct.scheme.format}
+    fmt = ct.scheme.format
     return _rewrite_release(src, dst, convert, {
         "quant_method": "compressed-tensors", "format": fmt, "quantization_status": "compressed",
         "config_groups": {"group_0": group}, "ignore": ignore,

@@ -345,3 +345,13 @@ def test_static_activation_scales_send_the_backbone_to_load_every_expert(tmp_pat
         dynamic=False, strategy="tensor"))
     with pytest.raises(CheckpointError, match=r"static scales .*--expert-weights all"):
         load_without_experts(static)
+
+
+def test_the_formats_bench_holds_each_format_in_its_stored_bytes():
+    from kvasir_rpc.dev.bench_formats import run_formats_bench
+
+    result = run_formats_bench(quick=True, widths=(256, 128), say=lambda _: None)
+    held = {name: f["held_vs_bfloat16"] for name, f in result["formats"].items()}  # type: ignore[attr-defined]
+    assert held["bfloat16"] == 1.0
+    assert 0.5 <= held["fp8"] < 0.52 and 0.5 <= held["ct-fp8"] < 0.52
+    assert 0.25 <= held["mxfp4"] < 0.28 and 0.25 <= held["ct-int4"] < 0.28

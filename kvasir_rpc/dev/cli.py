@@ -240,6 +240,12 @@ def _cmd_bench(args: argparse.Namespace) -> int:
                  for name, r in shapes["shapes"].items()}  # type: ignore[attr-defined]
         print(json.dumps(shapes if args.json else brief, indent=None if args.json else 2))
         return 0
+    if args.formats:
+        from kvasir_rpc.dev.bench_formats import run_formats_bench
+
+        say("formats: one expert held in each served format, bytes and dequantizing against computing")
+        print(json.dumps(run_formats_bench(quick=args.quick, say=say), indent=None if args.json else 2))
+        return 0
     if args.service:
         from kvasir_rpc.dev.bench_service import run_service_bench
 
@@ -579,6 +585,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--checks", action="store_true",
                        help="only what checking workers costs: the remote decode with row checks on and off, and "
                             "audits on and off (tokens/s, the backbone's CPU per row, wire bytes per row)")
+    bench.add_argument("--formats", action="store_true",
+                       help="only the checkpoint formats a worker holds (bfloat16, block FP8, MXFP4, compressed-tensors "
+                            "FP8 and int4): bytes per expert, and dequantizing against computing (a few seconds)")
     bench.add_argument("--shape", metavar="NAME", choices=[*SHAPES, SHAPE_ALL],
                        help="only a real release's widths, to size a swarm: bytes on the wire per token, a worker's "
                             "memory per expert, rows/s through the gateway against the kernel alone; NAME is one of "
