@@ -54,7 +54,8 @@ def dequantize_block_fp8(q: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.
         raise ValueError(f"weight [{rows}, {cols}] is not divisible by its scale grid [{scale_rows}, {scale_cols}]")
     block_m, block_n = rows // scale_rows, cols // scale_cols
     # float8 to float32 by a table of the 256 codes (exact, as the cast is; twice as fast here).
-    qf = _fp8_table().take(q.view(torch.uint8).long()) if q.dtype == torch.float8_e4m3fn else q.to(torch.float32, copy=True)
+    qf = (_fp8_table().take(q.view(torch.uint8).long()) if q.dtype == torch.float8_e4m3fn
+          else q.to(torch.float32, copy=True))
     qf = qf.reshape(-1, scale_rows, block_m, scale_cols, block_n)
     s = scale_inv.to(torch.float32).reshape(-1, scale_rows, scale_cols).unsqueeze(-1).unsqueeze(2)
     # In place on the fresh float32 copy: the same products, without a second full-size tensor.
