@@ -29,9 +29,10 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["CT_COMPANIONS", "CT_KINDS", "CT_TENSORS", "FP4_VALUES", "FP8_MAX", "CtExpert", "CtScheme", "Mxfp4Expert", "QuantizedExpert",
-           "QuantizedWeights", "compress_ct", "ct_experts_scheme", "ct_scheme_of", "decompress_now", "dequantize_block_fp8", "dequantize_ct", "dequantize_ct_dense",
-           "dequantize_mxfp4", "quantize_block_fp8", "quantize_ct_activations", "quantize_mxfp4", "write_ct_release", "write_fp8_release",
+__all__ = ["CT_COMPANIONS", "CT_KINDS", "CT_TENSORS", "FP4_VALUES", "FP8_MAX", "CtExpert", "CtScheme", "Mxfp4Expert",
+           "QuantizedExpert", "QuantizedWeights", "compress_ct", "ct_experts_scheme", "ct_scheme_of",
+           "decompress_now", "dequantize_block_fp8", "dequantize_ct", "dequantize_ct_dense", "dequantize_mxfp4",
+           "quantize_block_fp8", "quantize_ct_activations", "quantize_mxfp4", "write_ct_release", "write_fp8_release",
            "write_mxfp4_release"]
 
 #: The largest finite float8_e4m3fn.
