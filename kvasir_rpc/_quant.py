@@ -13,6 +13,10 @@ about half its bfloat16 size) and dequantizes when a call needs it.
 ``quantize_block_fp8`` / ``write_fp8_release`` make such a checkpoint from a bfloat16 one (the
 release format: the same keys, ``_scale_inv`` beside each quantized weight, the config's
 ``quantization_config``), for tests and demos: no hub download.
+
+Also here: MXFP4 (gpt-oss's release; ``Mxfp4Expert``) and compressed-tensors (llm-compressor's
+FP8 and int4 releases; ``CtExpert``, dequantized by compressed-tensors' own code, which is what
+transformers runs), each with its writer.
 """
 
 from __future__ import annotations
