@@ -460,6 +460,10 @@ def main(argv: list[str] | None = None) -> int:
             print(text)
         print(f"{result['n_tokens']} tokens in {result['seconds']} s; remote calls {result['remote_calls']}, "
               f"rows {result['remote_rows']}, fallbacks {result['fallback_calls']}")
+        if result.get("worker_busy_refusals"):
+            print(f"workers busy with other backbones turned this one away {result['worker_busy_refusals']} "
+                  "times (their experts computed here meanwhile); start more workers, or raise the hub's "
+                  "--backbones-per-worker")
         if drafter is not None:
             print(f"assist {args.assist}: {result['draft_tokens_accepted']} of {result['draft_tokens_proposed']} draft "
                   f"tokens accepted in {result['verify_steps']} steps; {result['forward_passes_per_token']} forward "

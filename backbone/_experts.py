@@ -93,6 +93,8 @@ class DispatchStats:
     row_checked_rows: int = 0  # rows whose row checks ran (every row of a row-checked session's answers)
     row_check_seconds: float = 0.0  # CPU time of the row checks, on the decode's threads
     row_check_refusals: int = 0  # answers refused by their row checks (computed here instead)
+    # Links a worker turned away because it served its maximum of backbones (RESOURCE_EXHAUSTED).
+    worker_busy_refusals: int = 0
 
 
 class RowTally:
@@ -478,6 +480,7 @@ class Dispatcher:
                 local_rows=self.local_rows,
                 fallback_calls=self.fallback_calls,
                 fallback_rows=self.fallback_rows,
+                worker_busy_refusals=placement.busy_refusals if placement is not None else 0,
                 sessions_used=tuple(sorted(self._used)),
                 sessions_rejected=rejected,
                 shared_overlapped=self.shared.overlapped,

@@ -63,6 +63,9 @@ class BackboneMetrics:
         yield counter_family("kvasir_backbone_fallback_calls_total",
                              "remote calls lost, refused or timed out, computed here instead", d.fallback_calls)
         yield counter_family("kvasir_backbone_fallback_rows_total", "rows of the fallback calls", d.fallback_rows)
+        yield counter_family("kvasir_backbone_worker_busy_refusals_total",
+                             "links a worker turned away because it served its maximum of backbones at once "
+                             "(its experts computed here until a retry gets in)", d.worker_busy_refusals)
         yield counter_family("kvasir_backbone_hedged_calls_total",
                              "remote calls past their deadline, computed here while their answer was still due",
                              d.hedged_calls)

@@ -10,6 +10,9 @@ table is rebuilt when the session list changes or a link is dropped.
 from __future__ import annotations
 
 import threading
+import time
+
+import grpc
 
 from kvasir_rpc import Route, announced_mismatch, get_logger, session_pb2, slices_digest
 from backbone._links import SessionWatcher, WorkerLink
@@ -34,6 +37,11 @@ class Placement:
         self._seen_version = -1
         self._routes: dict[int, dict[int, WorkerLink]] = {}
         self._lock = threading.Lock()
+        # Sessions whose worker turned this backbone away because it served its maximum of
+        # backbones (RESOURCE_EXHAUSTED from the hub): linked again after a backoff, not never.
+        self._busy_until: dict[str, tuple[float, float]] = {}  # sid -> (retry at, backoff s)
+        self.busy_refusals = 0
+        self._retry_at = float("inf")  # rebuild then even if the session list did not change
 
     def split(self, layer: int, routes: list[Route]) -> tuple[dict[WorkerLink, list[Route]], list[Route]]:
         """``(placed, local)``: the routes a live link serves, by link, and the rest."""
@@ -50,11 +58,30 @@ class Placement:
                 local.append(r)
         return placed, local
 
+    BUSY_RETRY_MIN_S = 2.0
+    BUSY_RETRY_MAX_S = 30.0
+
     def drop(self, link: WorkerLink, error: BaseException) -> None:
-        """A call on ``link`` was lost: the link is dead and routes are rebuilt without it."""
+        """A call on ``link`` was lost: the link is dead and routes are rebuilt without it. A
+        worker that turned this backbone away because it serves its maximum of backbones (the
+        hub's RESOURCE_EXHAUSTED) is said so in the log, counted, and linked again after a
+        backoff (2 s, doubling to 30 s): its experts are computed here meanwhile."""
         link.fail(error)
+        busy = isinstance(error, grpc.RpcError) and error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         with self._lock:
             self._seen_version = -1
+            if not busy:
+                return
+            self.busy_refusals += 1
+            _, last = self._busy_until.get(link.session_id, (0.0, 0.0))
+            backoff = min(max(last * 2, self.BUSY_RETRY_MIN_S), self.BUSY_RETRY_MAX_S)
+            self._busy_until[link.session_id] = (time.monotonic() + backoff, backoff)
+            if self._links.get(link.session_id) is link:
+                del self._links[link.session_id]
+        detail = str(error.details())[:200]  # type: ignore[attr-defined]
+        log.warning("worker busy with other backbones; computing its experts here, trying it again later",
+                    session_id=link.session_id, retry_in_s=backoff, detail=detail)
+        threading.Thread(target=link.close, name=f"close-{link.session_id}", daemon=True).start()
 
     def quarantine(self, link: WorkerLink) -> bool:
         """Never route to ``link``'s session again; True the first time it is quarantined."""
@@ -119,15 +146,21 @@ class Placement:
 
     def _refresh(self) -> None:
         """Rebuild the route table when the hub's session set changed (lock held)."""
-        if self.watcher.version == self._seen_version:
+        if self.watcher.version == self._seen_version and time.monotonic() < self._retry_at:
             return
         self._seen_version = self.watcher.version
         live = self.watcher.sessions()
         for sid in list(self._links):
             if sid not in live:
                 self._links.pop(sid).close()
+        now = time.monotonic()
+        self._retry_at = float("inf")
         for sid, s in sorted(live.items(), key=lambda kv: (kv[1].connected_since_unix_ms, kv[0])):
             if sid in self._links or sid in self._rejected or sid in self.quarantined:
+                continue
+            retry_at = self._busy_until.get(sid, (0.0, 0.0))[0]
+            if retry_at > now:  # a busy worker: look again when its retry is due
+                self._retry_at = min(self._retry_at, retry_at)
                 continue
             expected = self._expected_digest({sl.layer: tuple(sl.experts) for sl in s.slices})
             if expected is None or expected != s.weights_digest:

@@ -39,6 +39,7 @@ from kvasir_rpc._gen.kvasir.v1 import session_pb2
 from kvasir_rpc._wallet import Wallet, is_address, verify_signature
 from kvasir_rpc.protocol import (
     ACCEPT_AEAD_SIGNATURE_DOMAIN,
+    ACCEPT_CHANNELS_SIGNATURE_DOMAIN,
     ACCEPT_SIGNATURE_DOMAIN,
     AEAD_CHACHA20_POLY1305,
     AEAD_NAMES,
@@ -51,6 +52,7 @@ from kvasir_rpc.protocol import (
     MAX_HELLO_BYTES,
     MAX_LAYERS,
     MAX_SESSION_ID_CHARS,
+    MAX_TUNNEL_CHANNELS,
     NONCE_BYTES,
 )
 
@@ -131,6 +133,8 @@ class HelloInfo:
     # The expert function it computes: a serialized kvasir.v1.ExpertFunction (b"": unset, the
     # default function), kept as bytes so the hub passes it on without interpreting it.
     expert_function: bytes = b""
+    # The backbone connections it carries at once on a multiplexed tunnel (0: the plain tunnel).
+    tunnel_channels: int = 0
 
 
 def _bounded_function(body: session_pb2.HelloBody) -> bytes:
@@ -172,12 +176,16 @@ _WORKER_TRANSITIONS = {
 
 
 def accept_signed_message(transcript: bytes, session_id: str, encrypted: bool,
-                          aead: int = AEAD_CHACHA20_POLY1305) -> bytes:
+                          aead: int = AEAD_CHACHA20_POLY1305, channels: int = 0) -> bytes:
     """What the hub signs in SessionAccept: the domain, the transcript hash, the session id
     (UTF-8) and one byte, 1 when the tunnel is encrypted. With another AEAD than the default,
     a domain of its own, the transcript hash, the AEAD and encrypted bytes, then the session
-    id (fixed-size fields first: no accept's bytes read as another's)."""
+    id (fixed-size fields first: no accept's bytes read as another's). A multiplexed tunnel
+    (``channels``): a third domain, the same fixed fields and the channels (2 bytes)."""
     flag = b"\x01" if encrypted else b"\x00"
+    if channels:
+        return (ACCEPT_CHANNELS_SIGNATURE_DOMAIN + transcript + bytes([aead]) + flag + channels.to_bytes(2, "big")
+                + session_id.encode())
     if aead == AEAD_CHACHA20_POLY1305:
         return ACCEPT_SIGNATURE_DOMAIN + transcript + session_id.encode() + flag
     return ACCEPT_AEAD_SIGNATURE_DOMAIN + transcript + bytes([aead]) + flag + session_id.encode()
@@ -208,13 +216,17 @@ class HubHandshake:
         e2e: str = "auto",
         via_gateway: bool = False,
         kx_private: bytes | None = None,
+        tunnel_channels: int = 0,
     ) -> None:
         """``key``: the hub's wallet, which signs the accept. ``shape``: the model served; a
         hello announcing a layer or expert outside it is refused (1008). Without it only the
         protocol's bounds apply. ``e2e`` (one of E2E_HUB_MODES) with ``via_gateway`` decide
         whether the session is encrypted end to end: "auto" encrypts a session that came
         through a gateway or whose worker requires it, "on" every session, "off" none.
-        ``nonce`` and ``kx_private`` (the ephemeral X25519 key) are fresh unless given."""
+        ``nonce`` and ``kx_private`` (the ephemeral X25519 key) are fresh unless given.
+        ``tunnel_channels``: the most backbone connections this hub puts on one worker's tunnel
+        at once (below 2: the plain tunnel for every worker); a worker offering fewer gets its
+        offer. After ``receive_hello``, ``channels`` is the choice (0: the plain tunnel)."""
         if e2e not in E2E_HUB_MODES:
             raise ValueError(f"e2e must be one of {', '.join(E2E_HUB_MODES)}, not {e2e!r}")
         self._key = key
@@ -235,6 +247,8 @@ class HubHandshake:
         # supports when encrypted, else the default.
         self.aead = AEAD_CHACHA20_POLY1305
         self.cipher: TunnelCipher | None = None
+        self._max_channels = min(max(tunnel_channels, 0), MAX_TUNNEL_CHANNELS)
+        self.channels = 0
         self.state = _HubState.START
 
     def _step(self, event: str) -> None:
@@ -304,6 +318,11 @@ class HubHandshake:
             if self.encrypted:
                 self.aead = next((a for a in body.aeads if a in AEAD_NAMES), AEAD_CHACHA20_POLY1305)
                 self._keys = derive_tunnel_keys(self._kx.shared_secret(body.kx_public), self._transcript, self.aead)
+        if body.tunnel_channels > MAX_TUNNEL_CHANNELS:
+            raise RemoteProtocolError(f"hello: tunnel_channels {body.tunnel_channels}, at most {MAX_TUNNEL_CHANNELS}",
+                                      close_code=CloseCode.POLICY_VIOLATION)
+        chosen = min(body.tunnel_channels, self._max_channels)
+        self.channels = chosen if chosen >= 2 else 0
         return HelloInfo(
             wallet=body.wallet,
             slices=slices,
@@ -313,6 +332,7 @@ class HubHandshake:
             worker_version=body.worker_version[:64],
             projections=body.projections,
             expert_function=_bounded_function(body),
+            tunnel_channels=self.channels,
         )
 
     def _must_encrypt(self, body: session_pb2.HelloBody) -> bool:
@@ -337,11 +357,13 @@ class HubHandshake:
     def accept(self, session_id: str) -> bytes:
         """The signed SessionAccept; from now on ``cipher`` seals the tunnel when ``encrypted``."""
         self._step("accept")
-        signature = self._key.sign(accept_signed_message(self._transcript, session_id, self.encrypted, self.aead))
+        signature = self._key.sign(accept_signed_message(self._transcript, session_id, self.encrypted, self.aead,
+                                                         self.channels))
         if self._keys is not None:
             self.cipher = TunnelCipher.for_hub(self._keys, self.aead)
         return session_pb2.SessionAccept(session_id=session_id, encrypted=self.encrypted, signature=signature,
-                                         aead=self.aead).SerializeToString()  # type: ignore[arg-type]
+                                         aead=self.aead,  # type: ignore[arg-type]
+                                         tunnel_channels=self.channels).SerializeToString()
 
 
 class WorkerHandshake:
@@ -364,12 +386,16 @@ class WorkerHandshake:
         aeads: Sequence[int] = (),
         projections: bool = False,
         expert_function: object | None = None,
+        tunnel_channels: int = 0,
     ) -> None:
         """``expected_hub_key``: the pinned hub key (a challenge from another is refused,
         1008). ``require_encryption``: refuse an accept that does not encrypt (1008).
         ``kx_private``: the ephemeral X25519 key, fresh unless given. ``aeads``: the AEADs
         offered besides the default, most preferred first (``preferred_aeads()``).
-        ``projections``: the worker answers a call that asks for its projections with them."""
+        ``projections``: the worker answers a call that asks for its projections with them.
+        ``tunnel_channels``: the most backbone connections it carries at once (2 to
+        MAX_TUNNEL_CHANNELS; below 2 the plain tunnel); after the accept, ``channels`` is the
+        hub's choice (0: the plain tunnel)."""
         self._wallet = wallet
         self._slices = slices
         self._digest = weights_digest
@@ -383,6 +409,10 @@ class WorkerHandshake:
         self._projections = projections
         # The kvasir.v1.ExpertFunction announced (None: unset, the default function).
         self._expert_function = expert_function
+        if not 0 <= tunnel_channels <= MAX_TUNNEL_CHANNELS:
+            raise ValueError(f"tunnel_channels: 0 to {MAX_TUNNEL_CHANNELS}, not {tunnel_channels}")
+        self._offered_channels = tunnel_channels if tunnel_channels >= 2 else 0
+        self.channels = 0
         unknown = [a for a in self._aeads if a not in AEAD_NAMES or a == AEAD_CHACHA20_POLY1305]
         if unknown or len(self._aeads) > MAX_AEADS_OFFERED:
             raise ValueError(f"aeads: offer at most {MAX_AEADS_OFFERED} of {sorted(AEAD_NAMES)[1:]} "
@@ -445,6 +475,7 @@ class WorkerHandshake:
             aeads=self._aeads,  # type: ignore[arg-type]
             projections=self._projections,
             expert_function=self._expert_function,  # type: ignore[arg-type]
+            tunnel_channels=self._offered_channels,
         ).SerializeToString()
         self._step("receive_challenge")
         signature = self._wallet.sign(HELLO_SIGNATURE_DOMAIN + body)
@@ -471,8 +502,12 @@ class WorkerHandshake:
         if aead not in AEAD_NAMES:  # nothing this worker offered (and not one byte to check a signature over)
             raise self._fail(f"accept: unknown tunnel AEAD {aead}, which this worker did not offer",
                              CloseCode.POLICY_VIOLATION)
-        if not verify_signature(self.hub_key, accept_signed_message(transcript, msg.session_id, msg.encrypted, aead),
-                                msg.signature):
+        channels = int(msg.tunnel_channels)
+        if channels and not 2 <= channels <= self._offered_channels:  # not one byte to check a signature over
+            raise self._fail(f"accept: a tunnel of {channels} channels; this worker offered "
+                             f"{self._offered_channels or 'none (the plain tunnel)'}", CloseCode.POLICY_VIOLATION)
+        if not verify_signature(self.hub_key, accept_signed_message(transcript, msg.session_id, msg.encrypted, aead,
+                                                                    channels), msg.signature):
             raise self._fail(f"accept: bad signature (not hub {self.hub_key[:16]}… over this connection's handshake: "
                              "altered on the way, or replayed)", CloseCode.POLICY_VIOLATION)
         if aead != AEAD_CHACHA20_POLY1305 and (aead not in self._aeads or not msg.encrypted):
@@ -496,5 +531,6 @@ class WorkerHandshake:
             raise self._fail("accept: the hub did not encrypt this session and this worker requires it "
                              "(--e2e require); the hub runs with --e2e off?", CloseCode.REFUSED)
         self.encrypted = msg.encrypted
+        self.channels = channels
         self._step("receive_accept")
         return msg.session_id

@@ -30,6 +30,11 @@ from kvasir_rpc._errors import CloseCode, LocalProtocolError, RemoteProtocolErro
 
 __all__ = [
     "ACCEPT_AEAD_SIGNATURE_DOMAIN",
+    "ACCEPT_CHANNELS_SIGNATURE_DOMAIN",
+    "CHANNEL_PREFIX_BYTES",
+    "MAX_TUNNEL_CHANNELS",
+    "MuxHubTunnel",
+    "MuxWorkerTunnel",
     "ACCEPT_SIGNATURE_DOMAIN",
     "AEAD_AES_256_GCM",
     "AEAD_CHACHA20_POLY1305",
@@ -156,6 +161,14 @@ MAX_AEADS_OFFERED = 16
 # With another AEAD than the default the hub signs ACCEPT_AEAD_SIGNATURE_DOMAIN + transcript
 # hash + AEAD byte + encrypted flag byte + session id.
 ACCEPT_AEAD_SIGNATURE_DOMAIN = b"kvasir.v1.SessionAccept.aead\x00"
+# A multiplexed tunnel (SessionAccept.tunnel_channels >= 2) has the hub sign
+# ACCEPT_CHANNELS_SIGNATURE_DOMAIN + transcript hash + AEAD byte + encrypted flag byte +
+# channels (2 bytes, big-endian) + session id.
+ACCEPT_CHANNELS_SIGNATURE_DOMAIN = b"kvasir.v1.SessionAccept.channels\x00"
+# A tunnel carries at most this many backbone connections at once (HelloBody.tunnel_channels).
+MAX_TUNNEL_CHANNELS = 64
+# A data message of a multiplexed tunnel starts with its channel, this many bytes big-endian.
+CHANNEL_PREFIX_BYTES = 2
 # The first plaintext byte of a sealed message: what the rest is.
 SEALED_DATA = 0  # HTTP/2 bytes
 SEALED_CONTROL = 1  # a control word in UTF-8 ("open", "eof", "close", "closed")
@@ -386,6 +399,107 @@ class WorkerTunnel(_Side):
         """The local connection is dropped: the hub may open the next one."""
         self._send("closed")
         return _C.CLOSED.value
+
+
+# --- The multiplexed tunnel (docs/PROTOCOL.md "Multiplexed tunnel") --------------------------
+#
+# Negotiated in the handshake (HelloBody.tunnel_channels, SessionAccept.tunnel_channels): the
+# tunnel then carries up to ``channels`` backbone connections at once, each on its channel
+# 0..channels-1 with the plain tunnel's state machine of its own. A control message is the word,
+# one space and the channel in decimal ("open 3"); a data message starts with its channel,
+# CHANNEL_PREFIX_BYTES big-endian, then the HTTP/2 bytes.
+
+
+def _mux_word(word: str, channel: int) -> str:
+    return f"{word} {channel}"
+
+
+class _Mux:
+    _side: type[_Side] = _Side
+    _peer = ""
+
+    def __init__(self, channels: int) -> None:
+        if not 2 <= channels <= MAX_TUNNEL_CHANNELS:
+            raise ValueError(f"a multiplexed tunnel has 2 to {MAX_TUNNEL_CHANNELS} channels, not {channels}")
+        self.channels = [self._side() for _ in range(channels)]
+
+    def state(self, channel: int) -> TunnelState:
+        return self.channels[channel].state
+
+    def _channel(self, text: str) -> int:
+        if not text.isascii() or not text.isdigit() or len(text) > 5 or (len(text) > 1 and text[0] == "0"):
+            raise RemoteProtocolError(f"the {self._peer} named channel {text[:8]!r}: a channel is a decimal number",
+                                      close_code=CloseCode.PROTOCOL_ERROR)
+        channel = int(text)
+        if channel >= len(self.channels):
+            raise RemoteProtocolError(f"the {self._peer} named channel {channel} of a tunnel of {len(self.channels)}",
+                                      close_code=CloseCode.PROTOCOL_ERROR)
+        return channel
+
+    def _split(self, msg: bytes | memoryview | str) -> tuple[int, bytes | memoryview | str]:
+        """(channel, the message the channel's own state machine reads)."""
+        if isinstance(msg, str):
+            word, sep, number = msg.partition(" ")
+            if not sep or word not in CONTROL_WORDS:
+                raise RemoteProtocolError(f"unknown control message {msg[:32]!r}: a multiplexed tunnel's text "
+                                          "messages are a word and a channel, e.g. 'open 0'",
+                                          close_code=CloseCode.PROTOCOL_ERROR)
+            return self._channel(number), word
+        if len(msg) <= CHANNEL_PREFIX_BYTES:
+            raise RemoteProtocolError(f"a data message of {len(msg)} bytes: it starts with its channel "
+                                      f"({CHANNEL_PREFIX_BYTES} bytes) and carries at least one byte",
+                                      close_code=CloseCode.PROTOCOL_ERROR)
+        view = memoryview(msg) if not isinstance(msg, memoryview) else msg
+        channel = int.from_bytes(view[:CHANNEL_PREFIX_BYTES], "big")
+        if channel >= len(self.channels):
+            raise RemoteProtocolError(f"the {self._peer} sent data on channel {channel} of a tunnel of "
+                                      f"{len(self.channels)}", close_code=CloseCode.PROTOCOL_ERROR)
+        # A view, not a copy: read-only over bytes (what the state machine keeps as it is).
+        return channel, view[CHANNEL_PREFIX_BYTES:]
+
+    def send_data(self, channel: int, data: bytes | memoryview) -> bytes:
+        """HTTP/2 bytes of ``channel``'s connection, as one binary message (a copy, prefixed)."""
+        self.channels[channel].send_data(data)  # type: ignore[arg-type]
+        return b"".join((channel.to_bytes(CHANNEL_PREFIX_BYTES, "big"), data))
+
+
+class MuxHubTunnel(_Mux):
+    """The hub's side of a multiplexed tunnel: ``HubTunnel`` per channel."""
+
+    _side = HubTunnel
+    _peer = "worker"
+
+    def free(self) -> int | None:
+        """An idle channel (the lowest), or None when every channel carries a connection."""
+        return next((i for i, c in enumerate(self.channels) if c.state is TunnelState.IDLE), None)
+
+    def open(self, channel: int) -> str:
+        word = self.channels[channel].open()  # type: ignore[attr-defined]
+        return _mux_word(word, channel)
+
+    def close(self, channel: int) -> str:
+        return _mux_word(self.channels[channel].close(), channel)  # type: ignore[attr-defined]
+
+    def receive(self, msg: bytes | memoryview | str) -> tuple[int, Event]:
+        channel, inner = self._split(msg)
+        return channel, self.channels[channel].receive(inner)  # type: ignore[attr-defined]
+
+
+class MuxWorkerTunnel(_Mux):
+    """The worker's side of a multiplexed tunnel: ``WorkerTunnel`` per channel."""
+
+    _side = WorkerTunnel
+    _peer = "hub"
+
+    def receive(self, msg: bytes | memoryview | str) -> tuple[int, Event]:
+        channel, inner = self._split(msg)
+        return channel, self.channels[channel].receive(inner)  # type: ignore[attr-defined]
+
+    def eof(self, channel: int) -> str:
+        return _mux_word(self.channels[channel].eof(), channel)  # type: ignore[attr-defined]
+
+    def closed(self, channel: int) -> str:
+        return _mux_word(self.channels[channel].closed(), channel)  # type: ignore[attr-defined]
 
 
 # --- Gateway pairing ------------------------------------------------------------------------

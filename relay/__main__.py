@@ -36,6 +36,7 @@ from kvasir_rpc import (
     run_main,
     write_ready_file,
 )
+from kvasir_rpc.protocol import MAX_TUNNEL_CHANNELS
 
 if TYPE_CHECKING:
     from relay._gateway import Gateway
@@ -197,9 +198,12 @@ def run_hub(args: argparse.Namespace) -> int:
     for flag, value in (("--max-sessions-per-wallet", args.max_sessions_per_wallet),
                         ("--max-sessions-per-address", args.max_sessions_per_address),
                         ("--max-sessions", args.max_sessions), ("--max-pending", args.max_pending),
-                        ("--max-buffered-bytes", args.max_buffered_bytes)):
+                        ("--max-buffered-bytes", args.max_buffered_bytes),
+                        ("--backbones-per-worker", args.backbones_per_worker)):
         if value < 1:
             fail(f"hub: {flag} must be at least 1 (got {value})")
+    if args.backbones_per_worker > MAX_TUNNEL_CHANNELS:
+        fail(f"hub: --backbones-per-worker is at most {MAX_TUNNEL_CHANNELS} (got {args.backbones_per_worker})")
     if not args.message_deadline > 0:
         fail(f"hub: --message-deadline must be more than 0 seconds (got {args.message_deadline:g})")
     rate = _session_rate(args)
@@ -244,7 +248,8 @@ def run_hub(args: argparse.Namespace) -> int:
                        model_shape=shape, max_sessions_per_wallet=args.max_sessions_per_wallet,
                        max_sessions_per_address=args.max_sessions_per_address, max_sessions=args.max_sessions,
                        max_pending=args.max_pending, max_buffered_bytes=args.max_buffered_bytes,
-                       message_deadline_s=args.message_deadline, e2e=args.e2e)
+                       message_deadline_s=args.message_deadline, e2e=args.e2e,
+                       tunnel_channels=args.backbones_per_worker)
 
     failed: list[str] = []
 
@@ -458,6 +463,10 @@ def build_parser() -> argparse.ArgumentParser:
                      help="drop a session (close 1001) whose worker does not answer within this many seconds")
     hub.add_argument("--quarantine-seconds", type=float, default=24 * 3600.0,
                      help="how long a wallet caught delivering wrong work is refused")
+    hub.add_argument("--backbones-per-worker", type=int, default=8, metavar="N",
+                     help="backbone connections one worker's session carries at once, for workers that offer "
+                          "it (a multiplexed tunnel); more are answered RESOURCE_EXHAUSTED, saying so; 1: one at "
+                          "a time (default 8)")
     hub.add_argument("--e2e", choices=["auto", "on", "off"], default="auto",
                      help="encrypt hub <-> worker tunnels end to end, so a gateway (or an edge in front of it) "
                           "relays only ciphertext: auto for every session through a gateway and for "

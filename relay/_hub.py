@@ -56,6 +56,7 @@ from kvasir_rpc.protocol import (
     Eof,
     Event,
     HubTunnel,
+    MuxHubTunnel,
     TunnelState,
     choose_subprotocol,
 )
@@ -105,6 +106,10 @@ class HubConfig:
     # may be presenting at once per session (more are closed at once). Neither reaches the worker.
     target_auth_timeout_s: float = 10.0
     max_unauthenticated_targets: int = 8
+    # The most backbone connections one worker's tunnel carries at once (a multiplexed tunnel,
+    # for workers that offer one: docs/PROTOCOL.md "Multiplexed tunnel"); below 2, one at a
+    # time for every worker. A connection past them is answered RESOURCE_EXHAUSTED, saying so.
+    tunnel_channels: int = 8
     # The model served: a hello announcing a layer or expert outside it is refused (1008).
     # None: only the protocol's bounds apply (MAX_LAYERS x MAX_EXPERTS_PER_LAYER).
     model_shape: ModelShape | None = None
@@ -220,7 +225,7 @@ class _Session:
     """
 
     def __init__(self, hub: _Hub, ws: WebSocketConnection, session_id: str,
-                 cipher: TunnelCipher | None = None) -> None:
+                 cipher: TunnelCipher | None = None, channels: int = 0) -> None:
         self.hub = hub
         self.ws = ws
         # Seals and opens every tunnel message of an encrypted session (None: in clear).
@@ -235,10 +240,24 @@ class _Session:
         self._nursery: trio.Nursery | None = None
         # Connections still presenting their key, oldest first (the scope ends the gate).
         self._unauthenticated: collections.deque[trio.CancelScope] = collections.deque()
+        # A multiplexed tunnel (channels >= 2): one backbone connection per channel, the
+        # WebSocket read by one task for the session's life (_mux_read), which hands each
+        # channel's bytes to its backbone connection and its "eof" / "closed" to its splice.
+        self.mux = MuxHubTunnel(channels) if channels else None
+        self._mux_streams: dict[int, trio.SocketStream] = {}
+        self._mux_scopes: dict[int, trio.CancelScope] = {}
+        self._mux_closed: dict[int, trio.Event] = {}
+
+    @property
+    def channels(self) -> int:
+        """Backbone connections the tunnel carries at once."""
+        return len(self.mux.channels) if self.mux is not None else 1
 
     @property
     def busy(self) -> bool:
-        """A backbone connection holds the tunnel (from "open" until the worker's "closed")."""
+        """Every channel holds a backbone connection (from "open" until the worker's "closed")."""
+        if self.mux is not None:
+            return self.mux.free() is None
         return self.tunnel.state is not TunnelState.IDLE
 
     async def run(self, task_status=trio.TASK_STATUS_IGNORED) -> None:  # type: ignore[no-untyped-def]
@@ -247,7 +266,10 @@ class _Session:
         port = listener.socket.getsockname()[1]
         async with listener, trio.open_nursery() as nursery:
             self._nursery = nursery
-            self._read_idle()
+            if self.mux is not None:
+                nursery.start_soon(self._mux_read)
+            else:
+                self._read_idle()
             # Each round trip goes to the registry: the status page and metrics show it.
             nursery.start_soon(functools.partial(
                 keepalive, self.ws, self.hub.config.keepalive_s, self.hub.config.keepalive_timeout_s, self.heartbeat,
@@ -255,11 +277,6 @@ class _Session:
             task_status.started(f"{self.hub.config.grpc_host}:{port}")
             while True:
                 stream = await listener.accept()
-                if self.busy:
-                    # One HTTP/2 connection per tunnel at a time; gRPC clients reconnect (and
-                    # one refused before any answer reconnects without failing a call).
-                    await stream.aclose()
-                    continue
                 if len(self._unauthenticated) >= self.hub.config.max_unauthenticated_targets:
                     # Drop the oldest, not the newcomer: strangers holding every slot would
                     # otherwise keep out the backbone, whose key takes one round trip to read.
@@ -311,13 +328,92 @@ class _Session:
             await stream.aclose()
             return
         if self.busy:
-            # One HTTP/2 connection per tunnel at a time; gRPC clients reconnect.
-            self.log.info("target connection refused: the worker already serves a connection")
+            # Said to the caller, not only closed: its log and metrics name why it got no time.
+            why = (f"worker session {self.session_id} carries {self.channels} backbone connection"
+                   f"{'s' if self.channels > 1 else ''} already (all its tunnel's channels); retry later")
+            self.log.info("target connection refused: every channel in use", channels=self.channels)
+            self.hub.registry.note_connection(self.session_id, refused_busy=1)
+            with trio.move_on_after(REFUSED_LINGER_S):
+                try:
+                    await stream.send_all(gate.busy(why))
+                    while await stream.receive_some(gate.max_bytes):
+                        pass
+                except (trio.BrokenResourceError, trio.ClosedResourceError):
+                    pass
             await stream.aclose()
             return
-        # No checkpoint between this check and tunnel.open() in _splice; were one added, a
-        # second splice would meet LocalProtocolError there rather than mix two connections.
-        await self._splice(stream, verdict.forward)
+        # No checkpoint between this check and the tunnel's open() in the splice; were one
+        # added, a second splice would meet LocalProtocolError there rather than mix two
+        # connections.
+        self.hub.registry.note_connection(self.session_id, opened=1)
+        try:
+            if self.mux is not None:
+                await self._mux_splice(stream, verdict.forward)
+            else:
+                await self._splice(stream, verdict.forward)
+        finally:
+            self.hub.registry.note_connection(self.session_id, opened=-1)
+
+    async def _mux_read(self) -> None:
+        """Read a multiplexed tunnel for the session's life: each channel's data to its
+        backbone connection (before the next message: a slow backbone slows the reader, and
+        with it the worker, as on the plain tunnel), its "eof" to its splice (which closes it),
+        its "closed" to the splice waiting for it. Anything out of turn raises (the session
+        ends: 1002)."""
+        mux = self.mux
+        assert mux is not None
+        reg = self.hub.registry
+        sid = self.session_id
+        while True:
+            channel, event = mux.receive(await receive_message(self.ws, self.cipher, self.heartbeat))
+            if isinstance(event, Data):
+                reg.count_bytes(sid, from_worker=len(event.data))
+                stream = self._mux_streams.get(channel)
+                try:
+                    if stream is not None:
+                        await stream.send_all(event.data)
+                except (trio.BrokenResourceError, trio.ClosedResourceError):
+                    self._mux_scopes[channel].cancel()  # the backbone's side broke: its splice closes it
+            elif isinstance(event, Eof):
+                self._mux_scopes[channel].cancel()
+            elif isinstance(event, Closed):
+                self._mux_closed[channel].set()
+
+    async def _mux_splice(self, stream: trio.SocketStream, first: bytes) -> None:
+        """Bridge one backbone connection on the next free channel until either side ends,
+        then close the channel and wait for the worker's "closed" (within close_timeout_s;
+        past it the session ends, as on the plain tunnel)."""
+        mux = self.mux
+        assert mux is not None
+        channel = mux.free()
+        assert channel is not None  # busy was checked with no checkpoint since
+        opening = mux.open(channel)
+        reg = self.hub.registry
+        sid = self.session_id
+        cipher = self.cipher
+        scope = self._mux_scopes[channel] = trio.CancelScope()
+        self._mux_closed[channel] = trio.Event()
+        self._mux_streams[channel] = stream
+        try:
+            async with stream:
+                with scope:
+                    await send_whole(self.ws, opening, cipher=cipher)
+                    await send_whole(self.ws, mux.send_data(channel, first), cipher=cipher)
+                    reg.count_bytes(sid, to_worker=len(first))
+                    while True:
+                        try:
+                            data = await stream.receive_some(READ_BYTES)
+                        except trio.BrokenResourceError:
+                            data = b""
+                        if not data:
+                            break
+                        await send_whole(self.ws, mux.send_data(channel, data), cipher=cipher)
+                        reg.count_bytes(sid, to_worker=len(data))
+        finally:
+            self._mux_streams.pop(channel, None)
+        await send_whole(self.ws, mux.close(channel), cipher=cipher)
+        with trio.fail_after(self.hub.config.close_timeout_s):
+            await self._mux_closed[channel].wait()
 
     async def _receive(self) -> Event:
         """The next tunnel message as an event of the session's ``HubTunnel``."""
@@ -543,7 +639,8 @@ class _Hub:
         None when the handshake was refused (the WebSocket is then closed with the refusal's
         code). A function of its own so that the hello's bytes (up to MAX_HELLO_BYTES) die
         with it, not live as long as the session."""
-        hs = HubHandshake(self.key, shape=self.config.model_shape, e2e=self.config.e2e, via_gateway=via_gateway)
+        hs = HubHandshake(self.key, shape=self.config.model_shape, e2e=self.config.e2e, via_gateway=via_gateway,
+                          tunnel_channels=self.config.tunnel_channels)
         try:
             with trio.fail_after(self.config.handshake_timeout_s):
                 await ws.send_message(hs.challenge())
@@ -600,7 +697,7 @@ class _Hub:
         if verified is None:
             return
         info, session_id, cipher = verified
-        session = _Session(self, ws, session_id, cipher)
+        session = _Session(self, ws, session_id, cipher, channels=info.tunnel_channels)
         slog = log.bind(session_id=session_id, wallet=info.wallet)
         kicked: list[str] = []
         trio_token = trio.lowlevel.current_trio_token()

@@ -51,6 +51,11 @@ class SessionStats:
     projections: bool = False
     # The expert function it announced, serialized (b"": unset).
     expert_function: bytes = b""
+    # Backbone connections its tunnel carries at once (1: the plain tunnel), carries now, and
+    # turned away because every channel was in use.
+    tunnel_channels: int = 1
+    backbone_connections: int = 0
+    connections_refused_busy: int = 0
 
     def to_proto(self) -> session_pb2.Session:
         s = session_pb2.Session(
@@ -75,6 +80,9 @@ class SessionStats:
             credited_bytes=self.credited_bytes,
             credited_nano_kvr=self.credited_nano_kvr,
             projections=self.projections,
+            tunnel_channels=self.tunnel_channels,
+            backbone_connections=self.backbone_connections,
+            connections_refused_busy=self.connections_refused_busy,
         )
         if self.expert_function:
             s.expert_function.MergeFromString(self.expert_function)
@@ -127,6 +135,8 @@ class _Entry:
     credited_bytes: int = 0
     credited_nano_kvr: int = 0
     credited_seq: int = 0  # the latest credited receipt's seq: an older or repeated one adds nothing
+    connections: int = 0  # backbone connections spliced now
+    refused_busy: int = 0  # turned away: every channel in use
     # Ends the session from any thread, with a reason for the worker (see _Session).
     kick: Callable[[str], None] | None = None
 
@@ -175,6 +185,9 @@ class SessionRegistry:
             credited_nano_kvr=e.credited_nano_kvr,
             projections=h.projections,
             expert_function=h.expert_function,
+            tunnel_channels=max(h.tunnel_channels, 1),
+            backbone_connections=e.connections,
+            connections_refused_busy=e.refused_busy,
         )
 
     def _notify(self, kind: session_pb2.SessionEvent.Kind, stats: SessionStats) -> None:
@@ -231,6 +244,15 @@ class SessionRegistry:
                 e.work_bytes = max(e.work_bytes, work_bytes)
                 e.work_calls = max(e.work_calls, calls)
                 e.work_rows = max(e.work_rows, rows)
+
+    def note_connection(self, session_id: str, *, opened: int = 0, refused_busy: int = 0) -> None:
+        """A backbone connection spliced (``opened`` 1) or ended (-1), or turned away because
+        every channel of the tunnel was in use (``refused_busy`` 1)."""
+        with self._lock:
+            e = self._sessions.get(session_id)
+            if e is not None:
+                e.connections = max(e.connections + opened, 0)
+                e.refused_busy += refused_busy
 
     def set_rtt(self, session_id: str, rtt_s: float) -> None:
         """The session's latest keepalive round trip, in seconds (also handed to ``on_rtt``)."""

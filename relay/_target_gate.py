@@ -44,6 +44,7 @@ _FLAG_END_HEADERS = 0x4
 _FLAG_PADDED = 0x8
 _FLAG_PRIORITY = 0x20
 _GRPC_PERMISSION_DENIED = 7
+_GRPC_RESOURCE_EXHAUSTED = 8
 
 
 @dataclasses.dataclass(frozen=True)
@@ -271,13 +272,21 @@ class TargetGate:
         elif not self._acked:
             self._state = _State.AWAIT_ACK
 
-    def _refusal(self, reason: str) -> bytes:
-        """A trailers-only gRPC answer (PERMISSION_DENIED, ``reason``) on the request's
-        stream: the caller's error says why, not just that the line dropped."""
+    def busy(self, reason: str) -> bytes:
+        """For an admitted connection the hub cannot splice (every channel of the worker's
+        tunnel carries another backbone's): a trailers-only RESOURCE_EXHAUSTED answer naming
+        ``reason`` on its first request, so the caller's log says why it got no worker time."""
+        if not isinstance(self.verdict, Admitted):
+            raise LocalProtocolError("target gate: busy() answers an admitted connection")
+        return self._refusal(reason, _GRPC_RESOURCE_EXHAUSTED)
+
+    def _refusal(self, reason: str, status: int = _GRPC_PERMISSION_DENIED) -> bytes:
+        """A trailers-only gRPC answer (``status``, PERMISSION_DENIED unless said, ``reason``)
+        on the request's stream: the caller's error says why, not just that the line dropped."""
         block = hpack.Encoder().encode([
             (":status", "200"),
             ("content-type", "application/grpc"),
-            ("grpc-status", str(_GRPC_PERMISSION_DENIED)),
+            ("grpc-status", str(status)),
             ("grpc-message", _percent_encode(reason)),
         ])
         return _frame(_HEADERS, _FLAG_END_HEADERS | _FLAG_END_STREAM, self._block_stream, block)

@@ -196,3 +196,34 @@ def test_protocol_imports_no_protobuf_grpc_or_torch():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
                          cwd=pathlib.Path(__file__).resolve().parent.parent)
     assert out.stdout.strip() == "[]", out.stderr
+
+
+MUX = CONTROL["multiplexed"]["sequences"]
+
+
+@pytest.mark.parametrize("seq", MUX, ids=[s["name"] for s in MUX])
+def test_multiplexed_control_vectors(seq):
+    side = p.MuxHubTunnel(seq["channels"]) if seq["side"] == "hub" else p.MuxWorkerTunnel(seq["channels"])
+    for step in seq["steps"]:
+        if "send" in step:
+            msg, channel = _message(step["send"]), step["channel"]
+            if isinstance(msg, bytes):
+                assert int.from_bytes(msg[:2], "big") == channel
+                sent = side.send_data(channel, msg[2:])
+            else:
+                word, number = msg.split(" ")
+                assert int(number) == channel
+                sent = getattr(side, word)(channel)
+            assert sent == msg
+        else:
+            msg = _message(step["receive"])
+            if "error" in step:
+                with pytest.raises(p.RemoteProtocolError) as info:
+                    side.receive(msg)
+                assert info.value.close_code == step["error"]["close_code"]
+                continue
+            channel, event = side.receive(msg)
+            assert channel == step["channel"] and type(event).__name__ == step["event"]
+            if isinstance(event, p.Data):
+                assert bytes(event.data) == msg[2:]
+        assert side.state(step["channel"]).value == step["state"], step

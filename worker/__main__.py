@@ -55,6 +55,7 @@ from kvasir_rpc import (
     parse_expert_spec,
     run_main,
 )
+from kvasir_rpc.protocol import MAX_TUNNEL_CHANNELS
 # Only what checks the arguments loads at import; torch and the serving modules load once the
 # arguments, the files and the address have passed (a mistake ends in one line, at once).
 from worker._console import BALANCE_INTERVAL_S
@@ -73,6 +74,9 @@ log = get_logger("worker")
 #: Where the wallet lives when --wallet is not given (created on first start).
 DEFAULT_WALLET = STATE_DIR / "wallet.key"
 STATUS_INTERVAL_S = 30.0
+# Backbones served at once on one session (HelloBody.tunnel_channels): the replicas of a
+# service behind a balancer, and a batch job beside it.
+DEFAULT_BACKBONES = 8
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -114,6 +118,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--hub-key", metavar="HEX",
                    help="the hub's public key (64 hex characters, in its ready file and its 'hub listening' log "
                         "line): serve only that hub; without it, whoever answers the dial as a hub is served")
+    p.add_argument("--backbones", type=int, default=DEFAULT_BACKBONES, metavar="N",
+                   help=f"serve up to N backbones at once on one session (a multiplexed tunnel, 2 to "
+                        f"{MAX_TUNNEL_CHANNELS}; each gets its turn at the experts in rotation); 1: one at a time, "
+                        f"as a worker before them (default {DEFAULT_BACKBONES})")
     p.add_argument("--e2e", choices=["auto", "require"],
                    help="require: refuse a session whose tunnel is not encrypted end to end (without --e2e: "
                         "require with --gateway, auto with --hub); auto: take what the hub chooses")
@@ -255,6 +263,8 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--status-interval must be positive")
     if not 0 <= args.dequantized_cache_mb < float("inf"):
         p.error("--dequantized-cache-mb must be 0 or more")
+    if not 1 <= args.backbones <= MAX_TUNNEL_CHANNELS:
+        p.error(f"--backbones must be 1 to {MAX_TUNNEL_CHANNELS}")
     url = _tunnel_url(args)
     require_e2e = (args.e2e or ("require" if args.gateway else "auto")) == "require"
     configure_logging("worker", level=args.log_level)
@@ -352,6 +362,7 @@ def _serve(args: argparse.Namespace, *, url: str, ssl_context: ssl.SSLContext | 
             aeads=preferred_aeads(),
             projections=not args.echo_experts,  # row checks: an echo worker computes none
             expert_function=experts.function.to_proto(),
+            tunnel_channels=args.backbones if args.backbones >= 2 else 0,
         )
 
     holders = [TunnelHolder(url) for _ in shares]

@@ -155,6 +155,37 @@ def add_to_server(servicer: ExpertServicer, server: grpc.Server) -> None:
     server.add_registered_method_handlers(name, handlers)
 
 
+class Turns:
+    """The experts compute one call at a time; the Dispatch streams waiting (one per backbone
+    connection: each backbone its own) take turns in rotation. A stream's calls are computed
+    one after another, so it has at most one call waiting, and a queue of the waiting streams,
+    first come first served, gives every backbone a call for each call of any other: a fair
+    share, whatever one of them sends. One stream alone never waits."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._busy = False
+        self._waiting: collections.deque[object] = collections.deque()
+        self.turns = 0
+        self.waited = 0  # turns that had to wait for another stream's
+
+    def take(self, stream: object) -> None:
+        """Wait for ``stream``'s turn; ``give_back`` when its call is computed."""
+        with self._cond:
+            self._waiting.append(stream)
+            if self._busy or self._waiting[0] is not stream:
+                self.waited += 1
+                self._cond.wait_for(lambda: not self._busy and self._waiting[0] is stream)
+            self._waiting.popleft()
+            self._busy = True
+            self.turns += 1
+
+    def give_back(self) -> None:
+        with self._cond:
+            self._busy = False
+            self._cond.notify_all()
+
+
 class ExpertServicer(expert_pb2_grpc.ExpertServiceServicer):
     """Serves ``Dispatch`` (a stream of batched calls, each answer yielded as its serialized
     DispatchResponse: register it with ``add_to_server``) and ``Describe``.
@@ -177,6 +208,8 @@ class ExpertServicer(expert_pb2_grpc.ExpertServiceServicer):
         self.rows = 0
         # The layer of the last call computed and its experts in the order computed (_order).
         self._last: tuple[int, list[int]] = (-1, [])
+        # Backbones served at once take turns at the experts (a multiplexed tunnel).
+        self.turns = Turns()
 
     def _order(self, layer: int, experts: list[int]) -> list[int]:
         """The order to compute a call's segments in (indices into ``experts``): when the call
@@ -215,14 +248,19 @@ class ExpertServicer(expert_pb2_grpc.ExpertServiceServicer):
         )
 
     def Dispatch(self, request_iterator, context):  # type: ignore[no-untyped-def]
+        stream = object()  # this stream's place in the turns
         for req in request_iterator:
             with self._lock:
                 if self._draining.is_set():
                     context.abort(grpc.StatusCode.UNAVAILABLE, "worker is draining for shutdown; send elsewhere")
                 self._computing += 1
             try:
-                t0 = time.perf_counter_ns()
-                partials, projections = self._compute(req)
+                self.turns.take(stream)
+                try:
+                    t0 = time.perf_counter_ns()
+                    partials, projections = self._compute(req)
+                finally:
+                    self.turns.give_back()
                 micros = (time.perf_counter_ns() - t0) // 1000
                 # Serialized here, its payload copied once (see add_to_server).
                 answer = serialize_dispatch_response(req.call_id, partials, micros,

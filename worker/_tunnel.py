@@ -37,6 +37,8 @@ from kvasir_rpc.protocol import (
     WORKER_HANDSHAKE_TIMEOUT_S,
     Close,
     Data,
+    Eof,
+    MuxWorkerTunnel,
     Open,
     WorkerTunnel,
 )
@@ -85,7 +87,7 @@ class _Conn:
 
 async def serve_session(ws: WebSocketConnection, uds_path: str, *, keepalive_s: float = KEEPALIVE_S,
                         keepalive_timeout_s: float = KEEPALIVE_TIMEOUT_S, cipher: TunnelCipher | None = None,
-                        counts: TunnelHolder | None = None) -> None:
+                        counts: TunnelHolder | None = None, channels: int = 0) -> None:
     """Follow the hub's control messages until the WebSocket closes (ConnectionClosed) or
     the hub breaks the protocol or stops answering (RemoteProtocolError).
 
@@ -93,7 +95,13 @@ async def serve_session(ws: WebSocketConnection, uds_path: str, *, keepalive_s: 
     with ``cipher`` when the session is encrypted end to end. The hub's liveness is checked
     as the hub checks ours: a sealed heartbeat on an encrypted session (its heartbeats are
     answered in ``receive_message``), a WebSocket ping otherwise. ``counts`` (when given)
-    adds the HTTP/2 bytes carried each way to its ``bytes_in`` and ``bytes_out``."""
+    adds the HTTP/2 bytes carried each way to its ``bytes_in`` and ``bytes_out``. With
+    ``channels`` (the accept's tunnel_channels) the tunnel is multiplexed: one local connection
+    per channel the hub opens (``serve_mux_session``)."""
+    if channels:
+        await serve_mux_session(ws, uds_path, channels, keepalive_s=keepalive_s,
+                                keepalive_timeout_s=keepalive_timeout_s, cipher=cipher, counts=counts)
+        return
     tunnel = WorkerTunnel()
     conn: _Conn | None = None
     heartbeat = SealedHeartbeat(ws, cipher) if cipher is not None else None
@@ -143,6 +151,60 @@ async def serve_session(ws: WebSocketConnection, uds_path: str, *, keepalive_s: 
         finally:
             nursery.cancel_scope.cancel()
             if conn is not None:
+                await conn.stream.aclose()
+
+
+async def serve_mux_session(ws: WebSocketConnection, uds_path: str, channels: int, *,
+                            keepalive_s: float = KEEPALIVE_S, keepalive_timeout_s: float = KEEPALIVE_TIMEOUT_S,
+                            cipher: TunnelCipher | None = None, counts: TunnelHolder | None = None) -> None:
+    """``serve_session`` on a multiplexed tunnel of ``channels``: each channel the hub opens is
+    a fresh connection to the local gRPC server (one per backbone connection: the server sees
+    them apart, and ``ExpertServicer`` takes their calls in turn), pumped back on its channel."""
+    tunnel = MuxWorkerTunnel(channels)
+    conns: dict[int, _Conn] = {}
+    heartbeat = SealedHeartbeat(ws, cipher) if cipher is not None else None
+
+    async def pump(channel: int, c: _Conn) -> None:
+        try:
+            view = memoryview(bytearray(READ_BYTES))
+            with c.scope:
+                while True:
+                    n = await _read_answer(c.stream.socket, view)
+                    if not n:
+                        break
+                    if counts is not None:
+                        counts.bytes_out += n
+                    await send_whole(ws, tunnel.send_data(channel, view[:n]), cipher=cipher)
+                await send_whole(ws, tunnel.eof(channel), cipher=cipher)
+        finally:
+            c.done.set()
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(keepalive, ws, keepalive_s, keepalive_timeout_s, heartbeat)
+        try:
+            while True:
+                channel, event = tunnel.receive(await receive_message(ws, cipher, heartbeat))
+                if isinstance(event, Open):
+                    conns[channel] = _Conn(await trio.open_unix_socket(uds_path))
+                    nursery.start_soon(pump, channel, conns[channel])
+                elif isinstance(event, Close):
+                    conn = conns.pop(channel)
+                    conn.scope.cancel()
+                    await conn.done.wait()
+                    await conn.stream.aclose()
+                    await send_whole(ws, tunnel.closed(channel), cipher=cipher)
+                elif isinstance(event, Data):
+                    if counts is not None:
+                        counts.bytes_in += len(event.data)
+                    try:
+                        await conns[channel].stream.send_all(event.data)
+                    except trio.BrokenResourceError:
+                        pass  # the server ended the connection: the pump sees it too and sends "eof"
+                else:  # nothing else reaches a worker's channel
+                    assert not isinstance(event, Eof)
+        finally:
+            nursery.cancel_scope.cancel()
+            for conn in conns.values():
                 await conn.stream.aclose()
 
 
@@ -309,9 +371,10 @@ async def run_tunnel(
                 holder.last_error = ""
                 holder.sessions += 1
                 log.info("session established", session_id=session_id, hub_key=hs.hub_key, url=url,
-                         encrypted=hs.encrypted, aead=AEAD_NAMES[hs.aead] if hs.encrypted else None)
+                         encrypted=hs.encrypted, aead=AEAD_NAMES[hs.aead] if hs.encrypted else None,
+                         backbone_connections=hs.channels or 1)
                 try:
-                    await serve_session(ws, uds_path, cipher=hs.cipher, counts=holder)
+                    await serve_session(ws, uds_path, cipher=hs.cipher, counts=holder, channels=hs.channels)
                 except* ConnectionClosed as eg:
                     if not holder.closing:
                         raise

@@ -4,7 +4,7 @@ import { createHash, createPrivateKey, createPublicKey, randomBytes, sign, verif
 import { closeSync, existsSync, mkdirSync, openSync, readFileSync, statSync, writeSync } from "node:fs";
 import { dirname } from "node:path";
 
-import { create, fromBinary, toBinary } from "@bufbuild/protobuf";
+import { create, fromBinary, toBinary, type MessageInitShape } from "@bufbuild/protobuf";
 
 import {
   ExpertSliceSchema,
@@ -12,7 +12,6 @@ import {
   SessionAcceptSchema,
   SessionChallengeSchema,
   SessionHelloSchema,
-  type HelloBody,
 } from "../gen/kvasir/v1/session_pb.js";
 import { ascii, asBuffer, CloseCode, concat, fromHex, ProtocolError, toHex, u32be, utf8 } from "./bytes.js";
 import { AEAD_CHACHA20_POLY1305, AEAD_NAMES, deriveTunnelKeys, KeyExchange, TunnelCipher } from "./channel.js";
@@ -117,7 +116,7 @@ export interface HelloInfo {
   workerVersion: string;
   projections: boolean;
   /** Extra HelloBody fields (e.g. the expert function), set as they are. */
-  extra?: Partial<HelloBody>;
+  extra?: Omit<MessageInitShape<typeof HelloBodySchema>, "$typeName">;
 }
 
 export interface HandshakeOptions {

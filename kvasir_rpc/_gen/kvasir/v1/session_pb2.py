@@ -25,51 +25,51 @@ _sym_db = _symbol_database.Default()
 from kvasir_rpc._gen.kvasir.v1 import function_pb2 as kvasir_dot_v1_dot_function__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17kvasir/v1/session.proto\x12\tkvasir.v1\x1a\x18kvasir/v1/function.proto\"-\n\x0b\x45xpertSlice\x12\r\n\x05layer\x18\x01 \x01(\r\x12\x0f\n\x07\x65xperts\x18\x02 \x03(\r\"`\n\x10SessionChallenge\x12\r\n\x05nonce\x18\x01 \x01(\x0c\x12\x0f\n\x07hub_key\x18\x02 \x01(\t\x12\x19\n\x11issued_at_unix_ms\x18\x03 \x01(\x03\x12\x11\n\tkx_public\x18\x04 \x01(\x0c\"\xec\x02\n\tHelloBody\x12\r\n\x05nonce\x18\x01 \x01(\x0c\x12\x0f\n\x07hub_key\x18\x02 \x01(\t\x12\x0e\n\x06wallet\x18\x03 \x01(\t\x12&\n\x06slices\x18\x04 \x03(\x0b\x32\x16.kvasir.v1.ExpertSlice\x12\x16\n\x0eweights_digest\x18\x05 \x01(\x0c\x12\x0e\n\x06\x64\x65vice\x18\x06 \x01(\t\x12\x12\n\nmodel_type\x18\x07 \x01(\t\x12\x16\n\x0eworker_version\x18\x08 \x01(\t\x12\x11\n\tkx_public\x18\t \x01(\x0c\x12\x15\n\rhub_kx_public\x18\n \x01(\x0c\x12\x1a\n\x12require_encryption\x18\x0b \x01(\x08\x12$\n\x05\x61\x65\x61\x64s\x18\x0c \x03(\x0e\x32\x15.kvasir.v1.TunnelAead\x12\x13\n\x0bprojections\x18\r \x01(\x08\x12\x32\n\x0f\x65xpert_function\x18\x0e \x01(\x0b\x32\x19.kvasir.v1.ExpertFunction\"/\n\x0cSessionHello\x12\x0c\n\x04\x62ody\x18\x01 \x01(\x0c\x12\x11\n\tsignature\x18\x02 \x01(\x0c\"n\n\rSessionAccept\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x11\n\tencrypted\x18\x02 \x01(\x08\x12\x11\n\tsignature\x18\x03 \x01(\x0c\x12#\n\x04\x61\x65\x61\x64\x18\x04 \x01(\x0e\x32\x15.kvasir.v1.TunnelAead\"\xa2\x04\n\x07Session\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0e\n\x06wallet\x18\x02 \x01(\t\x12&\n\x06slices\x18\x03 \x03(\x0b\x32\x16.kvasir.v1.ExpertSlice\x12\x16\n\x0eweights_digest\x18\x04 \x01(\x0c\x12\x0e\n\x06\x64\x65vice\x18\x05 \x01(\t\x12\x12\n\nmodel_type\x18\x06 \x01(\t\x12\x1f\n\x17\x63onnected_since_unix_ms\x18\x07 \x01(\x03\x12\x17\n\x0f\x62ytes_to_worker\x18\x08 \x01(\x04\x12\x19\n\x11\x62ytes_from_worker\x18\t \x01(\x04\x12\x0e\n\x06target\x18\n \x01(\t\x12\x16\n\x0eremote_address\x18\x0b \x01(\t\x12\x12\n\nwork_bytes\x18\x0c \x01(\x04\x12\x11\n\tencrypted\x18\r \x01(\x08\x12\x13\n\x0bvia_gateway\x18\x0e \x01(\x08\x12\x0e\n\x06rtt_ms\x18\x0f \x01(\x01\x12\x12\n\nwork_calls\x18\x10 \x01(\x04\x12\x11\n\twork_rows\x18\x11 \x01(\x04\x12\x16\n\x0e\x63redited_bytes\x18\x12 \x01(\x04\x12\x19\n\x11\x63redited_nano_kvr\x18\x13 \x01(\x04\x12#\n\x04\x61\x65\x61\x64\x18\x14 \x01(\x0e\x32\x15.kvasir.v1.TunnelAead\x12\x13\n\x0bprojections\x18\x15 \x01(\x08\x12\x32\n\x0f\x65xpert_function\x18\x16 \x01(\x0b\x32\x19.kvasir.v1.ExpertFunction\"\x15\n\x13ListSessionsRequest\"<\n\x14ListSessionsResponse\x12$\n\x08sessions\x18\x01 \x03(\x0b\x32\x12.kvasir.v1.Session\"\x16\n\x14WatchSessionsRequest\"\xb0\x01\n\x0cSessionEvent\x12*\n\x04kind\x18\x01 \x01(\x0e\x32\x1c.kvasir.v1.SessionEvent.Kind\x12#\n\x07session\x18\x02 \x01(\x0b\x32\x12.kvasir.v1.Session\"O\n\x04Kind\x12\x14\n\x10KIND_UNSPECIFIED\x10\x00\x12\x0e\n\nKIND_ADDED\x10\x01\x12\x10\n\x0cKIND_REMOVED\x10\x02\x12\x0f\n\x0bKIND_SYNCED\x10\x03\"?\n\x15WatchSessionsResponse\x12&\n\x05\x65vent\x18\x01 \x01(\x0b\x32\x17.kvasir.v1.SessionEvent\"W\n\nWorkReport\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x18\n\x10\x63umulative_bytes\x18\x02 \x01(\x04\x12\r\n\x05\x63\x61lls\x18\x03 \x01(\x04\x12\x0c\n\x04rows\x18\x04 \x01(\x04\"K\n\x11ReportWorkRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12&\n\x07reports\x18\x02 \x03(\x0b\x32\x15.kvasir.v1.WorkReport\"1\n\x12ReportWorkResponse\x12\x1b\n\x13refused_session_ids\x18\x01 \x03(\t\"\xdc\x01\n\x11QuarantineRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\'\n\tviolation\x18\x02 \x01(\x0e\x32\x14.kvasir.v1.Violation\x12\r\n\x05layer\x18\x03 \x01(\r\x12\x0e\n\x06\x65xpert\x18\x04 \x01(\r\x12\x0f\n\x07\x63\x61ll_id\x18\x05 \x01(\x04\x12\x0b\n\x03row\x18\x06 \x01(\r\x12\x14\n\x0cmax_abs_diff\x18\x07 \x01(\x01\x12\x11\n\ttolerance\x18\x08 \x01(\x01\x12\x14\n\x0c\x61udited_rows\x18\t \x01(\x04\x12\x0e\n\x06\x64\x65tail\x18\n \x01(\t\"3\n\x12QuarantineResponse\x12\x1d\n\x15refused_until_unix_ms\x18\x01 \x01(\x03*F\n\nTunnelAead\x12\x1b\n\x17TUNNEL_AEAD_UNSPECIFIED\x10\x00\x12\x1b\n\x17TUNNEL_AEAD_AES_256_GCM\x10\x01*\x90\x01\n\tViolation\x12\x19\n\x15VIOLATION_UNSPECIFIED\x10\x00\x12\x18\n\x14VIOLATION_NON_FINITE\x10\x01\x12\x1c\n\x18VIOLATION_AUDIT_MISMATCH\x10\x02\x12\x17\n\x13VIOLATION_MALFORMED\x10\x03\x12\x17\n\x13VIOLATION_ROW_CHECK\x10\x04\x32\xcd\x02\n\x0eSessionService\x12O\n\x0cListSessions\x12\x1e.kvasir.v1.ListSessionsRequest\x1a\x1f.kvasir.v1.ListSessionsResponse\x12T\n\rWatchSessions\x12\x1f.kvasir.v1.WatchSessionsRequest\x1a .kvasir.v1.WatchSessionsResponse0\x01\x12I\n\nReportWork\x12\x1c.kvasir.v1.ReportWorkRequest\x1a\x1d.kvasir.v1.ReportWorkResponse\x12I\n\nQuarantine\x12\x1c.kvasir.v1.QuarantineRequest\x1a\x1d.kvasir.v1.QuarantineResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17kvasir/v1/session.proto\x12\tkvasir.v1\x1a\x18kvasir/v1/function.proto\"-\n\x0b\x45xpertSlice\x12\r\n\x05layer\x18\x01 \x01(\r\x12\x0f\n\x07\x65xperts\x18\x02 \x03(\r\"`\n\x10SessionChallenge\x12\r\n\x05nonce\x18\x01 \x01(\x0c\x12\x0f\n\x07hub_key\x18\x02 \x01(\t\x12\x19\n\x11issued_at_unix_ms\x18\x03 \x01(\x03\x12\x11\n\tkx_public\x18\x04 \x01(\x0c\"\x85\x03\n\tHelloBody\x12\r\n\x05nonce\x18\x01 \x01(\x0c\x12\x0f\n\x07hub_key\x18\x02 \x01(\t\x12\x0e\n\x06wallet\x18\x03 \x01(\t\x12&\n\x06slices\x18\x04 \x03(\x0b\x32\x16.kvasir.v1.ExpertSlice\x12\x16\n\x0eweights_digest\x18\x05 \x01(\x0c\x12\x0e\n\x06\x64\x65vice\x18\x06 \x01(\t\x12\x12\n\nmodel_type\x18\x07 \x01(\t\x12\x16\n\x0eworker_version\x18\x08 \x01(\t\x12\x11\n\tkx_public\x18\t \x01(\x0c\x12\x15\n\rhub_kx_public\x18\n \x01(\x0c\x12\x1a\n\x12require_encryption\x18\x0b \x01(\x08\x12$\n\x05\x61\x65\x61\x64s\x18\x0c \x03(\x0e\x32\x15.kvasir.v1.TunnelAead\x12\x13\n\x0bprojections\x18\r \x01(\x08\x12\x32\n\x0f\x65xpert_function\x18\x0e \x01(\x0b\x32\x19.kvasir.v1.ExpertFunction\x12\x17\n\x0ftunnel_channels\x18\x0f \x01(\r\"/\n\x0cSessionHello\x12\x0c\n\x04\x62ody\x18\x01 \x01(\x0c\x12\x11\n\tsignature\x18\x02 \x01(\x0c\"\x87\x01\n\rSessionAccept\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x11\n\tencrypted\x18\x02 \x01(\x08\x12\x11\n\tsignature\x18\x03 \x01(\x0c\x12#\n\x04\x61\x65\x61\x64\x18\x04 \x01(\x0e\x32\x15.kvasir.v1.TunnelAead\x12\x17\n\x0ftunnel_channels\x18\x05 \x01(\r\"\xfb\x04\n\x07Session\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0e\n\x06wallet\x18\x02 \x01(\t\x12&\n\x06slices\x18\x03 \x03(\x0b\x32\x16.kvasir.v1.ExpertSlice\x12\x16\n\x0eweights_digest\x18\x04 \x01(\x0c\x12\x0e\n\x06\x64\x65vice\x18\x05 \x01(\t\x12\x12\n\nmodel_type\x18\x06 \x01(\t\x12\x1f\n\x17\x63onnected_since_unix_ms\x18\x07 \x01(\x03\x12\x17\n\x0f\x62ytes_to_worker\x18\x08 \x01(\x04\x12\x19\n\x11\x62ytes_from_worker\x18\t \x01(\x04\x12\x0e\n\x06target\x18\n \x01(\t\x12\x16\n\x0eremote_address\x18\x0b \x01(\t\x12\x12\n\nwork_bytes\x18\x0c \x01(\x04\x12\x11\n\tencrypted\x18\r \x01(\x08\x12\x13\n\x0bvia_gateway\x18\x0e \x01(\x08\x12\x0e\n\x06rtt_ms\x18\x0f \x01(\x01\x12\x12\n\nwork_calls\x18\x10 \x01(\x04\x12\x11\n\twork_rows\x18\x11 \x01(\x04\x12\x16\n\x0e\x63redited_bytes\x18\x12 \x01(\x04\x12\x19\n\x11\x63redited_nano_kvr\x18\x13 \x01(\x04\x12#\n\x04\x61\x65\x61\x64\x18\x14 \x01(\x0e\x32\x15.kvasir.v1.TunnelAead\x12\x13\n\x0bprojections\x18\x15 \x01(\x08\x12\x32\n\x0f\x65xpert_function\x18\x16 \x01(\x0b\x32\x19.kvasir.v1.ExpertFunction\x12\x17\n\x0ftunnel_channels\x18\x17 \x01(\r\x12\x1c\n\x14\x62\x61\x63kbone_connections\x18\x18 \x01(\r\x12 \n\x18\x63onnections_refused_busy\x18\x19 \x01(\x04\"\x15\n\x13ListSessionsRequest\"<\n\x14ListSessionsResponse\x12$\n\x08sessions\x18\x01 \x03(\x0b\x32\x12.kvasir.v1.Session\"\x16\n\x14WatchSessionsRequest\"\xb0\x01\n\x0cSessionEvent\x12*\n\x04kind\x18\x01 \x01(\x0e\x32\x1c.kvasir.v1.SessionEvent.Kind\x12#\n\x07session\x18\x02 \x01(\x0b\x32\x12.kvasir.v1.Session\"O\n\x04Kind\x12\x14\n\x10KIND_UNSPECIFIED\x10\x00\x12\x0e\n\nKIND_ADDED\x10\x01\x12\x10\n\x0cKIND_REMOVED\x10\x02\x12\x0f\n\x0bKIND_SYNCED\x10\x03\"?\n\x15WatchSessionsResponse\x12&\n\x05\x65vent\x18\x01 \x01(\x0b\x32\x17.kvasir.v1.SessionEvent\"W\n\nWorkReport\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x18\n\x10\x63umulative_bytes\x18\x02 \x01(\x04\x12\r\n\x05\x63\x61lls\x18\x03 \x01(\x04\x12\x0c\n\x04rows\x18\x04 \x01(\x04\"K\n\x11ReportWorkRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12&\n\x07reports\x18\x02 \x03(\x0b\x32\x15.kvasir.v1.WorkReport\"1\n\x12ReportWorkResponse\x12\x1b\n\x13refused_session_ids\x18\x01 \x03(\t\"\xdc\x01\n\x11QuarantineRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\'\n\tviolation\x18\x02 \x01(\x0e\x32\x14.kvasir.v1.Violation\x12\r\n\x05layer\x18\x03 \x01(\r\x12\x0e\n\x06\x65xpert\x18\x04 \x01(\r\x12\x0f\n\x07\x63\x61ll_id\x18\x05 \x01(\x04\x12\x0b\n\x03row\x18\x06 \x01(\r\x12\x14\n\x0cmax_abs_diff\x18\x07 \x01(\x01\x12\x11\n\ttolerance\x18\x08 \x01(\x01\x12\x14\n\x0c\x61udited_rows\x18\t \x01(\x04\x12\x0e\n\x06\x64\x65tail\x18\n \x01(\t\"3\n\x12QuarantineResponse\x12\x1d\n\x15refused_until_unix_ms\x18\x01 \x01(\x03*F\n\nTunnelAead\x12\x1b\n\x17TUNNEL_AEAD_UNSPECIFIED\x10\x00\x12\x1b\n\x17TUNNEL_AEAD_AES_256_GCM\x10\x01*\x90\x01\n\tViolation\x12\x19\n\x15VIOLATION_UNSPECIFIED\x10\x00\x12\x18\n\x14VIOLATION_NON_FINITE\x10\x01\x12\x1c\n\x18VIOLATION_AUDIT_MISMATCH\x10\x02\x12\x17\n\x13VIOLATION_MALFORMED\x10\x03\x12\x17\n\x13VIOLATION_ROW_CHECK\x10\x04\x32\xcd\x02\n\x0eSessionService\x12O\n\x0cListSessions\x12\x1e.kvasir.v1.ListSessionsRequest\x1a\x1f.kvasir.v1.ListSessionsResponse\x12T\n\rWatchSessions\x12\x1f.kvasir.v1.WatchSessionsRequest\x1a .kvasir.v1.WatchSessionsResponse0\x01\x12I\n\nReportWork\x12\x1c.kvasir.v1.ReportWorkRequest\x1a\x1d.kvasir.v1.ReportWorkResponse\x12I\n\nQuarantine\x12\x1c.kvasir.v1.QuarantineRequest\x1a\x1d.kvasir.v1.QuarantineResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kvasir.v1.session_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_TUNNELAEAD']._serialized_start=2132
-  _globals['_TUNNELAEAD']._serialized_end=2202
-  _globals['_VIOLATION']._serialized_start=2205
-  _globals['_VIOLATION']._serialized_end=2349
+  _globals['_TUNNELAEAD']._serialized_start=2272
+  _globals['_TUNNELAEAD']._serialized_end=2342
+  _globals['_VIOLATION']._serialized_start=2345
+  _globals['_VIOLATION']._serialized_end=2489
   _globals['_EXPERTSLICE']._serialized_start=64
   _globals['_EXPERTSLICE']._serialized_end=109
   _globals['_SESSIONCHALLENGE']._serialized_start=111
   _globals['_SESSIONCHALLENGE']._serialized_end=207
   _globals['_HELLOBODY']._serialized_start=210
-  _globals['_HELLOBODY']._serialized_end=574
-  _globals['_SESSIONHELLO']._serialized_start=576
-  _globals['_SESSIONHELLO']._serialized_end=623
-  _globals['_SESSIONACCEPT']._serialized_start=625
-  _globals['_SESSIONACCEPT']._serialized_end=735
-  _globals['_SESSION']._serialized_start=738
-  _globals['_SESSION']._serialized_end=1284
-  _globals['_LISTSESSIONSREQUEST']._serialized_start=1286
-  _globals['_LISTSESSIONSREQUEST']._serialized_end=1307
-  _globals['_LISTSESSIONSRESPONSE']._serialized_start=1309
-  _globals['_LISTSESSIONSRESPONSE']._serialized_end=1369
-  _globals['_WATCHSESSIONSREQUEST']._serialized_start=1371
-  _globals['_WATCHSESSIONSREQUEST']._serialized_end=1393
-  _globals['_SESSIONEVENT']._serialized_start=1396
-  _globals['_SESSIONEVENT']._serialized_end=1572
-  _globals['_SESSIONEVENT_KIND']._serialized_start=1493
-  _globals['_SESSIONEVENT_KIND']._serialized_end=1572
-  _globals['_WATCHSESSIONSRESPONSE']._serialized_start=1574
-  _globals['_WATCHSESSIONSRESPONSE']._serialized_end=1637
-  _globals['_WORKREPORT']._serialized_start=1639
-  _globals['_WORKREPORT']._serialized_end=1726
-  _globals['_REPORTWORKREQUEST']._serialized_start=1728
-  _globals['_REPORTWORKREQUEST']._serialized_end=1803
-  _globals['_REPORTWORKRESPONSE']._serialized_start=1805
-  _globals['_REPORTWORKRESPONSE']._serialized_end=1854
-  _globals['_QUARANTINEREQUEST']._serialized_start=1857
-  _globals['_QUARANTINEREQUEST']._serialized_end=2077
-  _globals['_QUARANTINERESPONSE']._serialized_start=2079
-  _globals['_QUARANTINERESPONSE']._serialized_end=2130
-  _globals['_SESSIONSERVICE']._serialized_start=2352
-  _globals['_SESSIONSERVICE']._serialized_end=2685
+  _globals['_HELLOBODY']._serialized_end=599
+  _globals['_SESSIONHELLO']._serialized_start=601
+  _globals['_SESSIONHELLO']._serialized_end=648
+  _globals['_SESSIONACCEPT']._serialized_start=651
+  _globals['_SESSIONACCEPT']._serialized_end=786
+  _globals['_SESSION']._serialized_start=789
+  _globals['_SESSION']._serialized_end=1424
+  _globals['_LISTSESSIONSREQUEST']._serialized_start=1426
+  _globals['_LISTSESSIONSREQUEST']._serialized_end=1447
+  _globals['_LISTSESSIONSRESPONSE']._serialized_start=1449
+  _globals['_LISTSESSIONSRESPONSE']._serialized_end=1509
+  _globals['_WATCHSESSIONSREQUEST']._serialized_start=1511
+  _globals['_WATCHSESSIONSREQUEST']._serialized_end=1533
+  _globals['_SESSIONEVENT']._serialized_start=1536
+  _globals['_SESSIONEVENT']._serialized_end=1712
+  _globals['_SESSIONEVENT_KIND']._serialized_start=1633
+  _globals['_SESSIONEVENT_KIND']._serialized_end=1712
+  _globals['_WATCHSESSIONSRESPONSE']._serialized_start=1714
+  _globals['_WATCHSESSIONSRESPONSE']._serialized_end=1777
+  _globals['_WORKREPORT']._serialized_start=1779
+  _globals['_WORKREPORT']._serialized_end=1866
+  _globals['_REPORTWORKREQUEST']._serialized_start=1868
+  _globals['_REPORTWORKREQUEST']._serialized_end=1943
+  _globals['_REPORTWORKRESPONSE']._serialized_start=1945
+  _globals['_REPORTWORKRESPONSE']._serialized_end=1994
+  _globals['_QUARANTINEREQUEST']._serialized_start=1997
+  _globals['_QUARANTINEREQUEST']._serialized_end=2217
+  _globals['_QUARANTINERESPONSE']._serialized_start=2219
+  _globals['_QUARANTINERESPONSE']._serialized_end=2270
+  _globals['_SESSIONSERVICE']._serialized_start=2492
+  _globals['_SESSIONSERVICE']._serialized_end=2825
 # @@protoc_insertion_point(module_scope)

@@ -49,7 +49,7 @@ class SessionChallenge(_message.Message):
     def __init__(self, nonce: _Optional[bytes] = ..., hub_key: _Optional[str] = ..., issued_at_unix_ms: _Optional[int] = ..., kx_public: _Optional[bytes] = ...) -> None: ...
 
 class HelloBody(_message.Message):
-    __slots__ = ("nonce", "hub_key", "wallet", "slices", "weights_digest", "device", "model_type", "worker_version", "kx_public", "hub_kx_public", "require_encryption", "aeads", "projections", "expert_function")
+    __slots__ = ("nonce", "hub_key", "wallet", "slices", "weights_digest", "device", "model_type", "worker_version", "kx_public", "hub_kx_public", "require_encryption", "aeads", "projections", "expert_function", "tunnel_channels")
     NONCE_FIELD_NUMBER: _ClassVar[int]
     HUB_KEY_FIELD_NUMBER: _ClassVar[int]
     WALLET_FIELD_NUMBER: _ClassVar[int]
@@ -64,6 +64,7 @@ class HelloBody(_message.Message):
     AEADS_FIELD_NUMBER: _ClassVar[int]
     PROJECTIONS_FIELD_NUMBER: _ClassVar[int]
     EXPERT_FUNCTION_FIELD_NUMBER: _ClassVar[int]
+    TUNNEL_CHANNELS_FIELD_NUMBER: _ClassVar[int]
     nonce: bytes
     hub_key: str
     wallet: str
@@ -78,7 +79,8 @@ class HelloBody(_message.Message):
     aeads: _containers.RepeatedScalarFieldContainer[TunnelAead]
     projections: bool
     expert_function: _function_pb2.ExpertFunction
-    def __init__(self, nonce: _Optional[bytes] = ..., hub_key: _Optional[str] = ..., wallet: _Optional[str] = ..., slices: _Optional[_Iterable[_Union[ExpertSlice, _Mapping]]] = ..., weights_digest: _Optional[bytes] = ..., device: _Optional[str] = ..., model_type: _Optional[str] = ..., worker_version: _Optional[str] = ..., kx_public: _Optional[bytes] = ..., hub_kx_public: _Optional[bytes] = ..., require_encryption: _Optional[bool] = ..., aeads: _Optional[_Iterable[_Union[TunnelAead, str]]] = ..., projections: _Optional[bool] = ..., expert_function: _Optional[_Union[_function_pb2.ExpertFunction, _Mapping]] = ...) -> None: ...
+    tunnel_channels: int
+    def __init__(self, nonce: _Optional[bytes] = ..., hub_key: _Optional[str] = ..., wallet: _Optional[str] = ..., slices: _Optional[_Iterable[_Union[ExpertSlice, _Mapping]]] = ..., weights_digest: _Optional[bytes] = ..., device: _Optional[str] = ..., model_type: _Optional[str] = ..., worker_version: _Optional[str] = ..., kx_public: _Optional[bytes] = ..., hub_kx_public: _Optional[bytes] = ..., require_encryption: _Optional[bool] = ..., aeads: _Optional[_Iterable[_Union[TunnelAead, str]]] = ..., projections: _Optional[bool] = ..., expert_function: _Optional[_Union[_function_pb2.ExpertFunction, _Mapping]] = ..., tunnel_channels: _Optional[int] = ...) -> None: ...
 
 class SessionHello(_message.Message):
     __slots__ = ("body", "signature")
@@ -89,19 +91,21 @@ class SessionHello(_message.Message):
     def __init__(self, body: _Optional[bytes] = ..., signature: _Optional[bytes] = ...) -> None: ...
 
 class SessionAccept(_message.Message):
-    __slots__ = ("session_id", "encrypted", "signature", "aead")
+    __slots__ = ("session_id", "encrypted", "signature", "aead", "tunnel_channels")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     ENCRYPTED_FIELD_NUMBER: _ClassVar[int]
     SIGNATURE_FIELD_NUMBER: _ClassVar[int]
     AEAD_FIELD_NUMBER: _ClassVar[int]
+    TUNNEL_CHANNELS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     encrypted: bool
     signature: bytes
     aead: TunnelAead
-    def __init__(self, session_id: _Optional[str] = ..., encrypted: _Optional[bool] = ..., signature: _Optional[bytes] = ..., aead: _Optional[_Union[TunnelAead, str]] = ...) -> None: ...
+    tunnel_channels: int
+    def __init__(self, session_id: _Optional[str] = ..., encrypted: _Optional[bool] = ..., signature: _Optional[bytes] = ..., aead: _Optional[_Union[TunnelAead, str]] = ..., tunnel_channels: _Optional[int] = ...) -> None: ...
 
 class Session(_message.Message):
-    __slots__ = ("session_id", "wallet", "slices", "weights_digest", "device", "model_type", "connected_since_unix_ms", "bytes_to_worker", "bytes_from_worker", "target", "remote_address", "work_bytes", "encrypted", "via_gateway", "rtt_ms", "work_calls", "work_rows", "credited_bytes", "credited_nano_kvr", "aead", "projections", "expert_function")
+    __slots__ = ("session_id", "wallet", "slices", "weights_digest", "device", "model_type", "connected_since_unix_ms", "bytes_to_worker", "bytes_from_worker", "target", "remote_address", "work_bytes", "encrypted", "via_gateway", "rtt_ms", "work_calls", "work_rows", "credited_bytes", "credited_nano_kvr", "aead", "projections", "expert_function", "tunnel_channels", "backbone_connections", "connections_refused_busy")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     WALLET_FIELD_NUMBER: _ClassVar[int]
     SLICES_FIELD_NUMBER: _ClassVar[int]
@@ -124,6 +128,9 @@ class Session(_message.Message):
     AEAD_FIELD_NUMBER: _ClassVar[int]
     PROJECTIONS_FIELD_NUMBER: _ClassVar[int]
     EXPERT_FUNCTION_FIELD_NUMBER: _ClassVar[int]
+    TUNNEL_CHANNELS_FIELD_NUMBER: _ClassVar[int]
+    BACKBONE_CONNECTIONS_FIELD_NUMBER: _ClassVar[int]
+    CONNECTIONS_REFUSED_BUSY_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     wallet: str
     slices: _containers.RepeatedCompositeFieldContainer[ExpertSlice]
@@ -146,7 +153,10 @@ class Session(_message.Message):
     aead: TunnelAead
     projections: bool
     expert_function: _function_pb2.ExpertFunction
-    def __init__(self, session_id: _Optional[str] = ..., wallet: _Optional[str] = ..., slices: _Optional[_Iterable[_Union[ExpertSlice, _Mapping]]] = ..., weights_digest: _Optional[bytes] = ..., device: _Optional[str] = ..., model_type: _Optional[str] = ..., connected_since_unix_ms: _Optional[int] = ..., bytes_to_worker: _Optional[int] = ..., bytes_from_worker: _Optional[int] = ..., target: _Optional[str] = ..., remote_address: _Optional[str] = ..., work_bytes: _Optional[int] = ..., encrypted: _Optional[bool] = ..., via_gateway: _Optional[bool] = ..., rtt_ms: _Optional[float] = ..., work_calls: _Optional[int] = ..., work_rows: _Optional[int] = ..., credited_bytes: _Optional[int] = ..., credited_nano_kvr: _Optional[int] = ..., aead: _Optional[_Union[TunnelAead, str]] = ..., projections: _Optional[bool] = ..., expert_function: _Optional[_Union[_function_pb2.ExpertFunction, _Mapping]] = ...) -> None: ...
+    tunnel_channels: int
+    backbone_connections: int
+    connections_refused_busy: int
+    def __init__(self, session_id: _Optional[str] = ..., wallet: _Optional[str] = ..., slices: _Optional[_Iterable[_Union[ExpertSlice, _Mapping]]] = ..., weights_digest: _Optional[bytes] = ..., device: _Optional[str] = ..., model_type: _Optional[str] = ..., connected_since_unix_ms: _Optional[int] = ..., bytes_to_worker: _Optional[int] = ..., bytes_from_worker: _Optional[int] = ..., target: _Optional[str] = ..., remote_address: _Optional[str] = ..., work_bytes: _Optional[int] = ..., encrypted: _Optional[bool] = ..., via_gateway: _Optional[bool] = ..., rtt_ms: _Optional[float] = ..., work_calls: _Optional[int] = ..., work_rows: _Optional[int] = ..., credited_bytes: _Optional[int] = ..., credited_nano_kvr: _Optional[int] = ..., aead: _Optional[_Union[TunnelAead, str]] = ..., projections: _Optional[bool] = ..., expert_function: _Optional[_Union[_function_pb2.ExpertFunction, _Mapping]] = ..., tunnel_channels: _Optional[int] = ..., backbone_connections: _Optional[int] = ..., connections_refused_busy: _Optional[int] = ...) -> None: ...
 
 class ListSessionsRequest(_message.Message):
     __slots__ = ()
