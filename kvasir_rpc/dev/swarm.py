@@ -12,7 +12,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
 import grpc
@@ -244,6 +244,47 @@ backend gateways
 """)
         self._spawn(name, ["-db", "-f", str(conf)], program=haproxy)
         return self._wait_listening(name, port, timeout, "haproxy")
+
+    def start_service_balancer(self, replicas: Sequence[Mapping[str, object]], *, name: str = "balancer",
+                               timeout: float = 30.0) -> tuple[int, int]:
+        """HAProxy (Debian's package) in HTTP mode in front of backbone service ``replicas``
+        (their ready infos: ``grpc_port``, ``http_port``), as a deployment puts a standard load
+        balancer in front of them: the OpenAI API (HTTP/1.1) and gRPC (HTTP/2 cleartext) each
+        balanced round robin per request, a replica that stops answering taken out by its
+        health check. Returns ``(http_port, grpc_port)``; SwarmError without HAProxy."""
+        haproxy = shutil.which("haproxy") or ("/usr/sbin/haproxy" if os.path.exists("/usr/sbin/haproxy") else None)
+        if haproxy is None:
+            raise SwarmError("haproxy not found: install Debian's haproxy (apt-get install haproxy)")
+        http_port, grpc_port = free_port(), free_port()
+        conf = self.workdir / f"{name}.cfg"
+        http = "\n".join(f"    server r{i} 127.0.0.1:{r['http_port']} check inter 1s" for i, r in enumerate(replicas))
+        grpc_servers = "\n".join(f"    server r{i} 127.0.0.1:{r['grpc_port']} proto h2 check inter 1s"
+                                 for i, r in enumerate(replicas))
+        conf.write_text(f"""global
+    maxconn 4096
+defaults
+    mode http
+    timeout connect 2s
+    timeout client 1h
+    timeout server 1h
+    retries 3
+    option redispatch 1
+frontend openai_api
+    bind 127.0.0.1:{http_port}
+    default_backend replicas_http
+frontend backbone_grpc
+    bind 127.0.0.1:{grpc_port} proto h2
+    default_backend replicas_grpc
+backend replicas_http
+    balance roundrobin
+{http}
+backend replicas_grpc
+    balance roundrobin
+{grpc_servers}
+""")
+        self._spawn(name, ["-db", "-f", str(conf)], program=haproxy)
+        self._wait_listening(name, http_port, timeout, "haproxy")
+        return http_port, self._wait_listening(name, grpc_port, timeout, "haproxy")
 
     @property
     def hub_key_file(self) -> pathlib.Path:
