@@ -175,6 +175,8 @@ class Dispatcher:
                                                               initializer=_audit_thread_setup())
         self.shared = SharedDeferral(model, modules, implementation=IMPLEMENTATION, deferring=lambda: self.remote)
         self.reporter = reporter
+        if reporter is not None and self.placement is not None:
+            reporter.demand_source = self.placement.demand
         self.payments = AuditGate(reporter.accepted if reporter is not None else lambda *_: None)
         # None: activations travel in the model's dtype (bit-exact). bfloat16/float16 for a
         # float32 model halves the bytes and is not bit-exact.

@@ -41,6 +41,9 @@ class Placement:
         # backbones (RESOURCE_EXHAUSTED from the hub): linked again after a backoff, not never.
         self._busy_until: dict[str, tuple[float, float]] = {}  # sid -> (retry at, backoff s)
         self.busy_refusals = 0
+        # Rows the router sent each expert this run, {layer: [rows by expert]}: reported to the
+        # hub with the work (what it plans --experts auto workers' slices by).
+        self._demand: dict[int, list[int]] = {}
         self._retry_at = float("inf")  # rebuild then even if the session list did not change
 
     def split(self, layer: int, routes: list[Route]) -> tuple[dict[WorkerLink, list[Route]], list[Route]]:
@@ -48,14 +51,25 @@ class Placement:
         with self._lock:
             self._refresh()
             table = self._routes.get(layer, {})
+            counts = self._demand.get(layer)
+            if counts is None:
+                counts = self._demand.setdefault(layer, [0] * (self._weights.num_experts(layer) or 0))
+            for r in routes:
+                if r.expert < len(counts):
+                    counts[r.expert] += len(r.token_idx)
         placed: dict[WorkerLink, list[Route]] = {}
         local: list[Route] = []
+        died = False
         for r in routes:
             link = table.get(r.expert)
             if link is not None and link.dead is None:
                 placed.setdefault(link, []).append(r)
             else:
                 local.append(r)
+                died |= link is not None
+        if died:  # a link died since the routes were built: rebuild them (and see why) next time
+            with self._lock:
+                self._seen_version = -1
         return placed, local
 
     BUSY_RETRY_MIN_S = 2.0
@@ -67,21 +81,36 @@ class Placement:
         hub's RESOURCE_EXHAUSTED) is said so in the log, counted, and linked again after a
         backoff (2 s, doubling to 30 s): its experts are computed here meanwhile."""
         link.fail(error)
-        busy = isinstance(error, grpc.RpcError) and error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         with self._lock:
             self._seen_version = -1
-            if not busy:
-                return
-            self.busy_refusals += 1
-            _, last = self._busy_until.get(link.session_id, (0.0, 0.0))
-            backoff = min(max(last * 2, self.BUSY_RETRY_MIN_S), self.BUSY_RETRY_MAX_S)
-            self._busy_until[link.session_id] = (time.monotonic() + backoff, backoff)
-            if self._links.get(link.session_id) is link:
-                del self._links[link.session_id]
-        detail = str(error.details())[:200]  # type: ignore[attr-defined]
+            self._if_busy(link)
+
+    @staticmethod
+    def _busy_error(link: WorkerLink) -> bool:
+        error = link.dead
+        return isinstance(error, grpc.RpcError) and error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+
+    def _if_busy(self, link: WorkerLink) -> None:
+        """When ``link`` died of its worker being busy with other backbones: log it, count it,
+        unlink it and set when to link again (lock held). A link can die so before any call is
+        routed to it (its stream is refused at once), so the route rebuild checks too."""
+        if not self._busy_error(link) or self._links.get(link.session_id) is not link:
+            return
+        del self._links[link.session_id]
+        self.busy_refusals += 1
+        _, last = self._busy_until.get(link.session_id, (0.0, 0.0))
+        backoff = min(max(last * 2, self.BUSY_RETRY_MIN_S), self.BUSY_RETRY_MAX_S)
+        self._busy_until[link.session_id] = (time.monotonic() + backoff, backoff)
+        self._retry_at = min(self._retry_at, time.monotonic() + backoff)
+        detail = str(link.dead.details())[:200]  # type: ignore[union-attr]
         log.warning("worker busy with other backbones; computing its experts here, trying it again later",
                     session_id=link.session_id, retry_in_s=backoff, detail=detail)
         threading.Thread(target=link.close, name=f"close-{link.session_id}", daemon=True).start()
+
+    def demand(self) -> dict[int, list[int]]:
+        """Rows routed to each expert so far in this run (remote or computed here), by layer."""
+        with self._lock:
+            return {layer: list(rows) for layer, rows in self._demand.items()}
 
     def quarantine(self, link: WorkerLink) -> bool:
         """Never route to ``link``'s session again; True the first time it is quarantined."""
@@ -150,6 +179,8 @@ class Placement:
             return
         self._seen_version = self.watcher.version
         live = self.watcher.sessions()
+        for link in list(self._links.values()):
+            self._if_busy(link)
         for sid in list(self._links):
             if sid not in live:
                 self._links.pop(sid).close()
@@ -176,8 +207,9 @@ class Placement:
                 continue
             self._links[sid] = WorkerLink(s, token=self.watcher.token)
         routes: dict[int, dict[int, WorkerLink]] = {}
-        for link in self._links.values():
-            if link.dead is not None:
+        for link in list(self._links.values()):
+            if link.dead is not None:  # one refused as it was made (a busy worker) is seen here
+                self._if_busy(link)
                 continue
             for layer, experts in link.slices.items():
                 for e in experts:

@@ -113,6 +113,10 @@ class WorkReporter:
         self.reports = 0
         self.failures = 0
         self.refused: set[str] = set()
+        # Rows the router sent each expert this run ({layer: [rows by expert]}), reported with the
+        # work when they grew: the hub plans --experts auto workers by them.
+        self.demand_source: Callable[[], dict[int, list[int]]] | None = None
+        self._demand_sent: dict[int, list[int]] = {}
         self._thread = threading.Thread(target=self._run, name="work-reporter", daemon=True)
         self._thread.start()
 
@@ -168,17 +172,24 @@ class WorkReporter:
                 for sid, t in self._work.items()
                 if t.bytes > self._sent.get(sid, 0)
             ]
-        if not reports:
+        demand = self.demand_source() if self.demand_source is not None else {}
+        if demand == self._demand_sent:
+            demand = {}
+        if not reports and not demand:
             return True
         try:
-            resp = self._stub.ReportWork(session_pb2.ReportWorkRequest(run_id=self.run_id, reports=reports),
-                                         timeout=self.call_timeout_s, metadata=self._metadata)
+            resp = self._stub.ReportWork(session_pb2.ReportWorkRequest(
+                run_id=self.run_id, reports=reports,
+                demand=[session_pb2.ExpertDemand(layer=layer, rows=rows) for layer, rows in sorted(demand.items())]),
+                timeout=self.call_timeout_s, metadata=self._metadata)
         except grpc.RpcError as exc:
             self.failures += 1
             log.warning("hub did not take the work report; it is sent again", code=str(exc.code()),
                         details=exc.details())
             return False
         self.reports += 1
+        if demand:
+            self._demand_sent = demand
         refused = set(resp.refused_session_ids)
         self.refused |= refused
         with self._lock:

@@ -135,6 +135,9 @@ class HelloInfo:
     expert_function: bytes = b""
     # The backbone connections it carries at once on a multiplexed tunnel (0: the plain tunnel).
     tunnel_channels: int = 0
+    # A planning hello (--experts auto): it holds nothing yet, ``slices`` are the experts its
+    # checkpoint has, and it can hold this many; the hub answers with a suggested slice.
+    expert_capacity: int = 0
 
 
 def _bounded_function(body: session_pb2.HelloBody) -> bytes:
@@ -333,6 +336,7 @@ class HubHandshake:
             projections=body.projections,
             expert_function=_bounded_function(body),
             tunnel_channels=self.channels,
+            expert_capacity=int(body.expert_capacity),
         )
 
     def _must_encrypt(self, body: session_pb2.HelloBody) -> bool:
@@ -354,8 +358,9 @@ class HubHandshake:
                                       close_code=CloseCode.POLICY_VIOLATION)
         return must
 
-    def accept(self, session_id: str) -> bytes:
-        """The signed SessionAccept; from now on ``cipher`` seals the tunnel when ``encrypted``."""
+    def accept(self, session_id: str, suggested: Mapping[int, Sequence[int]] | None = None) -> bytes:
+        """The signed SessionAccept; from now on ``cipher`` seals the tunnel when ``encrypted``.
+        ``suggested``: the slice suggested to a planning hello (advice, not signed)."""
         self._step("accept")
         signature = self._key.sign(accept_signed_message(self._transcript, session_id, self.encrypted, self.aead,
                                                          self.channels))
@@ -363,7 +368,8 @@ class HubHandshake:
             self.cipher = TunnelCipher.for_hub(self._keys, self.aead)
         return session_pb2.SessionAccept(session_id=session_id, encrypted=self.encrypted, signature=signature,
                                          aead=self.aead,  # type: ignore[arg-type]
-                                         tunnel_channels=self.channels).SerializeToString()
+                                         tunnel_channels=self.channels,
+                                         suggested_slices=slices_to_proto(suggested or {})).SerializeToString()
 
 
 class WorkerHandshake:
@@ -387,6 +393,7 @@ class WorkerHandshake:
         projections: bool = False,
         expert_function: object | None = None,
         tunnel_channels: int = 0,
+        expert_capacity: int = 0,
     ) -> None:
         """``expected_hub_key``: the pinned hub key (a challenge from another is refused,
         1008). ``require_encryption``: refuse an accept that does not encrypt (1008).
@@ -395,7 +402,8 @@ class WorkerHandshake:
         ``projections``: the worker answers a call that asks for its projections with them.
         ``tunnel_channels``: the most backbone connections it carries at once (2 to
         MAX_TUNNEL_CHANNELS; below 2 the plain tunnel); after the accept, ``channels`` is the
-        hub's choice (0: the plain tunnel)."""
+        hub's choice (0: the plain tunnel). ``expert_capacity``: a planning hello (``slices``
+        the experts its checkpoint has); after the accept, ``suggested`` is the hub's slice."""
         self._wallet = wallet
         self._slices = slices
         self._digest = weights_digest
@@ -413,6 +421,8 @@ class WorkerHandshake:
             raise ValueError(f"tunnel_channels: 0 to {MAX_TUNNEL_CHANNELS}, not {tunnel_channels}")
         self._offered_channels = tunnel_channels if tunnel_channels >= 2 else 0
         self.channels = 0
+        self._capacity = max(int(expert_capacity), 0)
+        self.suggested: dict[int, tuple[int, ...]] = {}
         unknown = [a for a in self._aeads if a not in AEAD_NAMES or a == AEAD_CHACHA20_POLY1305]
         if unknown or len(self._aeads) > MAX_AEADS_OFFERED:
             raise ValueError(f"aeads: offer at most {MAX_AEADS_OFFERED} of {sorted(AEAD_NAMES)[1:]} "
@@ -476,6 +486,7 @@ class WorkerHandshake:
             projections=self._projections,
             expert_function=self._expert_function,  # type: ignore[arg-type]
             tunnel_channels=self._offered_channels,
+            expert_capacity=self._capacity,
         ).SerializeToString()
         self._step("receive_challenge")
         signature = self._wallet.sign(HELLO_SIGNATURE_DOMAIN + body)
@@ -532,5 +543,11 @@ class WorkerHandshake:
                              "(--e2e require); the hub runs with --e2e off?", CloseCode.REFUSED)
         self.encrypted = msg.encrypted
         self.channels = channels
+        if self._capacity:
+            try:  # advice inside the worker's own candidates, at most its capacity
+                suggested = slices_from_proto(msg.suggested_slices)
+            except ValueError as exc:
+                raise self._fail(f"accept: suggested_slices: {exc}", CloseCode.POLICY_VIOLATION) from None
+            self.suggested = {layer: tuple(es) for layer, es in suggested.items()}
         self._step("receive_accept")
         return msg.session_id

@@ -62,6 +62,7 @@ from kvasir_rpc.protocol import (
 )
 from relay._intake import Refusal, UpgradeIntake
 from relay._memory import Trimmer
+from relay._plan import plan_slice
 from relay._refusals import RefusalLog
 from relay._registry import SessionRegistry
 from relay._session_rate import SessionRate, Standing, WalletHistory, standing_of
@@ -672,6 +673,10 @@ class _Hub:
                 if on_verified is not None:
                     on_verified()
                 session_id = self.new_session_id()
+                if info.expert_capacity:
+                    await self._plan(ws, hs, info, session_id, remote)
+                    return None
+                self.registry.reservations.release(info.wallet)  # its plan is held now, by the session
                 await ws.send_message(hs.accept(session_id))
                 return info, session_id, hs.cipher
         except trio.TooSlowError:
@@ -683,6 +688,22 @@ class _Hub:
         except ConnectionClosed:
             pass
         return None
+
+    async def _plan(self, ws: WebSocketConnection, hs: HubHandshake, info: HelloInfo, session_id: str,
+                    remote: str) -> None:
+        """Answer a planning hello (``--experts auto``): the slice this worker should hold, out of
+        the experts its checkpoint has, given what the live sessions and the plans handed out
+        recently hold and what the backbones route to (``relay._plan``); then close (1000). The
+        plan counts as held until the worker joins with it or the reservation's ttl passes."""
+        held = [dict(s.slices) for s in self.registry.statistics()] + self.registry.reservations.live()
+        suggested = plan_slice(info.slices, info.expert_capacity, held=held, demand=self.registry.demand.snapshot(),
+                               salt=info.wallet)
+        self.registry.reservations.add(info.wallet, suggested)
+        await ws.send_message(hs.accept(session_id, suggested))
+        log.info("slice suggested", remote=remote, wallet=info.wallet, capacity=info.expert_capacity,
+                 experts=sum(len(v) for v in suggested.values()), layers=len(suggested))
+        with trio.move_on_after(2):
+            await ws.aclose(1000, "slice suggested: load it and dial again")
 
     async def _standing(self, wallet: str) -> Standing:
         """What ``wallet`` costs to admit, from what this hub remembers of it."""

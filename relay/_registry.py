@@ -14,6 +14,7 @@ import time
 from collections.abc import Callable
 
 from kvasir_rpc import ExpertSet, HelloInfo, session_pb2, slices_to_proto
+from relay._plan import Demand, Reservations
 
 __all__ = ["RegistryTotals", "SessionChange", "SessionRegistry", "SessionStats"]
 
@@ -159,6 +160,10 @@ class SessionRegistry:
         self._ended_to = 0
         self._ended_from = 0
         self._generation = 0
+        # What the swarm needs, for --experts auto (relay._plan): the rows the backbones route
+        # to each expert (reported with their work), and the slices suggested recently.
+        self.demand = Demand()
+        self.reservations = Reservations()
 
     def _stats(self, sid: str, e: _Entry) -> SessionStats:
         h = e.hello

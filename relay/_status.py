@@ -144,6 +144,22 @@ class StatusBoard:
         self._map_generation = generation
         return self._map
 
+    def demand(self) -> dict[str, object]:
+        """What the backbones route to (their reports, decayed: a half-life of ``half_life_s``),
+        on the expert map's grid: rows per (layer, expert), and the share of all rows that go to
+        experts no live session holds (the backbones compute those themselves)."""
+        grid = self._map
+        layers, experts = int(grid.get("layers", 0)), int(grid.get("experts", 0))  # type: ignore[call-overload]
+        rows = np.zeros((layers, experts), dtype=np.float64)
+        for (layer, e), v in self.registry.demand.snapshot().items():
+            if layer < layers and e < experts:
+                rows[layer, e] = v
+        holders = np.asarray(grid.get("holders", np.zeros((layers, experts))), dtype=np.int64)
+        total = float(rows.sum())
+        uncovered = float(rows[holders == 0].sum()) if total else 0.0
+        return {"half_life_s": self.registry.demand.half_life_s, "rows": np.round(rows, 1).tolist(),
+                "uncovered_share": round(uncovered / total, 4) if total else 0.0}
+
     def _session(self, s: SessionStats) -> dict[str, object]:
         return {
             "session_id": s.session_id,
@@ -168,6 +184,10 @@ class StatusBoard:
             "credited_kvr": format_kvr(s.credited_nano_kvr),
             "layers": len(s.slices),
             "experts": sum(len(ids) for ids in s.slices.values()),
+            # Backbones its tunnel carries now, at most at once, and turned away (all channels busy).
+            "backbones": s.backbone_connections,
+            "backbones_max": s.tunnel_channels,
+            "backbones_refused": s.connections_refused_busy,
         }
 
     def snapshot(self) -> dict[str, object]:
@@ -203,5 +223,6 @@ class StatusBoard:
             },
             "sessions": [self._session(s) for s in sessions],
             "expert_map": self.expert_map(sessions, generation),
+            "demand": self.demand(),
             "history": {"interval_s": SAMPLE_S, "points": history},
         }

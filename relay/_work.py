@@ -17,6 +17,7 @@ import time
 import grpc
 
 from kvasir_rpc import MAX_CUMULATIVE_BYTES, Wallet, get_logger, session_pb2
+from kvasir_rpc.protocol import MAX_EXPERTS_PER_LAYER, MAX_LAYERS
 from relay._contrib import ContributionStore
 from relay._registry import SessionRegistry
 
@@ -82,6 +83,11 @@ class WorkDesk:
                             "run_id must be 16 to 64 characters of [A-Za-z0-9_-], fresh per backbone run")
         if len(request.reports) > MAX_REPORTS:
             raise DeskError(grpc.StatusCode.INVALID_ARGUMENT, f"at most {MAX_REPORTS} reports per call")
+        if len(request.demand) > MAX_LAYERS or any(len(d.rows) > MAX_EXPERTS_PER_LAYER for d in request.demand):
+            raise DeskError(grpc.StatusCode.INVALID_ARGUMENT,
+                            f"demand: at most {MAX_LAYERS} layers of {MAX_EXPERTS_PER_LAYER} experts")
+        if request.demand:
+            self.registry.demand.report(request.run_id, [(d.layer, list(d.rows)) for d in request.demand])
         refused = []
         for r in request.reports:
             if r.cumulative_bytes > MAX_CUMULATIVE_BYTES:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pathlib
 
+import grpc
 import pytest
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
@@ -180,3 +181,24 @@ def test_metrics_parse_and_count_what_the_hub_saw(desk: WorkDesk) -> None:
     # A repeated report adds nothing.
     report(desk, "a", 900, 3, 12)
     assert desk.statistics().work_bytes == 900
+
+
+def test_the_status_shows_demand_and_the_share_routed_to_experts_no_one_holds(desk: WorkDesk) -> None:
+    registry = desk.registry
+    add(registry, "s1", {0: range(0, 4)})
+    desk.report(session_pb2.ReportWorkRequest(run_id="d" * 16, demand=[
+        session_pb2.ExpertDemand(layer=0, rows=[10, 0, 0, 0, 0, 30])]))
+    doc = StatusBoard(registry, hub_key="k" * 64, shape=ModelShape(layers=1, experts=8)).snapshot()
+    assert doc["demand"]["rows"][0][:6] == [10.0, 0.0, 0.0, 0.0, 0.0, 30.0]  # type: ignore[index]
+    assert doc["demand"]["uncovered_share"] == 0.75  # type: ignore[index]
+    (s,) = doc["sessions"]  # type: ignore[misc]
+    assert (s["backbones"], s["backbones_max"], s["backbones_refused"]) == (0, 1, 0)
+
+
+def test_a_demand_report_past_the_protocols_bounds_is_refused(desk: WorkDesk) -> None:
+    from relay._work import DeskError
+
+    with pytest.raises(DeskError) as caught:
+        desk.report(session_pb2.ReportWorkRequest(run_id="d" * 16, demand=[
+            session_pb2.ExpertDemand(layer=0, rows=[1] * 70_000)]))
+    assert caught.value.code == grpc.StatusCode.INVALID_ARGUMENT and "demand" in caught.value.message

@@ -64,6 +64,7 @@ def test_a_batch_decode_and_a_service_share_the_workers_both_exact(tiny_models, 
         ids, summary = _generate(int(remote["grpc_port"]), PROMPTS[0])
         alone_ids, alone = _generate(int(local["grpc_port"]), PROMPTS[0])
         assert ids == alone_ids and summary.logits_digest == alone.logits_digest and summary.remote_rows > 0
+        assert sw.stop_process("svc") == 0  # it reports the last of its work as it stops
         sessions = sw.list_sessions()
         assert all(s.tunnel_channels == 8 for s in sessions)
         # Each backbone's work is credited once: the hub counts both runs' reports.
@@ -81,13 +82,19 @@ def test_a_worker_serving_one_backbone_at_a_time_says_so_to_the_second(tiny_mode
         assert session.tunnel_channels == 1
         svc = sw.start_backbone_service("svc", model, ["--wait-sessions", "1"], http=True)
         assert _generate(int(svc["grpc_port"]), "holds the worker")[1].remote_rows > 0
-        # The service holds the worker's one connection; a batch decode is turned away, says so,
-        # and computes exactly here.
-        result = sw.run_backbone(["--model", str(model), "--prompt", "turned away", "--max-new-tokens", "6",
-                                  "--compare-local", "--require-bitwise", "--wait-sessions", "1"])
+        # The service holds the worker's one connection (busy with callers throughout); a batch
+        # decode is turned away, says so, and computes exactly here.
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            busy = [pool.submit(_generate, int(svc["grpc_port"]), p) for p in PROMPTS]
+            result = sw.run_backbone(["--model", str(model), "--prompt", "turned away", "--max-new-tokens", "6",
+                                      "--compare-local", "--require-bitwise", "--wait-sessions", "1"])
+            assert all(f.result(timeout=300)[1].remote_rows > 0 for f in busy)
         assert result["backbone_exit_code"] == 0 and result["verdict"] == "bitwise equal", result
-        assert result["worker_busy_refusals"] >= 1 and result["remote_rows"] == 0
         log = (sw.logs / "backbone.log").read_text()
+        shown = {k: result.get(k) for k in ("worker_busy_refusals", "remote_rows", "remote_calls", "local_rows",
+                                             "fallback_calls", "sessions_used", "expert_weights")}
+        hub = [line for line in (sw.logs / "hub.log").read_text().splitlines() if "target connection" in line]
+        assert result["worker_busy_refusals"] >= 1 and result["remote_rows"] == 0, (shown, log[-1500:], hub[-6:])
         assert "worker busy with other backbones" in log and "carries 1 backbone connection already" in log
         (session,) = sw.list_sessions()
         assert session.connections_refused_busy >= 1 and session.backbone_connections == 1

@@ -10,6 +10,7 @@ import functools
 import gc
 import os
 import pathlib
+import re
 import shutil
 import signal
 import ssl
@@ -97,7 +98,12 @@ def _parser() -> argparse.ArgumentParser:
                         "sent as 'Authorization: Bearer'")
     p.add_argument("--cache-dir", type=pathlib.Path, default=DEFAULT_MODEL_CACHE, metavar="DIR",
                    help="with --model URL: where fetched checkpoints are kept, one folder per URL")
-    p.add_argument("--experts", default="all", help="slices to serve: all, 0-3:0-15, *:0-7, comma-separated")
+    p.add_argument("--experts", default="all",
+                   help="slices to serve: all, 0-3:0-15, *:0-7, comma-separated; auto: the hub suggests the slice "
+                        "the swarm needs most that fits --max-expert-memory")
+    p.add_argument("--max-expert-memory", type=_memory_size, metavar="SIZE",
+                   help="with --experts auto: the memory the experts may take (4GiB, 512MiB, 2GB; default: 80%% of "
+                        "the device's free memory now)")
     p.add_argument("--dequantized-cache-mb", type=float, default=256.0, metavar="MB",
                    help="a quantized checkpoint's (FP8, MXFP4) experts are held as stored and dequantized per call; "
                         "this many MB of the most recently used stay dequantized (0: none)")
@@ -139,6 +145,20 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+_SIZE = re.compile(r"(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?", re.I)
+_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6, "mib": 2**20,
+          "g": 10**9, "gb": 10**9, "gib": 2**30, "t": 10**12, "tb": 10**12, "tib": 2**40}
+
+
+def _memory_size(text: str) -> int:
+    """``4GiB``, ``512MiB``, ``2GB``, ``1500000`` as bytes (argparse type)."""
+    m = _SIZE.fullmatch(text.strip())
+    unit = (m[2] or "").lower() if m else ""
+    if m is None or unit not in _UNITS or float(m[1]) <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: a size such as 4GiB, 512MiB or 2GB")
+    return int(float(m[1]) * _UNITS[unit])
+
+
 def _tunnel_url(args: argparse.Namespace) -> str:
     """The URL to dial, checked now (before minutes of loading) with fail() naming the flag."""
     schemes: tuple[str, ...]
@@ -175,6 +195,8 @@ def _open_checkpoint(args: argparse.Namespace) -> ExpertIndex:
     except (CheckpointError, OSError, ValueError) as exc:
         said = str(exc) if "checkpoint folder" in str(exc) else f"{exc}: --model must be a Hugging Face MoE checkpoint folder"
         fail(f"worker: --model {args.model}: {said}")
+    if args.experts == "auto":  # the hub says which, once the wallet is known
+        return index
     try:
         parse_expert_spec(args.experts, index.info.num_layers, index.info.num_experts)
     except SpecError as exc:
@@ -274,7 +296,12 @@ def main(argv: list[str] | None = None) -> int:
             check_listen(args.direct_grpc)  # now, not after minutes of loading experts
         except ListenError as exc:
             fail(exc.line("worker", "--direct-grpc"))
+    if args.max_expert_memory is not None and args.experts != "auto":
+        p.error("--max-expert-memory sizes --experts auto's slice; with a slice given, drop it")
     console = _console()
+    if is_model_url(args.model) and args.experts == "auto":
+        p.error("--experts auto plans from a local checkpoint's experts; with --model URL, give the slice "
+                "(--experts) to fetch")
     if is_model_url(args.model):
         args.model = _fetch_model(args, console)
     else:
@@ -298,6 +325,8 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.experts == "auto":
+        args.experts = _plan(args, index, wallet, url, ssl_context, require_e2e)
     log.info("loading experts", model=str(args.model), experts=args.experts, device=str(pick_device(args.device)),
              wallet=wallet.address)
     reporter = LoadReporter(console)
@@ -321,6 +350,62 @@ def main(argv: list[str] | None = None) -> int:
 
     return _serve(args, url=url, ssl_context=ssl_context, wallet=wallet, experts=experts, shares=shares,
                   console=console, require_e2e=require_e2e)
+
+
+def _expert_bytes(index: ExpertIndex) -> int:
+    """The bytes one expert takes in this worker's memory: as the checkpoint stores it when the
+    worker keeps it so (FP8, MXFP4, compressed-tensors), else gate, up and down in its dtype."""
+    if index.quantized:
+        layer, experts = next(iter(index.slices.items()))
+        return int(index.load_quantized(layer, experts[0]).nbytes)
+    info = index.info
+    return 3 * info.intermediate_size * info.hidden_size * info.dtype.itemsize
+
+
+def _free_memory(device: str) -> int:
+    """Bytes free now where the experts will live: the GPU's free memory, else the machine's
+    available memory."""
+    import torch
+
+    if device.startswith("cuda"):
+        return int(torch.cuda.mem_get_info()[0])
+    import psutil
+
+    return int(psutil.virtual_memory().available)
+
+
+def _plan(args: argparse.Namespace, index: ExpertIndex, wallet: Wallet, url: str,
+          ssl_context: ssl.SSLContext | None, require_e2e: bool) -> str:
+    """``--experts auto``: ask the hub which of this checkpoint's experts to hold, as many as
+    --max-expert-memory (default 80% of the free memory) takes; the slice as an --experts spec."""
+    import hashlib
+
+    from worker._load import pick_device
+    from worker._tunnel import TunnelRefused, request_plan
+
+    per_expert = _expert_bytes(index)
+    device = str(pick_device(args.device))
+    budget = args.max_expert_memory if args.max_expert_memory is not None else int(_free_memory(device) * 0.8)
+    capacity = min(budget // per_expert, sum(len(v) for v in index.slices.values()))
+    if capacity < 1:
+        fail(f"worker: --experts auto: one expert takes {per_expert / 2**20:.1f} MiB and the budget is "
+             f"{budget / 2**20:.1f} MiB (--max-expert-memory): give it more memory")
+
+    def make_handshake() -> WorkerHandshake:
+        return WorkerHandshake(
+            wallet, slices=index.slices, weights_digest=hashlib.sha256(b"").digest(), device=device,
+            model_type=index.info.model_type, worker_version=__version__, expected_hub_key=args.hub_key,
+            require_encryption=require_e2e, aeads=preferred_aeads(), expert_capacity=int(capacity))
+
+    log.info("asking the hub for a slice", capacity_experts=int(capacity), expert_mib=round(per_expert / 2**20, 2),
+             budget_mib=round(budget / 2**20, 1))
+    try:
+        plan = trio.run(functools.partial(request_plan, url, make_handshake, ssl_context=ssl_context))
+    except TunnelRefused as exc:
+        fail(f"worker: --experts auto: {exc}")
+    spec = format_slices(plan)
+    log.info("slice suggested by the hub", experts=sum(len(v) for v in plan.values()), slices=spec)
+    return spec
 
 
 def _serve(args: argparse.Namespace, *, url: str, ssl_context: ssl.SSLContext | None, wallet: Wallet,

@@ -43,7 +43,7 @@ from kvasir_rpc.protocol import (
     WorkerTunnel,
 )
 
-__all__ = ["TunnelHolder", "TunnelRefused", "run_tunnel", "serve_session"]
+__all__ = ["TunnelHolder", "TunnelRefused", "request_plan", "run_tunnel", "serve_session"]
 
 log = get_logger("worker.tunnel")
 
@@ -206,6 +206,55 @@ async def serve_mux_session(ws: WebSocketConnection, uds_path: str, channels: in
             nursery.cancel_scope.cancel()
             for conn in conns.values():
                 await conn.stream.aclose()
+
+
+async def request_plan(url: str, make_handshake: Callable[[], WorkerHandshake], *,
+                       ssl_context=None,  # type: ignore[no-untyped-def]
+                       attempts: int = 6, min_backoff_s: float = 0.5) -> dict[int, tuple[int, ...]]:
+    """Dial the hub once with a planning hello (``make_handshake()`` made with ``expert_capacity``):
+    the slice it suggests (``SessionAccept.suggested_slices``), then close. A dial that fails
+    and may work later is retried with backoff, ``attempts`` times in all; TunnelRefused for one
+    that cannot, for the last failure, and for a hub that suggests nothing (one too old to
+    plan, which took the hello as an ordinary one)."""
+    backoff = min_backoff_s
+    failure = ""
+    for attempt in range(attempts):
+        handshake = make_handshake()
+        try:
+            async with open_websocket_url(url, ssl_context=ssl_context, subprotocols=list(TUNNEL_SUBPROTOCOLS),
+                                          max_message_size=MAX_MESSAGE_BYTES, connect_timeout=HANDSHAKE_TIMEOUT_S,
+                                          disconnect_timeout=5) as ws:
+                if ws.subprotocol not in TUNNEL_SUBPROTOCOLS:
+                    raise TunnelRefused(f"{_shown(url)} chose subprotocol {ws.subprotocol!r}: not a Kvasir hub")
+                with trio.fail_after(HANDSHAKE_TIMEOUT_S):
+                    challenge = await ws.get_message()
+                    if not isinstance(challenge, bytes):
+                        raise RemoteProtocolError("challenge must be a binary message")
+                    await ws.send_message(handshake.receive_challenge(challenge))
+                    accept = await ws.get_message()
+                    if not isinstance(accept, bytes):
+                        raise RemoteProtocolError("accept must be a binary message")
+                    handshake.receive_accept(accept)
+                if not handshake.suggested:
+                    await ws.aclose(1000, "no slice suggested")
+                    raise TunnelRefused(f"the hub at {_shown(url)} suggested no slice (a hub too old to plan, or one "
+                                        "not told the model): give the worker --experts")
+                await ws.aclose(1000, "slice taken")
+                return handshake.suggested
+        except ConnectionClosed as exc:
+            why = exc.reason
+            raise TunnelRefused(_refusal(url, (why.reason if why else "") or "", why.code if why else 1006,
+                                         by_hub=True)) from None
+        except RemoteProtocolError as exc:
+            raise TunnelRefused(_refusal(url, exc.reason, exc.close_code, by_hub=False)) from None
+        except (OSError, HandshakeError, trio.TooSlowError, trio.BrokenResourceError) as exc:
+            failure, hint = _dial_failure(url, exc)
+            failure += f" — {hint}" if hint else ""
+        log.warning(f"asking for a slice: {failure}; retrying in {backoff:.1f} s", url=_shown(url),
+                    attempt=attempt + 1, attempts=attempts)
+        await trio.sleep(backoff)
+        backoff = min(backoff * 2, 8.0)
+    raise TunnelRefused(f"could not ask the hub at {_shown(url)} for a slice in {attempts} tries: {failure}")
 
 
 class TunnelRefused(Exception):

@@ -49,7 +49,7 @@ class SessionChallenge(_message.Message):
     def __init__(self, nonce: _Optional[bytes] = ..., hub_key: _Optional[str] = ..., issued_at_unix_ms: _Optional[int] = ..., kx_public: _Optional[bytes] = ...) -> None: ...
 
 class HelloBody(_message.Message):
-    __slots__ = ("nonce", "hub_key", "wallet", "slices", "weights_digest", "device", "model_type", "worker_version", "kx_public", "hub_kx_public", "require_encryption", "aeads", "projections", "expert_function", "tunnel_channels")
+    __slots__ = ("nonce", "hub_key", "wallet", "slices", "weights_digest", "device", "model_type", "worker_version", "kx_public", "hub_kx_public", "require_encryption", "aeads", "projections", "expert_function", "tunnel_channels", "expert_capacity")
     NONCE_FIELD_NUMBER: _ClassVar[int]
     HUB_KEY_FIELD_NUMBER: _ClassVar[int]
     WALLET_FIELD_NUMBER: _ClassVar[int]
@@ -65,6 +65,7 @@ class HelloBody(_message.Message):
     PROJECTIONS_FIELD_NUMBER: _ClassVar[int]
     EXPERT_FUNCTION_FIELD_NUMBER: _ClassVar[int]
     TUNNEL_CHANNELS_FIELD_NUMBER: _ClassVar[int]
+    EXPERT_CAPACITY_FIELD_NUMBER: _ClassVar[int]
     nonce: bytes
     hub_key: str
     wallet: str
@@ -80,7 +81,8 @@ class HelloBody(_message.Message):
     projections: bool
     expert_function: _function_pb2.ExpertFunction
     tunnel_channels: int
-    def __init__(self, nonce: _Optional[bytes] = ..., hub_key: _Optional[str] = ..., wallet: _Optional[str] = ..., slices: _Optional[_Iterable[_Union[ExpertSlice, _Mapping]]] = ..., weights_digest: _Optional[bytes] = ..., device: _Optional[str] = ..., model_type: _Optional[str] = ..., worker_version: _Optional[str] = ..., kx_public: _Optional[bytes] = ..., hub_kx_public: _Optional[bytes] = ..., require_encryption: _Optional[bool] = ..., aeads: _Optional[_Iterable[_Union[TunnelAead, str]]] = ..., projections: _Optional[bool] = ..., expert_function: _Optional[_Union[_function_pb2.ExpertFunction, _Mapping]] = ..., tunnel_channels: _Optional[int] = ...) -> None: ...
+    expert_capacity: int
+    def __init__(self, nonce: _Optional[bytes] = ..., hub_key: _Optional[str] = ..., wallet: _Optional[str] = ..., slices: _Optional[_Iterable[_Union[ExpertSlice, _Mapping]]] = ..., weights_digest: _Optional[bytes] = ..., device: _Optional[str] = ..., model_type: _Optional[str] = ..., worker_version: _Optional[str] = ..., kx_public: _Optional[bytes] = ..., hub_kx_public: _Optional[bytes] = ..., require_encryption: _Optional[bool] = ..., aeads: _Optional[_Iterable[_Union[TunnelAead, str]]] = ..., projections: _Optional[bool] = ..., expert_function: _Optional[_Union[_function_pb2.ExpertFunction, _Mapping]] = ..., tunnel_channels: _Optional[int] = ..., expert_capacity: _Optional[int] = ...) -> None: ...
 
 class SessionHello(_message.Message):
     __slots__ = ("body", "signature")
@@ -91,18 +93,20 @@ class SessionHello(_message.Message):
     def __init__(self, body: _Optional[bytes] = ..., signature: _Optional[bytes] = ...) -> None: ...
 
 class SessionAccept(_message.Message):
-    __slots__ = ("session_id", "encrypted", "signature", "aead", "tunnel_channels")
+    __slots__ = ("session_id", "encrypted", "signature", "aead", "tunnel_channels", "suggested_slices")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     ENCRYPTED_FIELD_NUMBER: _ClassVar[int]
     SIGNATURE_FIELD_NUMBER: _ClassVar[int]
     AEAD_FIELD_NUMBER: _ClassVar[int]
     TUNNEL_CHANNELS_FIELD_NUMBER: _ClassVar[int]
+    SUGGESTED_SLICES_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     encrypted: bool
     signature: bytes
     aead: TunnelAead
     tunnel_channels: int
-    def __init__(self, session_id: _Optional[str] = ..., encrypted: _Optional[bool] = ..., signature: _Optional[bytes] = ..., aead: _Optional[_Union[TunnelAead, str]] = ..., tunnel_channels: _Optional[int] = ...) -> None: ...
+    suggested_slices: _containers.RepeatedCompositeFieldContainer[ExpertSlice]
+    def __init__(self, session_id: _Optional[str] = ..., encrypted: _Optional[bool] = ..., signature: _Optional[bytes] = ..., aead: _Optional[_Union[TunnelAead, str]] = ..., tunnel_channels: _Optional[int] = ..., suggested_slices: _Optional[_Iterable[_Union[ExpertSlice, _Mapping]]] = ...) -> None: ...
 
 class Session(_message.Message):
     __slots__ = ("session_id", "wallet", "slices", "weights_digest", "device", "model_type", "connected_since_unix_ms", "bytes_to_worker", "bytes_from_worker", "target", "remote_address", "work_bytes", "encrypted", "via_gateway", "rtt_ms", "work_calls", "work_rows", "credited_bytes", "credited_nano_kvr", "aead", "projections", "expert_function", "tunnel_channels", "backbone_connections", "connections_refused_busy")
@@ -209,12 +213,22 @@ class WorkReport(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., cumulative_bytes: _Optional[int] = ..., calls: _Optional[int] = ..., rows: _Optional[int] = ...) -> None: ...
 
 class ReportWorkRequest(_message.Message):
-    __slots__ = ("run_id", "reports")
+    __slots__ = ("run_id", "reports", "demand")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     REPORTS_FIELD_NUMBER: _ClassVar[int]
+    DEMAND_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     reports: _containers.RepeatedCompositeFieldContainer[WorkReport]
-    def __init__(self, run_id: _Optional[str] = ..., reports: _Optional[_Iterable[_Union[WorkReport, _Mapping]]] = ...) -> None: ...
+    demand: _containers.RepeatedCompositeFieldContainer[ExpertDemand]
+    def __init__(self, run_id: _Optional[str] = ..., reports: _Optional[_Iterable[_Union[WorkReport, _Mapping]]] = ..., demand: _Optional[_Iterable[_Union[ExpertDemand, _Mapping]]] = ...) -> None: ...
+
+class ExpertDemand(_message.Message):
+    __slots__ = ("layer", "rows")
+    LAYER_FIELD_NUMBER: _ClassVar[int]
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    layer: int
+    rows: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, layer: _Optional[int] = ..., rows: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ReportWorkResponse(_message.Message):
     __slots__ = ("refused_session_ids",)

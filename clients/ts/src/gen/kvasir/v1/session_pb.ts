@@ -12,7 +12,7 @@ import type { Message } from "@bufbuild/protobuf";
  * Describes the file kvasir/v1/session.proto.
  */
 export const file_kvasir_v1_session: GenFile = /*@__PURE__*/
-  fileDesc("ChdrdmFzaXIvdjEvc2Vzc2lvbi5wcm90bxIJa3Zhc2lyLnYxIi0KC0V4cGVydFNsaWNlEg0KBWxheWVyGAEgASgNEg8KB2V4cGVydHMYAiADKA0iYAoQU2Vzc2lvbkNoYWxsZW5nZRINCgVub25jZRgBIAEoDBIPCgdodWJfa2V5GAIgASgJEhkKEWlzc3VlZF9hdF91bml4X21zGAMgASgDEhEKCWt4X3B1YmxpYxgEIAEoDCKFAwoJSGVsbG9Cb2R5Eg0KBW5vbmNlGAEgASgMEg8KB2h1Yl9rZXkYAiABKAkSDgoGd2FsbGV0GAMgASgJEiYKBnNsaWNlcxgEIAMoCzIWLmt2YXNpci52MS5FeHBlcnRTbGljZRIWCg53ZWlnaHRzX2RpZ2VzdBgFIAEoDBIOCgZkZXZpY2UYBiABKAkSEgoKbW9kZWxfdHlwZRgHIAEoCRIWCg53b3JrZXJfdmVyc2lvbhgIIAEoCRIRCglreF9wdWJsaWMYCSABKAwSFQoNaHViX2t4X3B1YmxpYxgKIAEoDBIaChJyZXF1aXJlX2VuY3J5cHRpb24YCyABKAgSJAoFYWVhZHMYDCADKA4yFS5rdmFzaXIudjEuVHVubmVsQWVhZBITCgtwcm9qZWN0aW9ucxgNIAEoCBIyCg9leHBlcnRfZnVuY3Rpb24YDiABKAsyGS5rdmFzaXIudjEuRXhwZXJ0RnVuY3Rpb24SFwoPdHVubmVsX2NoYW5uZWxzGA8gASgNIi8KDFNlc3Npb25IZWxsbxIMCgRib2R5GAEgASgMEhEKCXNpZ25hdHVyZRgCIAEoDCKHAQoNU2Vzc2lvbkFjY2VwdBISCgpzZXNzaW9uX2lkGAEgASgJEhEKCWVuY3J5cHRlZBgCIAEoCBIRCglzaWduYXR1cmUYAyABKAwSIwoEYWVhZBgEIAEoDjIVLmt2YXNpci52MS5UdW5uZWxBZWFkEhcKD3R1bm5lbF9jaGFubmVscxgFIAEoDSL7BAoHU2Vzc2lvbhISCgpzZXNzaW9uX2lkGAEgASgJEg4KBndhbGxldBgCIAEoCRImCgZzbGljZXMYAyADKAsyFi5rdmFzaXIudjEuRXhwZXJ0U2xpY2USFgoOd2VpZ2h0c19kaWdlc3QYBCABKAwSDgoGZGV2aWNlGAUgASgJEhIKCm1vZGVsX3R5cGUYBiABKAkSHwoXY29ubmVjdGVkX3NpbmNlX3VuaXhfbXMYByABKAMSFwoPYnl0ZXNfdG9fd29ya2VyGAggASgEEhkKEWJ5dGVzX2Zyb21fd29ya2VyGAkgASgEEg4KBnRhcmdldBgKIAEoCRIWCg5yZW1vdGVfYWRkcmVzcxgLIAEoCRISCgp3b3JrX2J5dGVzGAwgASgEEhEKCWVuY3J5cHRlZBgNIAEoCBITCgt2aWFfZ2F0ZXdheRgOIAEoCBIOCgZydHRfbXMYDyABKAESEgoKd29ya19jYWxscxgQIAEoBBIRCgl3b3JrX3Jvd3MYESABKAQSFgoOY3JlZGl0ZWRfYnl0ZXMYEiABKAQSGQoRY3JlZGl0ZWRfbmFub19rdnIYEyABKAQSIwoEYWVhZBgUIAEoDjIVLmt2YXNpci52MS5UdW5uZWxBZWFkEhMKC3Byb2plY3Rpb25zGBUgASgIEjIKD2V4cGVydF9mdW5jdGlvbhgWIAEoCzIZLmt2YXNpci52MS5FeHBlcnRGdW5jdGlvbhIXCg90dW5uZWxfY2hhbm5lbHMYFyABKA0SHAoUYmFja2JvbmVfY29ubmVjdGlvbnMYGCABKA0SIAoYY29ubmVjdGlvbnNfcmVmdXNlZF9idXN5GBkgASgEIhUKE0xpc3RTZXNzaW9uc1JlcXVlc3QiPAoUTGlzdFNlc3Npb25zUmVzcG9uc2USJAoIc2Vzc2lvbnMYASADKAsyEi5rdmFzaXIudjEuU2Vzc2lvbiIWChRXYXRjaFNlc3Npb25zUmVxdWVzdCKwAQoMU2Vzc2lvbkV2ZW50EioKBGtpbmQYASABKA4yHC5rdmFzaXIudjEuU2Vzc2lvbkV2ZW50LktpbmQSIwoHc2Vzc2lvbhgCIAEoCzISLmt2YXNpci52MS5TZXNzaW9uIk8KBEtpbmQSFAoQS0lORF9VTlNQRUNJRklFRBAAEg4KCktJTkRfQURERUQQARIQCgxLSU5EX1JFTU9WRUQQAhIPCgtLSU5EX1NZTkNFRBADIj8KFVdhdGNoU2Vzc2lvbnNSZXNwb25zZRImCgVldmVudBgBIAEoCzIXLmt2YXNpci52MS5TZXNzaW9uRXZlbnQiVwoKV29ya1JlcG9ydBISCgpzZXNzaW9uX2lkGAEgASgJEhgKEGN1bXVsYXRpdmVfYnl0ZXMYAiABKAQSDQoFY2FsbHMYAyABKAQSDAoEcm93cxgEIAEoBCJLChFSZXBvcnRXb3JrUmVxdWVzdBIOCgZydW5faWQYASABKAkSJgoHcmVwb3J0cxgCIAMoCzIVLmt2YXNpci52MS5Xb3JrUmVwb3J0IjEKElJlcG9ydFdvcmtSZXNwb25zZRIbChNyZWZ1c2VkX3Nlc3Npb25faWRzGAEgAygJItwBChFRdWFyYW50aW5lUmVxdWVzdBISCgpzZXNzaW9uX2lkGAEgASgJEicKCXZpb2xhdGlvbhgCIAEoDjIULmt2YXNpci52MS5WaW9sYXRpb24SDQoFbGF5ZXIYAyABKA0SDgoGZXhwZXJ0GAQgASgNEg8KB2NhbGxfaWQYBSABKAQSCwoDcm93GAYgASgNEhQKDG1heF9hYnNfZGlmZhgHIAEoARIRCgl0b2xlcmFuY2UYCCABKAESFAoMYXVkaXRlZF9yb3dzGAkgASgEEg4KBmRldGFpbBgKIAEoCSIzChJRdWFyYW50aW5lUmVzcG9uc2USHQoVcmVmdXNlZF91bnRpbF91bml4X21zGAEgASgDKkYKClR1bm5lbEFlYWQSGwoXVFVOTkVMX0FFQURfVU5TUEVDSUZJRUQQABIbChdUVU5ORUxfQUVBRF9BRVNfMjU2X0dDTRABKpABCglWaW9sYXRpb24SGQoVVklPTEFUSU9OX1VOU1BFQ0lGSUVEEAASGAoUVklPTEFUSU9OX05PTl9GSU5JVEUQARIcChhWSU9MQVRJT05fQVVESVRfTUlTTUFUQ0gQAhIXChNWSU9MQVRJT05fTUFMRk9STUVEEAMSFwoTVklPTEFUSU9OX1JPV19DSEVDSxAEMs0CCg5TZXNzaW9uU2VydmljZRJPCgxMaXN0U2Vzc2lvbnMSHi5rdmFzaXIudjEuTGlzdFNlc3Npb25zUmVxdWVzdBofLmt2YXNpci52MS5MaXN0U2Vzc2lvbnNSZXNwb25zZRJUCg1XYXRjaFNlc3Npb25zEh8ua3Zhc2lyLnYxLldhdGNoU2Vzc2lvbnNSZXF1ZXN0GiAua3Zhc2lyLnYxLldhdGNoU2Vzc2lvbnNSZXNwb25zZTABEkkKClJlcG9ydFdvcmsSHC5rdmFzaXIudjEuUmVwb3J0V29ya1JlcXVlc3QaHS5rdmFzaXIudjEuUmVwb3J0V29ya1Jlc3BvbnNlEkkKClF1YXJhbnRpbmUSHC5rdmFzaXIudjEuUXVhcmFudGluZVJlcXVlc3QaHS5rdmFzaXIudjEuUXVhcmFudGluZVJlc3BvbnNlYgZwcm90bzM", [file_kvasir_v1_function]);
+  fileDesc("ChdrdmFzaXIvdjEvc2Vzc2lvbi5wcm90bxIJa3Zhc2lyLnYxIi0KC0V4cGVydFNsaWNlEg0KBWxheWVyGAEgASgNEg8KB2V4cGVydHMYAiADKA0iYAoQU2Vzc2lvbkNoYWxsZW5nZRINCgVub25jZRgBIAEoDBIPCgdodWJfa2V5GAIgASgJEhkKEWlzc3VlZF9hdF91bml4X21zGAMgASgDEhEKCWt4X3B1YmxpYxgEIAEoDCKeAwoJSGVsbG9Cb2R5Eg0KBW5vbmNlGAEgASgMEg8KB2h1Yl9rZXkYAiABKAkSDgoGd2FsbGV0GAMgASgJEiYKBnNsaWNlcxgEIAMoCzIWLmt2YXNpci52MS5FeHBlcnRTbGljZRIWCg53ZWlnaHRzX2RpZ2VzdBgFIAEoDBIOCgZkZXZpY2UYBiABKAkSEgoKbW9kZWxfdHlwZRgHIAEoCRIWCg53b3JrZXJfdmVyc2lvbhgIIAEoCRIRCglreF9wdWJsaWMYCSABKAwSFQoNaHViX2t4X3B1YmxpYxgKIAEoDBIaChJyZXF1aXJlX2VuY3J5cHRpb24YCyABKAgSJAoFYWVhZHMYDCADKA4yFS5rdmFzaXIudjEuVHVubmVsQWVhZBITCgtwcm9qZWN0aW9ucxgNIAEoCBIyCg9leHBlcnRfZnVuY3Rpb24YDiABKAsyGS5rdmFzaXIudjEuRXhwZXJ0RnVuY3Rpb24SFwoPdHVubmVsX2NoYW5uZWxzGA8gASgNEhcKD2V4cGVydF9jYXBhY2l0eRgQIAEoDSIvCgxTZXNzaW9uSGVsbG8SDAoEYm9keRgBIAEoDBIRCglzaWduYXR1cmUYAiABKAwiuQEKDVNlc3Npb25BY2NlcHQSEgoKc2Vzc2lvbl9pZBgBIAEoCRIRCgllbmNyeXB0ZWQYAiABKAgSEQoJc2lnbmF0dXJlGAMgASgMEiMKBGFlYWQYBCABKA4yFS5rdmFzaXIudjEuVHVubmVsQWVhZBIXCg90dW5uZWxfY2hhbm5lbHMYBSABKA0SMAoQc3VnZ2VzdGVkX3NsaWNlcxgGIAMoCzIWLmt2YXNpci52MS5FeHBlcnRTbGljZSL7BAoHU2Vzc2lvbhISCgpzZXNzaW9uX2lkGAEgASgJEg4KBndhbGxldBgCIAEoCRImCgZzbGljZXMYAyADKAsyFi5rdmFzaXIudjEuRXhwZXJ0U2xpY2USFgoOd2VpZ2h0c19kaWdlc3QYBCABKAwSDgoGZGV2aWNlGAUgASgJEhIKCm1vZGVsX3R5cGUYBiABKAkSHwoXY29ubmVjdGVkX3NpbmNlX3VuaXhfbXMYByABKAMSFwoPYnl0ZXNfdG9fd29ya2VyGAggASgEEhkKEWJ5dGVzX2Zyb21fd29ya2VyGAkgASgEEg4KBnRhcmdldBgKIAEoCRIWCg5yZW1vdGVfYWRkcmVzcxgLIAEoCRISCgp3b3JrX2J5dGVzGAwgASgEEhEKCWVuY3J5cHRlZBgNIAEoCBITCgt2aWFfZ2F0ZXdheRgOIAEoCBIOCgZydHRfbXMYDyABKAESEgoKd29ya19jYWxscxgQIAEoBBIRCgl3b3JrX3Jvd3MYESABKAQSFgoOY3JlZGl0ZWRfYnl0ZXMYEiABKAQSGQoRY3JlZGl0ZWRfbmFub19rdnIYEyABKAQSIwoEYWVhZBgUIAEoDjIVLmt2YXNpci52MS5UdW5uZWxBZWFkEhMKC3Byb2plY3Rpb25zGBUgASgIEjIKD2V4cGVydF9mdW5jdGlvbhgWIAEoCzIZLmt2YXNpci52MS5FeHBlcnRGdW5jdGlvbhIXCg90dW5uZWxfY2hhbm5lbHMYFyABKA0SHAoUYmFja2JvbmVfY29ubmVjdGlvbnMYGCABKA0SIAoYY29ubmVjdGlvbnNfcmVmdXNlZF9idXN5GBkgASgEIhUKE0xpc3RTZXNzaW9uc1JlcXVlc3QiPAoUTGlzdFNlc3Npb25zUmVzcG9uc2USJAoIc2Vzc2lvbnMYASADKAsyEi5rdmFzaXIudjEuU2Vzc2lvbiIWChRXYXRjaFNlc3Npb25zUmVxdWVzdCKwAQoMU2Vzc2lvbkV2ZW50EioKBGtpbmQYASABKA4yHC5rdmFzaXIudjEuU2Vzc2lvbkV2ZW50LktpbmQSIwoHc2Vzc2lvbhgCIAEoCzISLmt2YXNpci52MS5TZXNzaW9uIk8KBEtpbmQSFAoQS0lORF9VTlNQRUNJRklFRBAAEg4KCktJTkRfQURERUQQARIQCgxLSU5EX1JFTU9WRUQQAhIPCgtLSU5EX1NZTkNFRBADIj8KFVdhdGNoU2Vzc2lvbnNSZXNwb25zZRImCgVldmVudBgBIAEoCzIXLmt2YXNpci52MS5TZXNzaW9uRXZlbnQiVwoKV29ya1JlcG9ydBISCgpzZXNzaW9uX2lkGAEgASgJEhgKEGN1bXVsYXRpdmVfYnl0ZXMYAiABKAQSDQoFY2FsbHMYAyABKAQSDAoEcm93cxgEIAEoBCJ0ChFSZXBvcnRXb3JrUmVxdWVzdBIOCgZydW5faWQYASABKAkSJgoHcmVwb3J0cxgCIAMoCzIVLmt2YXNpci52MS5Xb3JrUmVwb3J0EicKBmRlbWFuZBgDIAMoCzIXLmt2YXNpci52MS5FeHBlcnREZW1hbmQiKwoMRXhwZXJ0RGVtYW5kEg0KBWxheWVyGAEgASgNEgwKBHJvd3MYAiADKAQiMQoSUmVwb3J0V29ya1Jlc3BvbnNlEhsKE3JlZnVzZWRfc2Vzc2lvbl9pZHMYASADKAki3AEKEVF1YXJhbnRpbmVSZXF1ZXN0EhIKCnNlc3Npb25faWQYASABKAkSJwoJdmlvbGF0aW9uGAIgASgOMhQua3Zhc2lyLnYxLlZpb2xhdGlvbhINCgVsYXllchgDIAEoDRIOCgZleHBlcnQYBCABKA0SDwoHY2FsbF9pZBgFIAEoBBILCgNyb3cYBiABKA0SFAoMbWF4X2Fic19kaWZmGAcgASgBEhEKCXRvbGVyYW5jZRgIIAEoARIUCgxhdWRpdGVkX3Jvd3MYCSABKAQSDgoGZGV0YWlsGAogASgJIjMKElF1YXJhbnRpbmVSZXNwb25zZRIdChVyZWZ1c2VkX3VudGlsX3VuaXhfbXMYASABKAMqRgoKVHVubmVsQWVhZBIbChdUVU5ORUxfQUVBRF9VTlNQRUNJRklFRBAAEhsKF1RVTk5FTF9BRUFEX0FFU18yNTZfR0NNEAEqkAEKCVZpb2xhdGlvbhIZChVWSU9MQVRJT05fVU5TUEVDSUZJRUQQABIYChRWSU9MQVRJT05fTk9OX0ZJTklURRABEhwKGFZJT0xBVElPTl9BVURJVF9NSVNNQVRDSBACEhcKE1ZJT0xBVElPTl9NQUxGT1JNRUQQAxIXChNWSU9MQVRJT05fUk9XX0NIRUNLEAQyzQIKDlNlc3Npb25TZXJ2aWNlEk8KDExpc3RTZXNzaW9ucxIeLmt2YXNpci52MS5MaXN0U2Vzc2lvbnNSZXF1ZXN0Gh8ua3Zhc2lyLnYxLkxpc3RTZXNzaW9uc1Jlc3BvbnNlElQKDVdhdGNoU2Vzc2lvbnMSHy5rdmFzaXIudjEuV2F0Y2hTZXNzaW9uc1JlcXVlc3QaIC5rdmFzaXIudjEuV2F0Y2hTZXNzaW9uc1Jlc3BvbnNlMAESSQoKUmVwb3J0V29yaxIcLmt2YXNpci52MS5SZXBvcnRXb3JrUmVxdWVzdBodLmt2YXNpci52MS5SZXBvcnRXb3JrUmVzcG9uc2USSQoKUXVhcmFudGluZRIcLmt2YXNpci52MS5RdWFyYW50aW5lUmVxdWVzdBodLmt2YXNpci52MS5RdWFyYW50aW5lUmVzcG9uc2ViBnByb3RvMw", [file_kvasir_v1_function]);
 
 /**
  * ExpertSlice names the experts of one layer that a worker holds.
@@ -208,6 +208,18 @@ export type HelloBody = Message<"kvasir.v1.HelloBody"> & {
    * @generated from field: uint32 tunnel_channels = 15;
    */
   tunnelChannels: number;
+
+  /**
+   * A planning hello (`--experts auto`): the worker holds nothing yet (no
+   * slices) and can hold this many experts. The hub answers with the slice it
+   * suggests (SessionAccept.suggested_slices) and closes the connection (1000)
+   * without listing a session; the worker loads that slice and dials again
+   * with an ordinary hello. See "Workers go where they are needed" in
+   * docs/PROTOCOL.md.
+   *
+   * @generated from field: uint32 expert_capacity = 16;
+   */
+  expertCapacity: number;
 };
 
 /**
@@ -302,6 +314,16 @@ export type SessionAccept = Message<"kvasir.v1.SessionAccept"> & {
    * @generated from field: uint32 tunnel_channels = 5;
    */
   tunnelChannels: number;
+
+  /**
+   * The answer to a planning hello: the experts the hub suggests this worker
+   * hold (those the swarm lacks first, then those the backbones route to most
+   * per replica), at most its expert_capacity. Advice, not signed: a worker
+   * that loads another slice is routed to as any other.
+   *
+   * @generated from field: repeated kvasir.v1.ExpertSlice suggested_slices = 6;
+   */
+  suggestedSlices: ExpertSlice[];
 };
 
 /**
@@ -663,6 +685,14 @@ export type ReportWorkRequest = Message<"kvasir.v1.ReportWorkRequest"> & {
    * @generated from field: repeated kvasir.v1.WorkReport reports = 2;
    */
   reports: WorkReport[];
+
+  /**
+   * Rows the run's router sent to each expert (remote or computed here),
+   * cumulative per run like the reports: what the hub plans slices by.
+   *
+   * @generated from field: repeated kvasir.v1.ExpertDemand demand = 3;
+   */
+  demand: ExpertDemand[];
 };
 
 /**
@@ -671,6 +701,30 @@ export type ReportWorkRequest = Message<"kvasir.v1.ReportWorkRequest"> & {
  */
 export const ReportWorkRequestSchema: GenMessage<ReportWorkRequest> = /*@__PURE__*/
   messageDesc(file_kvasir_v1_session, 12);
+
+/**
+ * ExpertDemand is one MoE layer's routed rows, by expert id (rows[e]: expert e).
+ *
+ * @generated from message kvasir.v1.ExpertDemand
+ */
+export type ExpertDemand = Message<"kvasir.v1.ExpertDemand"> & {
+  /**
+   * @generated from field: uint32 layer = 1;
+   */
+  layer: number;
+
+  /**
+   * @generated from field: repeated uint64 rows = 2;
+   */
+  rows: bigint[];
+};
+
+/**
+ * Describes the message kvasir.v1.ExpertDemand.
+ * Use `create(ExpertDemandSchema)` to create a new message.
+ */
+export const ExpertDemandSchema: GenMessage<ExpertDemand> = /*@__PURE__*/
+  messageDesc(file_kvasir_v1_session, 13);
 
 /**
  * @generated from message kvasir.v1.ReportWorkResponse
@@ -689,7 +743,7 @@ export type ReportWorkResponse = Message<"kvasir.v1.ReportWorkResponse"> & {
  * Use `create(ReportWorkResponseSchema)` to create a new message.
  */
 export const ReportWorkResponseSchema: GenMessage<ReportWorkResponse> = /*@__PURE__*/
-  messageDesc(file_kvasir_v1_session, 13);
+  messageDesc(file_kvasir_v1_session, 14);
 
 /**
  * QuarantineRequest is a backbone's evidence against one session.
@@ -759,7 +813,7 @@ export type QuarantineRequest = Message<"kvasir.v1.QuarantineRequest"> & {
  * Use `create(QuarantineRequestSchema)` to create a new message.
  */
 export const QuarantineRequestSchema: GenMessage<QuarantineRequest> = /*@__PURE__*/
-  messageDesc(file_kvasir_v1_session, 14);
+  messageDesc(file_kvasir_v1_session, 15);
 
 /**
  * @generated from message kvasir.v1.QuarantineResponse
@@ -778,7 +832,7 @@ export type QuarantineResponse = Message<"kvasir.v1.QuarantineResponse"> & {
  * Use `create(QuarantineResponseSchema)` to create a new message.
  */
 export const QuarantineResponseSchema: GenMessage<QuarantineResponse> = /*@__PURE__*/
-  messageDesc(file_kvasir_v1_session, 15);
+  messageDesc(file_kvasir_v1_session, 16);
 
 /**
  * TunnelAead names the AEAD that seals an encrypted tunnel ("End-to-end

@@ -1,0 +1,114 @@
+"""Where a new worker is needed (``--experts auto``): the hub's planner, sans I/O.
+
+The backbones report the rows their routers send each expert (``ReportWorkRequest.demand``,
+cumulative per run); ``Demand`` turns them into a rate that forgets slowly (a half-life of
+``half_life_s``). ``plan_slice`` picks a worker's experts from that and from what the live
+sessions and the plans handed out recently already cover: first the experts no one holds
+(most demanded first), then the ones with the most demand per holder, until the worker's
+capacity is used. Ties go by a per-worker salt, so two workers planned at once on an empty
+swarm with no demand yet do not pick the same experts: the second is planned with the first's
+plan counted as held (``Reservations``), so between them they cover the model.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+import time
+from collections.abc import Callable, Iterable, Mapping
+
+__all__ = ["Demand", "Reservations", "plan_slice"]
+
+
+class Demand:
+    """Rows routed to each (layer, expert), as a decayed sum (rows, forgetting half of what it
+    saw every ``half_life_s``). Thread-safe: the gRPC threads report, the trio thread plans."""
+
+    def __init__(self, half_life_s: float = 600.0, clock: Callable[[], float] = time.monotonic) -> None:
+        self.half_life_s = half_life_s
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._level: dict[tuple[int, int], float] = {}
+        self._at = clock()
+        # The last cumulative counts of each run, so a report sent twice adds nothing.
+        self._runs: dict[str, dict[tuple[int, int], int]] = {}
+
+    def _decay(self) -> None:
+        now = self._clock()
+        factor = 0.5 ** ((now - self._at) / self.half_life_s) if self.half_life_s > 0 else 0.0
+        self._at = now
+        if factor < 1.0:
+            self._level = {k: v * factor for k, v in self._level.items() if v * factor > 1e-9}
+
+    def report(self, run_id: str, demand: Iterable[tuple[int, list[int]]], *, max_runs: int = 4096) -> None:
+        """A run's cumulative rows by (layer, [rows per expert]); only what grew counts."""
+        with self._lock:
+            self._decay()
+            seen = self._runs.setdefault(run_id, {})
+            for layer, rows in demand:
+                for expert, total in enumerate(rows):
+                    key = (int(layer), expert)
+                    grew = int(total) - seen.get(key, 0)
+                    if grew > 0:
+                        seen[key] = int(total)
+                        self._level[key] = self._level.get(key, 0.0) + grew
+            while len(self._runs) > max_runs:  # the oldest run's counts go; its demand stays
+                del self._runs[next(iter(self._runs))]
+
+    def snapshot(self) -> dict[tuple[int, int], float]:
+        with self._lock:
+            self._decay()
+            return dict(self._level)
+
+
+class Reservations:
+    """Plans handed out recently, counted as held until the worker that got one joins with a
+    session (``release``) or ``ttl_s`` passes (it loads for minutes, or never comes back)."""
+
+    def __init__(self, ttl_s: float = 600.0, clock: Callable[[], float] = time.monotonic) -> None:
+        self.ttl_s = ttl_s
+        self._clock = clock
+        self._held: dict[str, tuple[float, dict[int, tuple[int, ...]]]] = {}
+
+    def add(self, wallet: str, slices: Mapping[int, Iterable[int]]) -> None:
+        self._held[wallet] = (self._clock() + self.ttl_s, {k: tuple(v) for k, v in slices.items()})
+
+    def release(self, wallet: str) -> None:
+        self._held.pop(wallet, None)
+
+    def live(self) -> list[dict[int, tuple[int, ...]]]:
+        now = self._clock()
+        self._held = {w: h for w, h in self._held.items() if h[0] > now}
+        return [slices for _, slices in self._held.values()]
+
+
+def plan_slice(candidates: Mapping[int, Iterable[int]], capacity: int, *,
+               held: Iterable[Mapping[int, Iterable[int]]], demand: Mapping[tuple[int, int], float],
+               salt: str) -> dict[int, tuple[int, ...]]:
+    """Up to ``capacity`` of the experts in ``candidates`` (what the worker's checkpoint holds,
+    from its planning hello) for a new worker: ``{layer: experts}``.
+
+    ``held``: the slices of the live sessions and of the recent plans. Uncovered experts come
+    first, by demand (most first); then the covered ones by demand per holder. Demand unseen
+    (no backbone has reported) counts as equal. Ties break by a hash of ``salt`` (the worker's
+    wallet) with the expert, so workers with the same view choose apart."""
+    replicas: dict[tuple[int, int], int] = {}
+    for slices in held:
+        for layer, experts in slices.items():
+            for e in experts:
+                replicas[(int(layer), int(e))] = replicas.get((int(layer), int(e)), 0) + 1
+    seen = sum(demand.values())
+    ranked = []
+    for layer, experts in candidates.items():
+        for e in experts:
+            key = (int(layer), int(e))
+            want = demand.get(key, 0.0) if seen > 0 else 1.0
+            n = replicas.get(key, 0)
+            tie = hashlib.sha256(f"{salt}/{key[0]}/{key[1]}".encode()).digest()[:8]
+            # Uncovered first (n == 0), then the most demand per holder; within equals, the tie.
+            ranked.append((n > 0, -want / (n + 1), -want, tie, key))
+    ranked.sort()
+    chosen: dict[int, list[int]] = {}
+    for *_, (layer, e) in ranked[:max(capacity, 0)]:
+        chosen.setdefault(layer, []).append(e)
+    return {layer: tuple(sorted(es)) for layer, es in sorted(chosen.items())}

@@ -1,0 +1,93 @@
+"""Workers go where they are needed (``--experts auto``, issue 30): the hub's planner
+(relay/_plan.py) from the backbones' demand and what the swarm holds; then real processes:
+two workers on an empty swarm, told nothing but a memory budget, cover every expert."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvasir_rpc import ExpertIndex
+from kvasir_rpc.dev.swarm import LocalSwarm
+from relay._plan import Demand, Reservations, plan_slice
+
+ALL = {layer: tuple(range(8)) for layer in range(3)}
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_an_empty_swarm_gets_what_no_one_holds_and_two_plans_do_not_overlap():
+    first = plan_slice(ALL, 12, held=[], demand={}, salt="wallet-a")
+    assert sum(len(v) for v in first.values()) == 12
+    second = plan_slice(ALL, 12, held=[first], demand={}, salt="wallet-b")
+    covered = {(l, e) for plan in (first, second) for l, es in plan.items() for e in es}
+    assert len(covered) == 24  # between them, every expert once
+
+
+def test_uncovered_comes_before_demand_then_demand_per_holder():
+    held = [{0: tuple(range(8)), 1: tuple(range(8))}]  # layer 2 uncovered
+    demand = {(0, 3): 1000.0, (2, 5): 1.0}
+    plan = plan_slice(ALL, 9, held=held, demand=demand, salt="w")
+    assert plan[2] == tuple(range(8))  # every uncovered expert first, the demanded one among them
+    assert plan[0] == (3,)  # then the most demanded per holder
+    # With two holders of (0, 3) already, a less demanded single-held expert can come first.
+    plan = plan_slice({0: (3, 4)}, 1, held=held * 2 + [{0: (3,)}], demand={(0, 3): 30.0, (0, 4): 25.0}, salt="w")
+    assert plan == {0: (4,)}  # 30 / 4 holders < 25 / 3
+
+
+def test_the_plan_stays_inside_the_workers_checkpoint_and_capacity():
+    plan = plan_slice({1: (2, 3)}, 10, held=[], demand={(0, 0): 5.0}, salt="w")
+    assert plan == {1: (2, 3)}
+    assert plan_slice(ALL, 0, held=[], demand={}, salt="w") == {}
+
+
+def test_demand_counts_what_grew_per_run_and_forgets_by_half_lives():
+    clock = Clock()
+    d = Demand(half_life_s=10.0, clock=clock)
+    d.report("run-a", [(0, [4, 0, 2])])
+    d.report("run-a", [(0, [4, 0, 2])])  # sent twice: nothing more
+    d.report("run-b", [(0, [1, 0, 0])])
+    assert d.snapshot() == {(0, 0): 5.0, (0, 2): 2.0}
+    clock.now = 10.0
+    assert d.snapshot() == pytest.approx({(0, 0): 2.5, (0, 2): 1.0})
+    d.report("run-a", [(0, [6, 0, 2])])  # grew by 2
+    assert d.snapshot()[(0, 0)] == pytest.approx(4.5)
+
+
+def test_a_reservation_lasts_until_its_worker_joins_or_its_time_passes():
+    clock = Clock()
+    r = Reservations(ttl_s=60.0, clock=clock)
+    r.add("a", {0: (1, 2)})
+    r.add("b", {1: (0,)})
+    assert r.live() == [{0: (1, 2)}, {1: (0,)}]
+    r.release("a")
+    assert r.live() == [{1: (0,)}]
+    clock.now = 61.0
+    assert r.live() == []
+
+
+@pytest.mark.integration
+def test_two_auto_workers_on_an_empty_swarm_cover_every_expert(tiny_models, tmp_path):
+    model = tiny_models("qwen3_moe")
+    index = ExpertIndex(model)
+    everything = {(l, e) for l, es in index.slices.items() for e in es}
+    per_expert = 3 * index.info.intermediate_size * index.info.hidden_size * index.info.dtype.itemsize
+    half = -(-len(everything) // 2)
+    with LocalSwarm(tmp_path / "swarm") as sw:
+        sw.start_ledger()
+        sw.start_hub(extra=["--model", str(model)])
+        for name in ("w1", "w2"):  # at once: the hub plans the second with the first's plan held
+            sw.start_worker(name, model, "auto", extra=["--max-expert-memory", str(per_expert * half)])
+        sessions = sw.wait_sessions(2, watch=["w1", "w2"])
+        held = [{(sl.layer, e) for sl in s.slices for e in sl.experts} for s in sessions]
+        assert all(len(h) == half for h in held)
+        assert held[0] | held[1] == everything and not held[0] & held[1]
+        result = sw.run_backbone(["--model", str(model), "--prompt", "planned by the hub", "--max-new-tokens", "6",
+                                  "--compare-local", "--require-bitwise", "--wait-sessions", "2"])
+        assert result["verdict"] == "bitwise equal" and result["local_rows"] == 0 and result["remote_rows"] > 0
+        assert "slice suggested" in (sw.logs / "hub.log").read_text()
