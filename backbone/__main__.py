@@ -156,11 +156,8 @@ def build_setup(parser: argparse.ArgumentParser, args: argparse.Namespace, *, co
         fail(f"backbone: --model {args.model}: cannot load it ({first}); {CHECKPOINT_HINT}")
 
     watcher = SessionWatcher(args.hub, token=hub_token) if args.hub else None
-    if watcher is not None and not _wait_sessions(watcher, args.hub, args.wait_sessions, args.wait_timeout):
-        watcher.close()
-        fail(f"backbone: the hub at {args.hub} listed {len(watcher.sessions())} of the {args.wait_sessions} "
-             f"sessions asked for (--wait-sessions) within {args.wait_timeout:g} s (--wait-timeout): start more "
-             "workers, ask for fewer sessions, or wait longer", status=3)
+    if watcher is not None:
+        _await_sessions(watcher, args)
     wire_dtype = None if args.wire_dtype == "model" else getattr(torch, args.wire_dtype)
     model_dtype = next(model.parameters()).dtype
     if wire_dtype is not None and (model_dtype != torch.float32 or wire_dtype == model_dtype):
@@ -227,14 +224,30 @@ def _check_model_type(model: pathlib.Path, hint: str) -> None:
              f"{transformers.__version__} knows; {hint}")
 
 
+def _await_sessions(watcher: Any, args: argparse.Namespace) -> None:
+    """Wait for --wait-sessions sessions, or end the program in one line: the hub refused the
+    token (exit 2, at once: no wait can mend it) or listed too few in time (exit 3)."""
+    if _wait_sessions(watcher, args.hub, args.wait_sessions, args.wait_timeout):
+        return
+    watcher.close()
+    if watcher.refusal is not None:
+        fail(f"backbone: the hub at {args.hub} refused this backbone's token (the hub said: {watcher.refusal}): "
+             f"--hub-token-file {args.hub_token_file} must be the hub's {BACKBONE_TOKEN_FILE} (its "
+             "--backbone-token-file), or a copy of it")
+    fail(f"backbone: the hub at {args.hub} listed {len(watcher.sessions())} of the {args.wait_sessions} "
+         f"sessions asked for (--wait-sessions) within {args.wait_timeout:g} s (--wait-timeout): start more "
+         "workers, ask for fewer sessions, or wait longer", status=3)
+
+
 def _wait_sessions(watcher: Any, hub: str, wanted: int, timeout_s: float) -> bool:
-    """Wait until the hub lists ``wanted`` sessions, saying every few seconds how many it has."""
+    """Wait until the hub lists ``wanted`` sessions, saying every few seconds how many it has.
+    False at once when the hub refuses the token (``watcher.refusal``)."""
     deadline = time.monotonic() + timeout_s
     while True:
         left = deadline - time.monotonic()
         if watcher.wait(lambda s: len(s) >= wanted, max(0.0, min(WAIT_PROGRESS_EVERY_S, left))):
             return True
-        if left <= WAIT_PROGRESS_EVERY_S:
+        if left <= WAIT_PROGRESS_EVERY_S or watcher.refusal is not None:
             return False
         print(f"backbone: waiting for the hub at {hub} to list {wanted} sessions (--wait-sessions): "
               f"{len(watcher.sessions())} so far, {deadline - time.monotonic():.0f} s left of --wait-timeout",

@@ -195,7 +195,15 @@ class SessionWatcher:
 
     When the stream ends (the hub restarted or went away), the hub's sessions went with it:
     the live set empties, so the decode computes locally, and the watch is opened again,
-    with a bounded backoff, until a hub answers; its snapshot brings the new sessions."""
+    with a bounded backoff, until a hub answers; its snapshot brings the new sessions.
+
+    A hub that refuses the token (UNAUTHENTICATED or PERMISSION_DENIED) is asked again too (it
+    may be restarted with the right token file), but ``refusal`` keeps what it said until a
+    watch is let in, and ``wait`` returns at once meanwhile: no number of sessions will come,
+    and whoever waits for them must say why."""
+
+    #: The hub's answers to a token it does not take: waiting cannot mend them.
+    REFUSALS = (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED)
 
     RETRY_MIN_S = 0.1
     RETRY_MAX_S = 2.0
@@ -211,6 +219,9 @@ class SessionWatcher:
         self._cond = threading.Condition()
         self._sessions: dict[str, session_pb2.Session] = {}
         self._synced = False
+        # The hub's details when it refused the token, until a watch is let in again.
+        self._refusal: str | None = None
+        self._let_in = False  # whether the hub ever answered a watch
         self._closed = threading.Event()
         self.version = 0
         self.resubscribes = 0
@@ -226,6 +237,8 @@ class SessionWatcher:
                     backoff = self.RETRY_MIN_S
                     ev = resp.event
                     with self._cond:
+                        self._refusal = None
+                        self._let_in = True
                         if ev.kind == session_pb2.SessionEvent.KIND_ADDED:
                             self._sessions[ev.session.session_id] = ev.session
                         elif ev.kind == session_pb2.SessionEvent.KIND_REMOVED:
@@ -237,7 +250,17 @@ class SessionWatcher:
                 if not self._closed.is_set():
                     log.warning("session watch ended by the hub; watching again")
             except grpc.RpcError as exc:
-                if not self._closed.is_set() and self._sessions:
+                if exc.code() in self.REFUSALS and not self._closed.is_set():
+                    with self._cond:
+                        if self._refusal is None:  # once per refusal, not once per retry
+                            # Before any watch was let in, whoever waits for sessions says it in
+                            # its own line; a hub that changes its token later must be heard.
+                            (log.warning if self._let_in else log.info)(
+                                "the hub refused this backbone's token; asking again", code=exc.code().name,
+                                details=exc.details())
+                        self._refusal = exc.details() or exc.code().name
+                        self._cond.notify_all()
+                elif not self._closed.is_set() and self._sessions:
                     log.warning("session watch ended; watching again", code=str(exc.code()), details=exc.details())
             with self._cond:
                 if self._sessions:
@@ -258,10 +281,20 @@ class SessionWatcher:
         with self._cond:
             return dict(self._sessions)
 
-    def wait(self, predicate: Callable[[dict[str, session_pb2.Session]], bool], timeout: float) -> bool:
-        """Wait until the hub has synced and ``predicate(sessions)`` holds, or time out."""
+    @property
+    def refusal(self) -> str | None:
+        """What the hub said when it last refused this backbone's token (its details), or None
+        when it has not, or has let a watch in since."""
         with self._cond:
-            return self._cond.wait_for(lambda: self._synced and predicate(self._sessions), timeout=timeout)
+            return self._refusal
+
+    def wait(self, predicate: Callable[[dict[str, session_pb2.Session]], bool], timeout: float) -> bool:
+        """Wait until the hub has synced and ``predicate(sessions)`` holds, or time out. False
+        at once while the hub refuses the token (``refusal`` says what it said)."""
+        with self._cond:
+            return self._cond.wait_for(
+                lambda: self._refusal is not None or (self._synced and predicate(self._sessions)),
+                timeout=timeout) and self._refusal is None
 
     def close(self) -> None:
         with self._cond:

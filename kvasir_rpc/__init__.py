@@ -63,6 +63,7 @@ if TYPE_CHECKING:  # the real names, for type checkers; at run time __getattr__ 
     )
     from kvasir_rpc._secrets import (
         check_secret_mode,
+        ensure_state_dir,
         write_secret,
     )
     from kvasir_rpc._receipts import (
@@ -89,8 +90,10 @@ if TYPE_CHECKING:  # the real names, for type checkers; at run time __getattr__ 
         BACKBONE_TOKEN_FILE,
         EXIT_INTERRUPTED,
         EXIT_USAGE,
+        HUB_KEY_FILE,
         LOG_LEVELS,
         STATE_DIR,
+        WALLET_FILE,
         HelpFormatter,
         add_log_level,
         fail,
@@ -231,6 +234,7 @@ _LAZY = {
     "bind_grpc": "kvasir_rpc._listen",
     "check_listen": "kvasir_rpc._listen",
     "check_secret_mode": "kvasir_rpc._secrets",
+    "ensure_state_dir": "kvasir_rpc._secrets",
     "write_secret": "kvasir_rpc._secrets",
     "DEFAULT_RATE_NANO_PER_BYTE": "kvasir_rpc._receipts",
     "MAX_CUMULATIVE_BYTES": "kvasir_rpc._receipts",
@@ -250,6 +254,8 @@ _LAZY = {
     "hostport_text": "kvasir_rpc._cliargs",
     "BACKBONE_TOKEN_FILE": "kvasir_rpc._cliargs",
     "STATE_DIR": "kvasir_rpc._cliargs",
+    "HUB_KEY_FILE": "kvasir_rpc._cliargs",
+    "WALLET_FILE": "kvasir_rpc._cliargs",
     "make_state_parent": "kvasir_rpc._cliargs",
     "EXIT_INTERRUPTED": "kvasir_rpc._cliargs",
     "EXIT_USAGE": "kvasir_rpc._cliargs",

@@ -16,20 +16,70 @@ import stat
 
 from kvasir_rpc._log import get_logger
 
-__all__ = ["check_secret_mode", "write_secret"]
+__all__ = ["check_secret_mode", "ensure_state_dir", "write_secret"]
+
+#: The name of the project's state folder (STATE_DIR, ``.kvasir``): one found on a path is
+#: this project's, so it may be tightened to the owner's alone.
+_STATE_DIR_NAME = ".kvasir"
+
+
+def ensure_state_dir(path: str | os.PathLike[str]) -> pathlib.Path:
+    """Make the folder ``path`` for state files (keys, tokens, databases), its missing parents
+    too, each folder made mode 0700 whatever the umask: what goes in it is the owner's alone,
+    as the README promises of ``.kvasir/``. Returns ``path``; raises OSError when a folder
+    cannot be made.
+
+    A ``.kvasir`` folder that exists already on the path, and any folder under one, is
+    tightened to 0700 when it is this user's and others may open it: earlier versions made
+    it 0755, and its wallets and keys sit inside. Any other folder that exists (the working
+    directory, a folder given with a flag) is the person's choice and is left as it is, and
+    so is a symbolic link (its target is someone's choice too)."""
+    p = pathlib.Path(path)
+    missing: list[pathlib.Path] = []
+    folder = p
+    while not folder.exists() and folder.parent != folder:
+        missing.append(folder)
+        folder = folder.parent
+    for made in reversed(missing):
+        try:
+            os.mkdir(made, 0o700)
+        except FileExistsError:  # made by another process at the same moment: theirs is as good
+            if not made.is_dir():
+                raise
+            continue
+        os.chmod(made, 0o700)  # the umask may have taken the owner's own bits away
+    _tighten_state_dirs(p)
+    return p
+
+
+def _tighten_state_dirs(path: pathlib.Path) -> None:
+    """chmod 0700 the ``.kvasir`` folders on ``path`` and the folders under them, where they
+    are this user's, open to others and not symbolic links (best effort: never raises)."""
+    if os.name != "posix":
+        return
+    for folder in (path, *path.parents):
+        if _STATE_DIR_NAME not in folder.parts:
+            break  # the folders above the state folder are not the project's
+        try:
+            st = os.lstat(folder)
+            if stat.S_ISDIR(st.st_mode) and st.st_uid == os.getuid() and st.st_mode & 0o077:
+                os.chmod(folder, 0o700)
+        except OSError:
+            continue
 
 
 def write_secret(path: str | os.PathLike[str], data: bytes | str, *, replace: bool = True) -> None:
     """Write ``data`` to ``path`` with mode 0600 whatever the umask, atomically.
 
-    Missing parent folders are created. With ``replace`` an existing file is
-    replaced (its old mode does not survive); without it, FileExistsError is raised when
-    ``path`` exists, even if another process creates it at the same moment. Raises OSError
-    when the folder is not writable; no temporary file is left behind either way.
+    Missing parent folders are created mode 0700 (``ensure_state_dir``). With ``replace`` an
+    existing file is replaced (its old mode does not survive); without it, FileExistsError is
+    raised when ``path`` exists, even if another process creates it at the same moment.
+    Raises OSError when the folder is not writable; no temporary file is left behind either
+    way.
     """
     p = pathlib.Path(path)
     blob = data.encode() if isinstance(data, str) else data
-    p.parent.mkdir(parents=True, exist_ok=True)
+    ensure_state_dir(p.parent)
     tmp = p.with_name(f".{p.name}.{secrets.token_hex(8)}.tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o600)
     try:

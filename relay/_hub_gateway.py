@@ -2,7 +2,8 @@
 for each worker the gateway announces, a data WebSocket served exactly like a LAN session.
 
 A gateway that cannot be reached, or drops the connection, is retried (one warning per
-attempt, naming the gateway and what failed). One that refuses this hub's token (HTTP 401)
+attempt, naming the gateway and what failed, and that it speaks TLS when a ``ws://`` URL was
+given for a port that does). One that refuses this hub's token (HTTP 401)
 or presents a certificate this machine does not trust is not: retrying cannot mend either,
 so ``GatewayLink.run`` raises ``GatewayRefused`` with the line to show the operator.
 """
@@ -10,14 +11,17 @@ so ``GatewayLink.run`` raises ``GatewayRefused`` with the line to show the opera
 from __future__ import annotations
 
 import random
+import socket
 import ssl
 import urllib.parse
 from collections.abc import Awaitable, Callable
 
+import h11
 import trio
+import wsproto.utilities
 from trio_websocket import ConnectionClosed, ConnectionRejected, ConnectionTimeout, HandshakeError, WebSocketConnection
 
-from kvasir_rpc import get_logger, leaf_exception, open_websocket_url
+from kvasir_rpc import TLSStream, get_logger, hostport_text, leaf_exception, open_websocket_url
 from kvasir_rpc.protocol import (
     GATEWAY_SUBPROTOCOL,
     HUB_CONTROL_PATH,
@@ -33,8 +37,13 @@ __all__ = ["GatewayLink", "GatewayRefused"]
 
 log = get_logger("relay.hub.gateway")
 # trio.BrokenResourceError: a TLS handshake that failed (TLSStream raises it, the SSLError chained).
-_NETWORK_ERRORS = (ConnectionClosed, HandshakeError, OSError, trio.TooSlowError, trio.BrokenResourceError)
+# h11's and wsproto's errors: an answer that is not HTTP (a TLS alert, say) breaks trio-websocket's
+# handshake with them; retried as the others are, never a crash of the hub.
+_HTTP_ERRORS = (h11.ProtocolError, wsproto.utilities.ProtocolError)
+_NETWORK_ERRORS = (ConnectionClosed, HandshakeError, OSError, trio.TooSlowError, trio.BrokenResourceError, *_HTTP_ERRORS)
 _CONNECT_TIMEOUT_S = 10.0
+# How long a ws:// gateway that failed is given to answer a TLS handshake (tls_hint).
+_TLS_PROBE_TIMEOUT_S = 3.0
 
 
 class GatewayRefused(Exception):
@@ -90,11 +99,51 @@ def describe(exc: BaseException) -> str:
         if reason is None:
             return "closed"
         return f"closed ({reason.code}{' ' + reason.reason if reason.reason else ''})"
+    if isinstance(exc, _HTTP_ERRORS):
+        return "answered in something other than HTTP"
     errors = [link for link in _chain(exc) if isinstance(link, OSError)]
     for link in errors:
         if link.strerror:  # "Connection refused", not "all attempts to connect to ... failed"
             return link.strerror[:200]
     return (str(errors[0] if errors else exc) or type(exc).__name__)[:200]
+
+
+async def tls_hint(gateway: str, exc: BaseException, *, timeout_s: float = _TLS_PROBE_TIMEOUT_S) -> str:
+    """`` — the gateway may speak TLS: use wss://HOST:PORT`` when the dial to the ``ws://`` URL
+    ``gateway`` failed with ``exc`` and its port speaks TLS; else "".
+
+    A TLS port takes the WebSocket request for a broken handshake and closes, or answers with
+    a TLS alert: trio-websocket then waits out its timeout, or fails on bytes that are not
+    HTTP, and no error it raises says TLS. So the port is asked, once per failed dial: a TLS
+    handshake with it that completes, or that it answers with a TLS alert, is TLS. Nothing is
+    asked of a refused connection or an unknown name, nor of a port that answered HTTP."""
+    parts = urllib.parse.urlsplit(gateway)
+    if parts.scheme != "ws" or not parts.hostname or isinstance(exc, ConnectionRejected):
+        return ""
+    if any(isinstance(link, ConnectionRefusedError | socket.gaierror) for link in _chain(exc)):
+        return ""
+    host, port = parts.hostname, parts.port or 80
+    context = ssl.create_default_context()
+    context.check_hostname = False
+    context.verify_mode = ssl.CERT_NONE  # only whether it speaks TLS: nothing is sent over it
+    speaks = False
+    with trio.move_on_after(timeout_s):
+        try:
+            stream = await trio.open_tcp_stream(host, port)
+        except OSError:
+            return ""
+        try:
+            await TLSStream(stream, context, server_hostname=host).do_handshake()
+            speaks = True
+        except trio.BrokenResourceError as broken:  # the SSLError chained, if TLS got that far
+            cause = broken.__cause__
+            speaks = isinstance(cause, ssl.SSLError) and "ALERT" in (cause.reason or "")
+        except OSError:
+            pass
+        finally:
+            stream.socket.close()
+    return f" — the gateway may speak TLS: use wss://{hostport_text(host, port)}" if speaks else ""
+
 
 ServeConnection = Callable[[WebSocketConnection, str], Awaitable[None]]
 
@@ -165,7 +214,7 @@ class GatewayLink:
             line = refusal_line(self.base, failure)
             if line is not None:
                 raise GatewayRefused(line) from None
-            error = describe(failure)
+            error = describe(failure) + ("" if connected else await tls_hint(self.base, failure))
         return connected, error
 
     async def _serve_pair(self, pid: str, remote: str) -> None:

@@ -41,6 +41,7 @@ from kvasir_rpc import (
     __version__,
     add_log_level,
     bind_grpc,
+    ensure_state_dir,
     check_listen,
     configure_logging,
     enable_reflection,
@@ -310,7 +311,7 @@ def main(argv: list[str] | None = None) -> int:
         args.model = pathlib.Path(args.model)
     index = _open_checkpoint(args)
     try:
-        args.wallet.parent.mkdir(parents=True, exist_ok=True)
+        ensure_state_dir(args.wallet.parent)  # 0700: the wallet's key is the owner's alone
         wallet = Wallet.load_or_create(args.wallet)
     except (WalletError, OSError) as exc:
         fail(f"worker: --wallet {args.wallet}: {exc}")

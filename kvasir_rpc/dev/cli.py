@@ -12,7 +12,7 @@ import tempfile
 import time
 from collections.abc import Callable
 
-from kvasir_rpc import STATE_DIR
+from kvasir_rpc import HUB_KEY_FILE, STATE_DIR, WALLET_FILE
 
 __all__ = ["build_parser", "entry", "main"]
 
@@ -21,6 +21,12 @@ DEMO_PROMPT = "The swarm computes every expert"
 #: out of the project's files.
 DEFAULT_CERTS_DIR = STATE_DIR / "certs"
 DEFAULT_CERT_HOSTS = ("localhost", "127.0.0.1", "::1")
+#: Where ``kvasir balance`` asks: the ledger's own default --listen.
+DEFAULT_LEDGER = "127.0.0.1:8767"
+#: What the figures of ``kvasir balance`` are, in one sentence, for someone who has not read the
+#: README (the ledger's rate, 7 nano-KVR a byte by default, is its --rate-nano-per-byte).
+KVR_EXPLAINED = ("KVR: credits for expert work the backbones accepted, 1 KVR = 10^9 nano-KVR; the ledger credits "
+                 "a worker's wallet from its hub's signed byte receipts")
 
 
 def _cmd_model_tiny(args: argparse.Namespace) -> int:
@@ -369,13 +375,18 @@ def _cmd_balance(args: argparse.Namespace) -> int:
 
     from kvasir_rpc import Wallet, WalletError, configure_logging, is_address, ledger_pb2, ledger_pb2_grpc
 
-    if args.wallet_file is not None:
+    if args.wallet is None:
         configure_logging("kvasir", level="warning")  # a loose key file's warning goes to stderr
         try:
             wallet = Wallet.load(args.wallet_file).address
         except FileNotFoundError:
-            print(f"kvasir balance: {args.wallet_file}: no such wallet file (a worker's is its --wallet)",
-                  file=sys.stderr)
+            if args.wallet_file == WALLET_FILE:  # the default: nothing was named, so say what it is
+                print(f"kvasir balance: no wallet file at {WALLET_FILE} (the default; a worker run in this folder "
+                      "creates it): run this where the worker ran, or pass --wallet-file PATH or --wallet HEX",
+                      file=sys.stderr)
+            else:
+                print(f"kvasir balance: {args.wallet_file}: no such wallet file (a worker's is its --wallet)",
+                      file=sys.stderr)
             return 2
         except (WalletError, OSError) as exc:
             print(f"kvasir balance: --wallet-file: {exc}", file=sys.stderr)
@@ -400,44 +411,68 @@ def _cmd_balance(args: argparse.Namespace) -> int:
     else:
         print(f"wallet {wallet}: {b.pending_kvr} KVR pending ({int(b.pending_nano_kvr):,} nano-KVR) for "
               f"{int(b.bytes_credited):,} bytes of work ({b.units} units) in {int(b.credit_count)} credits")
+        print(KVR_EXPLAINED, file=sys.stderr)  # for the reader; stdout stays the one line of figures
     return 0
 
 
-def _cmd_key_show(args: argparse.Namespace) -> int:
+def _read_key(path: pathlib.Path) -> tuple[str | None, str]:
+    """``(address, "")`` of the key file at ``path`` (its public key in hex), or ``(None, why)``:
+    why it cannot be read, in words that name the file."""
     from kvasir_rpc import Wallet, WalletError, configure_logging
 
     configure_logging("kvasir", level="warning")  # a loose key file's warning goes to stderr, not stdout
     try:
-        wallet = Wallet.load(args.file)
+        return Wallet.load(path).address, ""
     except FileNotFoundError:
-        print(f"kvasir key show: {args.file}: no such key file (a hub's is its --key, hub.key by default)",
-              file=sys.stderr)
-        return 2
+        return None, (f"{path}: no such key file (a hub's is its --key, {HUB_KEY_FILE} by default; "
+                      "`kvasir key new` makes one)")
     except WalletError as exc:  # its message names the file
-        print(f"kvasir key show: {exc}", file=sys.stderr)
-        return 2
+        return None, str(exc)
     except OSError as exc:
-        print(f"kvasir key show: cannot read {args.file}: {exc.strerror or exc}", file=sys.stderr)
+        return None, f"cannot read {path}: {exc.strerror or exc}"
+
+
+def _cmd_key_show(args: argparse.Namespace) -> int:
+    address, why = _read_key(args.file)
+    if address is None:
+        print(f"kvasir key show: {why}", file=sys.stderr)
         return 2
-    print(wallet.address)
+    print(address)
     return 0
 
 
 def _cmd_key_new(args: argparse.Namespace) -> int:
     """Make a key file (a hub's --key, or a worker's --wallet) and print its address: the hub's
-    key can be trusted by a ledger (--trust-key) before the hub first runs."""
-    from kvasir_rpc import Wallet, WalletError
+    key can be trusted by a ledger (--trust-key) before the hub first runs. An existing file is
+    never overwritten (it may be the key a ledger trusts already): its address is printed
+    instead, with exit status 2."""
+    import nacl.signing
 
-    if args.file.exists():
-        print(f"kvasir key new: {args.file} exists already (its address: kvasir key show {args.file}); "
-              "a key is never overwritten", file=sys.stderr)
-        return 2
+    from kvasir_rpc import Wallet, write_secret
+
+    key = nacl.signing.SigningKey.generate()
     try:
-        wallet = Wallet.load_or_create(args.file)
-    except (WalletError, OSError) as exc:
-        print(f"kvasir key new: cannot write {args.file}: {getattr(exc, 'strerror', None) or exc}", file=sys.stderr)
+        # The wallet file format (Wallet.load): the 32-byte seed as 64 hex characters. Linked into
+        # place, never renamed over: a file that exists, even one made at this moment, stays.
+        write_secret(args.file, key.encode().hex() + "\n", replace=False)
+    except FileExistsError:
+        address, why = _read_key(args.file)
+        if address is None:
+            print(f"kvasir key new: {args.file} exists already and is never overwritten, and it is no key: {why}",
+                  file=sys.stderr)
+            return 2
+        print(address, flush=True)
+        print(f"kvasir key new: {args.file} exists already and is never overwritten; its public key is {address}",
+              file=sys.stderr)
         return 2
-    print(wallet.address)
+    except OSError as exc:
+        print(f"kvasir key new: cannot write {args.file}: {exc.strerror or exc}", file=sys.stderr)
+        return 2
+    print(Wallet(key).address, flush=True)
+    use = ("a hub started in this folder uses the file (its --key default)" if args.file == HUB_KEY_FILE
+           else f"start the hub with --key {args.file}")
+    print(f"kvasir key new: wrote {args.file} (mode 0600); give the public key above to the ledger "
+          f"(python -m ledger serve --trust-key HEX); {use}", file=sys.stderr)
     return 0
 
 
@@ -606,22 +641,26 @@ def build_parser() -> argparse.ArgumentParser:
     status.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for the hub")
     status.add_argument("--json", action="store_true", help="print one JSON object")
     status.set_defaults(func=_cmd_status)
-    balance = add(sub, "balance", help="a wallet's KVR credited at a ledger")
-    balance.add_argument("--ledger", required=True, help="HOST:PORT of the ledger's LedgerService")
-    who = balance.add_mutually_exclusive_group(required=True)
+    balance = add(sub, "balance", help="a wallet's KVR credited at a ledger", description=KVR_EXPLAINED)
+    balance.add_argument("--ledger", default=DEFAULT_LEDGER,
+                         help="HOST:PORT of the ledger's LedgerService (its --listen)")
+    who = balance.add_mutually_exclusive_group()
     who.add_argument("--wallet", help="the wallet's address (64 hex characters)")
-    who.add_argument("--wallet-file", type=pathlib.Path, help="a wallet key file (a worker's --wallet)")
+    who.add_argument("--wallet-file", type=pathlib.Path, default=WALLET_FILE,
+                     help="a wallet key file (a worker's --wallet); read unless --wallet is given")
     balance.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for the ledger")
     balance.add_argument("--json", action="store_true", help="print one JSON object")
     balance.set_defaults(func=_cmd_balance)
     key = add(sub, "key", help="key files of hubs and wallets")
     ksub = key.add_subparsers(dest="key_command", required=True)
     show = add(ksub, "show", help="print a key file's public address (what a ledger's --trust-key takes)")
-    show.add_argument("file", type=pathlib.Path, help="the key file; it stays private, only the address is printed")
+    show.add_argument("file", type=pathlib.Path, nargs="?", default=HUB_KEY_FILE,
+                      help="the key file (the hub's by default); it stays private, only the address is printed")
     show.set_defaults(func=_cmd_key_show)
     new = add(ksub, "new", help="make a key file (mode 0600) and print its address: a hub's key to trust on a ledger "
                                 "before the hub first runs, or a worker's wallet")
-    new.add_argument("file", type=pathlib.Path, help="the key file to make (never overwritten), e.g. .kvasir/hub.key")
+    new.add_argument("file", type=pathlib.Path, nargs="?", default=HUB_KEY_FILE,
+                     help="the key file to make, never overwritten (the hub's --key by default)")
     new.set_defaults(func=_cmd_key_new)
     demo = add(sub, "demo", help="the whole swarm on this machine: hub, two workers, a live decode, the verdict")
     demo.add_argument("--arch", default="qwen3_moe",
