@@ -7,6 +7,7 @@ import argparse
 import contextlib
 import json
 import pathlib
+import signal
 import sys
 import tempfile
 import time
@@ -155,6 +156,17 @@ def run_demo(arch: str, *, seed: int = 0, max_new_tokens: int = 12, batch: int =
         result["rate_nano_per_byte"] = DEFAULT_RATE_NANO_PER_BYTE
         result["status_url"] = swarm.status_url
         if stay is not None:
+            # The swarm stays for people to try: a backbone service on it again (the verdict's
+            # stopped to report its work), with the OpenAI API, and what attaching more takes.
+            say("starting a backbone service on the swarm for you to try (its OpenAI API too)")
+            serving = swarm.start_backbone_service("backbone-stay", model_dir, ["--wait-sessions", str(len(specs))],
+                                                   http=True)
+            result["stay"] = {
+                "grpc": f"127.0.0.1:{serving['grpc_port']}", "openai": f"http://127.0.0.1:{serving['http_port']}/v1",
+                "model": serving["model"], "model_dir": str(model_dir), "hub": swarm.hub_grpc_address,
+                "token_file": str(swarm.backbone_token_file), "hub_key": swarm.hub_key,
+                "worker_dial": (f"--gateway {swarm.gateway_url} --ca-file {swarm.ca_file}" if path == "gateway"
+                                else f"--hub {swarm.hub_ws_url}")}
             stay(result)
     return result
 
@@ -507,7 +519,24 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
     def stay(result: dict[str, object]) -> None:
         shown.append(_show_verdict(args, result))
-        say(f"the swarm keeps running: its status page is {result['status_url']}; Ctrl-C stops it")
+        t = result["stay"]
+        assert isinstance(t, dict)
+        say(f"""
+the swarm keeps running (Ctrl-C stops it): status page {result['status_url']}
+  the OpenAI API:  curl {t['openai']}/completions -H 'Content-Type: application/json' \\
+                     -d '{{"model": "{t['model']}", "prompt": "Hello", "max_tokens": 16}}'
+  gRPC:            grpcurl -plaintext -d '{{"prompt": "Hello", "max_tokens": 16}}' {t['grpc']} \\
+                     kvasir.v1.BackboneService/Generate
+  another backbone on these workers:
+                   python -m backbone generate --model {t['model_dir']} --hub {t['hub']} \\
+                     --hub-token-file {t['token_file']} --prompt "Hello" --compare-local
+  another worker (the hub suggests its slice):
+                   python -m worker {t['worker_dial']} --hub-key {t['hub_key']} \\
+                     --model {t['model_dir']} --experts auto --wallet .kvasir/another-wallet.key""")
+        def on_term(signum: int, frame: object) -> None:
+            raise KeyboardInterrupt  # SIGTERM stops the swarm as Ctrl-C does, not only this process
+
+        signal.signal(signal.SIGTERM, on_term)
         try:
             while True:
                 time.sleep(3600)
