@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import argparse
 import signal
+import sys
 import threading
 from types import FrameType
 
-from kvasir_rpc import ListenError, check_listen, fail, get_logger, write_ready_file
+from kvasir_rpc import ListenError, check_listen, fail, get_logger, hostport_text, write_ready_file
 
 log = get_logger("backbone.serve")
 
@@ -88,6 +89,11 @@ def run_serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
                  max_batch=args.max_batch, lanes=args.lanes, remote=setup.watcher is not None,
                  max_prompt_bytes=backbone.max_prompt_bytes)
         write_ready_file(args.ready_file, {"grpc_port": port, "http_port": http_port, "model": backbone.model_id})
+        # One line a person sees whatever the log level: where to call it, and on what.
+        where = f"the workers of the hub at {args.hub}" if setup.watcher is not None else "every expert here"
+        api = f"; the OpenAI API at http://{hostport_text(_host(args.http), http_port)}/v1" if http_port else ""
+        print(f"backbone: serving {backbone.model_id} ({where}): kvasir.v1.BackboneService on "
+              f"{hostport_text(_host(args.listen), port)}{api}; Ctrl-C stops it", file=sys.stderr, flush=True)
         while not stop.wait(1.0):
             pass
         health.enter_graceful_shutdown()
@@ -134,3 +140,8 @@ def _loopback(address: str) -> bool:
     if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
         return ip.ipv4_mapped.is_loopback
     return ip.is_loopback
+
+
+def _host(address: str) -> str:
+    """The host of a HOST:PORT flag (an IPv6 one without its brackets)."""
+    return address.rsplit(":", 1)[0].strip("[]")

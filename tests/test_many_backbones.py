@@ -81,6 +81,9 @@ def test_a_worker_serving_one_backbone_at_a_time_says_so_to_the_second(tiny_mode
         (session,) = sw.wait_sessions(1, watch=["w1"])
         assert session.tunnel_channels == 1
         svc = sw.start_backbone_service("svc", model, ["--wait-sessions", "1"], http=True)
+        # It says where it serves, in one line, whatever the log level.
+        assert f"kvasir.v1.BackboneService on 127.0.0.1:{svc['grpc_port']}; the OpenAI API at " \
+               f"http://127.0.0.1:{svc['http_port']}/v1" in (sw.logs / "svc.log").read_text()
         assert _generate(int(svc["grpc_port"]), "holds the worker")[1].remote_rows > 0
         # The service holds the worker's one connection (busy with callers throughout); a batch
         # decode is turned away, says so, and computes exactly here.
