@@ -85,21 +85,31 @@ def test_a_worker_loads_fp8_experts_held_as_fp8(fp8_model):
 
 
 def test_scales_on_some_experts_only_are_refused(fp8_model, tmp_path):
+    key = "model.layers.1.mlp.experts.2.up_proj.weight_scale_inv"
+    with pytest.raises(CheckpointError, match="some do not"):
+        ExpertIndex(_with_tensors(fp8_model, tmp_path, key, lambda t: t.pop(key)))
+
+
+def _with_tensors(model, tmp_path, beside: str, change):  # type: ignore[no-untyped-def]
+    """A copy of ``model`` whose shard holding ``beside`` has its tensors changed by
+    ``change(tensors)`` (a dict, edited in place), the index following what it holds."""
     import shutil
 
     from safetensors.torch import load_file, save_file
 
     broken = tmp_path / "broken"
-    shutil.copytree(fp8_model, broken)
+    shutil.copytree(model, broken)
     index = json.loads((broken / "model.safetensors.index.json").read_text())
-    key = "model.layers.1.mlp.experts.2.up_proj.weight_scale_inv"
-    shard = broken / index["weight_map"].pop(key)
+    shard = broken / index["weight_map"][beside]
     tensors = load_file(str(shard))
-    del tensors[key]
+    before = set(tensors)
+    change(tensors)
     save_file(tensors, str(shard), metadata={"format": "pt"})
+    for key in before - set(tensors):
+        del index["weight_map"][key]
+    index["weight_map"].update({key: shard.name for key in set(tensors) - before})
     (broken / "model.safetensors.index.json").write_text(json.dumps(index))
-    with pytest.raises(CheckpointError, match="some do not"):
-        ExpertIndex(broken)
+    return broken
 
 
 def test_mxfp4_dequantizing_is_transformers_own_bit_for_bit():
@@ -291,48 +301,27 @@ def test_compressed_tensors_schemes_without_an_exact_reference_are_refused(tmp_p
 
 
 def test_a_compressed_tensors_expert_without_its_scale_is_refused(tmp_path):
-    import shutil
-
-    from safetensors.torch import load_file, save_file
-
     from kvasir_rpc.dev.families import make_family_checkpoint
 
     model = make_family_checkpoint(tmp_path / "m", "qwen3_moe", dtype="bfloat16", quant="ct-fp8")
-    broken = tmp_path / "broken"
-    shutil.copytree(model, broken)
-    index = json.loads((broken / "model.safetensors.index.json").read_text())
     key = "model.layers.1.mlp.experts.2.down_proj.weight_scale"
-    shard = broken / index["weight_map"].pop(key)
-    tensors = load_file(str(shard))
-    del tensors[key]
-    save_file(tensors, str(shard), metadata={"format": "pt"})
-    (broken / "model.safetensors.index.json").write_text(json.dumps(index))
     with pytest.raises(CheckpointError, match=r"expert \(1, 2\) lacks \['down_scale'\]"):
-        ExpertIndex(broken)
+        ExpertIndex(_with_tensors(model, tmp_path, key, lambda t: t.pop(key)))
 
 
 def test_a_compressed_tensors_expert_in_activation_order_is_refused(tmp_path):
     # A g_idx beside a packed weight (GPTQ's activation order): transformers' fused experts ignore
     # it, so no exact reference exists; the index says so rather than serve wrong weights.
-    import shutil
-
-    from safetensors.torch import load_file, save_file
-
     from kvasir_rpc.dev.families import make_family_checkpoint
 
     model = make_family_checkpoint(tmp_path / "m", "qwen3_moe", dtype="bfloat16", quant="ct-int4")
-    broken = tmp_path / "broken"
-    shutil.copytree(model, broken)
-    index = json.loads((broken / "model.safetensors.index.json").read_text())
     packed = "model.layers.2.mlp.experts.7.up_proj.weight_packed"
-    shard = broken / index["weight_map"][packed]
-    tensors = load_file(str(shard))
-    tensors[packed.replace("_packed", "_g_idx")] = torch.arange(64, dtype=torch.int32) // 32
-    save_file(tensors, str(shard), metadata={"format": "pt"})
-    index["weight_map"][packed.replace("_packed", "_g_idx")] = shard.name
-    (broken / "model.safetensors.index.json").write_text(json.dumps(index))
+
+    def add_g_idx(tensors):  # type: ignore[no-untyped-def]
+        tensors[packed.replace("_packed", "_g_idx")] = torch.arange(64, dtype=torch.int32) // 32
+
     with pytest.raises(CheckpointError, match=r"expert \(2, 7\) has \['up_g_idx'\]: .*activation orders"):
-        ExpertIndex(broken)
+        ExpertIndex(_with_tensors(model, tmp_path, packed, add_g_idx))
 
 
 def test_static_activation_scales_send_the_backbone_to_load_every_expert(tmp_path):

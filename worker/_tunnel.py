@@ -38,6 +38,7 @@ from kvasir_rpc.protocol import (
     Close,
     Data,
     Eof,
+    Event,
     MuxWorkerTunnel,
     Open,
     WorkerTunnel,
@@ -96,76 +97,20 @@ async def serve_session(ws: WebSocketConnection, uds_path: str, *, keepalive_s: 
     as the hub checks ours: a sealed heartbeat on an encrypted session (its heartbeats are
     answered in ``receive_message``), a WebSocket ping otherwise. ``counts`` (when given)
     adds the HTTP/2 bytes carried each way to its ``bytes_in`` and ``bytes_out``. With
-    ``channels`` (the accept's tunnel_channels) the tunnel is multiplexed: one local connection
-    per channel the hub opens (``serve_mux_session``)."""
-    if channels:
-        await serve_mux_session(ws, uds_path, channels, keepalive_s=keepalive_s,
-                                keepalive_timeout_s=keepalive_timeout_s, cipher=cipher, counts=counts)
-        return
-    tunnel = WorkerTunnel()
-    conn: _Conn | None = None
-    heartbeat = SealedHeartbeat(ws, cipher) if cipher is not None else None
-
-    async def pump(c: _Conn) -> None:
-        """The local gRPC server's bytes into the tunnel, then "eof" when it ends the connection."""
-        try:
-            # One buffer per connection: a sealed message is a copy of what it holds (made
-            # before send_whole's first checkpoint), a clear one a bytes copy of it.
-            view = memoryview(bytearray(READ_BYTES))
-            with c.scope:
-                while True:
-                    n = await _read_answer(c.stream.socket, view)
-                    if not n:
-                        break
-                    if counts is not None:
-                        counts.bytes_out += n
-                    data = view[:n] if cipher is not None else bytes(view[:n])
-                    await send_whole(ws, tunnel.send_data(data), cipher=cipher)  # type: ignore[arg-type]
-                await send_whole(ws, tunnel.eof(), cipher=cipher)
-        finally:
-            c.done.set()
-
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(keepalive, ws, keepalive_s, keepalive_timeout_s, heartbeat)
-        try:
-            while True:
-                event = tunnel.receive(await receive_message(ws, cipher, heartbeat))
-                if isinstance(event, Open):
-                    conn = _Conn(await trio.open_unix_socket(uds_path))
-                    nursery.start_soon(pump, conn)
-                elif isinstance(event, Close):
-                    assert conn is not None
-                    conn.scope.cancel()
-                    await conn.done.wait()
-                    await conn.stream.aclose()
-                    conn = None
-                    await send_whole(ws, tunnel.closed(), cipher=cipher)
-                elif isinstance(event, Data):
-                    assert conn is not None
-                    if counts is not None:
-                        counts.bytes_in += len(event.data)
-                    try:
-                        await conn.stream.send_all(event.data)
-                    except trio.BrokenResourceError:
-                        pass  # the server ended the connection: the pump sees it too and sends "eof"
-        finally:
-            nursery.cancel_scope.cancel()
-            if conn is not None:
-                await conn.stream.aclose()
-
-
-async def serve_mux_session(ws: WebSocketConnection, uds_path: str, channels: int, *,
-                            keepalive_s: float = KEEPALIVE_S, keepalive_timeout_s: float = KEEPALIVE_TIMEOUT_S,
-                            cipher: TunnelCipher | None = None, counts: TunnelHolder | None = None) -> None:
-    """``serve_session`` on a multiplexed tunnel of ``channels``: each channel the hub opens is
-    a fresh connection to the local gRPC server (one per backbone connection: the server sees
-    them apart, and ``ExpertServicer`` takes their calls in turn), pumped back on its channel."""
-    tunnel = MuxWorkerTunnel(channels)
+    ``channels`` (the accept's tunnel_channels) the tunnel is multiplexed: each channel the hub
+    opens is a fresh connection to the local gRPC server (one per backbone connection: the
+    server sees them apart, and ``ExpertServicer`` takes their calls in turn); without, the
+    plain tunnel is the same loop on one channel (``_OneChannel``)."""
+    tunnel: MuxWorkerTunnel | _OneChannel = (MuxWorkerTunnel(channels) if channels
+                                             else _OneChannel(sealed=cipher is not None))
     conns: dict[int, _Conn] = {}
     heartbeat = SealedHeartbeat(ws, cipher) if cipher is not None else None
 
     async def pump(channel: int, c: _Conn) -> None:
+        """The local gRPC server's bytes into the tunnel, then "eof" when it ends the connection."""
         try:
+            # One buffer per connection: a message is a copy of what it holds, made before
+            # send_whole's first checkpoint (sealed, or the channel's prefix joined, or bytes).
             view = memoryview(bytearray(READ_BYTES))
             with c.scope:
                 while True:
@@ -200,12 +145,33 @@ async def serve_mux_session(ws: WebSocketConnection, uds_path: str, channels: in
                         await conns[channel].stream.send_all(event.data)
                     except trio.BrokenResourceError:
                         pass  # the server ended the connection: the pump sees it too and sends "eof"
-                else:  # nothing else reaches a worker's channel
+                else:  # nothing else reaches a worker
                     assert not isinstance(event, Eof)
         finally:
             nursery.cancel_scope.cancel()
             for conn in conns.values():
                 await conn.stream.aclose()
+
+
+class _OneChannel:
+    """The plain tunnel (one connection at a time) as a tunnel of one channel, 0: what the
+    multiplexed one's loop needs of it. Clear data goes out as bytes; sealed, as the view."""
+
+    def __init__(self, *, sealed: bool) -> None:
+        self._tunnel = WorkerTunnel()
+        self._sealed = sealed
+
+    def receive(self, msg: bytes | memoryview | str) -> tuple[int, Event]:
+        return 0, self._tunnel.receive(msg)
+
+    def send_data(self, channel: int, data: memoryview) -> bytes:
+        return self._tunnel.send_data(data if self._sealed else bytes(data))  # type: ignore[arg-type]
+
+    def eof(self, channel: int) -> str:
+        return self._tunnel.eof()
+
+    def closed(self, channel: int) -> str:
+        return self._tunnel.closed()
 
 
 async def request_plan(url: str, make_handshake: Callable[[], WorkerHandshake], *,
