@@ -1,5 +1,6 @@
 """The hub's ``--http``: Prometheus metrics at ``/metrics``, the status document at
-``/api/status`` and the live status page at ``/``. Read-only: it shows public addresses
+``/api/status`` and the live status page at ``/`` (served with the status document inside, so
+its first paint shows the hub as it is, then polling ``/api/status``). Read-only: it shows public addresses
 (the hub's key, wallets) and counters, never a token, a target or a worker's IP address.
 
 A Starlette app served by Hypercorn on the hub's own trio event loop (``serve_hub_http`` is a
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import importlib.resources
+import json
 import logging
 from collections.abc import Callable, Iterator
 
@@ -38,7 +40,7 @@ from relay._session_rate import SessionRateStats
 from relay._status import SAMPLE_S, StatusBoard
 from relay._work import WorkDeskStats
 
-__all__ = ["HubCollector", "hub_metrics", "make_app", "serve_hub_http"]
+__all__ = ["HubCollector", "embed_json", "hub_metrics", "make_app", "page_with", "serve_hub_http"]
 
 log = get_logger("relay.http")
 
@@ -140,16 +142,45 @@ def hub_metrics(registry: SessionRegistry, collector: HubCollector) -> Collector
     return metrics
 
 
+# Where the page takes the status document it paints first (see ``page_with``).
+INITIAL_SLOT = b'<script type="application/json" id="initial"></script>'
+
+
 @functools.cache
-def _page() -> bytes:
-    return importlib.resources.files("relay").joinpath("status_page.html").read_bytes()
+def _page() -> tuple[bytes, bytes]:
+    """The page, split around its ``INITIAL_SLOT``'s content."""
+    page = importlib.resources.files("relay").joinpath("status_page.html").read_bytes()
+    head, slot, tail = page.partition(INITIAL_SLOT)
+    if not slot:
+        raise RuntimeError("relay/status_page.html has no initial-document slot")
+    cut = len(head) + INITIAL_SLOT.index(b"</script>")
+    return page[:cut], page[cut:]
+
+
+def embed_json(doc: object) -> bytes:
+    """``doc`` as JSON that is safe inside a ``<script>`` element: every ``<``, ``>`` and ``&``
+    is written as a JSON ``\\u`` escape (they can only be inside strings), so no ``</script>``
+    or ``<!--`` in a value can end or bend the element; JSON.parse reads the same value back."""
+    text = json.dumps(doc, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
+    for ch, esc in (("<", "\\u003c"), (">", "\\u003e"), ("&", "\\u0026"),
+                    ("\u2028", "\\u2028"), ("\u2029", "\\u2029")):
+        text = text.replace(ch, esc)
+    return text.encode()
+
+
+def page_with(doc: object) -> bytes:
+    """The status page with ``doc`` (``StatusBoard.snapshot()``) inside, so its first paint
+    shows the hub as it is, before the page's first poll."""
+    head, tail = _page()
+    return head + embed_json(doc) + tail
 
 
 def make_app(board: StatusBoard, metrics: CollectorRegistry) -> Starlette:
     """The HTTP app: ``/`` (the page), ``/api/status`` (JSON), ``/metrics`` (Prometheus text)."""
 
     async def page(request: Request) -> Response:
-        return Response(_page(), media_type="text/html; charset=utf-8", headers={"cache-control": "no-store"})
+        return Response(page_with(board.snapshot()), media_type="text/html; charset=utf-8",
+                        headers={"cache-control": "no-store"})
 
     async def status(request: Request) -> Response:
         return JSONResponse(board.snapshot(), headers={"cache-control": "no-store"})

@@ -42,6 +42,16 @@ class _Point:
     work_bytes: int
 
 
+def _runs(ids: np.ndarray) -> list[tuple[int, int]]:
+    """Sorted unique ids as runs of consecutive ids, (first, last) each."""
+    if not len(ids):
+        return []
+    breaks = np.flatnonzero(np.diff(ids) != 1)
+    starts = np.concatenate(([0], breaks + 1))
+    ends = np.concatenate((breaks, [len(ids) - 1]))
+    return list(zip(ids[starts].tolist(), ids[ends].tolist(), strict=True))
+
+
 class StatusBoard:
     """The hub's status, for people: see the module's docstring.
 
@@ -134,13 +144,19 @@ class StatusBoard:
         model = self.model(sessions)
         layers, experts = int(model["layers"]), int(model["experts"])  # type: ignore[call-overload]
         holders = np.zeros((layers, experts), dtype=np.int64)
+        # Who holds what, for the page's hover: session id -> [[layer, first, last], ...] (runs
+        # of consecutive expert ids, both ends included), on the map's grid.
+        runs: dict[str, list[list[int]]] = {}
         for s in sessions:
-            for layer, ids in s.slices.items():
+            held = runs.setdefault(s.session_id, [])
+            for layer, ids in sorted(s.slices.items()):
                 if layer < layers and len(ids):
                     arr = ids.to_array()
-                    holders[layer, arr[arr < experts]] += 1  # a set: each id once
+                    arr = arr[arr < experts]
+                    holders[layer, arr] += 1  # a set: each id once
+                    held.extend([layer, int(a), int(b)] for a, b in _runs(arr))
         self._map = {"generation": generation, "layers": layers, "experts": experts, "source": model["source"],
-                     "holders": holders.tolist()}
+                     "holders": holders.tolist(), "holder_runs": runs}
         self._map_generation = generation
         return self._map
 
@@ -158,7 +174,7 @@ class StatusBoard:
         total = float(rows.sum())
         uncovered = float(rows[holders == 0].sum()) if total else 0.0
         return {"half_life_s": self.registry.demand.half_life_s, "rows": np.round(rows, 1).tolist(),
-                "uncovered_share": round(uncovered / total, 4) if total else 0.0}
+                "uncovered_share": round(uncovered / total, 4) if total else 0.0, "total_rows": round(total, 1)}
 
     def _session(self, s: SessionStats) -> dict[str, object]:
         return {
@@ -214,10 +230,20 @@ class StatusBoard:
                 "work_calls": desk.work_calls if desk else 0,
                 "work_rows": desk.work_rows if desk else 0,
                 "quarantines": sum(desk.quarantines.values()) if desk else 0,
+                "quarantines_by_violation": dict(sorted(desk.quarantines.items())) if desk else {},
+                "work_refused": desk.refused if desk else 0,
                 "receipts_acked": sender.acked if sender else 0,
                 "credited_bytes": sender.credited_bytes if sender else 0,
                 "credited_nano_kvr": sender.credited_nano_kvr if sender else 0,
                 "credited_kvr": format_kvr(sender.credited_nano_kvr if sender else 0),
+                # Dropped for good by the ledger; refusals that left a receipt pending (each resend
+                # counts again); receipt passes that could not reach the ledger. (How many receipts
+                # are pending now is the contribution store's, not in the loop's counters.)
+                "receipts_rejected": sender.rejected if sender else 0,
+                "receipts_refused": sender.refused if sender else 0,
+                "ledger_errors": sender.ledger_errors if sender else 0,
+                "receipts_loop": sender is not None,
+                "sessions_closed_by": dict(sorted(totals.closed.items())),
                 "rows_per_s": history[-1]["rows_per_s"] if history else 0.0,
                 "bytes_per_s": history[-1]["bytes_per_s"] if history else 0.0,
             },

@@ -202,3 +202,80 @@ def test_a_demand_report_past_the_protocols_bounds_is_refused(desk: WorkDesk) ->
         desk.report(session_pb2.ReportWorkRequest(run_id="d" * 16, demand=[
             session_pb2.ExpertDemand(layer=0, rows=[1] * 70_000)]))
     assert caught.value.code == grpc.StatusCode.INVALID_ARGUMENT and "demand" in caught.value.message
+
+
+def test_the_map_names_the_runs_each_session_holds_and_the_totals_show_the_receipt_loops_troubles() -> None:
+    from relay._receipt_sender import ReceiptSenderStats
+    from relay._work import WorkDeskStats
+
+    registry = SessionRegistry()
+    add(registry, "a", {0: range(0, 3), 1: range(2, 4)})
+    registry.add("b", HelloInfo(wallet="w", slices={0: ExpertSet.of([1, 3, 4, 9])}, weights_digest=b"d" * 32,
+                                device="cpu", model_type="m", worker_version="t"), target="t", remote="r")
+    registry.remove("gone-never-added", "keepalive")
+    add(registry, "c", {0: range(1)})
+    registry.remove("c", "keepalive")
+    board = StatusBoard(registry, hub_key="k", shape=ModelShape(layers=2, experts=8),
+                        desk=lambda: WorkDeskStats(reports=1, work_bytes=0, work_calls=0, work_rows=0, refused=4,
+                                                   quarantines={"wrong_rows": 2, "bad_projection": 1}),
+                        sender=lambda: ReceiptSenderStats(submitted=3, acked=2, rejected=1, refused=5, flushes=9,
+                                                          ledger_errors=6, ended_recorded=0, ended_queued=0))
+    doc = board.snapshot()
+    # Runs of consecutive expert ids, both ends included; ids past the grid left out.
+    assert doc["expert_map"]["holder_runs"] == {  # type: ignore[index]
+        "a": [[0, 0, 2], [1, 2, 3]], "b": [[0, 1, 1], [0, 3, 4]]}
+    t: dict = doc["totals"]  # type: ignore[assignment]
+    assert (t["quarantines"], t["quarantines_by_violation"], t["work_refused"]) == (
+        3, {"bad_projection": 1, "wrong_rows": 2}, 4)
+    assert (t["receipts_acked"], t["receipts_rejected"], t["receipts_refused"], t["ledger_errors"]) == (2, 1, 5, 6)
+    assert t["receipts_loop"] is True and t["sessions_closed_by"] == {"keepalive": 1}
+    assert doc["demand"]["total_rows"] == 0.0  # type: ignore[index]
+    bare = StatusBoard(registry, hub_key="k").snapshot()["totals"]
+    assert bare["receipts_loop"] is False and bare["quarantines_by_violation"] == {}  # type: ignore[index]
+
+
+def test_the_page_is_served_with_the_status_inside_and_nothing_in_it_can_end_its_script() -> None:
+    """``/`` carries ``board.snapshot()`` in its "initial" element (the first paint shows it),
+    escaped so a value holding ``</script>`` or ``<!--<script>`` stays inside the element."""
+    import json
+    import re
+
+    import trio
+    from prometheus_client import CollectorRegistry
+
+    from relay._hub_http import embed_json, make_app
+
+    registry = SessionRegistry()
+    hostile = "</script><script>alert(1)</script><!--<script>&\u2028"
+    registry.add("a", HelloInfo(wallet=hostile, slices={0: ExpertSet.of([0])}, weights_digest=b"d" * 32,
+                                device="<!--<script>", model_type="m", worker_version="t"), target="t", remote="r")
+    board = StatusBoard(registry, hub_key="k", shape=ModelShape(layers=1, experts=2))
+    assert json.loads(embed_json({"w": hostile})) == {"w": hostile}
+    assert not set(embed_json({"w": hostile}).decode()) & set("<>&\u2028")
+
+    async def get(path: str) -> tuple[int, bytes]:
+        sent: list[dict] = []
+
+        async def receive() -> dict:
+            return {"type": "http.request", "body": b"", "more_body": False}
+
+        async def send(msg: dict) -> None:
+            sent.append(msg)
+
+        await make_app(board, CollectorRegistry())(
+            {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "GET", "scheme": "http",
+             "path": path, "raw_path": path.encode(), "query_string": b"", "root_path": "", "headers": [],
+             "server": ("test", 80), "client": ("test", 1)}, receive, send)  # type: ignore[arg-type]
+        return sent[0]["status"], b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
+
+    status, body = trio.run(get, "/")
+    page = body.decode()
+    assert status == 200
+    # One initial element, ending where the page put its end: nothing inside closed it early.
+    (inside,) = re.findall(r'<script type="application/json" id="initial">(.*?)</script>', page, re.S)
+    assert "<" not in inside and page.count("<script") == 2
+    shown = json.loads(inside)
+    assert shown["sessions"][0]["wallet"] == hostile and shown["sessions"][0]["device"] == "<!--<script>"
+    assert shown["expert_map"]["holders"] == [[1, 0]] and shown["totals"]["sessions"] == 1
+    status, body = trio.run(get, "/api/status")
+    assert status == 200 and json.loads(body)["sessions"][0]["wallet"] == hostile

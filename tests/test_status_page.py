@@ -54,6 +54,21 @@ def _screenshot(tmp_path: pathlib.Path, url: str, name: str) -> None:
         shutil.copy(shot, out / name)
 
 
+def _map_cells(dom: str) -> list[tuple[int, int, int]]:
+    """(layer, expert, holders) of every cell of the page's expert map: its canvas carries the
+    holders it drew, run-length encoded ("holders*count,..." per layer, ";" between layers)."""
+    found = re.search(r'<canvas id="expert-map"[^>]*data-holders-rle="([^"]*)"', dom)
+    assert found, "no expert map canvas on the page"
+    cells: list[tuple[int, int, int]] = []
+    for layer, row in enumerate(found.group(1).split(";") if found.group(1) else []):
+        expert = 0
+        for run in row.split(","):
+            holders, count = (int(x) for x in run.split("*"))
+            cells.extend((layer, expert + i, holders) for i in range(count))
+            expert += count
+    return cells
+
+
 def _wait(what: str, check, timeout: float = DEADLINE_S):  # type: ignore[no-untyped-def]
     deadline = time.monotonic() + timeout
     while True:
@@ -157,8 +172,8 @@ def test_a_live_demo_shows_on_its_page_its_metrics_and_kvasir_status(tiny_models
         assert 'id="session-count">2<' in dom
         for sid in by_id:
             assert f'data-session-id="{sid}"' in dom, f"session {sid} not on the page"
-        cells = re.findall(r'data-layer="(\d+)" data-expert="(\d+)" data-holders="(\d+)"', dom)
-        assert len(cells) == info.num_layers * info.num_experts and all(h == "1" for _, _, h in cells)
+        cells = _map_cells(dom)
+        assert len(cells) == info.num_layers * info.num_experts and all(h == 1 for _, _, h in cells)
         _screenshot(tmp_path, url, "status-page-demo.png")
 
         # Every component's /metrics.
@@ -208,8 +223,8 @@ def test_a_live_demo_shows_on_its_page_its_metrics_and_kvasir_status(tiny_models
         assert all(row[:half] == [1] * half and row[half:] == [0] * (info.num_experts - half)
                    for row in after["expert_map"]["holders"])
         done = _chromium(tmp_path, "--dump-dom", url)
-        cells = re.findall(r'data-layer="(\d+)" data-expert="(\d+)" data-holders="(\d+)"', done.stdout)
-        assert {(int(e) < half, int(h)) for _, e, h in cells} == {(True, 1), (False, 0)}
+        cells = _map_cells(done.stdout)
+        assert {(e < half, h) for _, e, h in cells} == {(True, 1), (False, 0)}
         closed = metrics(endpoints["hub"])["kvasir_hub_sessions_closed_total"]
         assert sum(closed.values()) == 1, closed
         _screenshot(tmp_path, url, "status-page-local-only.png")
@@ -224,3 +239,321 @@ def test_a_live_demo_shows_on_its_page_its_metrics_and_kvasir_status(tiny_models
         if proc.poll() is None:
             proc.kill()
             proc.wait(10)
+
+
+class _Chromium:
+    """Headless Chromium driven over the DevTools protocol on a pipe (--remote-debugging-pipe:
+    it reads commands on fd 3 and writes answers and events on fd 4, NUL-terminated JSON), one
+    page attached. Enough of the protocol for a test: commands, awaited events, evaluation."""
+
+    def __init__(self, tmp_path: pathlib.Path, width: int, height: int) -> None:
+        import fcntl
+
+        profile = tmp_path / "chromium-cdp-profile"
+        profile.mkdir(exist_ok=True)
+        to_chromium, self._to = os.pipe()
+        self._from, from_chromium = os.pipe()
+        # Above 9, so the shell's redirections onto 3 and 4 cannot clobber them.
+        ins, outs = (fcntl.fcntl(fd, fcntl.F_DUPFD, 10) for fd in (to_chromium, from_chromium))
+        os.close(to_chromium)
+        os.close(from_chromium)
+        self._log = (tmp_path / "chromium-cdp.log").open("wb")
+        args = ["--headless", "--no-sandbox", "--disable-gpu", "--no-first-run", "--disable-dev-shm-usage",
+                f"--user-data-dir={profile}", "--remote-debugging-pipe", f"--window-size={width},{height}",
+                "--hide-scrollbars", "about:blank"]
+        self.proc = subprocess.Popen(["bash", "-c", f'exec "$0" "$@" 3<&{ins} 4>&{outs} {ins}<&- {outs}>&-',
+                                      CHROMIUM, *args], pass_fds=(ins, outs), stdin=subprocess.DEVNULL,
+                                     stdout=self._log, stderr=subprocess.STDOUT)
+        os.close(ins)
+        os.close(outs)
+        self._buf = b""
+        self._id = 0
+        self._events: list[dict] = []
+        self.session: str | None = None
+        targets = self.send("Target.getTargets")["targetInfos"]
+        page = next(t for t in targets if t["type"] == "page")
+        self.session = self.send("Target.attachToTarget", targetId=page["targetId"], flatten=True)["sessionId"]
+        self.send("Page.enable")
+        self.send("Network.enable")
+        self.send("Emulation.setDeviceMetricsOverride", width=width, height=height, deviceScaleFactor=1,
+                  mobile=False)
+
+    def _read(self, deadline: float) -> dict:
+        import select
+
+        while b"\0" not in self._buf:
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([self._from], [], [], left)[0]:
+                raise AssertionError("chromium did not answer in time")
+            chunk = os.read(self._from, 1 << 20)
+            if not chunk:
+                raise AssertionError(f"chromium closed its pipe (exit {self.proc.poll()})")
+            self._buf += chunk
+        msg, self._buf = self._buf.split(b"\0", 1)
+        return json.loads(msg)
+
+    def send(self, method: str, timeout: float = 30.0, **params):  # type: ignore[no-untyped-def]
+        self._id += 1
+        msg: dict = {"id": self._id, "method": method, "params": params}
+        if self.session is not None:
+            msg["sessionId"] = self.session
+        os.write(self._to, json.dumps(msg).encode() + b"\0")
+        deadline = time.monotonic() + timeout
+        while True:
+            got = self._read(deadline)
+            if got.get("id") == self._id:
+                assert "error" not in got, f"{method}: {got['error']}"
+                return got["result"]
+            if "method" in got:
+                self._events.append(got)
+
+    def wait_event(self, method: str, timeout: float = 30.0) -> dict:
+        deadline = time.monotonic() + timeout
+        while True:
+            for i, ev in enumerate(self._events):
+                if ev["method"] == method:
+                    del self._events[i]
+                    return ev["params"]
+            got = self._read(deadline)
+            if "method" in got:
+                self._events.append(got)
+
+    def eval(self, expression: str, timeout: float = 30.0):  # type: ignore[no-untyped-def]
+        """The value of a JS expression in the page (a promise is awaited)."""
+        res = self.send("Runtime.evaluate", timeout=timeout, expression=expression, returnByValue=True,
+                        awaitPromise=True)
+        assert "exceptionDetails" not in res, res["exceptionDetails"]
+        return res["result"].get("value")
+
+    def goto(self, url: str) -> None:
+        self._events.clear()
+        self.send("Page.navigate", url=url)
+        self.wait_event("Page.loadEventFired")
+
+    def hover(self, x: float, y: float) -> None:
+        self.send("Input.dispatchMouseEvent", type="mouseMoved", x=x, y=y)
+
+    def screenshot(self, path: pathlib.Path, *, full: bool = False) -> None:
+        import base64
+
+        params: dict = {"format": "png"}
+        if full:
+            w, h = self.eval("[document.documentElement.scrollWidth, document.documentElement.scrollHeight]")
+            params.update(captureBeyondViewport=True, clip={"x": 0, "y": 0, "width": w, "height": h, "scale": 1})
+        path.write_bytes(base64.b64decode(self.send("Page.captureScreenshot", **params)["data"]))
+
+    def close(self) -> None:
+        try:
+            self.session = None
+            self.send("Browser.close", timeout=10)
+        except (AssertionError, OSError):
+            pass
+        try:
+            self.proc.wait(15)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(10)
+        os.close(self._to)
+        os.close(self._from)
+        self._log.close()
+
+
+def _serve_board(board, stack):  # type: ignore[no-untyped-def]
+    """Serve ``make_app`` for ``board`` (with its sampling, as the hub's --http does) on a free
+    local port, in a trio thread that ``stack`` stops; the port."""
+    import queue
+    import threading
+
+    import trio
+
+    from relay._hub_http import HubCollector, hub_metrics, serve_hub_http
+
+    metrics = hub_metrics(board.registry, HubCollector(board.registry))
+    started: queue.SimpleQueue = queue.SimpleQueue()
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            port = await nursery.start(serve_hub_http, "127.0.0.1:0", board, metrics)
+            started.put((port, trio.lowlevel.current_trio_token(), nursery.cancel_scope))
+
+    thread = threading.Thread(target=trio.run, args=(main,), daemon=True)
+    thread.start()
+    port, token, scope = started.get(timeout=30)
+
+    def stop() -> None:
+        trio.from_thread.run_sync(scope.cancel, trio_token=token)
+        thread.join(10)
+
+    stack.callback(stop)
+    return port
+
+
+@pytest.mark.skipif(not os.path.exists(CHROMIUM), reason="needs chromium (make system-deps installs it)")
+def test_the_page_at_a_real_shape_paints_real_data_first_and_its_map_fits_and_names_holders(
+        tmp_path: pathlib.Path) -> None:
+    """A hub's page for a 49 layers x 256 experts model with three workers and demand, in
+    Chromium at 1280x900: the first paint (its polls blocked) shows the sessions, never "no live
+    sessions"; per session its backbones, refusals and checks; the expert map is a canvas that
+    fits the width (no horizontal scroll) and the screen; hovering a cell names its layer,
+    expert, holders and demand; polls then bring a new session and redraw the map. Screenshots
+    stay in tmp_path (their paths are printed)."""
+    import contextlib
+
+    from kvasir_rpc import ExpertSet, HelloInfo, ModelShape, Wallet
+    from relay._hub_http import page_with
+    from relay._receipt_sender import ReceiptSenderStats
+    from relay._registry import SessionRegistry
+    from relay._status import StatusBoard
+    from relay._work import WorkDeskStats
+
+    layers, experts = 49, 256
+    registry = SessionRegistry()
+
+    def join(sid: str, slices: dict[int, range], **kw) -> str:  # type: ignore[no-untyped-def]
+        wallet = Wallet.generate().address
+        projections, channels = kw.pop("projections", True), kw.pop("channels", 4)
+        hello = HelloInfo(wallet=wallet, slices={layer: ExpertSet.of(ids) for layer, ids in slices.items()},
+                          weights_digest=b"d" * 32, device="cuda:0 NVIDIA H200", model_type="qwen3_moe",
+                          worker_version="test", projections=projections, tunnel_channels=channels)
+        registry.add(sid, hello, target="127.0.0.1:1", remote="127.0.0.1:2", **kw)
+        return wallet
+
+    # Layers x experts: s1 holds experts 0-127 everywhere, s2 64-191 (through a gateway), s3 (an
+    # older worker, sampled audits only) 192-223 of the first 24 layers; the rest no one holds.
+    join("s1-0a1b2c3d4e5f", {layer: range(0, 128) for layer in range(layers)}, encrypted=True)
+    join("s2-1b2c3d4e5f60", {layer: range(64, 192) for layer in range(layers)}, via_gateway=True,
+         encrypted=True)
+    join("s3-2c3d4e5f6071", {layer: range(192, 224) for layer in range(24)}, projections=False, channels=0)
+    for sid, opened, refused, rtt in (("s1-0a1b2c3d4e5f", 3, 0, 0.0042), ("s2-1b2c3d4e5f60", 4, 7, 0.0311),
+                                      ("s3-2c3d4e5f6071", 1, 0, 0.0008)):
+        for _ in range(opened):
+            registry.note_connection(sid, opened=1)
+        for _ in range(refused):
+            registry.note_connection(sid, refused_busy=1)
+        registry.set_rtt(sid, rtt)
+        registry.count_bytes(sid, to_worker=123_456_789, from_worker=98_765_432)
+        registry.set_work(sid, 50_000_000, calls=1200, rows=480_000)
+        registry.credit(sid, 1, 50_000_000, 350_000_000)
+    # The backbones' routers: rows to every expert of layer 3 (some to experts no one holds),
+    # and a lot to expert 250 of layer 40, which no one holds.
+    registry.demand.report("r" * 16, [(3, [10] * experts), (40, [0] * 250 + [5000])])
+    board = StatusBoard(registry, hub_key="k" * 64, shape=ModelShape(layers=layers, experts=experts),
+                        desk=lambda: WorkDeskStats(reports=12, work_bytes=150_000_000, work_calls=3600,
+                                                   work_rows=1_440_000, refused=2,
+                                                   quarantines={"wrong_rows": 1}),
+                        sender=lambda: ReceiptSenderStats(submitted=9, acked=9, rejected=0, refused=3, flushes=40,
+                                                          ledger_errors=1, ended_recorded=1, ended_queued=0,
+                                                          credited_bytes=150_000_000,
+                                                          credited_nano_kvr=1_050_000_000))
+    doc = board.snapshot()
+    assert doc["totals"]["receipts_refused"] == 3 and doc["totals"]["ledger_errors"] == 1  # type: ignore[index]
+    assert doc["totals"]["quarantines_by_violation"] == {"wrong_rows": 1}  # type: ignore[index]
+    runs = doc["expert_map"]["holder_runs"]  # type: ignore[index]
+    assert runs["s3-2c3d4e5f6071"][:2] == [[0, 192, 223], [1, 192, 223]]
+    # The page is served with the document inside, escaped for a <script> element.
+    served = page_with({"a": "</script><!--<script>&"}).decode()
+    assert "</script><!--" not in served.split('id="initial">', 1)[1].split("</script>", 1)[0]
+    assert json.loads(served.split('id="initial">', 1)[1].split("</script>", 1)[0]) == {"a": "</script><!--<script>&"}
+
+    with contextlib.ExitStack() as stack:
+        port = _serve_board(board, stack)
+        url = f"http://127.0.0.1:{port}/"
+        assert b'id="initial">{' in _get(url)
+        browser = _Chromium(tmp_path, 1280, 900)
+        stack.callback(browser.close)
+
+        # The first paint, with every poll blocked: the document the page was served with.
+        browser.send("Network.setBlockedURLs", urls=["*api/status*"])
+        browser.goto(url)
+        first = browser.eval("""({
+            source: document.body.dataset.source,
+            rows: [...document.querySelectorAll('#sessions tr')].map((tr) => ({
+                id: tr.dataset.sessionId, text: tr.textContent, backbones: tr.dataset.backbones,
+                max: tr.dataset.backbonesMax, refused: tr.dataset.backbonesRefused, checks: tr.dataset.checks})),
+            count: document.getElementById('session-count').textContent,
+            quarantines: document.getElementById('total-quarantines').textContent,
+            ledger: document.getElementById('ledger').textContent,
+            uncovered: document.getElementById('uncovered-share').textContent})""")
+        assert first["source"] == "initial" and first["count"] == "3", first
+        assert "no live sessions" not in json.dumps(first) and "loading" not in json.dumps(first["rows"])
+        rows = {r["id"]: r for r in first["rows"]}
+        assert set(rows) == {"s1-0a1b2c3d4e5f", "s2-1b2c3d4e5f60", "s3-2c3d4e5f6071"}
+        assert (rows["s2-1b2c3d4e5f60"]["backbones"], rows["s2-1b2c3d4e5f60"]["max"],
+                rows["s2-1b2c3d4e5f60"]["refused"]) == ("4", "4", "7")
+        assert rows["s3-2c3d4e5f6071"]["checks"] == "sampled" and rows["s1-0a1b2c3d4e5f"]["checks"] == "rows"
+        assert "31.1 ms" in rows["s2-1b2c3d4e5f60"]["text"] and "0.35" in rows["s2-1b2c3d4e5f60"]["text"]
+        assert first["quarantines"] == "1" and "wrong_rows 1" in first["ledger"]
+        assert "1.05 KVR" in first["ledger"] and "unreachable" in first["ledger"]
+        # Every column of the sessions table shows: none is scrolled away inside its box.
+        assert browser.eval("(() => { const t = document.querySelector('#sessions').closest('table');"
+                            " return t.getBoundingClientRect().width <= t.parentElement.clientWidth; })()")
+        share = doc["demand"]["uncovered_share"]  # type: ignore[index]
+        assert 0 < share < 1 and first["uncovered"] == f"{100 * share:.1f}%", (first["uncovered"], share)
+        # The blocked poll fails; the page says so and keeps what it shows.
+        failed = browser.eval("""new Promise((done) => { const t0 = Date.now(); (function check() {
+            const line = document.getElementById('status-line');
+            if (line.className === 'bad' || Date.now() - t0 > 8000) done([line.className, line.textContent,
+                document.querySelectorAll('#sessions tr[data-session-id]').length]);
+            else setTimeout(check, 100); })(); })""")
+        assert failed[0] == "bad" and "unreachable" in failed[1] and failed[2] == 3, failed
+
+        # The map: a canvas as wide as its section, no horizontal scrolling, all on one screen.
+        geom = browser.eval("""(() => { const c = document.getElementById('expert-map');
+            const r = c.getBoundingClientRect();
+            return {left: r.left, top: r.top, width: r.width, height: r.height, pixels: c.width,
+                    plot: c.dataset.plot.split(',').map(Number), layers: +c.dataset.layers,
+                    experts: +c.dataset.experts, scrollWidth: document.documentElement.scrollWidth,
+                    innerWidth: window.innerWidth, cells: document.querySelectorAll('#expert-map *').length}; })()""")
+        assert geom["scrollWidth"] <= geom["innerWidth"] == 1280, geom
+        assert (geom["layers"], geom["experts"]) == (layers, experts)
+        assert 0 <= geom["left"] and geom["left"] + geom["width"] <= geom["innerWidth"] and geom["width"] > 1000
+        assert geom["height"] <= 900 and geom["pixels"] == round(geom["width"]), geom
+        left, top, cw, ch = geom["plot"]
+        assert cw >= 3.5 and ch >= 6, geom  # every cell big enough to see and to point at
+        holders = doc["expert_map"]["holders"]  # type: ignore[index]
+        cells = _map_cells(browser.eval("document.getElementById('map-wrap').innerHTML"))
+        assert [h for _, _, h in cells] == [h for row in holders for h in row]
+
+        def hover(layer: int, expert: int) -> dict:
+            # The whole map on the screen (scrolled to if need be), then the mouse on the cell.
+            at = browser.eval("(() => { const c = document.getElementById('expert-map');"
+                              " c.scrollIntoView({block: 'nearest'}); return c.getBoundingClientRect().toJSON(); })()")
+            assert -1 <= at["top"] and at["bottom"] <= 901, at
+            browser.hover(at["left"] + left + (expert + 0.5) * cw, at["top"] + top + (layer + 0.5) * ch)
+            return browser.eval("""(() => { const t = document.getElementById('map-tip');
+                return {shown: getComputedStyle(t).display !== 'none', layer: t.dataset.layer,
+                        expert: t.dataset.expert, holders: t.dataset.holders, rows: t.dataset.demandRows,
+                        text: t.innerText, box: t.getBoundingClientRect().toJSON()}; })()""")
+
+        tip = hover(3, 100)
+        assert tip["shown"] and (tip["layer"], tip["expert"], tip["holders"]) == ("3", "100", "2"), tip
+        assert "layer 3 · expert 100" in tip["text"] and "holders: 2" in tip["text"]
+        assert "s1-0a1b2c3d4e5f" in tip["text"] and "s2-1b2c3d4e5f60" in tip["text"] and "10.0 rows" in tip["text"]
+        assert tip["box"]["right"] <= 1280
+        tip = hover(40, 250)
+        assert (tip["layer"], tip["expert"], tip["holders"]) == ("40", "250", "0"), tip
+        assert "backbones compute it" in tip["text"] and float(tip["rows"]) > 4000
+        tip = hover(10, 200)
+        assert (tip["layer"], tip["expert"], tip["holders"]) == ("10", "200", "1") and "s3-2c3d4e5f6071" in tip["text"]
+        tip = hover(48, 0)
+        assert (tip["layer"], tip["expert"], tip["holders"]) == ("48", "0", "1"), tip
+        shot = tmp_path / "status-page-49x256.png"
+        browser.screenshot(shot)
+        assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and shot.stat().st_size > 20_000
+        full = tmp_path / "status-page-49x256-full.png"
+        browser.screenshot(full, full=True)
+        print(f"\nstatus page screenshots: {shot} {full}")
+
+        # Polls: unblocked, they bring a session that joined since and redraw the map.
+        join("s4-3d4e5f607182", {layer: range(224, 256) for layer in range(layers)})
+        browser.send("Network.setBlockedURLs", urls=[])
+        polled = browser.eval("""new Promise((done) => { const t0 = Date.now(); (function check() {
+            const n = document.querySelectorAll('#sessions tr[data-session-id]').length;
+            if ((document.body.dataset.source === 'poll' && n === 4) || Date.now() - t0 > 10000)
+                done([document.body.dataset.source, n, document.getElementById('expert-map').dataset.generation,
+                      document.getElementById('status-line').className]);
+            else setTimeout(check, 100); })(); })""", timeout=20)
+        assert polled[:2] == ["poll", 4] and polled[3] == "", polled
+        assert int(polled[2]) > doc["expert_map"]["generation"]  # type: ignore[index]
+        tip = hover(30, 240)
+        assert (tip["layer"], tip["expert"], tip["holders"]) == ("30", "240", "1") and "s4-3d4e5f607182" in tip["text"]
