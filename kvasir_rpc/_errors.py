@@ -21,6 +21,10 @@ class CloseCode:
     # slices outside the model served, encryption policies that do not meet, another hub's key
     # than the pinned one). The same hello gets the same answer: do not dial again unchanged.
     REFUSED = 4008
+    # The hub asks a worker that took its slice from the hub's plan (--experts auto) to plan
+    # again: the experts it holds are held elsewhere too, and others no one holds are in use.
+    # Such a worker asks for a slice again and joins with it; any other dials again as it is.
+    REPLAN = 4010
 
 
 class LocalProtocolError(Exception):

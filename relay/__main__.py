@@ -204,6 +204,9 @@ def run_hub(args: argparse.Namespace) -> int:
             fail(f"hub: {flag} must be at least 1 (got {value})")
     if args.backbones_per_worker > MAX_TUNNEL_CHANNELS:
         fail(f"hub: --backbones-per-worker is at most {MAX_TUNNEL_CHANNELS} (got {args.backbones_per_worker})")
+    if not (args.move_check >= 0 and args.move_min_age >= 0):
+        fail(f"hub: --move-check and --move-min-age are 0 or more seconds (got {args.move_check:g}, "
+             f"{args.move_min_age:g})")
     if not args.message_deadline > 0:
         fail(f"hub: --message-deadline must be more than 0 seconds (got {args.message_deadline:g})")
     rate = _session_rate(args)
@@ -249,7 +252,8 @@ def run_hub(args: argparse.Namespace) -> int:
                        max_sessions_per_address=args.max_sessions_per_address, max_sessions=args.max_sessions,
                        max_pending=args.max_pending, max_buffered_bytes=args.max_buffered_bytes,
                        message_deadline_s=args.message_deadline, e2e=args.e2e,
-                       tunnel_channels=args.backbones_per_worker)
+                       tunnel_channels=args.backbones_per_worker, move_check_s=args.move_check,
+                       move_min_age_s=args.move_min_age)
 
     failed: list[str] = []
 
@@ -467,6 +471,11 @@ def build_parser() -> argparse.ArgumentParser:
                      help="backbone connections one worker's session carries at once, for workers that offer "
                           "it (a multiplexed tunnel); more are answered RESOURCE_EXHAUSTED, saying so; 1: one at "
                           "a time (default 8)")
+    hub.add_argument("--move-check", type=float, default=30.0, metavar="SECONDS",
+                     help="how often to look for an --experts auto worker to move to experts the backbones use "
+                          "and no worker holds (one whose experts are all held elsewhere too); 0: never")
+    hub.add_argument("--move-min-age", type=float, default=60.0, metavar="SECONDS",
+                     help="how long a worker's session is left where it is before it may be asked to move")
     hub.add_argument("--e2e", choices=["auto", "on", "off"], default="auto",
                      help="encrypt hub <-> worker tunnels end to end, so a gateway (or an edge in front of it) "
                           "relays only ciphertext: auto for every session through a gateway and for "

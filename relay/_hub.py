@@ -62,7 +62,7 @@ from kvasir_rpc.protocol import (
 )
 from relay._intake import Refusal, UpgradeIntake
 from relay._memory import Trimmer
-from relay._plan import plan_slice
+from relay._plan import pick_mover, plan_slice
 from relay._refusals import RefusalLog
 from relay._registry import SessionRegistry
 from relay._session_rate import SessionRate, Standing, WalletHistory, standing_of
@@ -111,6 +111,10 @@ class HubConfig:
     # for workers that offer one: docs/PROTOCOL.md "Multiplexed tunnel"); below 2, one at a
     # time for every worker. A connection past them is answered RESOURCE_EXHAUSTED, saying so.
     tunnel_channels: int = 8
+    # How often the hub looks for a planned worker (--experts auto) to move to experts no one
+    # holds (0: never), and how long a session is left where it is first.
+    move_check_s: float = 30.0
+    move_min_age_s: float = 60.0
     # The model served: a hello announcing a layer or expert outside it is refused (1008).
     # None: only the protocol's bounds apply (MAX_LAYERS x MAX_EXPERTS_PER_LAYER).
     model_shape: ModelShape | None = None
@@ -548,6 +552,8 @@ class _Hub:
         # Refused worker connections (malformed upgrades, wrong subprotocol): counted and
         # logged one line each, rate-limited per reason.
         self.refusals = RefusalLog(log)
+        # Sessions that joined with the hub's plan (--experts auto): the ones it may ask to move.
+        self.planned: set[str] = set()
 
     def _hold(self, wallet: str, address: str) -> None:
         """Count one more session for ``wallet`` and ``address``, or raise RemoteProtocolError
@@ -676,7 +682,8 @@ class _Hub:
                 if info.expert_capacity:
                     await self._plan(ws, hs, info, session_id, remote)
                     return None
-                self.registry.reservations.release(info.wallet)  # its plan is held now, by the session
+                if self.registry.reservations.release(info.wallet):  # its plan is held now, by the session
+                    self.planned.add(session_id)
                 await ws.send_message(hs.accept(session_id))
                 return info, session_id, hs.cipher
         except trio.TooSlowError:
@@ -688,6 +695,24 @@ class _Hub:
         except ConnectionClosed:
             pass
         return None
+
+    async def move_workers(self) -> None:
+        """Every ``config.move_check_s``: when the backbones route rows to experts no session
+        holds, ask one planned worker whose every expert is held elsewhere too (and that has
+        been up ``move_min_age_s``) to plan again (close 4010): it asks for a slice, gets the
+        uncovered experts, and joins with them (``relay._plan.pick_mover``)."""
+        while True:
+            await trio.sleep(self.config.move_check_s)
+            now_ms = time.time_ns() // 1_000_000
+            sessions = self.registry.statistics()
+            movable = {s.session_id for s in sessions if s.session_id in self.planned
+                       and now_ms - s.connected_since_unix_ms >= self.config.move_min_age_s * 1000}
+            sid = pick_mover({s.session_id: dict(s.slices) for s in sessions}, movable,
+                             self.registry.demand.snapshot())
+            if sid is not None:
+                log.info("asking a worker to move: the experts it holds are held elsewhere, others are needed",
+                         session_id=sid)
+                self.registry.kick(sid, "plan again: the swarm needs other experts", CloseCode.REPLAN)
 
     async def _plan(self, ws: WebSocketConnection, hs: HubHandshake, info: HelloInfo, session_id: str,
                     remote: str) -> None:
@@ -720,15 +745,16 @@ class _Hub:
         info, session_id, cipher = verified
         session = _Session(self, ws, session_id, cipher, channels=info.tunnel_channels)
         slog = log.bind(session_id=session_id, wallet=info.wallet)
-        kicked: list[str] = []
+        kicked: list[tuple[str, int]] = []
         trio_token = trio.lowlevel.current_trio_token()
         ended = "error"  # what metrics count the end under (see the handlers and the finally)
         try:
             async with trio.open_nursery() as nursery:
 
-                def kick(reason: str) -> None:  # any thread: end the session, telling the worker why
+                def kick(reason: str, code: int = CloseCode.POLICY_VIOLATION) -> None:
+                    # Any thread: end the session, telling the worker why.
                     def on_loop() -> None:
-                        kicked.append(reason)
+                        kicked.append((reason, code))
                         nursery.cancel_scope.cancel()
 
                     trio_token.run_sync_soon(on_loop)
@@ -761,11 +787,12 @@ class _Hub:
             elif ended == "error" and trio.current_effective_deadline() == float("-inf"):
                 ended = "hub_stopped"  # cancelled from outside: the hub is stopping
             self.registry.remove(session_id, ended)
+            self.planned.discard(session_id)
             slog.info("session removed")
         if kicked:
-            slog.warning("session ended by the hub", reason=kicked[0])
+            slog.warning("session ended by the hub", reason=kicked[0][0], code=kicked[0][1])
             with trio.move_on_after(2):
-                await ws.aclose(CloseCode.POLICY_VIOLATION, kicked[0][:120])
+                await ws.aclose(kicked[0][1], kicked[0][0][:120])
 
 
 async def serve_hub(
@@ -803,6 +830,8 @@ async def serve_hub(
         await nursery.start(intake.serve)
         nursery.start_soon(hub.refusals.run)
         nursery.start_soon(hub.trimmer.run)
+        if config.move_check_s > 0:
+            nursery.start_soon(hub.move_workers)
         await nursery.start(server.run)
         if config.gateway_urls:
             from relay._hub_gateway import GatewayLink

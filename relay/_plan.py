@@ -17,7 +17,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
 
-__all__ = ["Demand", "Reservations", "plan_slice"]
+__all__ = ["Demand", "Reservations", "pick_mover", "plan_slice"]
 
 
 class Demand:
@@ -73,8 +73,9 @@ class Reservations:
     def add(self, wallet: str, slices: Mapping[int, Iterable[int]]) -> None:
         self._held[wallet] = (self._clock() + self.ttl_s, {k: tuple(v) for k, v in slices.items()})
 
-    def release(self, wallet: str) -> None:
-        self._held.pop(wallet, None)
+    def release(self, wallet: str) -> bool:
+        """``wallet`` joined: its plan is held by its session now. True if it had one."""
+        return self._held.pop(wallet, None) is not None
 
     def live(self) -> list[dict[int, tuple[int, ...]]]:
         now = self._clock()
@@ -112,3 +113,29 @@ def plan_slice(candidates: Mapping[int, Iterable[int]], capacity: int, *,
     for *_, (layer, e) in ranked[:max(capacity, 0)]:
         chosen.setdefault(layer, []).append(e)
     return {layer: tuple(sorted(es)) for layer, es in sorted(chosen.items())}
+
+
+def pick_mover(held: Mapping[str, Mapping[int, Iterable[int]]], movable: Iterable[str],
+               demand: Mapping[tuple[int, int], float]) -> str | None:
+    """The session to ask to plan again, or None: only when the backbones route rows to
+    experts no session holds, one of ``movable`` (sessions that took the hub's plan) whose
+    every expert some other session holds too, so that moving it uncovers nothing; of those,
+    the one whose experts carry the least demand."""
+    replicas: dict[tuple[int, int], int] = {}
+    for slices in held.values():
+        for layer, experts in slices.items():
+            for e in experts:
+                replicas[(int(layer), int(e))] = replicas.get((int(layer), int(e)), 0) + 1
+    if not any(v > 0 and replicas.get(key, 0) == 0 for key, v in demand.items()):
+        return None
+    best: tuple[float, str] | None = None
+    for sid in sorted(movable):
+        mine = held.get(sid)
+        if not mine:
+            continue
+        keys = [(int(layer), int(e)) for layer, experts in mine.items() for e in experts]
+        if all(replicas.get(k, 0) >= 2 for k in keys):
+            load = sum(demand.get(k, 0.0) for k in keys)
+            if best is None or load < best[0]:
+                best = (load, sid)
+    return None if best is None else best[1]

@@ -138,8 +138,8 @@ class _Entry:
     credited_seq: int = 0  # the latest credited receipt's seq: an older or repeated one adds nothing
     connections: int = 0  # backbone connections spliced now
     refused_busy: int = 0  # turned away: every channel in use
-    # Ends the session from any thread, with a reason for the worker (see _Session).
-    kick: Callable[[str], None] | None = None
+    # Ends the session from any thread, with a reason and a close code for the worker.
+    kick: Callable[[str, int], None] | None = None
 
 
 class SessionRegistry:
@@ -201,7 +201,7 @@ class SessionRegistry:
             w.put(change)
 
     def add(self, session_id: str, hello: HelloInfo, *, target: str, remote: str,
-            kick: Callable[[str], None] | None = None, encrypted: bool = False, via_gateway: bool = False,
+            kick: Callable[[str, int], None] | None = None, encrypted: bool = False, via_gateway: bool = False,
             aead: int = 0) -> None:
         with self._lock:
             entry = _Entry(hello=hello, since_ms=time.time_ns() // 1_000_000, target=target, remote=remote,
@@ -290,14 +290,15 @@ class SessionRegistry:
             return RegistryTotals(opened=self._opened, closed=dict(self._closed), bytes_to_worker=to,
                                   bytes_from_worker=frm, generation=self._generation)
 
-    def kick(self, session_id: str, reason: str) -> bool:
-        """End a live session (its worker is told ``reason``). False if it is not live."""
+    def kick(self, session_id: str, reason: str, code: int = 1008) -> bool:
+        """End a live session (its worker is told ``reason``, with close ``code``: 1008, or
+        4010 to ask a planned worker to plan again). False if it is not live."""
         with self._lock:
             e = self._sessions.get(session_id)
             kick = None if e is None else e.kick
         if kick is None:
             return False
-        kick(reason)
+        kick(reason, code)
         return True
 
     def ban(self, wallet: str, until_unix_ms: int) -> None:

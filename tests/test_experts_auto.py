@@ -8,7 +8,7 @@ import pytest
 
 from kvasir_rpc import ExpertIndex
 from kvasir_rpc.dev.swarm import LocalSwarm
-from relay._plan import Demand, Reservations, plan_slice
+from relay._plan import Demand, Reservations, pick_mover, plan_slice
 
 ALL = {layer: tuple(range(8)) for layer in range(3)}
 
@@ -91,3 +91,53 @@ def test_two_auto_workers_on_an_empty_swarm_cover_every_expert(tiny_models, tmp_
                                   "--compare-local", "--require-bitwise", "--wait-sessions", "2"])
         assert result["verdict"] == "bitwise equal" and result["local_rows"] == 0 and result["remote_rows"] > 0
         assert "slice suggested" in (sw.logs / "hub.log").read_text()
+
+
+def test_a_planned_worker_held_elsewhere_is_picked_to_move_when_experts_are_uncovered():
+    held = {"a": {0: (0, 1)}, "b": {0: (0, 1)}, "c": {0: (2,)}}
+    uncovered = {(0, 3): 5.0, (0, 0): 1.0}
+    assert pick_mover(held, ["a", "b"], uncovered) in ("a", "b")
+    assert pick_mover(held, ["c"], uncovered) is None  # moving it would uncover expert 2
+    assert pick_mover(held, ["a"], {(0, 0): 9.0}) is None  # nothing in use is uncovered
+    # Of two movable, the one whose experts carry less demand.
+    held = {"a": {0: (0,)}, "b": {0: (1,)}, "x": {0: (0, 1)}}
+    assert pick_mover(held, ["a", "b"], {(0, 0): 9.0, (0, 1): 1.0, (0, 5): 1.0}) == "b"
+
+
+@pytest.mark.integration
+def test_a_planned_worker_moves_to_the_experts_a_leaving_worker_left(tiny_models, tmp_path):
+    model = tiny_models("qwen3_moe")
+    index = ExpertIndex(model)
+    everything = {(l, e) for l, es in index.slices.items() for e in es}
+    per_expert = 3 * index.info.intermediate_size * index.info.hidden_size * index.info.dtype.itemsize
+    half = len(everything) // 2
+    with LocalSwarm(tmp_path / "swarm") as sw:
+        sw.start_ledger()
+        sw.start_hub(extra=["--model", str(model), "--move-check", "0.5", "--move-min-age", "0"])
+        sw.start_worker("all", model, "*:0-7")
+        sw.wait_sessions(1, watch=["all"])
+        sw.start_worker("auto", model, "auto", extra=["--max-expert-memory", str(per_expert * half)])
+        (planned,) = [s for s in sw.wait_sessions(2, watch=["auto"]) if len(s.slices[0].experts) < 8]
+        first = {(sl.layer, e) for sl in planned.slices for e in sl.experts}
+        # Another worker holding the same experts joins, the one holding everything leaves: the
+        # rest is uncovered, and the planned worker's experts are held twice.
+        spec = ",".join(f"{l}:{e}" for l, e in sorted(first))
+        sw.start_worker("twin", model, spec)
+        sw.wait_sessions(3, watch=["twin"])
+        sw.stop_process("all")
+        # A decode reports what its router uses (the uncovered experts among it).
+        sw.run_backbone(["--model", str(model), "--prompt", "who holds the rest", "--max-new-tokens", "4",
+                         "--wait-sessions", "2"])
+
+        def moved() -> bool:
+            live = sw.list_sessions()
+            holders = [{(sl.layer, e) for sl in s.slices for e in sl.experts} for s in live]
+            return len(live) == 2 and set().union(*holders) == everything
+
+        from helpers import wait_until
+
+        wait_until(moved, 120, "the planned worker to move to the uncovered experts")
+        assert "asking a worker to move" in (sw.logs / "hub.log").read_text()
+        result = sw.run_backbone(["--model", str(model), "--prompt", "all remote again", "--max-new-tokens", "4",
+                                  "--compare-local", "--require-bitwise", "--wait-sessions", "2"])
+        assert result["verdict"] == "bitwise equal" and result["local_rows"] == 0, result

@@ -326,8 +326,29 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    if args.experts == "auto":
-        args.experts = _plan(args, index, wallet, url, ssl_context, require_e2e)
+    planned = args.experts == "auto"
+    while True:  # with --experts auto, again each time the hub asks this worker to plan again
+        if planned:
+            args.experts = _plan(args, index, wallet, url, ssl_context, require_e2e)
+        status = _load_and_serve(args, index, wallet, url=url, ssl_context=ssl_context, console=console,
+                                 require_e2e=require_e2e, replan=planned)
+        if status != REPLAN:
+            return status
+        log.info("the hub asks this worker to plan again: asking for a slice and loading it")
+        gc.collect()  # the old slice's weights go before the new ones load
+
+
+#: ``_serve``'s status when the hub asked this (planned) worker to plan again.
+REPLAN = -1
+
+
+def _load_and_serve(args: argparse.Namespace, index: ExpertIndex, wallet: Wallet, *, url: str,
+                    ssl_context: ssl.SSLContext | None, console: Console | None, require_e2e: bool,
+                    replan: bool) -> int:
+    """Load ``args.experts`` and serve them (``_serve``); its status (REPLAN: plan again)."""
+    from worker._console import LoadReporter
+    from worker._load import load_experts, pick_device
+
     log.info("loading experts", model=str(args.model), experts=args.experts, device=str(pick_device(args.device)),
              wallet=wallet.address)
     reporter = LoadReporter(console)
@@ -350,7 +371,7 @@ def main(argv: list[str] | None = None) -> int:
     )
 
     return _serve(args, url=url, ssl_context=ssl_context, wallet=wallet, experts=experts, shares=shares,
-                  console=console, require_e2e=require_e2e)
+                  console=console, require_e2e=require_e2e, replan=replan)
 
 
 def _expert_bytes(index: ExpertIndex) -> int:
@@ -411,12 +432,13 @@ def _plan(args: argparse.Namespace, index: ExpertIndex, wallet: Wallet, url: str
 
 def _serve(args: argparse.Namespace, *, url: str, ssl_context: ssl.SSLContext | None, wallet: Wallet,
            experts: LoadedExperts, shares: list[tuple[dict[int, tuple[int, ...]], bytes]], console: Console | None,
-           require_e2e: bool) -> int:
+           require_e2e: bool, replan: bool = False) -> int:
     """Serve the loaded experts through one tunnel per share until a signal (SIGTERM: 0,
-    SIGINT: 130, both after draining) or a refusal that retrying cannot change (fail())."""
+    SIGINT: 130, both after draining), a refusal that retrying cannot change (fail()), or, with
+    ``replan``, the hub asking this planned worker to plan again (REPLAN)."""
     from worker._console import Balance, StatusView, log_serving, poll_balance
     from worker._service import ExpertServicer
-    from worker._tunnel import TunnelHolder, TunnelRefused, run_tunnel
+    from worker._tunnel import ReplanRequested, TunnelHolder, TunnelRefused, run_tunnel
 
     if args.gateway and args.hub_key is None:
         log.warning("no --hub-key: the gateway (or anyone in front of it) could stand in for the hub and be "
@@ -462,7 +484,7 @@ def _serve(args: argparse.Namespace, *, url: str, ssl_context: ssl.SSLContext | 
         async with trio.open_nursery() as nursery:
             for (slices, digest), holder in zip(shares, holders):
                 nursery.start_soon(functools.partial(run_tunnel, url, functools.partial(make_handshake, slices, digest),
-                                                     uds_path, holder=holder, ssl_context=ssl_context))
+                                                     uds_path, holder=holder, ssl_context=ssl_context, replan=replan))
             if balance is not None:
                 nursery.start_soon(poll_balance, balance, wallet.address)
             if console is None:
@@ -477,17 +499,22 @@ def _serve(args: argparse.Namespace, *, url: str, ssl_context: ssl.SSLContext | 
     view = StatusView(servicer=servicer, holders=holders, balance=balance, wallet=wallet.address,
                       slices=format_slices(experts.slices), device=str(experts.device))
     refused = ""
+    moved = False
     try:
         with _live(console, view):
             try:
                 trio.run(run)
             except* TunnelRefused as eg:
                 refused = str(leaf_exception(eg))
+            except* ReplanRequested:
+                moved = True
     finally:
         server.stop(grace=None)
         shutil.rmtree(sock_dir, ignore_errors=True)
     if refused:
         fail(refused)
+    if moved and not stopped_by:
+        return REPLAN
     if stopped_by == [signal.SIGINT]:
         print("worker: interrupted", file=sys.stderr, flush=True)
         return EXIT_INTERRUPTED

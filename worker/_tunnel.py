@@ -44,7 +44,7 @@ from kvasir_rpc.protocol import (
     WorkerTunnel,
 )
 
-__all__ = ["TunnelHolder", "TunnelRefused", "request_plan", "run_tunnel", "serve_session"]
+__all__ = ["ReplanRequested", "TunnelHolder", "TunnelRefused", "request_plan", "run_tunnel", "serve_session"]
 
 log = get_logger("worker.tunnel")
 
@@ -223,6 +223,10 @@ async def request_plan(url: str, make_handshake: Callable[[], WorkerHandshake], 
     raise TunnelRefused(f"could not ask the hub at {_shown(url)} for a slice in {attempts} tries: {failure}")
 
 
+class ReplanRequested(Exception):
+    """The hub ended the session asking this worker (its slice the hub's plan) to plan again."""
+
+
 class TunnelRefused(Exception):
     """A dial that retrying cannot fix (a certificate not trusted, an HTTP 4xx, a hello the hub
     refuses for what this worker is, a hub other than the pinned one). The message is one
@@ -329,8 +333,12 @@ async def run_tunnel(
     min_backoff_s: float = 0.25,
     max_backoff_s: float = 30.0,
     holder: TunnelHolder | None = None,
+    replan: bool = False,
 ) -> None:
     """Keep one session with the hub up until cancelled.
+
+    With ``replan`` (a worker whose slice the hub planned), a session the hub ends asking it to
+    plan again (close 4010) raises ``ReplanRequested`` instead of dialling again.
 
     A dial that fails and may work later (nothing listening yet, a timeout, an HTTP 5xx or
     429, a session lost) is retried with jittered exponential backoff, each failure logged
@@ -411,6 +419,8 @@ async def run_tunnel(
             failure = _refusal(url, closed.reason, closed.code, by_hub=True)
         except* ConnectionClosed as eg:
             reason = leaf_exception(eg).reason  # type: ignore[attr-defined]
+            if replan and reason.code == CloseCode.REPLAN:
+                raise ReplanRequested(reason.reason or "the hub asks for a new plan") from None
             failure = f"the session with {what} at {_shown(url)} ended: {reason.reason or 'no reason'} " \
                       f"(close code {reason.code})"
         except* RemoteProtocolError as eg:
