@@ -67,6 +67,8 @@ def run_serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     result: dict[str, object] = {}
     engine = Engine(setup.model, setup.tokenizer, setup.dispatcher, max_batch=args.max_batch,
                     max_waiting=args.max_waiting, lanes=args.lanes, max_tokens_cap=args.max_tokens_limit)
+    setup.dispatcher.kind = "serve"
+    setup.dispatcher.load = engine.load  # type: ignore[method-assign]
     backbone = Backbone(engine=engine, tokenizer=setup.tokenizer, dispatcher=setup.dispatcher,
                         model_id=args.model_name or args.model.resolve().name, api_key=api_key,
                         max_prompt_bytes=args.max_prompt_bytes or 0)

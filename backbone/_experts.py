@@ -177,6 +177,7 @@ class Dispatcher:
         self.reporter = reporter
         if reporter is not None and self.placement is not None:
             reporter.demand_source = self.placement.demand
+            reporter.status_source = self.backbone_status
         self.payments = AuditGate(reporter.accepted if reporter is not None else lambda *_: None)
         # None: activations travel in the model's dtype (bit-exact). bfloat16/float16 for a
         # float32 model halves the bytes and is not bit-exact.
@@ -468,6 +469,18 @@ class Dispatcher:
             self._used: set[str] = set()
         self.shared.overlapped = 0
         self.checker.reset_counters()
+
+    #: What ``backbone_status`` says the backbone is, and its load now (a service sets both).
+    kind = "generate"
+    load: Callable[[], tuple[int, int]] = staticmethod(lambda: (0, 0))  # type: ignore[assignment]
+
+    def backbone_status(self) -> session_pb2.BackboneStatus:
+        """This run as the hub's status page shows it (sent with every work report)."""
+        running, waiting = self.load()
+        d = self.statistics()
+        return session_pb2.BackboneStatus(kind=self.kind, running=running, waiting=waiting, remote_rows=d.remote_rows,
+                                          local_rows=d.local_rows, fallback_rows=d.fallback_rows,
+                                          worker_busy_refusals=d.worker_busy_refusals)
 
     def statistics(self) -> DispatchStats:
         checks = self.checker.statistics()

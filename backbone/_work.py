@@ -116,6 +116,8 @@ class WorkReporter:
         # Rows the router sent each expert this run ({layer: [rows by expert]}), reported with the
         # work when they grew: the hub plans --experts auto workers by them.
         self.demand_source: Callable[[], dict[int, list[int]]] | None = None
+        # The backbone as it is now (BackboneStatus), sent with every report: the hub's page.
+        self.status_source: Callable[[], session_pb2.BackboneStatus] | None = None
         self._demand_sent: dict[int, list[int]] = {}
         self._thread = threading.Thread(target=self._run, name="work-reporter", daemon=True)
         self._thread.start()
@@ -175,13 +177,14 @@ class WorkReporter:
         demand = self.demand_source() if self.demand_source is not None else {}
         if demand == self._demand_sent:
             demand = {}
-        if not reports and not demand:
+        status = self.status_source() if self.status_source is not None else None
+        if not reports and not demand and status is None:
             return True
         try:
             resp = self._stub.ReportWork(session_pb2.ReportWorkRequest(
                 run_id=self.run_id, reports=reports,
-                demand=[session_pb2.ExpertDemand(layer=layer, rows=rows) for layer, rows in sorted(demand.items())]),
-                timeout=self.call_timeout_s, metadata=self._metadata)
+                demand=[session_pb2.ExpertDemand(layer=layer, rows=rows) for layer, rows in sorted(demand.items())],
+                status=status), timeout=self.call_timeout_s, metadata=self._metadata)
         except grpc.RpcError as exc:
             self.failures += 1
             log.warning("hub did not take the work report; it is sent again", code=str(exc.code()),

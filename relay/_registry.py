@@ -164,6 +164,8 @@ class SessionRegistry:
         # to each expert (reported with their work), and the slices suggested recently.
         self.demand = Demand()
         self.reservations = Reservations()
+        # Each backbone run's last status (its work reports carry one), by run id, with when.
+        self._backbones: dict[str, tuple[float, session_pb2.BackboneStatus]] = {}
 
     def _stats(self, sid: str, e: _Entry) -> SessionStats:
         h = e.hello
@@ -249,6 +251,26 @@ class SessionRegistry:
                 e.work_bytes = max(e.work_bytes, work_bytes)
                 e.work_calls = max(e.work_calls, calls)
                 e.work_rows = max(e.work_rows, rows)
+
+    #: A backbone not heard from for this long is gone from ``backbones()``.
+    BACKBONE_GONE_S = 15.0
+    MAX_BACKBONES = 1024
+
+    def note_backbone(self, run_id: str, status: session_pb2.BackboneStatus) -> None:
+        """A backbone run's status, from its latest work report."""
+        now = time.monotonic()
+        with self._lock:
+            self._backbones[run_id] = (now, status)
+            if len(self._backbones) > self.MAX_BACKBONES:  # the longest silent ones go first
+                for rid, _ in sorted(self._backbones.items(), key=lambda kv: kv[1][0])[:-self.MAX_BACKBONES]:
+                    del self._backbones[rid]
+
+    def backbones(self) -> list[tuple[str, float, session_pb2.BackboneStatus]]:
+        """The backbones heard from in the last BACKBONE_GONE_S: (run id, seconds since, status)."""
+        now = time.monotonic()
+        with self._lock:
+            self._backbones = {rid: v for rid, v in self._backbones.items() if now - v[0] <= self.BACKBONE_GONE_S}
+            return [(rid, now - t, st) for rid, (t, st) in sorted(self._backbones.items())]
 
     def note_connection(self, session_id: str, *, opened: int = 0, refused_busy: int = 0) -> None:
         """A backbone connection spliced (``opened`` 1) or ended (-1), or turned away because

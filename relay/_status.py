@@ -160,6 +160,20 @@ class StatusBoard:
         self._map_generation = generation
         return self._map
 
+    def backbones(self) -> list[dict[str, object]]:
+        """The backbones heard from lately (their work reports): kind, load, and where their
+        expert rows ran (the share computed by workers, here by choice, here after a lost call)."""
+        out = []
+        for run_id, age_s, st in self.registry.backbones():
+            rows = st.remote_rows + st.local_rows + st.fallback_rows
+            out.append({"run": run_id[:12], "kind": st.kind or "generate", "running": st.running,
+                        "waiting": st.waiting, "remote_rows": st.remote_rows, "local_rows": st.local_rows,
+                        "fallback_rows": st.fallback_rows, "worker_busy_refusals": st.worker_busy_refusals,
+                        "remote_share": round(st.remote_rows / rows, 4) if rows else None,
+                        "fallback_share": round(st.fallback_rows / rows, 4) if rows else None,
+                        "seen_s_ago": round(age_s, 1)})
+        return out
+
     def demand(self) -> dict[str, object]:
         """What the backbones route to (their reports, decayed: a half-life of ``half_life_s``),
         on the expert map's grid: rows per (layer, expert), and the share of all rows that go to
@@ -250,5 +264,6 @@ class StatusBoard:
             "sessions": [self._session(s) for s in sessions],
             "expert_map": self.expert_map(sessions, generation),
             "demand": self.demand(),
+            "backbones": self.backbones(),
             "history": {"interval_s": SAMPLE_S, "points": history},
         }

@@ -88,6 +88,8 @@ class WorkDesk:
                             f"demand: at most {MAX_LAYERS} layers of {MAX_EXPERTS_PER_LAYER} experts")
         if request.demand:
             self.registry.demand.report(request.run_id, [(d.layer, list(d.rows)) for d in request.demand])
+        if request.HasField("status"):
+            self.registry.note_backbone(request.run_id, request.status)
         refused = []
         for r in request.reports:
             if r.cumulative_bytes > MAX_CUMULATIVE_BYTES:

@@ -279,3 +279,13 @@ def test_the_page_is_served_with_the_status_inside_and_nothing_in_it_can_end_its
     assert shown["expert_map"]["holders"] == [[1, 0]] and shown["totals"]["sessions"] == 1
     status, body = trio.run(get, "/api/status")
     assert status == 200 and json.loads(body)["sessions"][0]["wallet"] == hostile
+
+
+def test_the_status_lists_the_backbones_that_reported_with_their_load_and_shares(desk: WorkDesk) -> None:
+    desk.report(session_pb2.ReportWorkRequest(run_id="b" * 16, status=session_pb2.BackboneStatus(
+        kind="serve", running=3, waiting=1, remote_rows=90, local_rows=0, fallback_rows=10, worker_busy_refusals=2)))
+    desk.report(session_pb2.ReportWorkRequest(run_id="g" * 16))  # no status: not listed
+    doc = StatusBoard(desk.registry, hub_key="k" * 64).snapshot()
+    (b,) = doc["backbones"]  # type: ignore[misc]
+    assert (b["run"], b["kind"], b["running"], b["waiting"]) == ("b" * 12, "serve", 3, 1)
+    assert (b["remote_share"], b["fallback_share"], b["worker_busy_refusals"]) == (0.9, 0.1, 2)

@@ -11,6 +11,8 @@ fallback), and gets the worker once the first lets go."""
 from __future__ import annotations
 
 import concurrent.futures
+import json
+import urllib.request
 
 import grpc
 import pytest
@@ -41,7 +43,7 @@ def test_a_batch_decode_and_a_service_share_the_workers_both_exact(tiny_models, 
     model = tiny_models("qwen3_moe")
     with LocalSwarm(tmp_path / "swarm") as sw:
         sw.start_ledger()
-        sw.start_hub(receipt_interval=0.5)
+        sw.start_hub(receipt_interval=0.5, http=True)
         sw.start_worker("w1", model, "*:0-3")
         sw.start_worker("w2", model, "*:4-7")
         sw.wait_sessions(2, watch=["w1", "w2"])
@@ -64,6 +66,10 @@ def test_a_batch_decode_and_a_service_share_the_workers_both_exact(tiny_models, 
         ids, summary = _generate(int(remote["grpc_port"]), PROMPTS[0])
         alone_ids, alone = _generate(int(local["grpc_port"]), PROMPTS[0])
         assert ids == alone_ids and summary.logits_digest == alone.logits_digest and summary.remote_rows > 0
+        # Both backbones showed on the hub's status: the service with its load, each with its shares.
+        status = json.loads(urllib.request.urlopen(sw.status_url + "api/status", timeout=10).read())
+        kinds = sorted(b["kind"] for b in status["backbones"])
+        assert "serve" in kinds and all(b["fallback_rows"] == 0 for b in status["backbones"]), status["backbones"]
         assert sw.stop_process("svc") == 0  # it reports the last of its work as it stops
         sessions = sw.list_sessions()
         assert all(s.tunnel_channels == 8 for s in sessions)

@@ -213,14 +213,34 @@ class WorkReport(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., cumulative_bytes: _Optional[int] = ..., calls: _Optional[int] = ..., rows: _Optional[int] = ...) -> None: ...
 
 class ReportWorkRequest(_message.Message):
-    __slots__ = ("run_id", "reports", "demand")
+    __slots__ = ("run_id", "reports", "demand", "status")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     REPORTS_FIELD_NUMBER: _ClassVar[int]
     DEMAND_FIELD_NUMBER: _ClassVar[int]
+    STATUS_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     reports: _containers.RepeatedCompositeFieldContainer[WorkReport]
     demand: _containers.RepeatedCompositeFieldContainer[ExpertDemand]
-    def __init__(self, run_id: _Optional[str] = ..., reports: _Optional[_Iterable[_Union[WorkReport, _Mapping]]] = ..., demand: _Optional[_Iterable[_Union[ExpertDemand, _Mapping]]] = ...) -> None: ...
+    status: BackboneStatus
+    def __init__(self, run_id: _Optional[str] = ..., reports: _Optional[_Iterable[_Union[WorkReport, _Mapping]]] = ..., demand: _Optional[_Iterable[_Union[ExpertDemand, _Mapping]]] = ..., status: _Optional[_Union[BackboneStatus, _Mapping]] = ...) -> None: ...
+
+class BackboneStatus(_message.Message):
+    __slots__ = ("kind", "running", "waiting", "remote_rows", "local_rows", "fallback_rows", "worker_busy_refusals")
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    RUNNING_FIELD_NUMBER: _ClassVar[int]
+    WAITING_FIELD_NUMBER: _ClassVar[int]
+    REMOTE_ROWS_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_ROWS_FIELD_NUMBER: _ClassVar[int]
+    FALLBACK_ROWS_FIELD_NUMBER: _ClassVar[int]
+    WORKER_BUSY_REFUSALS_FIELD_NUMBER: _ClassVar[int]
+    kind: str
+    running: int
+    waiting: int
+    remote_rows: int
+    local_rows: int
+    fallback_rows: int
+    worker_busy_refusals: int
+    def __init__(self, kind: _Optional[str] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., remote_rows: _Optional[int] = ..., local_rows: _Optional[int] = ..., fallback_rows: _Optional[int] = ..., worker_busy_refusals: _Optional[int] = ...) -> None: ...
 
 class ExpertDemand(_message.Message):
     __slots__ = ("layer", "rows")

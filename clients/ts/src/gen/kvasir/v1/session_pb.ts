@@ -12,7 +12,7 @@ import type { Message } from "@bufbuild/protobuf";
  * Describes the file kvasir/v1/session.proto.
  */
 export const file_kvasir_v1_session: GenFile = /*@__PURE__*/
-  fileDesc("ChdrdmFzaXIvdjEvc2Vzc2lvbi5wcm90bxIJa3Zhc2lyLnYxIi0KC0V4cGVydFNsaWNlEg0KBWxheWVyGAEgASgNEg8KB2V4cGVydHMYAiADKA0iYAoQU2Vzc2lvbkNoYWxsZW5nZRINCgVub25jZRgBIAEoDBIPCgdodWJfa2V5GAIgASgJEhkKEWlzc3VlZF9hdF91bml4X21zGAMgASgDEhEKCWt4X3B1YmxpYxgEIAEoDCKeAwoJSGVsbG9Cb2R5Eg0KBW5vbmNlGAEgASgMEg8KB2h1Yl9rZXkYAiABKAkSDgoGd2FsbGV0GAMgASgJEiYKBnNsaWNlcxgEIAMoCzIWLmt2YXNpci52MS5FeHBlcnRTbGljZRIWCg53ZWlnaHRzX2RpZ2VzdBgFIAEoDBIOCgZkZXZpY2UYBiABKAkSEgoKbW9kZWxfdHlwZRgHIAEoCRIWCg53b3JrZXJfdmVyc2lvbhgIIAEoCRIRCglreF9wdWJsaWMYCSABKAwSFQoNaHViX2t4X3B1YmxpYxgKIAEoDBIaChJyZXF1aXJlX2VuY3J5cHRpb24YCyABKAgSJAoFYWVhZHMYDCADKA4yFS5rdmFzaXIudjEuVHVubmVsQWVhZBITCgtwcm9qZWN0aW9ucxgNIAEoCBIyCg9leHBlcnRfZnVuY3Rpb24YDiABKAsyGS5rdmFzaXIudjEuRXhwZXJ0RnVuY3Rpb24SFwoPdHVubmVsX2NoYW5uZWxzGA8gASgNEhcKD2V4cGVydF9jYXBhY2l0eRgQIAEoDSIvCgxTZXNzaW9uSGVsbG8SDAoEYm9keRgBIAEoDBIRCglzaWduYXR1cmUYAiABKAwiuQEKDVNlc3Npb25BY2NlcHQSEgoKc2Vzc2lvbl9pZBgBIAEoCRIRCgllbmNyeXB0ZWQYAiABKAgSEQoJc2lnbmF0dXJlGAMgASgMEiMKBGFlYWQYBCABKA4yFS5rdmFzaXIudjEuVHVubmVsQWVhZBIXCg90dW5uZWxfY2hhbm5lbHMYBSABKA0SMAoQc3VnZ2VzdGVkX3NsaWNlcxgGIAMoCzIWLmt2YXNpci52MS5FeHBlcnRTbGljZSL7BAoHU2Vzc2lvbhISCgpzZXNzaW9uX2lkGAEgASgJEg4KBndhbGxldBgCIAEoCRImCgZzbGljZXMYAyADKAsyFi5rdmFzaXIudjEuRXhwZXJ0U2xpY2USFgoOd2VpZ2h0c19kaWdlc3QYBCABKAwSDgoGZGV2aWNlGAUgASgJEhIKCm1vZGVsX3R5cGUYBiABKAkSHwoXY29ubmVjdGVkX3NpbmNlX3VuaXhfbXMYByABKAMSFwoPYnl0ZXNfdG9fd29ya2VyGAggASgEEhkKEWJ5dGVzX2Zyb21fd29ya2VyGAkgASgEEg4KBnRhcmdldBgKIAEoCRIWCg5yZW1vdGVfYWRkcmVzcxgLIAEoCRISCgp3b3JrX2J5dGVzGAwgASgEEhEKCWVuY3J5cHRlZBgNIAEoCBITCgt2aWFfZ2F0ZXdheRgOIAEoCBIOCgZydHRfbXMYDyABKAESEgoKd29ya19jYWxscxgQIAEoBBIRCgl3b3JrX3Jvd3MYESABKAQSFgoOY3JlZGl0ZWRfYnl0ZXMYEiABKAQSGQoRY3JlZGl0ZWRfbmFub19rdnIYEyABKAQSIwoEYWVhZBgUIAEoDjIVLmt2YXNpci52MS5UdW5uZWxBZWFkEhMKC3Byb2plY3Rpb25zGBUgASgIEjIKD2V4cGVydF9mdW5jdGlvbhgWIAEoCzIZLmt2YXNpci52MS5FeHBlcnRGdW5jdGlvbhIXCg90dW5uZWxfY2hhbm5lbHMYFyABKA0SHAoUYmFja2JvbmVfY29ubmVjdGlvbnMYGCABKA0SIAoYY29ubmVjdGlvbnNfcmVmdXNlZF9idXN5GBkgASgEIhUKE0xpc3RTZXNzaW9uc1JlcXVlc3QiPAoUTGlzdFNlc3Npb25zUmVzcG9uc2USJAoIc2Vzc2lvbnMYASADKAsyEi5rdmFzaXIudjEuU2Vzc2lvbiIWChRXYXRjaFNlc3Npb25zUmVxdWVzdCKwAQoMU2Vzc2lvbkV2ZW50EioKBGtpbmQYASABKA4yHC5rdmFzaXIudjEuU2Vzc2lvbkV2ZW50LktpbmQSIwoHc2Vzc2lvbhgCIAEoCzISLmt2YXNpci52MS5TZXNzaW9uIk8KBEtpbmQSFAoQS0lORF9VTlNQRUNJRklFRBAAEg4KCktJTkRfQURERUQQARIQCgxLSU5EX1JFTU9WRUQQAhIPCgtLSU5EX1NZTkNFRBADIj8KFVdhdGNoU2Vzc2lvbnNSZXNwb25zZRImCgVldmVudBgBIAEoCzIXLmt2YXNpci52MS5TZXNzaW9uRXZlbnQiVwoKV29ya1JlcG9ydBISCgpzZXNzaW9uX2lkGAEgASgJEhgKEGN1bXVsYXRpdmVfYnl0ZXMYAiABKAQSDQoFY2FsbHMYAyABKAQSDAoEcm93cxgEIAEoBCJ0ChFSZXBvcnRXb3JrUmVxdWVzdBIOCgZydW5faWQYASABKAkSJgoHcmVwb3J0cxgCIAMoCzIVLmt2YXNpci52MS5Xb3JrUmVwb3J0EicKBmRlbWFuZBgDIAMoCzIXLmt2YXNpci52MS5FeHBlcnREZW1hbmQiKwoMRXhwZXJ0RGVtYW5kEg0KBWxheWVyGAEgASgNEgwKBHJvd3MYAiADKAQiMQoSUmVwb3J0V29ya1Jlc3BvbnNlEhsKE3JlZnVzZWRfc2Vzc2lvbl9pZHMYASADKAki3AEKEVF1YXJhbnRpbmVSZXF1ZXN0EhIKCnNlc3Npb25faWQYASABKAkSJwoJdmlvbGF0aW9uGAIgASgOMhQua3Zhc2lyLnYxLlZpb2xhdGlvbhINCgVsYXllchgDIAEoDRIOCgZleHBlcnQYBCABKA0SDwoHY2FsbF9pZBgFIAEoBBILCgNyb3cYBiABKA0SFAoMbWF4X2Fic19kaWZmGAcgASgBEhEKCXRvbGVyYW5jZRgIIAEoARIUCgxhdWRpdGVkX3Jvd3MYCSABKAQSDgoGZGV0YWlsGAogASgJIjMKElF1YXJhbnRpbmVSZXNwb25zZRIdChVyZWZ1c2VkX3VudGlsX3VuaXhfbXMYASABKAMqRgoKVHVubmVsQWVhZBIbChdUVU5ORUxfQUVBRF9VTlNQRUNJRklFRBAAEhsKF1RVTk5FTF9BRUFEX0FFU18yNTZfR0NNEAEqkAEKCVZpb2xhdGlvbhIZChVWSU9MQVRJT05fVU5TUEVDSUZJRUQQABIYChRWSU9MQVRJT05fTk9OX0ZJTklURRABEhwKGFZJT0xBVElPTl9BVURJVF9NSVNNQVRDSBACEhcKE1ZJT0xBVElPTl9NQUxGT1JNRUQQAxIXChNWSU9MQVRJT05fUk9XX0NIRUNLEAQyzQIKDlNlc3Npb25TZXJ2aWNlEk8KDExpc3RTZXNzaW9ucxIeLmt2YXNpci52MS5MaXN0U2Vzc2lvbnNSZXF1ZXN0Gh8ua3Zhc2lyLnYxLkxpc3RTZXNzaW9uc1Jlc3BvbnNlElQKDVdhdGNoU2Vzc2lvbnMSHy5rdmFzaXIudjEuV2F0Y2hTZXNzaW9uc1JlcXVlc3QaIC5rdmFzaXIudjEuV2F0Y2hTZXNzaW9uc1Jlc3BvbnNlMAESSQoKUmVwb3J0V29yaxIcLmt2YXNpci52MS5SZXBvcnRXb3JrUmVxdWVzdBodLmt2YXNpci52MS5SZXBvcnRXb3JrUmVzcG9uc2USSQoKUXVhcmFudGluZRIcLmt2YXNpci52MS5RdWFyYW50aW5lUmVxdWVzdBodLmt2YXNpci52MS5RdWFyYW50aW5lUmVzcG9uc2ViBnByb3RvMw", [file_kvasir_v1_function]);
+  fileDesc("ChdrdmFzaXIvdjEvc2Vzc2lvbi5wcm90bxIJa3Zhc2lyLnYxIi0KC0V4cGVydFNsaWNlEg0KBWxheWVyGAEgASgNEg8KB2V4cGVydHMYAiADKA0iYAoQU2Vzc2lvbkNoYWxsZW5nZRINCgVub25jZRgBIAEoDBIPCgdodWJfa2V5GAIgASgJEhkKEWlzc3VlZF9hdF91bml4X21zGAMgASgDEhEKCWt4X3B1YmxpYxgEIAEoDCKeAwoJSGVsbG9Cb2R5Eg0KBW5vbmNlGAEgASgMEg8KB2h1Yl9rZXkYAiABKAkSDgoGd2FsbGV0GAMgASgJEiYKBnNsaWNlcxgEIAMoCzIWLmt2YXNpci52MS5FeHBlcnRTbGljZRIWCg53ZWlnaHRzX2RpZ2VzdBgFIAEoDBIOCgZkZXZpY2UYBiABKAkSEgoKbW9kZWxfdHlwZRgHIAEoCRIWCg53b3JrZXJfdmVyc2lvbhgIIAEoCRIRCglreF9wdWJsaWMYCSABKAwSFQoNaHViX2t4X3B1YmxpYxgKIAEoDBIaChJyZXF1aXJlX2VuY3J5cHRpb24YCyABKAgSJAoFYWVhZHMYDCADKA4yFS5rdmFzaXIudjEuVHVubmVsQWVhZBITCgtwcm9qZWN0aW9ucxgNIAEoCBIyCg9leHBlcnRfZnVuY3Rpb24YDiABKAsyGS5rdmFzaXIudjEuRXhwZXJ0RnVuY3Rpb24SFwoPdHVubmVsX2NoYW5uZWxzGA8gASgNEhcKD2V4cGVydF9jYXBhY2l0eRgQIAEoDSIvCgxTZXNzaW9uSGVsbG8SDAoEYm9keRgBIAEoDBIRCglzaWduYXR1cmUYAiABKAwiuQEKDVNlc3Npb25BY2NlcHQSEgoKc2Vzc2lvbl9pZBgBIAEoCRIRCgllbmNyeXB0ZWQYAiABKAgSEQoJc2lnbmF0dXJlGAMgASgMEiMKBGFlYWQYBCABKA4yFS5rdmFzaXIudjEuVHVubmVsQWVhZBIXCg90dW5uZWxfY2hhbm5lbHMYBSABKA0SMAoQc3VnZ2VzdGVkX3NsaWNlcxgGIAMoCzIWLmt2YXNpci52MS5FeHBlcnRTbGljZSL7BAoHU2Vzc2lvbhISCgpzZXNzaW9uX2lkGAEgASgJEg4KBndhbGxldBgCIAEoCRImCgZzbGljZXMYAyADKAsyFi5rdmFzaXIudjEuRXhwZXJ0U2xpY2USFgoOd2VpZ2h0c19kaWdlc3QYBCABKAwSDgoGZGV2aWNlGAUgASgJEhIKCm1vZGVsX3R5cGUYBiABKAkSHwoXY29ubmVjdGVkX3NpbmNlX3VuaXhfbXMYByABKAMSFwoPYnl0ZXNfdG9fd29ya2VyGAggASgEEhkKEWJ5dGVzX2Zyb21fd29ya2VyGAkgASgEEg4KBnRhcmdldBgKIAEoCRIWCg5yZW1vdGVfYWRkcmVzcxgLIAEoCRISCgp3b3JrX2J5dGVzGAwgASgEEhEKCWVuY3J5cHRlZBgNIAEoCBITCgt2aWFfZ2F0ZXdheRgOIAEoCBIOCgZydHRfbXMYDyABKAESEgoKd29ya19jYWxscxgQIAEoBBIRCgl3b3JrX3Jvd3MYESABKAQSFgoOY3JlZGl0ZWRfYnl0ZXMYEiABKAQSGQoRY3JlZGl0ZWRfbmFub19rdnIYEyABKAQSIwoEYWVhZBgUIAEoDjIVLmt2YXNpci52MS5UdW5uZWxBZWFkEhMKC3Byb2plY3Rpb25zGBUgASgIEjIKD2V4cGVydF9mdW5jdGlvbhgWIAEoCzIZLmt2YXNpci52MS5FeHBlcnRGdW5jdGlvbhIXCg90dW5uZWxfY2hhbm5lbHMYFyABKA0SHAoUYmFja2JvbmVfY29ubmVjdGlvbnMYGCABKA0SIAoYY29ubmVjdGlvbnNfcmVmdXNlZF9idXN5GBkgASgEIhUKE0xpc3RTZXNzaW9uc1JlcXVlc3QiPAoUTGlzdFNlc3Npb25zUmVzcG9uc2USJAoIc2Vzc2lvbnMYASADKAsyEi5rdmFzaXIudjEuU2Vzc2lvbiIWChRXYXRjaFNlc3Npb25zUmVxdWVzdCKwAQoMU2Vzc2lvbkV2ZW50EioKBGtpbmQYASABKA4yHC5rdmFzaXIudjEuU2Vzc2lvbkV2ZW50LktpbmQSIwoHc2Vzc2lvbhgCIAEoCzISLmt2YXNpci52MS5TZXNzaW9uIk8KBEtpbmQSFAoQS0lORF9VTlNQRUNJRklFRBAAEg4KCktJTkRfQURERUQQARIQCgxLSU5EX1JFTU9WRUQQAhIPCgtLSU5EX1NZTkNFRBADIj8KFVdhdGNoU2Vzc2lvbnNSZXNwb25zZRImCgVldmVudBgBIAEoCzIXLmt2YXNpci52MS5TZXNzaW9uRXZlbnQiVwoKV29ya1JlcG9ydBISCgpzZXNzaW9uX2lkGAEgASgJEhgKEGN1bXVsYXRpdmVfYnl0ZXMYAiABKAQSDQoFY2FsbHMYAyABKAQSDAoEcm93cxgEIAEoBCKfAQoRUmVwb3J0V29ya1JlcXVlc3QSDgoGcnVuX2lkGAEgASgJEiYKB3JlcG9ydHMYAiADKAsyFS5rdmFzaXIudjEuV29ya1JlcG9ydBInCgZkZW1hbmQYAyADKAsyFy5rdmFzaXIudjEuRXhwZXJ0RGVtYW5kEikKBnN0YXR1cxgEIAEoCzIZLmt2YXNpci52MS5CYWNrYm9uZVN0YXR1cyKeAQoOQmFja2JvbmVTdGF0dXMSDAoEa2luZBgBIAEoCRIPCgdydW5uaW5nGAIgASgNEg8KB3dhaXRpbmcYAyABKA0SEwoLcmVtb3RlX3Jvd3MYBCABKAQSEgoKbG9jYWxfcm93cxgFIAEoBBIVCg1mYWxsYmFja19yb3dzGAYgASgEEhwKFHdvcmtlcl9idXN5X3JlZnVzYWxzGAcgASgEIisKDEV4cGVydERlbWFuZBINCgVsYXllchgBIAEoDRIMCgRyb3dzGAIgAygEIjEKElJlcG9ydFdvcmtSZXNwb25zZRIbChNyZWZ1c2VkX3Nlc3Npb25faWRzGAEgAygJItwBChFRdWFyYW50aW5lUmVxdWVzdBISCgpzZXNzaW9uX2lkGAEgASgJEicKCXZpb2xhdGlvbhgCIAEoDjIULmt2YXNpci52MS5WaW9sYXRpb24SDQoFbGF5ZXIYAyABKA0SDgoGZXhwZXJ0GAQgASgNEg8KB2NhbGxfaWQYBSABKAQSCwoDcm93GAYgASgNEhQKDG1heF9hYnNfZGlmZhgHIAEoARIRCgl0b2xlcmFuY2UYCCABKAESFAoMYXVkaXRlZF9yb3dzGAkgASgEEg4KBmRldGFpbBgKIAEoCSIzChJRdWFyYW50aW5lUmVzcG9uc2USHQoVcmVmdXNlZF91bnRpbF91bml4X21zGAEgASgDKkYKClR1bm5lbEFlYWQSGwoXVFVOTkVMX0FFQURfVU5TUEVDSUZJRUQQABIbChdUVU5ORUxfQUVBRF9BRVNfMjU2X0dDTRABKpABCglWaW9sYXRpb24SGQoVVklPTEFUSU9OX1VOU1BFQ0lGSUVEEAASGAoUVklPTEFUSU9OX05PTl9GSU5JVEUQARIcChhWSU9MQVRJT05fQVVESVRfTUlTTUFUQ0gQAhIXChNWSU9MQVRJT05fTUFMRk9STUVEEAMSFwoTVklPTEFUSU9OX1JPV19DSEVDSxAEMs0CCg5TZXNzaW9uU2VydmljZRJPCgxMaXN0U2Vzc2lvbnMSHi5rdmFzaXIudjEuTGlzdFNlc3Npb25zUmVxdWVzdBofLmt2YXNpci52MS5MaXN0U2Vzc2lvbnNSZXNwb25zZRJUCg1XYXRjaFNlc3Npb25zEh8ua3Zhc2lyLnYxLldhdGNoU2Vzc2lvbnNSZXF1ZXN0GiAua3Zhc2lyLnYxLldhdGNoU2Vzc2lvbnNSZXNwb25zZTABEkkKClJlcG9ydFdvcmsSHC5rdmFzaXIudjEuUmVwb3J0V29ya1JlcXVlc3QaHS5rdmFzaXIudjEuUmVwb3J0V29ya1Jlc3BvbnNlEkkKClF1YXJhbnRpbmUSHC5rdmFzaXIudjEuUXVhcmFudGluZVJlcXVlc3QaHS5rdmFzaXIudjEuUXVhcmFudGluZVJlc3BvbnNlYgZwcm90bzM", [file_kvasir_v1_function]);
 
 /**
  * ExpertSlice names the experts of one layer that a worker holds.
@@ -693,6 +693,14 @@ export type ReportWorkRequest = Message<"kvasir.v1.ReportWorkRequest"> & {
    * @generated from field: repeated kvasir.v1.ExpertDemand demand = 3;
    */
   demand: ExpertDemand[];
+
+  /**
+   * The reporting backbone as it is now (sent with every report, about once a
+   * second): what the hub's status page shows of each backbone.
+   *
+   * @generated from field: kvasir.v1.BackboneStatus status = 4;
+   */
+  status?: BackboneStatus | undefined;
 };
 
 /**
@@ -701,6 +709,65 @@ export type ReportWorkRequest = Message<"kvasir.v1.ReportWorkRequest"> & {
  */
 export const ReportWorkRequestSchema: GenMessage<ReportWorkRequest> = /*@__PURE__*/
   messageDesc(file_kvasir_v1_session, 12);
+
+/**
+ * BackboneStatus is one backbone run's load and where its expert rows ran.
+ *
+ * @generated from message kvasir.v1.BackboneStatus
+ */
+export type BackboneStatus = Message<"kvasir.v1.BackboneStatus"> & {
+  /**
+   * "serve" (python -m backbone serve) or "generate".
+   *
+   * @generated from field: string kind = 1;
+   */
+  kind: string;
+
+  /**
+   * Requests being decoded, and waiting for a slot (a service; 0 for generate).
+   *
+   * @generated from field: uint32 running = 2;
+   */
+  running: number;
+
+  /**
+   * @generated from field: uint32 waiting = 3;
+   */
+  waiting: number;
+
+  /**
+   * Expert rows since the run began: computed by workers and accepted, computed
+   * here by choice (no live worker holds them), and computed here after a
+   * remote call was lost, refused or late.
+   *
+   * @generated from field: uint64 remote_rows = 4;
+   */
+  remoteRows: bigint;
+
+  /**
+   * @generated from field: uint64 local_rows = 5;
+   */
+  localRows: bigint;
+
+  /**
+   * @generated from field: uint64 fallback_rows = 6;
+   */
+  fallbackRows: bigint;
+
+  /**
+   * Times a worker busy with other backbones turned this one away.
+   *
+   * @generated from field: uint64 worker_busy_refusals = 7;
+   */
+  workerBusyRefusals: bigint;
+};
+
+/**
+ * Describes the message kvasir.v1.BackboneStatus.
+ * Use `create(BackboneStatusSchema)` to create a new message.
+ */
+export const BackboneStatusSchema: GenMessage<BackboneStatus> = /*@__PURE__*/
+  messageDesc(file_kvasir_v1_session, 13);
 
 /**
  * ExpertDemand is one MoE layer's routed rows, by expert id (rows[e]: expert e).
@@ -724,7 +791,7 @@ export type ExpertDemand = Message<"kvasir.v1.ExpertDemand"> & {
  * Use `create(ExpertDemandSchema)` to create a new message.
  */
 export const ExpertDemandSchema: GenMessage<ExpertDemand> = /*@__PURE__*/
-  messageDesc(file_kvasir_v1_session, 13);
+  messageDesc(file_kvasir_v1_session, 14);
 
 /**
  * @generated from message kvasir.v1.ReportWorkResponse
@@ -743,7 +810,7 @@ export type ReportWorkResponse = Message<"kvasir.v1.ReportWorkResponse"> & {
  * Use `create(ReportWorkResponseSchema)` to create a new message.
  */
 export const ReportWorkResponseSchema: GenMessage<ReportWorkResponse> = /*@__PURE__*/
-  messageDesc(file_kvasir_v1_session, 14);
+  messageDesc(file_kvasir_v1_session, 15);
 
 /**
  * QuarantineRequest is a backbone's evidence against one session.
@@ -813,7 +880,7 @@ export type QuarantineRequest = Message<"kvasir.v1.QuarantineRequest"> & {
  * Use `create(QuarantineRequestSchema)` to create a new message.
  */
 export const QuarantineRequestSchema: GenMessage<QuarantineRequest> = /*@__PURE__*/
-  messageDesc(file_kvasir_v1_session, 15);
+  messageDesc(file_kvasir_v1_session, 16);
 
 /**
  * @generated from message kvasir.v1.QuarantineResponse
@@ -832,7 +899,7 @@ export type QuarantineResponse = Message<"kvasir.v1.QuarantineResponse"> & {
  * Use `create(QuarantineResponseSchema)` to create a new message.
  */
 export const QuarantineResponseSchema: GenMessage<QuarantineResponse> = /*@__PURE__*/
-  messageDesc(file_kvasir_v1_session, 16);
+  messageDesc(file_kvasir_v1_session, 17);
 
 /**
  * TunnelAead names the AEAD that seals an encrypted tunnel ("End-to-end
