@@ -59,12 +59,20 @@ def dequantize_block_fp8(q: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.
         raise ValueError(f"weight [{rows}, {cols}] is not divisible by its scale grid [{scale_rows}, {scale_cols}]")
     block_m, block_n = rows // scale_rows, cols // scale_cols
     # float8 to float32 by a table of the 256 codes (exact, as the cast is; twice as fast here).
-    qf = (_fp8_table().take(q.view(torch.uint8).long()) if q.dtype == torch.float8_e4m3fn
-          else q.to(torch.float32, copy=True))
-    qf = qf.reshape(-1, scale_rows, block_m, scale_cols, block_n)
+    qf = _as_float32(q).reshape(-1, scale_rows, block_m, scale_cols, block_n)
     s = scale_inv.to(torch.float32).reshape(-1, scale_rows, scale_cols).unsqueeze(-1).unsqueeze(2)
     # In place on the fresh float32 copy: the same products, without a second full-size tensor.
     return qf.mul_(s).to(dtype).reshape(rows, cols)
+
+
+def _as_float32(q: torch.Tensor) -> torch.Tensor:
+    """``q`` as a fresh float32 tensor (the caller may write to it): float8 by a table of the 256
+    codes (exact, as the cast is; twice as fast here), anything else by a copying cast."""
+    import torch
+
+    if q.dtype == torch.float8_e4m3fn:
+        return _fp8_table().take(q.view(torch.uint8).long())
+    return q.to(torch.float32, copy=True)
 
 
 @functools.cache
@@ -394,8 +402,7 @@ def dequantize_ct(kind: str, scheme: Any, tensors: dict[str, torch.Tensor], dtyp
 
     if kind == "ct-fp8":
         q, scale = tensors["weight"], tensors["weight_scale"]
-        qf = _fp8_table().take(q.view(torch.uint8).long()) if q.dtype == torch.float8_e4m3fn else q.to(torch.float32)
-        return (qf * scale.to(torch.float32)).to(dtype)
+        return (_as_float32(q) * scale.to(torch.float32)).to(dtype)
     from compressed_tensors.compressors import BaseCompressor
 
     compressor = BaseCompressor.get_value_from_registry("pack-quantized")

@@ -311,12 +311,7 @@ class _Session:
                     verdict = gate.receive_data(data)
                 if isinstance(verdict, Refused):
                     why = verdict.reason
-                    await stream.send_all(verdict.reply)
-                    # Let the caller read its answer and hang up (closing at once can reset the
-                    # connection before it does); one that stays is cut off soon after.
-                    with trio.move_on_after(REFUSED_LINGER_S):
-                        while await stream.receive_some(gate.max_bytes):
-                            pass
+                    await self._answer(stream, verdict.reply, gate.max_bytes)
         except RemoteProtocolError as exc:
             verdict, why = None, exc.reason
         except (trio.BrokenResourceError, trio.ClosedResourceError):
@@ -338,11 +333,9 @@ class _Session:
                    f"{'s' if self.channels > 1 else ''} already (all its tunnel's channels); retry later")
             self.log.info("target connection refused: every channel in use", channels=self.channels)
             self.hub.registry.note_connection(self.session_id, refused_busy=1)
-            with trio.move_on_after(REFUSED_LINGER_S):
+            with trio.move_on_after(REFUSED_LINGER_S):  # its answer's send too is bounded here
                 try:
-                    await stream.send_all(gate.busy(why))
-                    while await stream.receive_some(gate.max_bytes):
-                        pass
+                    await self._answer(stream, gate.busy(why), gate.max_bytes)
                 except (trio.BrokenResourceError, trio.ClosedResourceError):
                     pass
             await stream.aclose()
@@ -358,6 +351,16 @@ class _Session:
                 await self._splice(stream, verdict.forward)
         finally:
             self.hub.registry.note_connection(self.session_id, opened=-1)
+
+    @staticmethod
+    async def _answer(stream: trio.SocketStream, reply: bytes, max_bytes: int) -> None:
+        """Send a connection the hub turns away its answer, then let the caller read it and hang
+        up (closing at once can reset the connection before it does); one that stays is cut off
+        after REFUSED_LINGER_S."""
+        await stream.send_all(reply)
+        with trio.move_on_after(REFUSED_LINGER_S):
+            while await stream.receive_some(max_bytes):
+                pass
 
     async def _mux_read(self) -> None:
         """Read a multiplexed tunnel for the session's life: each channel's data to its

@@ -13,6 +13,7 @@ import time
 import urllib.request
 
 import pytest
+from helpers import wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -42,10 +43,12 @@ def test_demo_stay_keeps_the_service_up_says_how_to_use_it_and_stops_whole(tmp_p
             assert json.load(answer)["usage"]["completion_tokens"] == 4
         os.kill(proc.pid, signal.SIGTERM)
         assert proc.wait(timeout=60) is not None
-        time.sleep(1)
+
+        def group() -> list[str]:
+            return subprocess.run(["pgrep", "-g", str(proc.pid)], capture_output=True, text=True).stdout.split()
+
         # Every piece it started is gone with it (the process group holds no one).
-        left = subprocess.run(["pgrep", "-g", str(proc.pid)], capture_output=True, text=True).stdout.split()
-        assert left == [], left
+        wait_until(lambda: not group(), 30, "the demo's processes to end with it")
     finally:
         try:
             os.killpg(proc.pid, signal.SIGKILL)

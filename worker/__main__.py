@@ -19,7 +19,7 @@ import tempfile
 import time
 import urllib.parse
 from concurrent import futures
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import grpc
 import trio
@@ -374,6 +374,14 @@ def _load_and_serve(args: argparse.Namespace, index: ExpertIndex, wallet: Wallet
                   console=console, require_e2e=require_e2e, replan=replan)
 
 
+def _handshake(args: argparse.Namespace, wallet: Wallet, require_e2e: bool, **hello: Any) -> WorkerHandshake:
+    """A handshake as this worker's flags make every one (its wallet and version, the pinned
+    hub key, its encryption policy, the AEADs it seals fastest with); ``hello`` the fields of
+    this one (its slices and digest, or a planning hello's candidates and capacity)."""
+    return WorkerHandshake(wallet, worker_version=__version__, expected_hub_key=args.hub_key,
+                           require_encryption=require_e2e, aeads=preferred_aeads(), **hello)
+
+
 def _expert_bytes(index: ExpertIndex) -> int:
     """The bytes one expert takes in this worker's memory: as the checkpoint stores it when the
     worker keeps it so (FP8, MXFP4, compressed-tensors), else gate, up and down in its dtype."""
@@ -414,10 +422,8 @@ def _plan(args: argparse.Namespace, index: ExpertIndex, wallet: Wallet, url: str
              f"{budget / 2**20:.1f} MiB (--max-expert-memory): give it more memory")
 
     def make_handshake() -> WorkerHandshake:
-        return WorkerHandshake(
-            wallet, slices=index.slices, weights_digest=hashlib.sha256(b"").digest(), device=device,
-            model_type=index.info.model_type, worker_version=__version__, expected_hub_key=args.hub_key,
-            require_encryption=require_e2e, aeads=preferred_aeads(), expert_capacity=int(capacity))
+        return _handshake(args, wallet, require_e2e, slices=index.slices, weights_digest=hashlib.sha256(b"").digest(),
+                          device=device, model_type=index.info.model_type, expert_capacity=int(capacity))
 
     log.info("asking the hub for a slice", capacity_experts=int(capacity), expert_mib=round(per_expert / 2**20, 2),
              budget_mib=round(budget / 2**20, 1))
@@ -458,16 +464,12 @@ def _serve(args: argparse.Namespace, *, url: str, ssl_context: ssl.SSLContext | 
         return 1
 
     def make_handshake(slices: dict[int, tuple[int, ...]], digest: bytes) -> WorkerHandshake:
-        return WorkerHandshake(
-            wallet,
+        return _handshake(
+            args, wallet, require_e2e,
             slices=slices,
             weights_digest=digest,
             device=str(experts.device),
             model_type=experts.model_type,
-            worker_version=__version__,
-            expected_hub_key=args.hub_key,
-            require_encryption=require_e2e,
-            aeads=preferred_aeads(),
             projections=not args.echo_experts,  # row checks: an echo worker computes none
             expert_function=experts.function.to_proto(),
             tunnel_channels=args.backbones if args.backbones >= 2 else 0,
