@@ -296,6 +296,7 @@ class Dispatcher:
             for sent in late:
                 self._late(layer, sent)
                 self._count(RowTally.FALLBACK, sent.routes)
+                self._report_fallback(sent)
                 for r in sent.routes:
                     partials[r.expert] = self._compute(layer, fn, hidden, top_k_weights, r)
 
@@ -305,6 +306,7 @@ class Dispatcher:
             self.fallback_calls += 1
             self.fallback_rows += sent.record.rows
         self._count(RowTally.FALLBACK, sent.routes)
+        self._report_fallback(sent)
         for r in sent.routes:
             partials[r.expert] = self._compute(layer, fn, hidden, top_k_weights, r)
 
@@ -440,6 +442,12 @@ class Dispatcher:
             yield tally.counts
         finally:
             self._tally.value = previous
+
+    def _report_fallback(self, sent: SentCall) -> None:
+        """``sent``'s rows were computed here: the hub hears it with the work (each session's
+        fallback share on its page)."""
+        if self.reporter is not None:
+            self.reporter.fell_back(sent.link.session_id, sent.record.rows)
 
     def _count(self, kind: int, routes: list[Route]) -> None:
         tally: RowTally | None = getattr(self._tally, "value", None)

@@ -34,6 +34,8 @@ class WorkTally:
     bytes: int = 0
     calls: int = 0
     rows: int = 0
+    # Rows sent to the session and computed here (lost, refused or late): never paid.
+    fallback_rows: int = 0
 
 
 class AuditGate:
@@ -105,7 +107,7 @@ class WorkReporter:
         self.call_timeout_s = call_timeout_s
         self._lock = threading.Lock()
         self._work: dict[str, WorkTally] = {}
-        self._sent: dict[str, int] = {}  # bytes the hub has acknowledged, per session
+        self._sent: dict[str, tuple[int, int]] = {}  # (bytes, fallback rows) the hub has, per session
         self._quarantines: list[session_pb2.QuarantineRequest] = []
         self._dropped: set[str] = set()
         self._wake = threading.Event()
@@ -131,6 +133,15 @@ class WorkReporter:
             t.bytes += nbytes
             t.calls += 1
             t.rows += rows
+
+    def fell_back(self, session_id: str, rows: int) -> None:
+        """``rows`` sent to ``session_id`` were computed here instead (the call was lost,
+        refused or late): reported with the work, so the hub's page shows each session's
+        fallback share. Unpaid."""
+        with self._lock:
+            if session_id in self._dropped:
+                return
+            self._work.setdefault(session_id, WorkTally()).fallback_rows += rows
 
     def quarantine(self, request: session_pb2.QuarantineRequest) -> None:
         """Report a liar at once; its work is never reported again in this run."""
@@ -170,9 +181,10 @@ class WorkReporter:
                 return False
         with self._lock:
             reports = [
-                session_pb2.WorkReport(session_id=sid, cumulative_bytes=t.bytes, calls=t.calls, rows=t.rows)
+                session_pb2.WorkReport(session_id=sid, cumulative_bytes=t.bytes, calls=t.calls, rows=t.rows,
+                                       fallback_rows=t.fallback_rows)
                 for sid, t in self._work.items()
-                if t.bytes > self._sent.get(sid, 0)
+                if (t.bytes, t.fallback_rows) != self._sent.get(sid, (0, 0))
             ]
         demand = self.demand_source() if self.demand_source is not None else {}
         if demand == self._demand_sent:
@@ -197,7 +209,7 @@ class WorkReporter:
         self.refused |= refused
         with self._lock:
             for r in reports:
-                self._sent[r.session_id] = r.cumulative_bytes
+                self._sent[r.session_id] = (r.cumulative_bytes, r.fallback_rows)
                 if r.session_id in refused:
                     self._dropped.add(r.session_id)
                     self._work.pop(r.session_id, None)

@@ -328,6 +328,12 @@ class ContributionStore:
             ).fetchall()
         return [PendingReceipt(sid, seq, bytes(signed)) for sid, seq, signed in rows]
 
+    def pending_count(self) -> int:
+        """How many receipts wait for the ledger's answer."""
+        with self._lock:
+            (n,) = self._db.execute("SELECT COUNT(*) FROM receipts WHERE state = 'pending'").fetchone()
+        return int(n)
+
     def settle(self, results: Sequence[Settlement]) -> None:
         """Record the ledger's answers: 'acked' and 'rejected' receipts leave the pending
         set; 'pending' ones stay, with the reason they were refused this time."""

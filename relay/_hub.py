@@ -843,5 +843,6 @@ async def serve_hub(
                 link = GatewayLink(functools.partial(hub.serve_connection, via_gateway=True), url,
                                    config.gateway_token,
                                    ssl_context=config.gateway_ssl)
+                hub.registry.gateway_links.append(link.state)
                 await nursery.start(link.run)  # a refused token or certificate stops the hub here
         task_status.started(intake.port)

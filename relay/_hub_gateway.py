@@ -10,9 +10,11 @@ so ``GatewayLink.run`` raises ``GatewayRefused`` with the line to show the opera
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import socket
 import ssl
+import time
 import urllib.parse
 from collections.abc import Awaitable, Callable
 
@@ -33,7 +35,7 @@ from kvasir_rpc.protocol import (
     decode_pair,
 )
 
-__all__ = ["GatewayLink", "GatewayRefused"]
+__all__ = ["GatewayLink", "GatewayLinkState", "GatewayRefused"]
 
 log = get_logger("relay.hub.gateway")
 # trio.BrokenResourceError: a TLS handshake that failed (TLSStream raises it, the SSLError chained).
@@ -148,6 +150,27 @@ async def tls_hint(gateway: str, exc: BaseException, *, timeout_s: float = _TLS_
 ServeConnection = Callable[[WebSocketConnection, str], Awaitable[None]]
 
 
+@dataclasses.dataclass
+class GatewayLinkState:
+    """What the hub's page shows of one gateway link: ``state`` is "connecting" (the first
+    attempt), "connected" or "retrying"; since when (unix ms); what ended the last control
+    connection; pairs (worker connections through it) live now and served in all."""
+
+    gateway: str
+    state: str = "connecting"
+    since_unix_ms: int = dataclasses.field(default_factory=lambda: time.time_ns() // 1_000_000)
+    last_error: str = ""
+    connects: int = 0
+    pairs_live: int = 0
+    pairs_served: int = 0
+
+    def to(self, state: str, error: str = "") -> None:
+        if state != self.state:
+            self.state, self.since_unix_ms = state, time.time_ns() // 1_000_000
+        if error:
+            self.last_error = error[:300]
+
+
 class GatewayLink:
     """Keeps this hub reachable through a gateway (``wss://HOST:PORT``) until cancelled.
 
@@ -167,6 +190,7 @@ class GatewayLink:
         self._min_backoff = min_backoff_s
         self._max_backoff = max_backoff_s
         self._task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+        self.state = GatewayLinkState(self.base)
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Keep the control connection up until cancelled. Reports started once the first
@@ -177,6 +201,7 @@ class GatewayLink:
         async with trio.open_nursery() as sessions:
             while True:
                 connected, error = await self._control_once(sessions)
+                self.state.to("retrying", error)
                 self._started()
                 backoff = self._min_backoff if connected else min(backoff * 2, self._max_backoff)
                 delay = backoff * random.uniform(0.5, 1.5)
@@ -200,6 +225,8 @@ class GatewayLink:
                 extra_headers=self._headers, connect_timeout=_CONNECT_TIMEOUT_S, disconnect_timeout=5,
             ) as ctrl:
                 connected = True
+                self.state.connects += 1
+                self.state.to("connected")
                 log.info("gateway control connected", gateway=self.base)
                 self._started()
                 while True:
@@ -213,11 +240,14 @@ class GatewayLink:
             failure = leaf_exception(eg)
             line = refusal_line(self.base, failure)
             if line is not None:
+                self.state.to("refused", line)
                 raise GatewayRefused(line) from None
             error = describe(failure) + ("" if connected else await tls_hint(self.base, failure))
         return connected, error
 
     async def _serve_pair(self, pid: str, remote: str) -> None:
+        self.state.pairs_live += 1
+        self.state.pairs_served += 1
         try:
             async with open_websocket_url(
                 f"{self.base}{HUB_DATA_PREFIX}{pid}", ssl_context=self._ssl, subprotocols=list(TUNNEL_SUBPROTOCOLS),
@@ -230,3 +260,5 @@ class GatewayLink:
             log.info("gateway data connection ended", pair=pid, error=repr(leaf_exception(eg))[:200])
         except* Exception:  # one session's failure must never stop the hub
             log.exception("gateway session failed", pair=pid)
+        finally:
+            self.state.pairs_live -= 1

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+import time
 
 import grpc
 import trio
@@ -70,6 +71,13 @@ class ReceiptSenderStats:
     # What the ledger credited for receipts it newly credited while this hub ran.
     credited_bytes: int = 0
     credited_nano_kvr: int = 0
+    # The link to the ledger: its address (None: receipts are signed and kept), receipts
+    # waiting for its answer after the last pass, when it last answered (unix ms, 0: not
+    # yet) and why the last pass that failed did ("" after a good one).
+    ledger: str | None = None
+    pending: int = 0
+    last_answer_unix_ms: int = 0
+    last_error: str = ""
 
 
 class ReceiptSender:
@@ -101,6 +109,9 @@ class ReceiptSender:
         self._ended_recorded = 0
         self._credited_bytes = 0
         self._credited_nano_kvr = 0
+        self._pending = 0
+        self._last_answer_ms = 0
+        self._last_error = ""
 
     def statistics(self) -> ReceiptSenderStats:
         """A frozen snapshot of the loop's counters."""
@@ -109,7 +120,9 @@ class ReceiptSender:
         return ReceiptSenderStats(submitted=self._acked + self._rejected, acked=self._acked, rejected=self._rejected,
                                   refused=self._refused, flushes=self._flushes, ledger_errors=self._ledger_errors,
                                   ended_recorded=self._ended_recorded, ended_queued=queued,
-                                  credited_bytes=self._credited_bytes, credited_nano_kvr=self._credited_nano_kvr)
+                                  credited_bytes=self._credited_bytes, credited_nano_kvr=self._credited_nano_kvr,
+                                  ledger=self.ledger_target, pending=self._pending,
+                                  last_answer_unix_ms=self._last_answer_ms, last_error=self._last_error)
 
     def session_ended(self, stats: SessionStats) -> None:
         """Registry hook (trio thread): queue the session's final counters and wake the loop,
@@ -170,6 +183,7 @@ class ReceiptSender:
         # Not cancellable once started (to_thread's default): a batch is saved whole, once.
         await trio.to_thread.run_sync(self._record_ended, self._take_ended())
         await trio.to_thread.run_sync(self.store.issue_receipts, self.key)
+        self._pending = await trio.to_thread.run_sync(self.store.pending_count)
         if not self.ledger_target:
             return True
         pending = await trio.to_thread.run_sync(self.store.pending)
@@ -179,6 +193,7 @@ class ReceiptSender:
             results = await trio.to_thread.run_sync(self._submit, pending)
         except grpc.RpcError as exc:
             self._ledger_errors += 1
+            self._last_error = f"{exc.code()}: {exc.details()}"[:300]
             log.warning("ledger unreachable; receipts stay pending", ledger=self.ledger_target,
                         code=str(exc.code()), pending=len(pending))
             return False
@@ -195,6 +210,10 @@ class ReceiptSender:
                 self._credited_nano_kvr += s.credit.nano_kvr
             self.registry.credit(s.receipt.session_id, s.credit.seq, s.credit.cumulative_bytes, s.credit.nano_kvr)
         await trio.to_thread.run_sync(self.store.settle, results)
+        self._last_answer_ms = time.time_ns() // 1_000_000
+        kept = [s for s in results if s.state == "pending"]
+        self._last_error = f"refused {len(kept)} receipts: {kept[0].reason}" if kept else ""
+        self._pending = await trio.to_thread.run_sync(self.store.pending_count)
         return all(s.state != "pending" for s in results)
 
     def _submit(self, pending: list[PendingReceipt]) -> list[Settlement]:

@@ -12,9 +12,13 @@ import queue
 import threading
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from kvasir_rpc import ExpertSet, HelloInfo, session_pb2, slices_to_proto
 from relay._plan import Demand, Reservations
+
+if TYPE_CHECKING:
+    from relay._hub_gateway import GatewayLinkState
 
 __all__ = ["RegistryTotals", "SessionChange", "SessionRegistry", "SessionStats"]
 
@@ -57,6 +61,9 @@ class SessionStats:
     tunnel_channels: int = 1
     backbone_connections: int = 0
     connections_refused_busy: int = 0
+    # Rows the backbones sent it but computed themselves (lost, refused or late calls), summed
+    # over their runs: its fallback share is fallback_rows / (work_rows + fallback_rows).
+    fallback_rows: int = 0
 
     def to_proto(self) -> session_pb2.Session:
         s = session_pb2.Session(
@@ -138,6 +145,10 @@ class _Entry:
     credited_seq: int = 0  # the latest credited receipt's seq: an older or repeated one adds nothing
     connections: int = 0  # backbone connections spliced now
     refused_busy: int = 0  # turned away: every channel in use
+    # Rows computed by the backbones instead (their reports, cumulative per run), by run id;
+    # runs pushed out of the (bounded) map leave their last count in fallback_folded.
+    fallback_runs: dict[str, int] = dataclasses.field(default_factory=dict)
+    fallback_folded: int = 0
     # Ends the session from any thread, with a reason and a close code for the worker.
     kick: Callable[[str, int], None] | None = None
 
@@ -166,6 +177,9 @@ class SessionRegistry:
         self.reservations = Reservations()
         # Each backbone run's last status (its work reports carry one), by run id, with when.
         self._backbones: dict[str, tuple[float, session_pb2.BackboneStatus]] = {}
+        # The hub's gateway links (relay._hub_gateway.GatewayLinkState), for its page; added
+        # and updated on the hub's event loop, read there.
+        self.gateway_links: list[GatewayLinkState] = []
 
     def _stats(self, sid: str, e: _Entry) -> SessionStats:
         h = e.hello
@@ -195,6 +209,7 @@ class SessionRegistry:
             tunnel_channels=max(h.tunnel_channels, 1),
             backbone_connections=e.connections,
             connections_refused_busy=e.refused_busy,
+            fallback_rows=e.fallback_folded + sum(e.fallback_runs.values()),
         )
 
     def _notify(self, kind: session_pb2.SessionEvent.Kind, stats: SessionStats) -> None:
@@ -251,6 +266,20 @@ class SessionRegistry:
                 e.work_bytes = max(e.work_bytes, work_bytes)
                 e.work_calls = max(e.work_calls, calls)
                 e.work_rows = max(e.work_rows, rows)
+
+    #: Backbone runs whose fallback counts a session keeps apart (the rest are folded).
+    MAX_FALLBACK_RUNS = 64
+
+    def note_fallback(self, session_id: str, run_id: str, rows: int) -> None:
+        """Backbone run ``run_id`` computed ``rows`` of the session's rows itself so far (its
+        work report's cumulative count: an older or repeated one adds nothing)."""
+        with self._lock:
+            e = self._sessions.get(session_id)
+            if e is None:
+                return
+            e.fallback_runs[run_id] = max(e.fallback_runs.get(run_id, 0), rows)
+            if len(e.fallback_runs) > self.MAX_FALLBACK_RUNS:
+                e.fallback_folded += e.fallback_runs.pop(next(iter(e.fallback_runs)))
 
     #: A backbone not heard from for this long is gone from ``backbones()``.
     BACKBONE_GONE_S = 15.0

@@ -218,7 +218,29 @@ class StatusBoard:
             "backbones": s.backbone_connections,
             "backbones_max": s.tunnel_channels,
             "backbones_refused": s.connections_refused_busy,
+            # Rows the backbones sent it but computed themselves (lost, refused or late calls).
+            "fallback_rows": s.fallback_rows,
+            "fallback_share": round(s.fallback_rows / (s.work_rows + s.fallback_rows), 4)
+            if s.work_rows + s.fallback_rows else None,
         }
+
+    def links(self, sender: ReceiptSenderStats | None) -> dict[str, object]:
+        """Where the hub's receipts and workers come through: the ledger (its address, the
+        receipts waiting for it, when it last answered) and each gateway link's state."""
+        ledger = None if sender is None else {
+            "address": sender.ledger, "pending_receipts": sender.pending,
+            "last_answer_unix_ms": sender.last_answer_unix_ms or None, "last_error": sender.last_error or None}
+        gateways = [{"gateway": g.gateway, "state": g.state, "since_unix_ms": g.since_unix_ms,
+                     "last_error": g.last_error or None, "connects": g.connects, "pairs_live": g.pairs_live,
+                     "pairs_served": g.pairs_served} for g in self.registry.gateway_links]
+        return {"ledger": ledger, "gateways": gateways}
+
+    @staticmethod
+    def quarantines(desk: WorkDeskStats | None) -> list[dict[str, object]]:
+        """The latest quarantines, newest first."""
+        if desk is None:
+            return []
+        return [dataclasses.asdict(q) for q in reversed(desk.recent_quarantines)]
 
     def snapshot(self) -> dict[str, object]:
         """The status document (``/api/status``): plain JSON types, no secrets (addresses of
@@ -262,6 +284,8 @@ class StatusBoard:
                 "bytes_per_s": history[-1]["bytes_per_s"] if history else 0.0,
             },
             "sessions": [self._session(s) for s in sessions],
+            "quarantines": self.quarantines(desk),
+            "links": self.links(sender),
             "expert_map": self.expert_map(sessions, generation),
             "demand": self.demand(),
             "backbones": self.backbones(),

@@ -9,6 +9,7 @@ nothing more for it) and refuses the wallet for ``quarantine_s``.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import re
 import threading
@@ -21,12 +22,13 @@ from kvasir_rpc.protocol import MAX_EXPERTS_PER_LAYER, MAX_LAYERS
 from relay._contrib import ContributionStore
 from relay._registry import SessionRegistry
 
-__all__ = ["DeskError", "WorkDesk", "WorkDeskStats"]
+__all__ = ["DeskError", "QuarantineNote", "WorkDesk", "WorkDeskStats"]
 
 log = get_logger("relay.work")
 
 _RUN_ID = re.compile(r"[A-Za-z0-9_-]{16,64}")
 MAX_REPORTS = 10_000
+RECENT_QUARANTINES = 20
 
 
 class DeskError(Exception):
@@ -36,6 +38,20 @@ class DeskError(Exception):
         super().__init__(message)
         self.code = code
         self.message = message
+
+
+@dataclasses.dataclass(frozen=True)
+class QuarantineNote:
+    """One quarantine as the status page shows it: whose session, why, and until when."""
+
+    session_id: str
+    wallet: str
+    violation: str
+    layer: int
+    expert: int
+    detail: str
+    at_unix_ms: int
+    until_unix_ms: int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,6 +67,8 @@ class WorkDeskStats:
     work_rows: int
     refused: int
     quarantines: dict[str, int]
+    # The latest quarantines, newest last (at most RECENT_QUARANTINES): what the page lists.
+    recent_quarantines: tuple[QuarantineNote, ...] = ()
 
 
 class WorkDesk:
@@ -66,6 +84,7 @@ class WorkDesk:
         self._grown = [0, 0, 0]  # bytes, calls, rows
         self._refused = 0
         self._quarantines: dict[str, int] = {}
+        self._recent: collections.deque[QuarantineNote] = collections.deque(maxlen=RECENT_QUARANTINES)
         # Bans outlive the hub: a restart frees no quarantined wallet.
         for wallet, until in store.active_bans(time.time_ns() // 1_000_000).items():
             registry.ban(wallet, until)
@@ -75,7 +94,7 @@ class WorkDesk:
         with self._lock:
             return WorkDeskStats(reports=self._reports, work_bytes=self._grown[0], work_calls=self._grown[1],
                                  work_rows=self._grown[2], refused=self._refused,
-                                 quarantines=dict(self._quarantines))
+                                 quarantines=dict(self._quarantines), recent_quarantines=tuple(self._recent))
 
     def report(self, request: session_pb2.ReportWorkRequest) -> session_pb2.ReportWorkResponse:
         if not _RUN_ID.fullmatch(request.run_id):
@@ -111,6 +130,8 @@ class WorkDesk:
                     self._grown[i] += after[i] - before[i]
             if live is not None:
                 self.registry.set_work(r.session_id, *after)
+                if r.fallback_rows:
+                    self.registry.note_fallback(r.session_id, request.run_id, r.fallback_rows)
         with self._lock:
             self._reports += 1
             self._refused += len(refused)
@@ -139,5 +160,8 @@ class WorkDesk:
                   refused_until_unix_ms=until)
         with self._lock:
             self._quarantines[violation] = self._quarantines.get(violation, 0) + 1
+            self._recent.append(QuarantineNote(
+                session_id=sid, wallet=wallet, violation=violation, layer=request.layer, expert=request.expert,
+                detail=request.detail[:200], at_unix_ms=time.time_ns() // 1_000_000, until_unix_ms=until))
         self.registry.kick(sid, f"quarantined: {violation}")
         return session_pb2.QuarantineResponse(refused_until_unix_ms=until)

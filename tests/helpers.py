@@ -62,12 +62,13 @@ def grpcurl_path() -> str:
     return str(path)
 
 
-def swarm_with_dishonest(sw, model, name: str, launcher: tuple[str, ...]):  # type: ignore[no-untyped-def]
-    """Ledger, hub, an honest worker on experts 4-7 and, started by ``launcher`` (a script of
-    tests/ and its options, then ``--``), a dishonest worker ``name`` on 0-3; returns their
-    sessions (dishonest, honest)."""
+def swarm_with_dishonest(sw, model, name: str, launcher: tuple[str, ...], *,  # type: ignore[no-untyped-def]
+                         http: bool = False):
+    """Ledger, hub (with its status page when ``http``), an honest worker on experts 4-7 and,
+    started by ``launcher`` (a script of tests/ and its options, then ``--``), a dishonest
+    worker ``name`` on 0-3; returns their sessions (dishonest, honest)."""
     sw.start_ledger()
-    sw.start_hub(receipt_interval=0.5)
+    sw.start_hub(receipt_interval=0.5, http=http)
     # Both start at once: each loads torch for seconds, and nothing here depends on which
     # joins first (they hold disjoint experts; sessions are told apart by them below).
     sw.start_worker("honest", model, "*:4-7")

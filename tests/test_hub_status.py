@@ -289,3 +289,58 @@ def test_the_status_lists_the_backbones_that_reported_with_their_load_and_shares
     (b,) = doc["backbones"]  # type: ignore[misc]
     assert (b["run"], b["kind"], b["running"], b["waiting"]) == ("b" * 12, "serve", 3, 1)
     assert (b["remote_share"], b["fallback_share"], b["worker_busy_refusals"]) == (0.9, 0.1, 2)
+
+
+def test_each_session_shows_its_fallback_share_over_backbone_runs_and_the_latest_quarantines(desk: WorkDesk) -> None:
+    add(desk.registry, "s1", {0: range(4)})
+    wallet = add(desk.registry, "s2", {0: range(4)})
+
+    def work(run: str, sid: str, nbytes: int, rows: int, fallback: int) -> None:
+        desk.report(session_pb2.ReportWorkRequest(run_id=run, reports=[session_pb2.WorkReport(
+            session_id=sid, cumulative_bytes=nbytes, calls=1, rows=rows, fallback_rows=fallback)]))
+
+    work("a" * 16, "s1", 1000, 60, 10)
+    work("a" * 16, "s1", 1000, 60, 10)  # the same report again: nothing more
+    work("b" * 16, "s1", 500, 20, 10)   # a second backbone run: its own count, summed
+    work("a" * 16, "s2", 1000, 80, 0)
+    board = StatusBoard(desk.registry, hub_key="k" * 64, desk=desk.statistics)
+    doc = board.snapshot()
+    by = {s["session_id"]: s for s in doc["sessions"]}  # type: ignore[attr-defined]
+    assert (by["s1"]["fallback_rows"], by["s1"]["fallback_share"]) == (20, 0.2)  # 20 of 80 + 20
+    assert (by["s2"]["fallback_rows"], by["s2"]["fallback_share"]) == (0, 0.0)
+    # Many runs of one session stay bounded and keep their sum.
+    for i in range(SessionRegistry.MAX_FALLBACK_RUNS + 10):
+        desk.registry.note_fallback("s2", f"{i:016d}", 1)
+    assert desk.registry.get("s2").fallback_rows == SessionRegistry.MAX_FALLBACK_RUNS + 10  # type: ignore[union-attr]
+    assert doc["quarantines"] == [] and doc["links"] == {"ledger": None, "gateways": []}
+
+    desk.quarantine(session_pb2.QuarantineRequest(session_id="s2", violation=session_pb2.VIOLATION_ROW_CHECK,
+                                                  layer=0, expert=3, detail="rows do not fit"))
+    (q,) = board.snapshot()["quarantines"]  # type: ignore[misc]
+    assert (q["session_id"], q["wallet"], q["violation"], q["expert"]) == ("s2", wallet, "VIOLATION_ROW_CHECK", 3)
+    assert q["until_unix_ms"] > q["at_unix_ms"] > 0 and q["detail"] == "rows do not fit"
+
+
+def test_the_links_name_the_ledger_with_its_pending_receipts_and_each_gateway_state() -> None:
+    from relay._hub_gateway import GatewayLinkState
+    from relay._receipt_sender import ReceiptSenderStats
+
+    registry = SessionRegistry()
+    link = GatewayLinkState("wss://gw.example:443")
+    registry.gateway_links.append(link)
+    stats = ReceiptSenderStats(submitted=0, acked=0, rejected=0, refused=0, flushes=3, ledger_errors=2,
+                               ended_recorded=0, ended_queued=0, ledger="ledger.example:50051", pending=7,
+                               last_error="StatusCode.UNAVAILABLE: connection refused")
+    board = StatusBoard(registry, hub_key="k" * 64, sender=lambda: stats)
+    links = board.snapshot()["links"]
+    assert links["ledger"] == {"address": "ledger.example:50051", "pending_receipts": 7,  # type: ignore[index]
+                               "last_answer_unix_ms": None,
+                               "last_error": "StatusCode.UNAVAILABLE: connection refused"}
+    (g,) = links["gateways"]  # type: ignore[index]
+    assert (g["gateway"], g["state"], g["connects"]) == ("wss://gw.example:443", "connecting", 0)
+    link.connects += 1
+    link.to("connected")
+    link.pairs_live = link.pairs_served = 2
+    link.to("retrying", "closed by the gateway")
+    (g,) = board.snapshot()["links"]["gateways"]  # type: ignore[index]
+    assert (g["state"], g["last_error"], g["pairs_live"], g["connects"]) == ("retrying", "closed by the gateway", 2, 1)

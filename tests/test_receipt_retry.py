@@ -73,6 +73,9 @@ def test_untrusted_receipts_stay_pending_until_the_ledger_trusts_the_hub(
         assert len(warnings) == 1 and warnings[0]["reason"] == UNTRUSTED and warnings[0]["receipts"] == 2
         assert f"start the ledger with --trust-key {hub.address}" in warnings[0]["todo"]
         assert states("s1") == states("s2") == [("pending", UNTRUSTED)]
+        stats = sender.statistics()  # what the hub's page shows of its ledger link
+        assert (stats.ledger, stats.pending) == (ledger.address, 2) and stats.last_answer_unix_ms > 0
+        assert stats.last_error == f"refused 2 receipts: {UNTRUSTED}"
         async with trio.open_nursery() as nursery:
             nursery.start_soon(sender.run)
             hub_store.add_work("run1", "s1", 1600, 3, 10)  # more work while refused: a second receipt
@@ -87,6 +90,7 @@ def test_untrusted_receipts_stay_pending_until_the_ledger_trusts_the_hub(
             nursery.cancel_scope.cancel()
         assert [s for s, _ in states("s1") + states("s2")] == ["acked"] * 3
         assert await sender.flush() is True  # nothing more to send
+        assert (sender.statistics().pending, sender.statistics().last_error) == (0, "")
 
     trio.run(main)
     for wallet, work in ((w1, 1600), (w2, 2500)):

@@ -404,7 +404,8 @@ def test_the_page_at_a_real_shape_paints_real_data_first_and_its_map_fits_and_na
     from relay._receipt_sender import ReceiptSenderStats
     from relay._registry import SessionRegistry
     from relay._status import StatusBoard
-    from relay._work import WorkDeskStats
+    from relay._hub_gateway import GatewayLinkState
+    from relay._work import QuarantineNote, WorkDeskStats
 
     layers, experts = 49, 256
     registry = SessionRegistry()
@@ -437,14 +438,25 @@ def test_the_page_at_a_real_shape_paints_real_data_first_and_its_map_fits_and_na
     # The backbones' routers: rows to every expert of layer 3 (some to experts no one holds),
     # and a lot to expert 250 of layer 40, which no one holds.
     registry.demand.report("r" * 16, [(3, [10] * experts), (40, [0] * 250 + [5000])])
+    # s2's calls were lost now and then: a fifth of the rows sent to it computed by the backbone.
+    registry.note_fallback("s2-1b2c3d4e5f60", "r" * 16, 120_000)
+    gateway = GatewayLinkState("wss://gw.example:443", state="connected", connects=2, pairs_live=1, pairs_served=5)
+    registry.gateway_links.append(gateway)
+    now_ms = int(time.time() * 1000)
+    quarantined = QuarantineNote(session_id="s9-feedface0001", wallet="w" * 64, violation="VIOLATION_ROW_CHECK",
+                                 layer=7, expert=99, detail="row 3 does not fit expert 99",
+                                 at_unix_ms=now_ms - 30_000, until_unix_ms=now_ms + 3_600_000)
     board = StatusBoard(registry, hub_key="k" * 64, shape=ModelShape(layers=layers, experts=experts),
                         desk=lambda: WorkDeskStats(reports=12, work_bytes=150_000_000, work_calls=3600,
                                                    work_rows=1_440_000, refused=2,
-                                                   quarantines={"wrong_rows": 1}),
+                                                   quarantines={"wrong_rows": 1},
+                                                   recent_quarantines=(quarantined,)),
                         sender=lambda: ReceiptSenderStats(submitted=9, acked=9, rejected=0, refused=3, flushes=40,
                                                           ledger_errors=1, ended_recorded=1, ended_queued=0,
                                                           credited_bytes=150_000_000,
-                                                          credited_nano_kvr=1_050_000_000))
+                                                          credited_nano_kvr=1_050_000_000,
+                                                          ledger="ledger.example:50051", pending=4,
+                                                          last_answer_unix_ms=now_ms - 5_000))
     doc = board.snapshot()
     assert doc["totals"]["receipts_refused"] == 3 and doc["totals"]["ledger_errors"] == 1  # type: ignore[index]
     assert doc["totals"]["quarantines_by_violation"] == {"wrong_rows": 1}  # type: ignore[index]
@@ -473,6 +485,7 @@ def test_the_page_at_a_real_shape_paints_real_data_first_and_its_map_fits_and_na
             count: document.getElementById('session-count').textContent,
             quarantines: document.getElementById('total-quarantines').textContent,
             ledger: document.getElementById('ledger').textContent,
+            pending: document.getElementById('receipts-pending').textContent,
             uncovered: document.getElementById('uncovered-share').textContent})""")
         assert first["source"] == "initial" and first["count"] == "3", first
         assert "no live sessions" not in json.dumps(first) and "loading" not in json.dumps(first["rows"])
@@ -484,6 +497,13 @@ def test_the_page_at_a_real_shape_paints_real_data_first_and_its_map_fits_and_na
         assert "31.1 ms" in rows["s2-1b2c3d4e5f60"]["text"] and "0.35" in rows["s2-1b2c3d4e5f60"]["text"]
         assert first["quarantines"] == "1" and "wrong_rows 1" in first["ledger"]
         assert "1.05 KVR" in first["ledger"] and "unreachable" in first["ledger"]
+        # Per session its fallback share; the ledger and gateway links; the latest quarantine.
+        assert "20.0%" in rows["s2-1b2c3d4e5f60"]["text"] and "20.0%" not in rows["s1-0a1b2c3d4e5f"]["text"]
+        assert re.search(r"ledger\.example:50051 · answered [5-9] s ago", first["ledger"]), first["ledger"]
+        assert first["pending"] == "4"
+        assert "wss://gw.example:443 · connected" in first["ledger"] and "1 workers now, 5 in all" in first["ledger"]
+        assert "VIOLATION_ROW_CHECK · session s9-feedface0 · wallet" in first["ledger"]
+        assert re.search(r"layer 7 expert 99 · 3\d s ago", first["ledger"]), first["ledger"]
         # Every column of the sessions table shows: none is scrolled away inside its box.
         assert browser.eval("(() => { const t = document.querySelector('#sessions').closest('table');"
                             " return t.getBoundingClientRect().width <= t.parentElement.clientWidth; })()")

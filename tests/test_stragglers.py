@@ -4,8 +4,10 @@ bitwise equal to local and does not wait the call timeout."""
 
 from __future__ import annotations
 
+import json
 import pathlib
 import signal
+import urllib.request
 
 import pytest
 from helpers import swarm_with_dishonest
@@ -25,7 +27,7 @@ CALL_TIMEOUT_S = 30.0
 
 def _swarm_with_staller(sw: LocalSwarm, model, stall: list[str]):  # type: ignore[no-untyped-def]
     """Ledger, hub, an honest worker on experts 4-7 and a staller on 0-3; their sessions."""
-    return swarm_with_dishonest(sw, model, "staller", (STALLER, *stall, "--"))
+    return swarm_with_dishonest(sw, model, "staller", (STALLER, *stall, "--"), http=True)
 
 
 @pytest.mark.parametrize("stall", [[], ["--after", "12", "--seconds", "4"]],
@@ -54,8 +56,18 @@ def test_a_straggler_is_hedged_and_its_late_answers_are_not_paid(stall, tiny_mod
                 assert result["late_answers_dropped"] >= 1
             else:
                 assert staller.session_id not in result["sessions_used"]
-                assert staller.session_id not in work  # type: ignore[operator]
+                # Nothing of it accepted; only the rows computed here instead are on its tally.
+                assert work[staller.session_id]["bytes"] == work[staller.session_id]["calls"] == 0  # type: ignore[index]
             live = {s.session_id: s for s in sw.list_sessions()}
+            # The hub's page shows whose rows the backbone computed itself: the staller's late
+            # ones, as its fallback share; none of the honest worker's.
+            with urllib.request.urlopen(sw.status_url + "api/status", timeout=10) as r:
+                page = {s["session_id"]: s for s in json.load(r)["sessions"]}
+            assert page[staller.session_id]["fallback_rows"] == result["hedged_rows"] > 0, (page, result)
+            assert page[honest.session_id]["fallback_rows"] == 0
+            rows = work.get(staller.session_id, {}).get("rows", 0)  # type: ignore[attr-defined]
+            assert page[staller.session_id]["fallback_share"] == round(
+                result["hedged_rows"] / (rows + result["hedged_rows"]), 4)
             credited = sw.wait_credited(list(live.values()))
             # Paid what the backbone accepted, nothing for the late answers.
             for sid in (staller.session_id, honest.session_id):

@@ -88,6 +88,7 @@ def test_the_worker_shows_its_owner_progress_state_work_and_credit(tiny_models, 
             shown = term.text()
             assert "loading experts 16/16" in shown and "393.2/393.2 kB" in shown, shown[-3000:]
             assert "not encrypted" in shown and sw.hub_ws_url in shown
+            assert "credit for work accepted" in shown  # what KVR is, where the owner looks
             sw.wait_sessions(2, watch=["logged"])
             result = sw.run_backbone(["--model", str(model), "--prompt", "a console for the owner",
                                       "--max-new-tokens", "4", "--wait-sessions", "2"], timeout=300)
@@ -121,5 +122,7 @@ def test_the_worker_shows_its_owner_progress_state_work_and_credit(tiny_models, 
         loading = [r for r in records() if r["event"] == "loading"]
         assert [r["percent"] for r in loading] == [25, 50, 75, 100], loading
         assert records()[events.index("loading experts")]["model"] == str(model)
+        kvr = [r["event"] for r in records() if r["event"].startswith("KVR is the credit")]
+        assert len(kvr) == 1 and f"kvasir balance --ledger {sw.ledger_address} --wallet" in kvr[0], kvr
         serving = next(r for r in records() if credited(r))
         assert serving["bytes_in"] > 0 and serving["bytes_out"] > 0 and serving["rows"] > 0, serving

@@ -442,7 +442,7 @@ def _serve(args: argparse.Namespace, *, url: str, ssl_context: ssl.SSLContext | 
     """Serve the loaded experts through one tunnel per share until a signal (SIGTERM: 0,
     SIGINT: 130, both after draining), a refusal that retrying cannot change (fail()), or, with
     ``replan``, the hub asking this planned worker to plan again (REPLAN)."""
-    from worker._console import Balance, StatusView, log_serving, poll_balance
+    from worker._console import Balance, StatusView, earnings_line, log_serving, poll_balance
     from worker._service import ExpertServicer
     from worker._tunnel import ReplanRequested, TunnelHolder, TunnelRefused, run_tunnel
 
@@ -480,6 +480,8 @@ def _serve(args: argparse.Namespace, *, url: str, ssl_context: ssl.SSLContext | 
     if args.ledger:
         host, port = args.ledger
         balance = Balance(hostport_text(host, port))
+    if console is None:
+        log.info(earnings_line(wallet.address, balance.ledger if balance is not None else None))
     stopped_by: list[int] = []
 
     async def run() -> None:

@@ -27,7 +27,7 @@ if TYPE_CHECKING:
 
     from worker._service import ExpertServicer
 
-__all__ = ["Balance", "LoadReporter", "StatusView", "log_serving", "poll_balance", "serving_record"]
+__all__ = ["Balance", "LoadReporter", "StatusView", "earnings_line", "log_serving", "poll_balance", "serving_record"]
 
 log = get_logger("worker")
 
@@ -94,6 +94,17 @@ class LoadReporter:
         if self._progress is not None:
             self._progress.stop()
             self._progress = None
+
+
+def earnings_line(wallet: str, ledger: str | None) -> str:
+    """What the worker's owner earns and where to see it, in one line: the console's and the
+    log's first word on KVR."""
+    see = (f"kvasir balance --ledger {ledger} --wallet {wallet}" if ledger
+           else "start the worker with --ledger HOST:PORT (the hub's ledger) to see it here, or run "
+                f"kvasir balance --ledger HOST:PORT --wallet {wallet}")
+    return ("KVR is the credit this wallet earns for expert work the backbones checked and accepted: the hub "
+            "signs a receipt for its bytes, the ledger credits the wallet (7 nano-KVR a byte unless the ledger "
+            "says otherwise), and what the ledger credited is what becomes payable. See it: " + see)
 
 
 def serving_record(servicer: ExpertServicer, holders: Sequence[TunnelHolder],
@@ -205,11 +216,15 @@ class StatusView:
         r = serving_record(self.servicer, self.holders, self.balance)
         t.add_row("calls", f"{r['calls']:,}  rows {r['rows']:,}")
         t.add_row("bytes", f"in {_size(r['bytes_in'])}  out {_size(r['bytes_out'])}")
-        if self.balance is not None:
+        if self.balance is None:
+            t.add_row("credited", "[dim]not shown: start with --ledger HOST:PORT to see the KVR earned[/]")
+        else:
             if self.balance.kvr:
                 t.add_row("credited", f"{self.balance.kvr} KVR for {_size(self.balance.bytes_credited)} of work")
             else:
                 t.add_row("credited", "reading the ledger…")
             if self.balance.error:
                 t.add_row("", f"[yellow]ledger {escape(self.balance.ledger)}: {escape(self.balance.error)}[/]")
+        t.add_row("KVR", "[dim]credit for work accepted: the hub signs receipts for its bytes, the ledger "
+                         "credits this wallet, and what it credited is what becomes payable[/]")
         return Panel(t, title="kvasir worker", expand=False)

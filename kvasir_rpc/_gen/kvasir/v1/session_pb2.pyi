@@ -201,16 +201,18 @@ class WatchSessionsResponse(_message.Message):
     def __init__(self, event: _Optional[_Union[SessionEvent, _Mapping]] = ...) -> None: ...
 
 class WorkReport(_message.Message):
-    __slots__ = ("session_id", "cumulative_bytes", "calls", "rows")
+    __slots__ = ("session_id", "cumulative_bytes", "calls", "rows", "fallback_rows")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     CUMULATIVE_BYTES_FIELD_NUMBER: _ClassVar[int]
     CALLS_FIELD_NUMBER: _ClassVar[int]
     ROWS_FIELD_NUMBER: _ClassVar[int]
+    FALLBACK_ROWS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     cumulative_bytes: int
     calls: int
     rows: int
-    def __init__(self, session_id: _Optional[str] = ..., cumulative_bytes: _Optional[int] = ..., calls: _Optional[int] = ..., rows: _Optional[int] = ...) -> None: ...
+    fallback_rows: int
+    def __init__(self, session_id: _Optional[str] = ..., cumulative_bytes: _Optional[int] = ..., calls: _Optional[int] = ..., rows: _Optional[int] = ..., fallback_rows: _Optional[int] = ...) -> None: ...
 
 class ReportWorkRequest(_message.Message):
     __slots__ = ("run_id", "reports", "demand", "status")
