@@ -723,9 +723,9 @@ class _Hub:
         the experts its checkpoint has, given what the live sessions and the plans handed out
         recently hold and what the backbones route to (``relay._plan``); then close (1000). The
         plan counts as held until the worker joins with it or the reservation's ttl passes."""
-        held = [dict(s.slices) for s in self.registry.statistics()] + self.registry.reservations.live()
+        held = [dict(s.slices) for s in self.registry.statistics()]
         suggested = plan_slice(info.slices, info.expert_capacity, held=held, demand=self.registry.demand.snapshot(),
-                               salt=info.wallet)
+                               salt=info.wallet, reserved=self.registry.reservations.live())
         self.registry.reservations.add(info.wallet, suggested)
         await ws.send_message(hs.accept(session_id, suggested))
         log.info("slice suggested", remote=remote, wallet=info.wallet, capacity=info.expert_capacity,

@@ -4,7 +4,13 @@ two workers on an empty swarm, told nothing but a memory budget, cover every exp
 
 from __future__ import annotations
 
+import json
+import pathlib
+import subprocess
+import sys
+
 import pytest
+from helpers import ROOT
 
 from kvasir_rpc import ExpertIndex
 from kvasir_rpc.dev.swarm import LocalSwarm
@@ -64,11 +70,28 @@ def test_a_reservation_lasts_until_its_worker_joins_or_its_time_passes():
     r = Reservations(ttl_s=60.0, clock=clock)
     r.add("a", {0: (1, 2)})
     r.add("b", {1: (0,)})
-    assert r.live() == [{0: (1, 2)}, {1: (0,)}]
+    assert r.live() == [{0: [1, 2]}, {1: [0]}]
     r.release("a")
-    assert r.live() == [{1: (0,)}]
+    assert r.live() == [{1: [0]}]
     clock.now = 61.0
     assert r.live() == []
+
+
+def test_plans_are_bounded_and_a_stranger_reserving_experts_cannot_make_them_look_covered():
+    clock = Clock()
+    r = Reservations(ttl_s=600.0, clock=clock, max_plans=8)
+    half = {layer: tuple(range(4)) for layer in range(3)}  # what the stranger's hellos offer
+    for i in range(100):  # fresh wallets, each planning the same half
+        r.add(f"stranger-{i}", plan_slice(half, 12, held=[], demand={}, salt=f"stranger-{i}", reserved=r.live()))
+    assert len(r.live()) == 8  # bounded: the oldest plans went
+    # An honest worker loading experts 4-7 (its plan), then a second one planned: the second
+    # takes what no live session holds, the stranger's reserved half, not a copy of the first's.
+    first = plan_slice(ALL, 12, held=[], demand={}, salt="honest-a", reserved=r.live())
+    assert first == {layer: tuple(range(4, 8)) for layer in range(3)}  # the least reserved
+    r.add("honest-a", first)
+    r.release("honest-a")  # it joined: a live session now
+    second = plan_slice(ALL, 12, held=[first], demand={}, salt="honest-b", reserved=r.live())
+    assert second == half
 
 
 @pytest.mark.integration
@@ -91,6 +114,38 @@ def test_two_auto_workers_on_an_empty_swarm_cover_every_expert(tiny_models, tmp_
                                   "--compare-local", "--require-bitwise", "--wait-sessions", "2"])
         assert result["verdict"] == "bitwise equal" and result["local_rows"] == 0 and result["remote_rows"] > 0
         assert "slice suggested" in (sw.logs / "hub.log").read_text()
+
+
+@pytest.mark.integration
+def test_strangers_planning_hellos_do_not_steer_honest_workers_off_the_uncovered_experts(tiny_models, tmp_path):
+    """The attack: before any honest worker comes, a stranger sends 20 planning hellos from
+    fresh wallets, each offering experts 0-3 of every layer, and never joins: 20 plans reserve
+    that half. Then two honest --experts auto workers, each with room for half the model, one
+    after the other. What must hold: between them they cover every expert (a plan is no
+    coverage), and the decode uses no local expert."""
+    model = tiny_models("qwen3_moe")
+    index = ExpertIndex(model)
+    everything = {(l, e) for l, es in index.slices.items() for e in es}
+    per_expert = 3 * index.info.intermediate_size * index.info.hidden_size * index.info.dtype.itemsize
+    half = -(-len(everything) // 2)
+    with LocalSwarm(tmp_path / "swarm") as sw:
+        sw.start_ledger()
+        sw.start_hub(extra=["--model", str(model)])
+        hoarder = subprocess.run([sys.executable, str(pathlib.Path(__file__).with_name("plan_hoarder.py")),
+                                  sw.hub_ws_url, str(len(index.slices)), "0-3", "20"],
+                                 capture_output=True, text=True, timeout=120, env=sw.env, cwd=ROOT)
+        assert hoarder.returncode == 0, hoarder.stderr[-2000:]
+        assert json.loads(hoarder.stdout.splitlines()[-1])["plans"] == 20
+        held: dict[str, set[tuple[int, int]]] = {}
+        for name in ("w1", "w2"):  # one after the other: the second sees the first live
+            sw.start_worker(name, model, "auto", extra=["--max-expert-memory", str(per_expert * half)])
+            (mine,) = [s for s in sw.wait_sessions(len(held) + 1, watch=[name]) if s.session_id not in held]
+            held[mine.session_id] = {(sl.layer, e) for sl in mine.slices for e in sl.experts}
+        first, second = held.values()
+        assert first | second == everything and not first & second, (sorted(first), sorted(second))
+        result = sw.run_backbone(["--model", str(model), "--prompt", "not steered", "--max-new-tokens", "4",
+                                  "--compare-local", "--require-bitwise", "--wait-sessions", "2"])
+        assert result["verdict"] == "bitwise equal" and result["local_rows"] == 0 and result["remote_rows"] > 0
 
 
 def test_a_planned_worker_held_elsewhere_is_picked_to_move_when_experts_are_uncovered():
