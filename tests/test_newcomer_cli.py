@@ -166,6 +166,46 @@ def test_balance_says_what_kvr_is(monkeypatch: pytest.MonkeyPatch, capsys: pytes
     assert "the ledger credits a worker's wallet from its hub's signed byte receipts" in captured.err
 
 
+def test_balance_waits_for_a_first_credit_and_says_why_none_came(tmp_path: pathlib.Path,
+                                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    """``--wait-credited`` against a real ledger (in process, on SQLite): with nothing credited
+    it answers after the wait with exit status 3 and a line naming what to check; with a
+    receipt credited meanwhile it prints the credit and exits 0."""
+    import threading
+
+    import grpc
+
+    from kvasir_rpc import Wallet, ledger_pb2, ledger_pb2_grpc, sign_receipt
+    from ledger import create_server, open_store
+
+    hub, wallet = Wallet.generate(), Wallet.generate().address
+    with open_store(f"sqlite:///{tmp_path / 'ledger.db'}") as store:
+        server, port = create_server("127.0.0.1:0", store, [hub.address], 7)
+        try:
+            args = ["balance", "--ledger", f"127.0.0.1:{port}", "--wallet", wallet]
+            assert main([*args, "--wait-credited", "0.6"]) == 3
+            err = capsys.readouterr().err
+            assert "nothing credited to this wallet after 0.6 s (--wait-credited)" in err and "--trust-key" in err
+
+            def credit() -> None:
+                signed = sign_receipt(hub, ledger_pb2.ByteReceipt(
+                    hub_key=hub.address, session_id="s1", wallet=wallet, seq=1, cumulative_bytes=1000,
+                    issued_at_unix_ms=1_700_000_000_000))
+                with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+                    ledger_pb2_grpc.LedgerServiceStub(channel).SubmitReceipts(
+                        ledger_pb2.SubmitReceiptsRequest(receipts=[signed]), timeout=10)
+
+            later = threading.Timer(0.5, credit)
+            later.start()
+            try:
+                assert main([*args, "--wait-credited", "20"]) == 0
+            finally:
+                later.join(10)
+            assert "0.000007000 KVR pending (7,000 nano-KVR) for 1,000 bytes" in capsys.readouterr().out
+        finally:
+            server.stop(None)
+
+
 # -- kvasir key new / show -----------------------------------------------------------------
 
 

@@ -409,13 +409,19 @@ def _cmd_balance(args: argparse.Namespace) -> int:
             print("kvasir balance: --wallet takes a wallet address, 64 hex characters "
                   "(`kvasir key show WALLET_FILE` prints it)", file=sys.stderr)
             return 2
+    deadline = time.monotonic() + max(args.wait_credited, 0.0)
     try:
         with grpc.insecure_channel(args.ledger) as channel:
-            b = ledger_pb2_grpc.LedgerServiceStub(channel).GetBalance(
-                ledger_pb2.GetBalanceRequest(wallet=wallet), timeout=args.timeout)
+            stub = ledger_pb2_grpc.LedgerServiceStub(channel)
+            while True:
+                b = stub.GetBalance(ledger_pb2.GetBalanceRequest(wallet=wallet), timeout=args.timeout)
+                if b.bytes_credited or time.monotonic() >= deadline:
+                    break
+                time.sleep(min(0.5, max(deadline - time.monotonic(), 0.0)))
     except grpc.RpcError as exc:
         print(f"kvasir balance: {_unreachable('the ledger', args.ledger, exc)}", file=sys.stderr)
         return 2
+    waited_out = args.wait_credited > 0 and not b.bytes_credited
     if args.json:
         print(json.dumps({"wallet": wallet, "pending_kvr": b.pending_kvr, "pending_nano_kvr": int(b.pending_nano_kvr),
                           "bytes_credited": int(b.bytes_credited), "units": b.units,
@@ -424,6 +430,11 @@ def _cmd_balance(args: argparse.Namespace) -> int:
         print(f"wallet {wallet}: {b.pending_kvr} KVR pending ({int(b.pending_nano_kvr):,} nano-KVR) for "
               f"{int(b.bytes_credited):,} bytes of work ({b.units} units) in {int(b.credit_count)} credits")
         print(KVR_EXPLAINED, file=sys.stderr)  # for the reader; stdout stays the one line of figures
+    if waited_out:
+        print(f"kvasir balance: nothing credited to this wallet after {args.wait_credited:g} s (--wait-credited): "
+              "is the worker's work reaching a hub whose --ledger is this ledger, and does the ledger "
+              "--trust-key that hub's key? (the hub's log says why its receipts are refused)", file=sys.stderr)
+        return 3
     return 0
 
 
@@ -678,6 +689,9 @@ def build_parser() -> argparse.ArgumentParser:
     who.add_argument("--wallet-file", type=pathlib.Path, default=WALLET_FILE,
                      help="a wallet key file (a worker's --wallet); read unless --wallet is given")
     balance.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for the ledger")
+    balance.add_argument("--wait-credited", type=float, default=0.0, metavar="SECONDS",
+                         help="wait up to SECONDS for a first credit (the hub sends receipts every few seconds); "
+                              "exit status 3 if none came")
     balance.add_argument("--json", action="store_true", help="print one JSON object")
     balance.set_defaults(func=_cmd_balance)
     key = add(sub, "key", help="key files of hubs and wallets")
