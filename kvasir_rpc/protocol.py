@@ -457,6 +457,13 @@ class _Mux:
         # A view, not a copy: read-only over bytes (what the state machine keeps as it is).
         return channel, view[CHANNEL_PREFIX_BYTES:]
 
+    def _receive_on(self, channel: int, inner: bytes | memoryview | str) -> Event:
+        """``channel``'s own state machine reads ``inner``; a refusal names the channel."""
+        try:
+            return self.channels[channel].receive(inner)  # type: ignore[attr-defined, no-any-return]
+        except RemoteProtocolError as exc:
+            raise RemoteProtocolError(f"channel {channel}: {exc.reason}", close_code=exc.close_code) from None
+
     def send_data(self, channel: int, data: bytes | memoryview) -> bytes:
         """HTTP/2 bytes of ``channel``'s connection, as one binary message (a copy, prefixed)."""
         self.channels[channel].send_data(data)  # type: ignore[arg-type]
@@ -482,7 +489,7 @@ class MuxHubTunnel(_Mux):
 
     def receive(self, msg: bytes | memoryview | str) -> tuple[int, Event]:
         channel, inner = self._split(msg)
-        return channel, self.channels[channel].receive(inner)  # type: ignore[attr-defined]
+        return channel, self._receive_on(channel, inner)
 
 
 class MuxWorkerTunnel(_Mux):
@@ -493,7 +500,7 @@ class MuxWorkerTunnel(_Mux):
 
     def receive(self, msg: bytes | memoryview | str) -> tuple[int, Event]:
         channel, inner = self._split(msg)
-        return channel, self.channels[channel].receive(inner)  # type: ignore[attr-defined]
+        return channel, self._receive_on(channel, inner)
 
     def eof(self, channel: int) -> str:
         return _mux_word(self.channels[channel].eof(), channel)  # type: ignore[attr-defined]

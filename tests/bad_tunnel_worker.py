@@ -8,6 +8,10 @@ FAULT is one of:
   digest          announces (and describes) a weights digest with one bit flipped
   idle-eof        sends "eof" as soon as the hub accepts it, with no connection open
   no-closed       never answers "close" with "closed"
+  mux-stray       on a multiplexed tunnel, once MUX_AFTER data messages went, sends the next on a
+                  channel the hub never opened (the one after its own)
+  mux-short       on a multiplexed tunnel, once MUX_AFTER data messages went, sends one byte: a
+                  data message too short to name its channel
 """
 
 from __future__ import annotations
@@ -18,7 +22,9 @@ import sys
 from collections.abc import AsyncIterator
 from typing import Any
 
-FAULTS = ("no-subprotocol", "digest", "idle-eof", "no-closed")
+FAULTS = ("no-subprotocol", "digest", "idle-eof", "no-closed", "mux-stray", "mux-short")
+MUX_AFTER = 30  # honest data messages first: the backbone is mid-decode when the fault comes
+CHANNEL_PREFIX_BYTES = 2
 
 
 class _FaultyWebSocket:
@@ -28,6 +34,7 @@ class _FaultyWebSocket:
         self._ws = ws
         self._fault = fault
         self._binary_received = 0
+        self._data_sent = 0
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._ws, name)
@@ -44,6 +51,14 @@ class _FaultyWebSocket:
     async def send_message(self, message: bytes | str) -> None:
         if self._fault == "no-closed" and message == "closed":
             return
+        if self._fault.startswith("mux-") and isinstance(message, bytes) and self._binary_received >= 2:
+            self._data_sent += 1  # past the handshake: tunnel data, channel-prefixed
+            if self._data_sent > MUX_AFTER:
+                if self._fault == "mux-short":
+                    message = message[:1]
+                else:
+                    channel = int.from_bytes(message[:CHANNEL_PREFIX_BYTES], "big") + 1
+                    message = channel.to_bytes(CHANNEL_PREFIX_BYTES, "big") + message[CHANNEL_PREFIX_BYTES:]
         await self._ws.send_message(message)
 
 

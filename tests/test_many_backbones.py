@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+import re
 import urllib.request
 
 import grpc
@@ -114,3 +115,36 @@ def test_a_worker_serving_one_backbone_at_a_time_says_so_to_the_second(tiny_mode
         result = sw.run_backbone(["--model", str(model), "--prompt", "let in", "--max-new-tokens", "6",
                                   "--compare-local", "--require-bitwise", "--wait-sessions", "1"])
         assert result["verdict"] == "bitwise equal" and result["remote_rows"] > 0, result
+
+
+@pytest.mark.parametrize("fault", ["mux-stray", "mux-short"])
+def test_a_worker_that_breaks_the_multiplexed_framing_loses_its_session_and_nothing_else(fault, tiny_models,
+                                                                                      tmp_path):
+    """The attack: a worker on a multiplexed tunnel carrying two backbones' connections (a
+    service and a batch decode), honest for 30 data messages, then sends data on a channel the
+    hub never opened (mux-stray) or a data message too short to name its channel (mux-short).
+    What must hold: the hub ends that session with a protocol error (1002) naming the fault,
+    keeps serving the honest worker and both backbones, the decode stays bitwise the local
+    run's and the service answers every request."""
+    from helpers import ROOT, swarm_with_dishonest
+
+    model = tiny_models("qwen3_moe")
+    with LocalSwarm(tmp_path / "swarm") as sw:
+        bad, honest = swarm_with_dishonest(sw, model, "bad", (str(ROOT / "tests" / "bad_tunnel_worker.py"),
+                                                               fault, "--"))
+        service = sw.start_backbone_service("svc", model, ["--wait-sessions", "2"])
+        with concurrent.futures.ThreadPoolExecutor(3) as pool:
+            served = [pool.submit(_generate, int(service["grpc_port"]), p) for p in PROMPTS[:3]]
+            result = sw.run_backbone(["--model", str(model), "--prompt", "a framing fault", "--batch", "2",
+                                      "--max-new-tokens", "12", "--compare-local", "--require-bitwise",
+                                      "--wait-sessions", "2"])
+            answers = [f.result(timeout=300) for f in served]
+        assert result["backbone_exit_code"] == 0 and result["verdict"] == "bitwise equal", result
+        assert all(len(ids) == 12 for ids, _ in answers)
+        hub_log = (sw.logs / "hub.log").read_text()
+        says = (r"channel \d+: the worker sent \d+ bytes of data while the tunnel is IDLE" if fault == "mux-stray"
+                else r"a data message of 1 bytes: it starts with its channel")
+        assert re.search(says, hub_log), hub_log[-3000:]
+        live = {s.session_id for s in sw.list_sessions()}
+        assert honest.session_id in live and bad.session_id not in live
+        assert sw.procs["hub"].poll() is None
