@@ -10,21 +10,21 @@ from typing import TYPE_CHECKING
 from kvasir_rpc import lazy_getattr
 
 if TYPE_CHECKING:
-    from backbone._experts import IMPLEMENTATION, Dispatcher, DispatchStats, install
-    from backbone._generate import Decode, compare, decode, load_model
-    from backbone._links import SessionWatcher, WorkerLink
+    from backbone.engine._decode import Decode, compare, decode, load_model
+    from backbone.experts._dispatch import IMPLEMENTATION, Dispatcher, DispatchStats, install
+    from backbone.experts._links import SessionWatcher, WorkerLink
 
 _LAZY = {
-    "IMPLEMENTATION": "backbone._experts",
-    "Dispatcher": "backbone._experts",
-    "DispatchStats": "backbone._experts",
-    "install": "backbone._experts",
-    "Decode": "backbone._generate",
-    "compare": "backbone._generate",
-    "decode": "backbone._generate",
-    "load_model": "backbone._generate",
-    "SessionWatcher": "backbone._links",
-    "WorkerLink": "backbone._links",
+    "IMPLEMENTATION": "backbone.experts._dispatch",
+    "Dispatcher": "backbone.experts._dispatch",
+    "DispatchStats": "backbone.experts._dispatch",
+    "install": "backbone.experts._dispatch",
+    "Decode": "backbone.engine._decode",
+    "compare": "backbone.engine._decode",
+    "decode": "backbone.engine._decode",
+    "load_model": "backbone.engine._decode",
+    "SessionWatcher": "backbone.experts._links",
+    "WorkerLink": "backbone.experts._links",
 }
 
 __all__ = [

@@ -17,8 +17,8 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+from backbone.experts._deadlines import DEFAULT_STRAGGLER_FACTOR, DEFAULT_STRAGGLER_FLOOR_S, StragglerPolicy
 from kvasir_rpc import BACKBONE_TOKEN_FILE, HelpFormatter, add_log_level, configure_logging, fail, get_logger, run_main
-from backbone._deadlines import DEFAULT_STRAGGLER_FACTOR, DEFAULT_STRAGGLER_FLOOR_S, StragglerPolicy
 
 log = get_logger("backbone")
 
@@ -129,15 +129,14 @@ def build_setup(parser: argparse.ArgumentParser, args: argparse.Namespace, *, co
         fail(f"backbone: --model {args.model}: {exc}; {CHECKPOINT_HINT}")
 
     import torch
-
-    from backbone._audit import DEFAULT_AUDIT_RATE
-    from backbone._experts import Dispatcher
-    from backbone._generate import load_model
-    from backbone._links import SessionWatcher
-    from backbone._work import WorkReporter
-    from kvasir_rpc import ExpertIndex
-
     import transformers
+
+    from backbone.engine._decode import load_model
+    from backbone.experts._audit import DEFAULT_AUDIT_RATE
+    from backbone.experts._dispatch import Dispatcher
+    from backbone.experts._hub_reports import WorkReporter
+    from backbone.experts._links import SessionWatcher
+    from kvasir_rpc import ExpertIndex
 
     _check_model_type(args.model, CHECKPOINT_HINT)
     transformers.utils.logging.disable_progress_bar()
@@ -281,7 +280,7 @@ def _check_assist(parser: argparse.ArgumentParser, args: argparse.Namespace) -> 
                      "batch would accept different numbers of drafts per step")
     if args.assist_tokens < 1 or args.assist_ngram < 1:
         parser.error("--assist-tokens and --assist-ngram must be at least 1")
-    from backbone._assist_checks import config_cache_problem
+    from backbone.cli._assist_checks import config_cache_problem
 
     why = config_cache_problem(args.model)
     if why:
@@ -289,7 +288,7 @@ def _check_assist(parser: argparse.ArgumentParser, args: argparse.Namespace) -> 
     if args.assist == "draft":
         if args.draft_model is None:
             parser.error("--assist draft needs --draft-model DIR (a small checkpoint with the model's tokenizer)")
-        from backbone._assist_checks import config_vocab_size
+        from backbone.cli._assist_checks import config_vocab_size
 
         draft_vocab, vocab = config_vocab_size(args.draft_model), config_vocab_size(args.model)
         if draft_vocab is None:
@@ -301,14 +300,14 @@ def _check_assist(parser: argparse.ArgumentParser, args: argparse.Namespace) -> 
 
 def _make_drafter(args: argparse.Namespace, setup: Setup) -> Any:
     """The drafter --assist asks for, after checking the model can be decoded so."""
-    from backbone._assist import DraftModel, PromptLookup, assist_unsupported, vocab_mismatch
+    from backbone.engine._assist import DraftModel, PromptLookup, assist_unsupported, vocab_mismatch
 
     why = assist_unsupported(setup.model)
     if why:
         fail(f"backbone: --assist: cannot decode --model {args.model} so: {why}")
     if args.assist == "lookup":
         return PromptLookup(args.assist_ngram)
-    from backbone._generate import load_model
+    from backbone.engine._decode import load_model
 
     try:
         draft, draft_tokenizer = load_model(args.draft_model)
@@ -392,7 +391,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     configure_logging("backbone", level=args.log_level)
     if args.command == "serve":
-        from backbone._cli_serve import run_serve
+        from backbone.cli._serve import run_serve
 
         return run_serve(parser, args)
     if args.max_new_tokens < 1 or args.batch < 1:
@@ -405,7 +404,7 @@ def main(argv: list[str] | None = None) -> int:
     setup = build_setup(parser, args, compare_local=args.compare_local)
     if isinstance(setup, int):
         return setup
-    from backbone._generate import compare, decode_grouped, prompts_for_batch
+    from backbone.engine._decode import compare, decode_grouped, prompts_for_batch
 
     model, tokenizer, dispatcher = setup.model, setup.tokenizer, setup.dispatcher
     wire_dtype, model_dtype, on_demand, audit_rate = setup.wire_dtype, setup.model_dtype, setup.on_demand, setup.audit_rate
@@ -512,8 +511,8 @@ def _decode_assisted(args: argparse.Namespace, setup: Setup, drafter: Any, *, ma
                      stop: threading.Event | None = None, on_step: Any = None,
                      implementation: str | None = None) -> Any:
     """``(Decode, AssistStats)`` of --prompt decoded with ``drafter``."""
-    from backbone._assist import decode_assisted
-    from backbone._experts import IMPLEMENTATION
+    from backbone.engine._assist import decode_assisted
+    from backbone.experts._dispatch import IMPLEMENTATION
 
     return decode_assisted(setup.model, setup.tokenizer, args.prompt, max_new_tokens or args.max_new_tokens,
                            drafter, k=args.assist_tokens, mode=args.assist, stop=stop, on_step=on_step,
@@ -522,7 +521,7 @@ def _decode_assisted(args: argparse.Namespace, setup: Setup, drafter: Any, *, ma
 
 def _assist_figures(stats: Any, model: Any, remote_calls: int, n_tokens: int) -> dict[str, object]:
     """--json's figures of an assisted decode: the drafts, and remote calls per token."""
-    from backbone._assist import moe_layers
+    from backbone.engine._assist import moe_layers
 
     layers = moe_layers(model)
     out = stats.as_dict()
@@ -535,7 +534,7 @@ def _assist_figures(stats: Any, model: Any, remote_calls: int, n_tokens: int) ->
 def _compare_assisted(args: argparse.Namespace, setup: Setup, drafter: Any, run: Any, steps: int) -> dict[str, object]:
     """--compare-local for an assisted decode: the same assisted decode with every expert local
     (bitwise), plain greedy decoding here (tokens), and transformers' eager experts (tokens)."""
-    from backbone._generate import compare, decode
+    from backbone.engine._decode import compare, decode
 
     setup.dispatcher.remote = False
     local, _ = _decode_assisted(args, setup, drafter, max_new_tokens=steps)

@@ -10,19 +10,19 @@ from typing import TYPE_CHECKING
 from kvasir_rpc import lazy_getattr
 
 if TYPE_CHECKING:
-    from relay._gateway import GatewayConfig, GatewayStats, serve_gateway
-    from relay._hub import HubConfig, create_session_server, serve_hub
-    from relay._registry import SessionRegistry, SessionStats
+    from relay.gateway._gateway import GatewayConfig, GatewayStats, serve_gateway
+    from relay.hub._registry import SessionRegistry, SessionStats
+    from relay.hub._sessions import HubConfig, create_session_server, serve_hub
 
 _LAZY = {
-    "GatewayConfig": "relay._gateway",
-    "GatewayStats": "relay._gateway",
-    "serve_gateway": "relay._gateway",
-    "HubConfig": "relay._hub",
-    "create_session_server": "relay._hub",
-    "serve_hub": "relay._hub",
-    "SessionRegistry": "relay._registry",
-    "SessionStats": "relay._registry",
+    "GatewayConfig": "relay.gateway._gateway",
+    "GatewayStats": "relay.gateway._gateway",
+    "serve_gateway": "relay.gateway._gateway",
+    "HubConfig": "relay.hub._sessions",
+    "create_session_server": "relay.hub._sessions",
+    "serve_hub": "relay.hub._sessions",
+    "SessionRegistry": "relay.hub._registry",
+    "SessionStats": "relay.hub._registry",
 }
 __all__ = list(_LAZY)
 

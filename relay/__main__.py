@@ -39,7 +39,7 @@ from kvasir_rpc import (
 from kvasir_rpc.protocol import MAX_TUNNEL_CHANNELS
 
 if TYPE_CHECKING:
-    from relay._gateway import Gateway
+    from relay.gateway._gateway import Gateway
 
 
 def _new_token_hint(path: pathlib.Path) -> str:
@@ -170,7 +170,7 @@ def _gateway_link(args: argparse.Namespace) -> tuple[str, ssl.SSLContext | None]
 def _session_rate(args: argparse.Namespace):  # type: ignore[no-untyped-def]
     """The hub's limiter of new sessions from its four flags, or the end of the program with
     one line naming the flag."""
-    from relay._session_rate import SessionRate, SessionRateLimits
+    from relay.hub._admission import SessionRate, SessionRateLimits
 
     for flag, value in (("--session-burst-per-address", args.session_burst_per_address),
                         ("--session-burst", args.session_burst)):
@@ -187,9 +187,9 @@ def _session_rate(args: argparse.Namespace):  # type: ignore[no-untyped-def]
 
 def run_hub(args: argparse.Namespace) -> int:
     from kvasir_rpc import as_listen_error, leaf_exception
-    from relay._hub import HubConfig, create_session_server, serve_hub
-    from relay._hub_gateway import GatewayRefused
-    from relay._registry import SessionRegistry
+    from relay.hub._gateway_link import GatewayRefused
+    from relay.hub._registry import SessionRegistry
+    from relay.hub._sessions import HubConfig, create_session_server, serve_hub
 
     configure_logging("hub", level=args.log_level)
     install_fast_masking()
@@ -220,8 +220,8 @@ def run_hub(args: argparse.Namespace) -> int:
     registry = SessionRegistry()
     import sqlite3
 
-    from relay._contrib import ContributionStore
-    from relay._receipt_sender import ReceiptSender
+    from relay.hub._contributions import ContributionStore
+    from relay.hub._receipts import ReceiptSender
 
     try:
         store = ContributionStore(args.contrib_db)
@@ -233,7 +233,7 @@ def run_hub(args: argparse.Namespace) -> int:
         log.info("sessions of a previous run closed; their receipts will be sent", sessions=ended)
     sender = ReceiptSender(store, registry, key, args.ledger, interval_s=args.receipt_interval)
     registry.on_removed.append(sender.session_ended)
-    from relay._work import WorkDesk
+    from relay.hub._work_desk import WorkDesk
 
     desk = WorkDesk(registry, store, key, quarantine_s=args.quarantine_seconds)
     try:
@@ -269,8 +269,8 @@ def run_hub(args: argparse.Namespace) -> int:
                 return
             http_port = None
             if http_address is not None:
-                from relay._hub_http import HubCollector, hub_metrics, serve_hub_http
-                from relay._status import StatusBoard
+                from relay.hub._http import HubCollector, hub_metrics, serve_hub_http
+                from relay.hub._status import StatusBoard
 
                 board = StatusBoard(registry, hub_key=key.address, shape=shape, desk=desk.statistics,
                                     sender=sender.statistics)
@@ -309,7 +309,7 @@ def _start_gateway_metrics(gw: Gateway, http: tuple[str, int], stops: list[Calla
     """Serve the gateway's /metrics on ``http``; the bound port, or None (the line to show
     in ``failed``). Called on the loop: each scrape reads the statistics there."""
     from kvasir_rpc import as_listen_error, serve_metrics
-    from relay._gateway_metrics import gateway_registry
+    from relay.gateway._metrics import gateway_registry
 
     token = trio.lowlevel.current_trio_token()
     registry = gateway_registry(lambda: trio.from_thread.run_sync(gw.statistics, trio_token=token))
@@ -325,12 +325,12 @@ def _start_gateway_metrics(gw: Gateway, http: tuple[str, int], stops: list[Calla
 
 def run_gateway(args: argparse.Namespace) -> int:
     from kvasir_rpc import check_secret_mode
-    from relay._gateway import GatewayConfig, serve_gateway
+    from relay.gateway._gateway import GatewayConfig, serve_gateway
 
     if args.processes < 1:
         fail(f"gateway: --processes must be at least 1 (got {args.processes})")
     if args.processes > 1:
-        from relay._gateway_procs import supervise
+        from relay.gateway._processes import supervise
 
         return supervise(args)
     configure_logging("gateway", level=args.log_level)

@@ -125,7 +125,7 @@ class MessageBudget:
     """Bounds shared by every WebSocket given it: at most ``limit`` bytes of partially
     received messages in all, and at most ``deadline_s`` from a message's first fragment to
     its last. Single-threaded (trio): no lock. ``on_release`` is told of every byte given back
-    (a ``relay._memory.Trimmer`` returns the heap's free pages after many)."""
+    (a ``relay._heap_trim.Trimmer`` returns the heap's free pages after many)."""
 
     def __init__(self, limit: int, deadline_s: float, *, on_release: Callable[[int], None] | None = None) -> None:
         if limit <= 0 or deadline_s <= 0:

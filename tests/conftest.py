@@ -22,7 +22,7 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 if TYPE_CHECKING:
     from helpers import LedgerProcess
 
-    from relay._contrib import ContributionStore
+    from relay.hub._contributions import ContributionStore
 
 # The fuzz tier (tests/test_fuzz_*.py, marker ``fuzz``): a fixed budget per target so that CI
 # stays bounded and never flakes. By default each target runs FUZZ_EXAMPLES derandomized
@@ -91,7 +91,7 @@ def two_worker_swarm(tiny_models, tmp_path_factory: pytest.TempPathFactory):
 @pytest.fixture
 def hub_store(tmp_path: pathlib.Path) -> Iterator[ContributionStore]:
     """The hub's contribution store in a fresh SQLite file, closed after the test."""
-    from relay._contrib import ContributionStore
+    from relay.hub._contributions import ContributionStore
 
     store = ContributionStore(tmp_path / "hub-contrib.sqlite")
     yield store

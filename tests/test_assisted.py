@@ -26,8 +26,8 @@ TOKENS = 32
 
 @pytest.fixture(scope="module")
 def local_model(tiny_models):  # type: ignore[no-untyped-def]
-    from backbone._experts import Dispatcher
-    from backbone._generate import load_model
+    from backbone.engine._decode import load_model
+    from backbone.experts._dispatch import Dispatcher
 
     torch.set_num_threads(1)
     model, tokenizer = load_model(tiny_models("qwen3_moe"))
@@ -38,14 +38,14 @@ def local_model(tiny_models):  # type: ignore[no-untyped-def]
 
 @pytest.fixture(scope="module")
 def plain(local_model):  # type: ignore[no-untyped-def]
-    from backbone._generate import decode
+    from backbone.engine._decode import decode
 
     model, tokenizer = local_model
     return decode(model, tokenizer, [PROMPT], TOKENS)
 
 
 def test_lookup_equals_plain_greedy(local_model, plain) -> None:  # type: ignore[no-untyped-def]
-    from backbone._assist import PromptLookup, decode_assisted
+    from backbone.engine._assist import PromptLookup, decode_assisted
 
     model, tokenizer = local_model
     run, stats = decode_assisted(model, tokenizer, PROMPT, TOKENS, PromptLookup(3), k=4)
@@ -58,7 +58,7 @@ def test_lookup_equals_plain_greedy(local_model, plain) -> None:  # type: ignore
 
 
 def test_lookup_proposes_what_followed() -> None:
-    from backbone._assist import PromptLookup
+    from backbone.engine._assist import PromptLookup
 
     look = PromptLookup(3)
     assert look.propose([1, 2, 3, 4, 5, 9, 2, 3], 2) == [4, 5]
@@ -74,8 +74,8 @@ def test_draft_model_equals_plain_greedy(local_model, plain, tiny_models, tmp_pa
     """A draft model that agrees with the big model (the same checkpoint, its own experts
     eager) has nearly every draft accepted; an unrelated one (another seed, one layer) has
     few; the tokens are greedy's either way."""
-    from backbone._assist import DraftModel, decode_assisted
-    from backbone._generate import load_model
+    from backbone.engine._assist import DraftModel, decode_assisted
+    from backbone.engine._decode import load_model
     from kvasir_rpc.dev.tiny import make_tiny_checkpoint
 
     model, tokenizer = local_model
@@ -150,7 +150,7 @@ def test_assist_refuses_a_cache_it_cannot_cut_back(tiny_models) -> None:  # type
 def test_end_of_sequence_is_not_chosen() -> None:
     """The decode makes exactly the tokens asked for, as plain decoding (min_new_tokens) does:
     an end-of-sequence argmax gives way to the next best token; the logits stay the model's."""
-    from backbone._assist import _greedy
+    from backbone.engine._assist import _greedy
 
     logits = torch.tensor([[0.0, 1.0, 5.0, 2.0], [3.0, 0.0, 1.0, 0.0]])
     assert _greedy(logits, [2]) == [3, 0]

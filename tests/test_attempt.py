@@ -1,4 +1,4 @@
-"""The decode attempt (backbone/_attempt.py): what taints which pass, how replays are counted
+"""The decode attempt (backbone/experts/_attempt.py): what taints which pass, how replays are counted
 and when the experts concerned go local; then, in process on the tiny checkpoints, that a
 decode told to recompute from any pass (the current one, an earlier one, the prompt) returns
 tokens and logits bitwise equal to a decode that never replayed, for plain, assisted and
@@ -12,7 +12,7 @@ import threading
 import pytest
 import torch
 
-from backbone._attempt import LOCAL_AFTER, DecodeAttempt, ReplayNeeded, Untrusted, current_attempt
+from backbone.experts._attempt import LOCAL_AFTER, DecodeAttempt, ReplayNeeded, Untrusted, current_attempt
 
 
 class FakeDispatcher:
@@ -165,8 +165,8 @@ class _Inject:
 @pytest.mark.integration
 @pytest.mark.parametrize("arch", ["qwen3_moe", "qwen3_5_moe"])
 def test_a_decode_replayed_from_any_pass_equals_one_never_replayed(arch, tiny_models, monkeypatch):
-    from backbone._experts import Dispatcher
-    from backbone._generate import decode, load_model
+    from backbone.engine._decode import decode, load_model
+    from backbone.experts._dispatch import Dispatcher
 
     model, tokenizer = load_model(tiny_models(arch))
     dispatcher = Dispatcher(model, None)
@@ -182,9 +182,9 @@ def test_a_decode_replayed_from_any_pass_equals_one_never_replayed(arch, tiny_mo
 
 @pytest.mark.integration
 def test_an_assisted_decode_replayed_from_any_pass_equals_one_never_replayed(tiny_models, monkeypatch):
-    from backbone._assist import PromptLookup, decode_assisted
-    from backbone._experts import Dispatcher
-    from backbone._generate import load_model
+    from backbone.engine._assist import PromptLookup, decode_assisted
+    from backbone.engine._decode import load_model
+    from backbone.experts._dispatch import Dispatcher
 
     model, tokenizer = load_model(tiny_models("qwen3_moe"))
     Dispatcher(model, None)
@@ -216,9 +216,9 @@ def test_an_engine_lane_replayed_at_any_pass_serves_the_same_tokens(arch, tiny_m
     """Replays of a step (the cache cut back, or from the prompts where it cannot be) and a
     replay inside a replay (what killed a lane before) leave every request's tokens and logits
     as they were, and fail none."""
-    from backbone._engine import Engine, Request
-    from backbone._experts import Dispatcher
-    from backbone._generate import load_model
+    from backbone.engine._batch import Engine, Request
+    from backbone.engine._decode import load_model
+    from backbone.experts._dispatch import Dispatcher
 
     model, tokenizer = load_model(tiny_models(arch))
     requests = [Request(prompt_ids=tuple(tokenizer(f"request {i} to the swarm")["input_ids"]), max_tokens=6,
@@ -256,10 +256,10 @@ def test_an_engine_lane_replayed_at_any_pass_serves_the_same_tokens(arch, tiny_m
 
 @pytest.mark.integration
 def test_a_lane_whose_loop_fails_ends_its_requests_reports_unhealthy_and_restarts(tiny_models, monkeypatch):
-    from backbone import _engine
-    from backbone._engine import Engine, Request
-    from backbone._experts import Dispatcher
-    from backbone._generate import load_model
+    from backbone.engine import _batch as _engine
+    from backbone.engine._batch import Engine, Request
+    from backbone.engine._decode import load_model
+    from backbone.experts._dispatch import Dispatcher
 
     model, tokenizer = load_model(tiny_models("qwen3_moe"))
     monkeypatch.setattr(_engine, "RESTART_BACKOFF_S", 0.05)

@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from backbone._audit import TOLERANCE_FACTOR, AuditRates, RowSampler, audit_rows, error_scale
+from backbone.experts._audit import TOLERANCE_FACTOR, AuditRates, RowSampler, audit_rows, error_scale
 from kvasir_rpc._kernel import expert_forward
 
 act = F.silu
@@ -164,7 +164,7 @@ def test_sampler_audits_the_rate_of_the_work_not_more():
     ``rate`` share of the rows, and each row is audited with probability ``rate``: drawing
     rows and bringing in each drawn row's segment audited 1 - 0.98^16 = 28% of 16-row
     segments at a 2% rate."""
-    from backbone._audit import SEGMENT_ROWS
+    from backbone.experts._audit import SEGMENT_ROWS
 
     s = RowSampler(0.02)
     s.choose("s", [1])  # the first call, audited whatever the draw
@@ -207,8 +207,8 @@ def _answered_call(session_id: str, sizes: dict[int, int], lie_at: int | None = 
     import types
     from concurrent.futures import Future
 
-    from backbone._checking import SentCall
-    from backbone._links import CallRecord
+    from backbone.experts._answers import SentCall
+    from backbone.experts._links import CallRecord
     from kvasir_rpc import Route, encode_tensor, expert_pb2
 
     g = torch.Generator().manual_seed(5)
@@ -233,8 +233,8 @@ def test_a_sampled_row_brings_its_whole_small_segment_into_the_audit():
     """Each session's first call has one row sampled. In a segment of at most SEGMENT_ROWS
     rows, every row of the segment is then audited, bit-exact for an honest worker, and a
     lie on another row of it is caught; in a larger segment only the sampled row is."""
-    from backbone._audit import SEGMENT_ROWS
-    from backbone._checking import AnswerChecker
+    from backbone.experts._answers import AnswerChecker
+    from backbone.experts._audit import SEGMENT_ROWS
 
     sizes = {2: 10, 5: SEGMENT_ROWS + 12}
     seen = set()

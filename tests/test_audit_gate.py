@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import threading
 
-from backbone._work import AuditGate
+from backbone.experts._hub_reports import AuditGate
 
 
 def _gate() -> tuple[AuditGate, list[tuple[str, int, int]]]:

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from backbone._experts import Dispatcher
-from backbone._generate import decode, load_model, prompts_for_batch
+from backbone.engine._decode import decode, load_model, prompts_for_batch
+from backbone.experts._dispatch import Dispatcher
 from kvasir_rpc import ExpertIndex
 from kvasir_rpc.dev.swarm import LocalSwarm
 from kvasir_rpc.dev.tiny import make_tiny_checkpoint

@@ -16,7 +16,7 @@ import pytest
 import torch
 from helpers import wait_until
 
-from backbone._generate import decode, decode_grouped, load_model, prompts_for_batch
+from backbone.engine._decode import decode, decode_grouped, load_model, prompts_for_batch
 
 pytestmark = pytest.mark.integration
 

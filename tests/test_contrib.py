@@ -11,9 +11,9 @@ import threading
 import pytest
 
 from kvasir_rpc import Wallet, ledger_pb2, open_receipt
-from relay._contrib import ContributionStore, Settlement
-from relay._registry import SessionStats
-from relay._session_rate import WalletHistory
+from relay.hub._admission import WalletHistory
+from relay.hub._contributions import ContributionStore, Settlement
+from relay.hub._registry import SessionStats
 
 HUB = Wallet.generate()
 WALLET = Wallet.generate().address
@@ -106,7 +106,7 @@ def test_bans_persist_expire_and_never_shorten(tmp_path: pathlib.Path) -> None:
 
 
 def test_a_wallets_history_is_accepted_work_of_a_clean_session_and_its_last_ban(tmp_path: pathlib.Path) -> None:
-    """What the hub prices a new session by (relay._session_rate): work the backbone accepted
+    """What the hub prices a new session by (relay.hub._admission): work the backbone accepted
     from a session not quarantined, and when the wallet was last banned; kept across restarts."""
     path = tmp_path / "hub.sqlite"
     store = ContributionStore(path)

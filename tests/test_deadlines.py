@@ -1,10 +1,10 @@
-"""Deadlines from measured round trips (backbone/_deadlines.py): plain arithmetic, no clock."""
+"""Deadlines from measured round trips (backbone/experts/_deadlines.py): plain arithmetic, no clock."""
 
 from __future__ import annotations
 
 import pytest
 
-from backbone._deadlines import RttEstimator, StragglerPolicy
+from backbone.experts._deadlines import RttEstimator, StragglerPolicy
 
 
 def test_first_sample_sets_srtt_and_half_of_it_as_variation():

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from backbone._engine import Sampling, _certain_end, _sample
+from backbone.engine._batch import Sampling, _certain_end, _sample
 
 
 def test_text_that_may_begin_a_stop_string_or_a_character_is_held_back():
@@ -40,9 +40,9 @@ def test_a_batch_of_requests_returns_what_each_returns_alone_on_every_cache_layo
     """In process, experts local: 12 greedy requests of different lengths arriving together
     (prefilled together where the cache allows, Qwen3.5's linear-attention states one at a
     time) against each alone, and their padding keeps out of the experts path."""
-    from backbone._engine import Engine, Request
-    from backbone._experts import Dispatcher
-    from backbone._generate import load_model
+    from backbone.engine._batch import Engine, Request
+    from backbone.engine._decode import load_model
+    from backbone.experts._dispatch import Dispatcher
 
     model, tokenizer = load_model(tiny_models(arch))
     engine = Engine(model, tokenizer, Dispatcher(model, None), max_batch=12)

@@ -10,12 +10,12 @@ import types
 
 import pytest
 import torch
+from test_handshake import HUB, make_hub, make_worker
 
-from backbone._placement import Placement
+from backbone.experts._placement import Placement
 from kvasir_rpc import ExpertFunction, session_pb2
 from kvasir_rpc._function import CLAMPED_GLU, CLAMPED_SWIGLU
 from kvasir_rpc._gen.kvasir.v1 import function_pb2
-from test_handshake import HUB, make_hub, make_worker
 
 GPT_OSS = ExpertFunction(gate=CLAMPED_SWIGLU, activation="", alpha=1.702, limit=7.0, interleaved=True,
                          transposed=True, bias=True)

@@ -1,5 +1,5 @@
 """Workers go where they are needed (``--experts auto``, issue 30): the hub's planner
-(relay/_plan.py) from the backbones' demand and what the swarm holds; then real processes:
+(relay/hub/_plan.py) from the backbones' demand and what the swarm holds; then real processes:
 two workers on an empty swarm, told nothing but a memory budget, cover every expert."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from helpers import ROOT
 
 from kvasir_rpc import ExpertIndex
 from kvasir_rpc.dev.swarm import LocalSwarm
-from relay._plan import Demand, Reservations, pick_mover, plan_slice
+from relay.hub._plan import Demand, Reservations, pick_mover, plan_slice
 
 ALL = {layer: tuple(range(8)) for layer in range(3)}
 

@@ -38,9 +38,9 @@ def judge(model_type: str, folder: pathlib.Path, *, dtype: str = "float32") -> s
         index = ExpertIndex(folder)
     except CheckpointError as exc:
         return f"not served: a worker cannot read its experts: {str(exc).replace(str(folder) + '/', '')}"
-    from backbone._experts import Dispatcher
-    from backbone._generate import load_model
-    from backbone._weights import experts_modules
+    from backbone.engine._decode import load_model
+    from backbone.experts._dispatch import Dispatcher
+    from backbone.experts._weights import experts_modules
     from kvasir_rpc import function_of_module
 
     try:

@@ -17,9 +17,8 @@ import pytest
 import trio
 import trio.testing
 from hypothesis import event as note_case
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
-from hypothesis import settings
 from probes import GOOD
 from structlog.testing import capture_logs
 from wsmem import MemClient, open_client
@@ -33,7 +32,7 @@ from kvasir_rpc.protocol import (
     WORKER_PATH,
     decode_pair,
 )
-from relay._gateway import Gateway, GatewayConfig
+from relay.gateway._gateway import Gateway, GatewayConfig
 
 pytestmark = pytest.mark.fuzz
 FUZZ = settings.get_profile("fuzz")

@@ -74,7 +74,7 @@ def test_only_the_gateway_listens_publicly(gw):
 def test_gateway_process_loads_no_protobuf_or_grpc(gw):
     maps = [m.path for m in psutil.Process(gw.procs["gateway"].pid).memory_maps()]
     assert not [p for p in maps if "grpc" in p or "_upb" in p or "protobuf" in p]
-    code = "import sys, relay.__main__, relay._gateway; print(sorted(m for m in sys.modules if m.startswith(('grpc', 'google.protobuf', 'torch'))))"
+    code = "import sys, relay.__main__, relay.gateway._gateway; print(sorted(m for m in sys.modules if m.startswith(('grpc', 'google.protobuf', 'torch'))))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.stdout.strip() == "[]", out.stderr
 

@@ -29,7 +29,7 @@ from kvasir_rpc.protocol import (
     decode_pair,
     encode_pair,
 )
-from relay._gateway import Gateway, GatewayConfig
+from relay.gateway._gateway import Gateway, GatewayConfig
 
 TOKEN = "s3cret-hub-token"
 AUTH = [(b"authorization", f"Bearer {TOKEN}".encode())]

@@ -31,7 +31,6 @@ from kvasir_rpc import (
 )
 from kvasir_rpc.dev.swarm import LocalSwarm
 
-
 HUB_ARGS = ["--keepalive", "0.5"]  # end-to-end checks keep spliced pairs from the idle timeout
 
 
@@ -186,7 +185,7 @@ def test_hub_paths_on_a_shared_port_are_refused_naming_the_hub_addresses(shared)
     from wsmem import open_client
 
     from kvasir_rpc.protocol import GATEWAY_SUBPROTOCOL, HUB_CONTROL_PATH
-    from relay._gateway import Gateway, GatewayConfig
+    from relay.gateway._gateway import Gateway, GatewayConfig
 
     token = "s3cret-hub-token"
     gateway = Gateway(GatewayConfig(hub_token=token, shared_port=shared, keepalive_s=1000.0, idle_timeout_s=5000.0))

@@ -12,11 +12,11 @@ from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvasir_rpc import ExpertSet, HelloInfo, ModelShape, Wallet, session_pb2
-from relay._contrib import ContributionStore
-from relay._hub_http import HubCollector, hub_metrics
-from relay._registry import SessionRegistry
-from relay._status import HISTORY_POINTS, RATE_WINDOW, SAMPLE_S, StatusBoard
-from relay._work import WorkDesk
+from relay.hub._contributions import ContributionStore
+from relay.hub._http import HubCollector, hub_metrics
+from relay.hub._registry import SessionRegistry
+from relay.hub._status import HISTORY_POINTS, RATE_WINDOW, SAMPLE_S, StatusBoard
+from relay.hub._work_desk import WorkDesk
 
 
 class FakeClock:
@@ -196,7 +196,7 @@ def test_the_status_shows_demand_and_the_share_routed_to_experts_no_one_holds(de
 
 
 def test_a_demand_report_past_the_protocols_bounds_is_refused(desk: WorkDesk) -> None:
-    from relay._work import DeskError
+    from relay.hub._work_desk import DeskError
 
     with pytest.raises(DeskError) as caught:
         desk.report(session_pb2.ReportWorkRequest(run_id="d" * 16, demand=[
@@ -205,8 +205,8 @@ def test_a_demand_report_past_the_protocols_bounds_is_refused(desk: WorkDesk) ->
 
 
 def test_the_map_names_the_runs_each_session_holds_and_the_totals_show_the_receipt_loops_troubles() -> None:
-    from relay._receipt_sender import ReceiptSenderStats
-    from relay._work import WorkDeskStats
+    from relay.hub._receipts import ReceiptSenderStats
+    from relay.hub._work_desk import WorkDeskStats
 
     registry = SessionRegistry()
     add(registry, "a", {0: range(0, 3), 1: range(2, 4)})
@@ -243,7 +243,7 @@ def test_the_page_is_served_with_the_status_inside_and_nothing_in_it_can_end_its
     import trio
     from prometheus_client import CollectorRegistry
 
-    from relay._hub_http import embed_json, make_app
+    from relay.hub._http import embed_json, make_app
 
     registry = SessionRegistry()
     hostile = "</script><script>alert(1)</script><!--<script>&\u2028"
@@ -322,8 +322,8 @@ def test_each_session_shows_its_fallback_share_over_backbone_runs_and_the_latest
 
 
 def test_the_links_name_the_ledger_with_its_pending_receipts_and_each_gateway_state() -> None:
-    from relay._hub_gateway import GatewayLinkState
-    from relay._receipt_sender import ReceiptSenderStats
+    from relay.hub._gateway_link import GatewayLinkState
+    from relay.hub._receipts import ReceiptSenderStats
 
     registry = SessionRegistry()
     link = GatewayLinkState("wss://gw.example:443")

@@ -18,10 +18,10 @@ from hypothesis import strategies as st
 from probes import GOOD, KEY, PROBES
 from structlog.testing import capture_logs
 
-from relay._gateway import Gateway, GatewayConfig
 from relay._intake import UpgradeIntake, upgrade_refusal
 from relay._refusals import RefusalLog
 from relay._ws import HttpRequest
+from relay.gateway._gateway import Gateway, GatewayConfig
 
 TOKEN = "s3cret-hub-token"
 REMOTE = "203.0.113.7:50123"

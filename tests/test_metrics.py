@@ -68,8 +68,8 @@ def test_gateway_and_ledger_metrics_follow_the_naming_rules(tmp_path):
 
     from ledger._metrics import LedgerMetrics
     from ledger._store import open_store
-    from relay._gateway import Gateway, GatewayConfig
-    from relay._gateway_metrics import gateway_registry
+    from relay.gateway._gateway import Gateway, GatewayConfig
+    from relay.gateway._metrics import gateway_registry
 
     gw = Gateway(GatewayConfig())
     gw.refusals.refused("rate")
@@ -122,11 +122,11 @@ def test_serve_metrics_answers_only_at_metrics_and_stops():
 @pytest.mark.integration
 def test_the_backbone_engine_counts_requests_tokens_and_steps_by_outcome(tiny_models):
     """In process, experts local: the registry reads what the engine and dispatcher counted."""
-    from backbone._engine import Engine, Request
-    from backbone._experts import Dispatcher
-    from backbone._generate import load_model
-    from backbone._metrics import BackboneMetrics
-    from backbone._serve import Backbone
+    from backbone.engine._batch import Engine, Request
+    from backbone.engine._decode import load_model
+    from backbone.experts._dispatch import Dispatcher
+    from backbone.service._grpc_api import Backbone
+    from backbone.service._metrics import BackboneMetrics
 
     model, tokenizer = load_model(tiny_models("qwen3_moe"))
     dispatcher = Dispatcher(model, None)
@@ -136,7 +136,7 @@ def test_the_backbone_engine_counts_requests_tokens_and_steps_by_outcome(tiny_mo
         metrics = BackboneMetrics(bb)
         ids = tuple(tokenizer("the swarm")["input_ids"])
         streams = [engine.submit(Request(prompt_ids=ids, max_tokens=TOKENS, ignore_eos=True)) for _ in range(2)]
-        from backbone._engine import Overloaded
+        from backbone.engine._batch import Overloaded
 
         with pytest.raises(Overloaded):
             engine.submit(Request(prompt_ids=ids, max_tokens=TOKENS, ignore_eos=True))

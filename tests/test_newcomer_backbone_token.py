@@ -15,10 +15,10 @@ import grpc
 import pytest
 
 from backbone.__main__ import _await_sessions
-from backbone._links import SessionWatcher
+from backbone.experts._links import SessionWatcher
 from kvasir_rpc import session_pb2, session_pb2_grpc
-from relay._hub import create_session_server
-from relay._registry import SessionRegistry
+from relay.hub._registry import SessionRegistry
+from relay.hub._sessions import create_session_server
 
 HUB_TOKEN = "the-hubs-backbone-token-0123456789abcdef"
 

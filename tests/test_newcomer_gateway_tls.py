@@ -13,9 +13,9 @@ import pytest
 import trio
 import trustme
 
-import relay._hub_gateway as hub_gateway
+import relay.hub._gateway_link as hub_gateway
 from kvasir_rpc import TLSStream, leaf_exception, open_websocket_url
-from relay._hub_gateway import GatewayLink, describe, tls_hint
+from relay.hub._gateway_link import GatewayLink, describe, tls_hint
 
 Handler = Callable[[trio.SocketStream], Awaitable[None]]
 HINT = "— the gateway may speak TLS: use wss://127.0.0.1:"

@@ -1,4 +1,4 @@
-"""The OpenAI API's parameters and objects (backbone/_openai.py), without a server: what is
+"""The OpenAI API's parameters and objects (backbone/service/_openai_shapes.py), without a server: what is
 accepted, what is refused and which parameter the error names."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ from typing import Any
 
 import pytest
 
-from backbone._engine import Finish, InvalidRequest, Sampling, StreamEvent, Summary
-from backbone._openai import (
+from backbone.engine._batch import Finish, InvalidRequest, Sampling, StreamEvent, Summary
+from backbone.service._openai_shapes import (
     MAX_PROMPTS,
     ApiError,
     chat_prompt_ids,

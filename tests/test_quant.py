@@ -244,7 +244,7 @@ def test_the_backbone_without_experts_computes_as_transformers_does(ct_model):
     # quantized per token as transformers' loaded model quantizes them: the same logits.
     from transformers import AutoModelForCausalLM
 
-    from backbone._weights import experts_modules, load_without_experts
+    from backbone.experts._weights import experts_modules, load_without_experts
 
     full = AutoModelForCausalLM.from_pretrained(str(ct_model))
     bare = load_without_experts(ct_model)
@@ -259,7 +259,7 @@ def test_the_backbone_without_experts_computes_as_transformers_does(ct_model):
 
 def test_a_config_with_its_format_only_at_the_top_computes_the_same(ct_model, tmp_path):
     # Older llm-compressor releases name the format once, not per group.
-    from backbone._weights import load_without_experts
+    from backbone.experts._weights import load_without_experts
 
     moved = _edit_config(ct_model, tmp_path, lambda q: q["config_groups"]["group_0"].pop("format"))
     index = ExpertIndex(moved)
@@ -326,7 +326,7 @@ def test_a_compressed_tensors_expert_in_activation_order_is_refused(tmp_path):
 
 def test_static_activation_scales_send_the_backbone_to_load_every_expert(tmp_path):
     # The on-demand backbone does not read input_scale tensors: it says so, and which path does.
-    from backbone._weights import load_without_experts
+    from backbone.experts._weights import load_without_experts
     from kvasir_rpc.dev.families import make_family_checkpoint
 
     model = make_family_checkpoint(tmp_path / "m", "qwen3_moe", dtype="bfloat16", quant="ct-fp8")

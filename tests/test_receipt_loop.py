@@ -16,9 +16,9 @@ import pytest
 import trio
 
 from kvasir_rpc import HelloInfo, Wallet
-from relay._contrib import ContributionStore
-from relay._receipt_sender import ReceiptSender
-from relay._registry import SessionRegistry, SessionStats
+from relay.hub._contributions import ContributionStore
+from relay.hub._receipts import ReceiptSender
+from relay.hub._registry import SessionRegistry, SessionStats
 
 WALLET = Wallet.generate().address
 

@@ -18,9 +18,9 @@ from structlog.testing import capture_logs
 
 from kvasir_rpc import Wallet, ledger_pb2, ledger_pb2_grpc, sign_receipt
 from ledger import open_store
-from relay._contrib import ContributionStore
-from relay._receipt_sender import ReceiptSender
-from relay._registry import SessionRegistry
+from relay.hub._contributions import ContributionStore
+from relay.hub._receipts import ReceiptSender
+from relay.hub._registry import SessionRegistry
 
 # Integration: a real ledger process and real gRPC servers.
 pytestmark = pytest.mark.integration

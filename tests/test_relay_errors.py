@@ -28,8 +28,8 @@ import time
 from collections.abc import Iterator
 
 import pytest
-
 from helpers import ROOT, taken_port, wait_until
+
 from kvasir_rpc import BACKBONE_TOKEN_FILE, STATE_DIR, HelpFormatter, Wallet
 from kvasir_rpc.dev.swarm import LocalSwarm, free_port
 
@@ -360,7 +360,7 @@ def test_refusal_lines_for_certificates_name_the_fix() -> None:
     """The hub's classification of a failed gateway connection, without a network."""
     from trio_websocket import ConnectionRejected, HandshakeError
 
-    from relay._hub_gateway import describe, refusal_line
+    from relay.hub._gateway_link import describe, refusal_line
 
     def verify_error(message: str) -> BaseException:
         cause = ssl.SSLCertVerificationError(1, f"certificate verify failed: {message}")

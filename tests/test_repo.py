@@ -131,7 +131,7 @@ def test_every_public_name_resolves_without_dev_tooling():
 def test_gateway_imports_no_protobuf_or_grpc():
     # The public gateway only splices WebSockets: it starts without protobuf and gRPC.
     code = (
-        "import sys, relay.__main__, relay._gateway\n"
+        "import sys, relay.__main__, relay.gateway._gateway\n"
         "print(sorted({m.split('.')[0] for m in sys.modules} & {'grpc', 'google', 'torch'}))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=ROOT)

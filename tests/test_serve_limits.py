@@ -14,11 +14,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from backbone._cli_serve import auth_refusal
-from backbone._engine import InvalidRequest, Sampling
-from backbone._http import MAX_BODY_BYTES, _Api, max_body_bytes
-from backbone._openai import ApiError, parse_chat, parse_completion
-from backbone._serve import (
+from backbone.cli._serve import auth_refusal
+from backbone.engine._batch import InvalidRequest, Sampling
+from backbone.service._grpc_api import (
     GRPC_DEFAULT_MESSAGE_BYTES,
     PROMPT_BYTES_CAP,
     PROMPT_BYTES_PER_TOKEN,
@@ -28,6 +26,8 @@ from backbone._serve import (
     default_max_prompt_bytes,
     max_message_bytes,
 )
+from backbone.service._http_api import MAX_BODY_BYTES, _Api, max_body_bytes
+from backbone.service._openai_shapes import ApiError, parse_chat, parse_completion
 from kvasir_rpc import backbone_pb2
 
 CONTEXT = 2048

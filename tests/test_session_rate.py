@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from relay._session_rate import (
+from relay.hub._admission import (
     COSTS,
     QUARANTINE_PENALTY,
     SUSPECT_FOR_S,

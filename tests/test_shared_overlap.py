@@ -11,8 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from backbone._experts import Dispatcher
-from backbone._generate import decode, decode_grouped, load_model, prompts_for_batch
+from backbone.engine._decode import decode, decode_grouped, load_model, prompts_for_batch
+from backbone.experts._dispatch import Dispatcher
 
 # Integration: loads a real transformers model.
 pytestmark = pytest.mark.integration

@@ -91,9 +91,9 @@ def test_a_live_demo_shows_on_its_page_its_metrics_and_kvasir_status(tiny_models
     import threading
 
     import psutil
+    from helpers import ROOT
     from prometheus_client.parser import text_string_to_metric_families
 
-    from helpers import ROOT
     from kvasir_rpc import read_model_info
 
     model = tiny_models("qwen3_moe")
@@ -366,7 +366,7 @@ def _serve_board(board, stack):  # type: ignore[no-untyped-def]
 
     import trio
 
-    from relay._hub_http import HubCollector, hub_metrics, serve_hub_http
+    from relay.hub._http import HubCollector, hub_metrics, serve_hub_http
 
     metrics = hub_metrics(board.registry, HubCollector(board.registry))
     started: queue.SimpleQueue = queue.SimpleQueue()
@@ -400,12 +400,12 @@ def test_the_page_at_a_real_shape_paints_real_data_first_and_its_map_fits_and_na
     import contextlib
 
     from kvasir_rpc import ExpertSet, HelloInfo, ModelShape, Wallet
-    from relay._hub_http import page_with
-    from relay._receipt_sender import ReceiptSenderStats
-    from relay._registry import SessionRegistry
-    from relay._status import StatusBoard
-    from relay._hub_gateway import GatewayLinkState
-    from relay._work import QuarantineNote, WorkDeskStats
+    from relay.hub._gateway_link import GatewayLinkState
+    from relay.hub._http import page_with
+    from relay.hub._receipts import ReceiptSenderStats
+    from relay.hub._registry import SessionRegistry
+    from relay.hub._status import StatusBoard
+    from relay.hub._work_desk import QuarantineNote, WorkDeskStats
 
     layers, experts = 49, 256
     registry = SessionRegistry()

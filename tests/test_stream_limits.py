@@ -9,7 +9,7 @@ import grpc
 import pytest
 
 from kvasir_rpc import AUTHORIZATION_METADATA
-from relay._stream_limits import WATCH_METHOD, StreamLimits, StreamLimitsInterceptor, StreamStats
+from relay.hub._stream_limits import WATCH_METHOD, StreamLimits, StreamLimitsInterceptor, StreamStats
 
 
 class Aborted(Exception):

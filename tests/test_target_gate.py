@@ -1,4 +1,4 @@
-"""The target gate (relay._target_gate), sans I/O: fed whole, a byte at a time and with
+"""The target gate (relay.hub._target_gate), sans I/O: fed whole, a byte at a time and with
 trailing data; any input gives a verdict, asks for more or raises RemoteProtocolError; and
 a real grpcio client through a gated splice to a real gRPC server."""
 
@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from kvasir_rpc._access import TARGET_KEY_METADATA, target_key
 from kvasir_rpc._errors import LocalProtocolError, RemoteProtocolError
-from relay._target_gate import PREFACE, Admitted, Refused, TargetGate
+from relay.hub._target_gate import PREFACE, Admitted, Refused, TargetGate
 
 TOKEN = "t" * 32
 SID = "s1-abcdef"

@@ -1,4 +1,4 @@
-"""relay._memory.Trimmer on a fake clock: the heap is given back once the traffic pauses,
+"""relay._heap_trim.Trimmer on a fake clock: the heap is given back once the traffic pauses,
 not while buffers are being freed and allocated again, and still now and then."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ import pytest
 import trio
 import trio.testing
 
-from relay import _memory
-from relay._memory import Trimmer
+from relay import _heap_trim as _memory
+from relay._heap_trim import Trimmer
 
 
 @pytest.fixture

@@ -23,13 +23,12 @@ import torch
 
 from kvasir_rpc import (
     HELLO_SIGNATURE_DOMAIN,
-    TunnelCipher,
-    verify_signature,
     CloseCode,
     ExpertFunction,
     HubHandshake,
     RemoteProtocolError,
     TensorCodecError,
+    TunnelCipher,
     Wallet,
     WorkerHandshake,
     decode_tensor,
@@ -42,8 +41,8 @@ from kvasir_rpc import (
     session_pb2,
     slices_digest,
     tensor_pb2,
+    verify_signature,
 )
-
 from kvasir_rpc._channel import Heartbeat, HeartbeatAck, KeyExchange, derive_tunnel_keys, transcript_hash
 from kvasir_rpc._handshake import accept_signed_message
 from kvasir_rpc.protocol import (
@@ -725,7 +724,7 @@ def test_dispatch(case):
 
 @pytest.mark.parametrize("case", COMPUTE["functions"], ids=[c["name"] for c in COMPUTE["functions"]])
 def test_expert_functions(case):
-    from backbone._audit import audit_rows
+    from backbone.experts._audit import audit_rows
     from kvasir_rpc._gen.kvasir.v1 import function_pb2
 
     fn = ExpertFunction.from_proto(function_pb2.ExpertFunction.FromString(bytes.fromhex(case["function_proto_hex"])),

@@ -20,7 +20,7 @@ from structlog.testing import capture_logs
 from relay._intake import Refusal, UpgradeIntake
 from relay._refusals import RefusalLog
 from relay._ws import MessageBudget
-from relay._ws_meter import FrameMeter, MeteredStream
+from relay.hub._ws_meter import FrameMeter, MeteredStream
 
 BUDGET_S = 60.0
 
@@ -244,8 +244,8 @@ def test_the_intake_tells_the_wrapper_where_the_frames_begin() -> None:
 
 def test_the_hub_admits_within_its_caps_and_refuses_a_hello_past_max_sessions_1013() -> None:
     from kvasir_rpc import RemoteProtocolError, Wallet
-    from relay._hub import HubConfig, _Hub
-    from relay._registry import SessionRegistry
+    from relay.hub._registry import SessionRegistry
+    from relay.hub._sessions import HubConfig, _Hub
 
     async def main() -> None:
         hub = _Hub(HubConfig(max_sessions=2, max_pending=1), Wallet.generate(), SessionRegistry())

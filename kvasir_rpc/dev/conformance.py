@@ -188,7 +188,7 @@ def judge_projections(call: _Call, partials: torch.Tensor, answer: Any, experts:
     for (docs/PROTOCOL.md 11.1), on a call's answer: ``(passed, why not)``."""
     import torch
 
-    from backbone._rowcheck import RowChecker
+    from backbone.experts._row_checks import RowChecker
     from kvasir_rpc import TensorCodecError, decode_tensor
 
     cid = call.request.call_id
@@ -221,7 +221,7 @@ def judge_partials(call: _Call, got: torch.Tensor, experts: ExpertIndex, fn: Exp
     tolerance passes with a note; anything else fails, the note naming the worst element."""
     import torch
 
-    from backbone._audit import audit_rows
+    from backbone.experts._audit import audit_rows
     from kvasir_rpc import expert_forward
 
     rows = sum(n for _, n in call.segments)
@@ -771,8 +771,7 @@ class _Check:
         from trio_websocket import ConnectionClosed
 
         from kvasir_rpc import receive_message
-        from kvasir_rpc.protocol import RemoteProtocolError
-        from kvasir_rpc.protocol import Closed, Data, Discarded, Eof
+        from kvasir_rpc.protocol import Closed, Data, Discarded, Eof, RemoteProtocolError
 
         assert self.ws is not None
         while True:

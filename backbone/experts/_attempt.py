@@ -34,7 +34,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from backbone._experts import Dispatcher
+    from backbone.experts._dispatch import Dispatcher
 
 __all__ = ["LOCAL_AFTER", "DecodeAttempt", "ReplayNeeded", "Untrusted", "current_attempt"]
 
@@ -104,7 +104,7 @@ class DecodeAttempt:
 
     def used(self, session_id: str, *, narrow: bool = False) -> None:
         """The current pass used an answer of ``session_id``; ``narrow``: one whose rows
-        passed their checks narrowly (``_rowcheck.NARROW_Z``)."""
+        passed their checks narrowly (``_row_checks.NARROW_Z``)."""
         self._used.setdefault(session_id, self.passes)
         if narrow:
             self._narrow.setdefault(session_id, self.passes)

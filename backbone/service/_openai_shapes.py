@@ -1,6 +1,6 @@
 """The OpenAI API's request and response objects, without I/O: request bodies (already
 decoded JSON) in, checked parameters out; engine results in, OpenAI-shaped objects out.
-``_http.py`` moves them over HTTP.
+``_http_api.py`` moves them over HTTP.
 
 Parameters follow OpenAI's names and defaults (``temperature`` 1, ``max_tokens`` 16 for
 completions), plus three extensions: ``top_k``, ``ignore_eos`` and ``max_tokens`` up to the
@@ -16,7 +16,7 @@ import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from backbone._engine import Finish, InvalidRequest, Sampling, StreamEvent, Summary
+from backbone.engine._batch import Finish, InvalidRequest, Sampling, StreamEvent, Summary
 
 __all__ = ["ApiError", "ChatParams", "CompletionParams", "Prompt", "chat_chunk", "chat_object",
            "chat_prompt_ids", "check_text", "completion_chunk", "completion_object", "error_for_event",

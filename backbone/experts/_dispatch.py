@@ -7,8 +7,8 @@ one fixed order whatever the placement. Its parts, one job each:
 
 * ``Placement`` (``_placement.py``): which worker link serves which (layer, expert);
 * ``ExpertWeights`` (``_weights.py``): where an expert's weights come from;
-* ``SharedDeferral`` (``_shared.py``): Qwen3.5's shared expert computed while calls fly;
-* ``AnswerChecker`` (``_checking.py``): whether a worker's answer is accepted;
+* ``SharedDeferral`` (``_shared_deferral.py``): Qwen3.5's shared expert computed while calls fly;
+* ``AnswerChecker`` (``_answers.py``): whether a worker's answer is accepted;
 * ``StragglerPolicy`` (``_deadlines.py``): how long a call is awaited before it is computed here.
 
 All calls of a layer are awaited together, each until its own deadline: a late one is
@@ -38,6 +38,16 @@ from collections.abc import Callable, Iterator, Mapping
 import torch
 from transformers.integrations.moe import ExpertsInterface
 
+from backbone.experts._answers import AnswerChecker, Checked, SampledRows, SentCall
+from backbone.experts._attempt import DecodeAttempt, ReplayNeeded, Untrusted, current_attempt
+from backbone.experts._audit import DEFAULT_AUDIT_RATE, AuditRates
+from backbone.experts._deadlines import StragglerPolicy
+from backbone.experts._hub_reports import AuditGate, WorkReporter
+from backbone.experts._links import SessionWatcher, WorkerLink
+from backbone.experts._placement import Placement
+from backbone.experts._row_checks import NARROW_Z, RowChecker
+from backbone.experts._shared_deferral import SharedDeferral
+from backbone.experts._weights import CheckpointWeights, ExpertWeights, HeldWeights, experts_modules
 from kvasir_rpc import (
     ExpertFunction,
     ExpertIndex,
@@ -50,16 +60,6 @@ from kvasir_rpc import (
     session_pb2,
     threads_initializer,
 )
-from backbone._attempt import DecodeAttempt, ReplayNeeded, Untrusted, current_attempt
-from backbone._audit import DEFAULT_AUDIT_RATE, AuditRates
-from backbone._checking import AnswerChecker, Checked, SampledRows, SentCall
-from backbone._deadlines import StragglerPolicy
-from backbone._links import SessionWatcher, WorkerLink
-from backbone._placement import Placement
-from backbone._rowcheck import NARROW_Z, RowChecker
-from backbone._shared import SharedDeferral
-from backbone._weights import CheckpointWeights, ExpertWeights, HeldWeights, experts_modules
-from backbone._work import AuditGate, WorkReporter
 
 __all__ = ["IMPLEMENTATION", "Dispatcher", "DispatchStats", "ReplayNeeded", "install"]  # ReplayNeeded: _attempt's
 

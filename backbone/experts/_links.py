@@ -13,6 +13,7 @@ from concurrent.futures import Future
 
 import grpc
 
+from backbone.experts._deadlines import RttEstimator, StragglerPolicy
 from kvasir_rpc import (
     TARGET_KEY_METADATA,
     bearer,
@@ -23,7 +24,6 @@ from kvasir_rpc import (
     slices_from_proto,
     target_key,
 )
-from backbone._deadlines import RttEstimator, StragglerPolicy
 
 __all__ = ["CallRecord", "SessionWatcher", "WorkerLink"]
 

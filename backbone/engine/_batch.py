@@ -40,8 +40,8 @@ from typing import TypeVar
 
 import torch
 
-from backbone._attempt import DecodeAttempt, ReplayNeeded
-from backbone._experts import IMPLEMENTATION, Dispatcher
+from backbone.experts._attempt import DecodeAttempt, ReplayNeeded
+from backbone.experts._dispatch import IMPLEMENTATION, Dispatcher
 from kvasir_rpc import get_logger, threads_initializer
 
 T = TypeVar("T")

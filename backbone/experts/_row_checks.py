@@ -66,7 +66,7 @@ _MAX_SLOPE = 1.25
 
 
 class ExpertSource(Protocol):
-    """Where the checks read an expert's weights (``backbone._weights.ExpertWeights``)."""
+    """Where the checks read an expert's weights (``backbone.experts._weights.ExpertWeights``)."""
 
     def num_experts(self, layer: int) -> int | None: ...
 

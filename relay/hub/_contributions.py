@@ -24,8 +24,8 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
 from kvasir_rpc import ReceiptError, Wallet, get_logger, ledger_pb2, sign_receipt
-from relay._registry import SessionStats
-from relay._session_rate import WalletHistory
+from relay.hub._admission import WalletHistory
+from relay.hub._registry import SessionStats
 
 __all__ = ["ContributionStore", "PendingReceipt", "ReceiptRecord", "Settlement"]
 

@@ -56,7 +56,7 @@ __all__ = ["DEFAULT_AUDIT_RATE", "SEGMENT_ROWS", "TOLERANCE_FACTOR", "AuditRates
            "audit_rows", "error_scale"]
 
 # One row (or small segment) in fifty: audits recompute 2% of the remote work of a session
-# whose rows are each checked (_rowcheck.py) once its wallet has earned it; each session's
+# whose rows are each checked (_row_checks.py) once its wallet has earned it; each session's
 # first call in a run is audited too (see RowSampler).
 DEFAULT_AUDIT_RATE = 0.02
 # A session answering without row checks (an older worker) is audited at least this much:

@@ -9,7 +9,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.metrics_core import Metric
 
 from kvasir_rpc import StatsCollector, counter_family, gauge_family
-from relay._gateway import GatewayStats
+from relay.gateway._gateway import GatewayStats
 
 __all__ = ["gateway_registry"]
 

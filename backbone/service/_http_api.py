@@ -41,8 +41,10 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
-from backbone._engine import InvalidRequest, Overloaded, Request, RequestStream, StreamEvent, Summary
-from backbone._openai import (
+from backbone.engine._batch import InvalidRequest, Overloaded, Request, RequestStream, StreamEvent, Summary
+from backbone.service._grpc_api import Backbone
+from backbone.service._metrics import BackboneMetrics
+from backbone.service._openai_shapes import (
     ApiError,
     ChatParams,
     CompletionParams,
@@ -59,8 +61,6 @@ from backbone._openai import (
     parse_completion,
     usage,
 )
-from backbone._metrics import BackboneMetrics
-from backbone._serve import Backbone
 from kvasir_rpc import METRICS_PATH, as_listen_error, check_listen, get_logger
 
 log = get_logger("backbone.http")

@@ -61,8 +61,8 @@ def run_serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     setup = build_setup(parser, args)
     if isinstance(setup, int):
         return setup
-    from backbone._engine import Engine
-    from backbone._serve import Backbone, serve_backbone
+    from backbone.engine._batch import Engine
+    from backbone.service._grpc_api import Backbone, serve_backbone
 
     result: dict[str, object] = {}
     engine = Engine(setup.model, setup.tokenizer, setup.dispatcher, max_batch=args.max_batch,
@@ -80,7 +80,7 @@ def run_serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
             fail(f"backbone: --listen: {exc}")
         http_port = None
         if args.http:
-            from backbone._http import serve_http
+            from backbone.service._http_api import serve_http
 
             try:
                 http = serve_http(backbone, args.http, timeout_s=args.http_timeout)

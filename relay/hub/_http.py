@@ -34,11 +34,11 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from kvasir_rpc import get_logger
-from relay._receipt_sender import ReceiptSenderStats
-from relay._registry import SessionRegistry
-from relay._session_rate import SessionRateStats
-from relay._status import SAMPLE_S, StatusBoard
-from relay._work import WorkDeskStats
+from relay.hub._admission import SessionRateStats
+from relay.hub._receipts import ReceiptSenderStats
+from relay.hub._registry import SessionRegistry
+from relay.hub._status import SAMPLE_S, StatusBoard
+from relay.hub._work_desk import WorkDeskStats
 
 __all__ = ["HubCollector", "embed_json", "hub_metrics", "make_app", "page_with", "serve_hub_http"]
 
@@ -149,10 +149,10 @@ INITIAL_SLOT = b'<script type="application/json" id="initial"></script>'
 @functools.cache
 def _page() -> tuple[bytes, bytes]:
     """The page, split around its ``INITIAL_SLOT``'s content."""
-    page = importlib.resources.files("relay").joinpath("status_page.html").read_bytes()
+    page = importlib.resources.files("relay.hub").joinpath("status_page.html").read_bytes()
     head, slot, tail = page.partition(INITIAL_SLOT)
     if not slot:
-        raise RuntimeError("relay/status_page.html has no initial-document slot")
+        raise RuntimeError("relay/hub/status_page.html has no initial-document slot")
     cut = len(head) + INITIAL_SLOT.index(b"</script>")
     return page[:cut], page[cut:]
 

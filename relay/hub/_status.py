@@ -19,9 +19,9 @@ import numpy as np
 
 from kvasir_rpc import ModelShape, format_kvr
 from kvasir_rpc.protocol import AEAD_NAMES
-from relay._receipt_sender import ReceiptSenderStats
-from relay._registry import SessionRegistry, SessionStats
-from relay._work import WorkDeskStats
+from relay.hub._receipts import ReceiptSenderStats
+from relay.hub._registry import SessionRegistry, SessionStats
+from relay.hub._work_desk import WorkDeskStats
 
 __all__ = ["HISTORY_POINTS", "RATE_WINDOW", "SAMPLE_S", "StatusBoard"]
 

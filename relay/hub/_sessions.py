@@ -20,19 +20,19 @@ import trio
 from trio_websocket import ConnectionClosed, WebSocketConnection, WebSocketRequest, WebSocketServer
 
 from kvasir_rpc import (
+    MIN_TOKEN_CHARS,
     CloseCode,
     HelloInfo,
     HubHandshake,
     ModelShape,
     RemoteProtocolError,
     SealedHeartbeat,
+    TokenError,
     TunnelCipher,
     Wallet,
-    get_logger,
-    MIN_TOKEN_CHARS,
-    TokenError,
     address_key,
     check_bearer,
+    get_logger,
     keepalive,
     leaf_exception,
     receive_message,
@@ -60,17 +60,17 @@ from kvasir_rpc.protocol import (
     TunnelState,
     choose_subprotocol,
 )
+from relay._heap_trim import Trimmer
 from relay._intake import Refusal, UpgradeIntake
-from relay._memory import Trimmer
-from relay._plan import pick_mover, plan_slice
 from relay._refusals import RefusalLog
-from relay._registry import SessionRegistry
-from relay._session_rate import SessionRate, Standing, WalletHistory, standing_of
-from relay._stream_limits import StreamLimits, StreamLimitsInterceptor
-from relay._target_gate import Admitted, Refused, TargetGate, Verdict
-from relay._work import DeskError, WorkDesk
 from relay._ws import HttpRequest, MessageBudget
-from relay._ws_meter import MeteredStream
+from relay.hub._admission import SessionRate, Standing, WalletHistory, standing_of
+from relay.hub._plan import pick_mover, plan_slice
+from relay.hub._registry import SessionRegistry
+from relay.hub._stream_limits import StreamLimits, StreamLimitsInterceptor
+from relay.hub._target_gate import Admitted, Refused, TargetGate, Verdict
+from relay.hub._work_desk import DeskError, WorkDesk
+from relay.hub._ws_meter import MeteredStream
 
 __all__ = ["HubConfig", "SessionServicer", "StreamLimits", "create_session_server", "serve_hub"]
 
@@ -199,6 +199,7 @@ def create_session_server(registry: SessionRegistry, address: str, *, backbone_t
     ``backbone_token`` in its own allowance), so ListSessions always finds a thread.
     ReportWork and Quarantine go to ``desk`` for callers presenting the token."""
     from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
     from kvasir_rpc import NO_PORT_SHARING, enable_reflection
 
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=limits.threads, thread_name_prefix="session-svc"),
@@ -536,7 +537,7 @@ class _Hub:
         self.config = config
         self.key = key
         self.registry = registry
-        # New sessions per address and in all (relay._session_rate), priced by the wallet's
+        # New sessions per address and in all (relay.hub._admission), priced by the wallet's
         # history; without one every wallet is new.
         self.rate = rate if rate is not None else SessionRate()
         self._history = history
@@ -595,7 +596,7 @@ class _Hub:
         return None
 
     def wrap(self, stream: trio.abc.Stream, remote: str, head_bytes: int) -> MeteredStream:
-        """The stream trio-websocket gets for an admitted connection: metered (relay._ws_meter)
+        """The stream trio-websocket gets for an admitted connection: metered (relay.hub._ws_meter)
         and counted as pending until its hello is verified or it closes."""
         def done() -> None:
             self._pending.pop(remote, None)
@@ -703,7 +704,7 @@ class _Hub:
         """Every ``config.move_check_s``: when the backbones route rows to experts no session
         holds, ask one planned worker whose every expert is held elsewhere too (and that has
         been up ``move_min_age_s``) to plan again (close 4010): it asks for a slice, gets the
-        uncovered experts, and joins with them (``relay._plan.pick_mover``)."""
+        uncovered experts, and joins with them (``relay.hub._plan.pick_mover``)."""
         while True:
             await trio.sleep(self.config.move_check_s)
             now_ms = time.time_ns() // 1_000_000
@@ -721,7 +722,7 @@ class _Hub:
                     remote: str) -> None:
         """Answer a planning hello (``--experts auto``): the slice this worker should hold, out of
         the experts its checkpoint has, given what the live sessions and the plans handed out
-        recently hold and what the backbones route to (``relay._plan``); then close (1000). The
+        recently hold and what the backbones route to (``relay.hub._plan``); then close (1000). The
         plan counts as held until the worker joins with it or the reservation's ttl passes."""
         held = [dict(s.slices) for s in self.registry.statistics()]
         suggested = plan_slice(info.slices, info.expert_capacity, held=held, demand=self.registry.demand.snapshot(),
@@ -837,7 +838,7 @@ async def serve_hub(
             nursery.start_soon(hub.move_workers)
         await nursery.start(server.run)
         if config.gateway_urls:
-            from relay._hub_gateway import GatewayLink
+            from relay.hub._gateway_link import GatewayLink
 
             for url in dict.fromkeys(config.gateway_urls):  # a URL given twice: one link
                 link = GatewayLink(functools.partial(hub.serve_connection, via_gateway=True), url,

@@ -15,10 +15,10 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from kvasir_rpc import ExpertSet, HelloInfo, session_pb2, slices_to_proto
-from relay._plan import Demand, Reservations
+from relay.hub._plan import Demand, Reservations
 
 if TYPE_CHECKING:
-    from relay._hub_gateway import GatewayLinkState
+    from relay.hub._gateway_link import GatewayLinkState
 
 __all__ = ["RegistryTotals", "SessionChange", "SessionRegistry", "SessionStats"]
 
@@ -171,13 +171,13 @@ class SessionRegistry:
         self._ended_to = 0
         self._ended_from = 0
         self._generation = 0
-        # What the swarm needs, for --experts auto (relay._plan): the rows the backbones route
+        # What the swarm needs, for --experts auto (relay.hub._plan): the rows the backbones route
         # to each expert (reported with their work), and the slices suggested recently.
         self.demand = Demand()
         self.reservations = Reservations()
         # Each backbone run's last status (its work reports carry one), by run id, with when.
         self._backbones: dict[str, tuple[float, session_pb2.BackboneStatus]] = {}
-        # The hub's gateway links (relay._hub_gateway.GatewayLinkState), for its page; added
+        # The hub's gateway links (relay.hub._gateway_link.GatewayLinkState), for its page; added
         # and updated on the hub's event loop, read there.
         self.gateway_links: list[GatewayLinkState] = []
 

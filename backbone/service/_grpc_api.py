@@ -1,6 +1,6 @@
 """kvasir.v1.BackboneService over gRPC: Generate (server streaming), ListModels, Describe,
 with reflection (v1 and v1alpha) and health. The OpenAI-compatible HTTP API
-(``_http.py``) serves the same ``Backbone`` (one engine, one batch).
+(``_http_api.py``) serves the same ``Backbone`` (one engine, one batch).
 
 What a caller sends is bounded before any work is done on it: a prompt's text by its size in
 UTF-8 bytes before it is tokenized (``Backbone.max_prompt_bytes``), a whole gRPC message by
@@ -22,7 +22,7 @@ from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.message import DecodeError, Message
 from google.protobuf.unknown_fields import UnknownFieldSet
 
-from backbone._engine import (
+from backbone.engine._batch import (
     DEFAULT_MAX_TOKENS,
     Engine,
     Finish,
@@ -33,7 +33,7 @@ from backbone._engine import (
     Sampling,
     Summary,
 )
-from backbone._experts import Dispatcher
+from backbone.experts._dispatch import Dispatcher
 from kvasir_rpc import (
     NO_PORT_SHARING,
     ExpertFunction,

@@ -19,8 +19,8 @@ import grpc
 
 from kvasir_rpc import MAX_CUMULATIVE_BYTES, Wallet, get_logger, session_pb2
 from kvasir_rpc.protocol import MAX_EXPERTS_PER_LAYER, MAX_LAYERS
-from relay._contrib import ContributionStore
-from relay._registry import SessionRegistry
+from relay.hub._contributions import ContributionStore
+from relay.hub._registry import SessionRegistry
 
 __all__ = ["DeskError", "QuarantineNote", "WorkDesk", "WorkDeskStats"]
 

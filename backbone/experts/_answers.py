@@ -2,7 +2,7 @@
 
 Whole-answer checks first, at once (it decodes, has the expected shape and dtype, every
 value is finite unless this backbone's own result overflows alike); then, for a session whose
-worker returns its projections, the row checks of ``_rowcheck.py`` on every row, also before
+worker returns its projections, the row checks of ``_row_checks.py`` on every row, also before
 the answer is used; then the sampled audit of ``_audit.py``, which the Dispatcher runs off
 the decode's critical path: the sampled rows are copied out of the call (``SampledRows``)
 and audited on another thread while the decode goes on, and the decode waits for the
@@ -21,6 +21,10 @@ from collections.abc import Iterator
 
 import torch
 
+from backbone.experts._audit import AuditRates, AuditResult, RowSampler, audit_rows
+from backbone.experts._links import CallRecord, WorkerLink
+from backbone.experts._row_checks import RowChecker
+from backbone.experts._weights import ExpertTensors, ExpertWeights
 from kvasir_rpc import (
     ExpertFunction,
     Route,
@@ -31,10 +35,6 @@ from kvasir_rpc import (
     expert_pb2,
     session_pb2,
 )
-from backbone._audit import AuditRates, AuditResult, RowSampler, audit_rows
-from backbone._links import CallRecord, WorkerLink
-from backbone._rowcheck import RowChecker
-from backbone._weights import ExpertTensors, ExpertWeights
 
 __all__ = ["AnswerChecker", "Checked", "SampledRows", "SentCall"]
 

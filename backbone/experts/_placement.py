@@ -14,9 +14,9 @@ import time
 
 import grpc
 
+from backbone.experts._links import SessionWatcher, WorkerLink
+from backbone.experts._weights import ExpertWeights
 from kvasir_rpc import Route, announced_mismatch, get_logger, session_pb2, slices_digest
-from backbone._links import SessionWatcher, WorkerLink
-from backbone._weights import ExpertWeights
 
 __all__ = ["Placement"]
 

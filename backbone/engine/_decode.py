@@ -12,9 +12,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from backbone._attempt import DecodeAttempt, ReplayNeeded
-from backbone._experts import IMPLEMENTATION, Dispatcher, install
-from backbone._weights import load_without_experts
+from backbone.experts._attempt import DecodeAttempt, ReplayNeeded
+from backbone.experts._dispatch import IMPLEMENTATION, Dispatcher, install
+from backbone.experts._weights import load_without_experts
 from kvasir_rpc import decompress_now, get_logger, threads_initializer
 
 if TYPE_CHECKING:
@@ -101,7 +101,7 @@ class _Passes:
 
     def __init__(self, model, enc, max_new_tokens: int, attempt: DecodeAttempt | None,  # type: ignore[no-untyped-def]
                  stop: threading.Event | None, on_step: OnStep | None, rows: int, pad_id: int) -> None:
-        from backbone._engine import _cache_layout
+        from backbone.engine._batch import _cache_layout
 
         self.model, self.enc, self.max_new_tokens = model, enc, max_new_tokens
         self.attempt, self.stop, self.on_step, self.rows, self.pad_id = attempt, stop, on_step, rows, pad_id
@@ -138,7 +138,7 @@ class _Passes:
         if to_pass == 0:
             self.cache = None
             return
-        from backbone._engine import cut_cache
+        from backbone.engine._batch import cut_cache
 
         cut_cache(self.cache, self.enc["input_ids"].shape[1] + to_pass - 1)  # the last kept token leads the next pass
 

@@ -17,7 +17,7 @@ from collections.abc import Callable
 
 import torch
 
-from backbone._weights import layer_of
+from backbone.experts._weights import layer_of
 
 __all__ = ["SharedDeferral"]
 

@@ -28,10 +28,10 @@ from typing import TYPE_CHECKING, Protocol
 import numpy as np
 import torch
 
-from backbone._attempt import DecodeAttempt, ReplayNeeded
-from backbone._engine import cut_cache
-from backbone._experts import IMPLEMENTATION
-from backbone._generate import Decode, OnStep, _dispatcher_of
+from backbone.engine._batch import cut_cache
+from backbone.engine._decode import Decode, OnStep, _dispatcher_of
+from backbone.experts._attempt import DecodeAttempt, ReplayNeeded
+from backbone.experts._dispatch import IMPLEMENTATION
 from kvasir_rpc import get_logger
 
 if TYPE_CHECKING:
@@ -159,7 +159,7 @@ class AssistStats:
 
 def assist_unsupported(model) -> str:  # type: ignore[no-untyped-def]
     """Why assisted decoding cannot run on ``model`` (its cache cannot be cut back), or ""."""
-    from backbone._engine import _cache_layout
+    from backbone.engine._batch import _cache_layout
 
     batchable, kv_only, why = _cache_layout(model)
     if not batchable:

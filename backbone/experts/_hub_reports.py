@@ -21,8 +21,7 @@ from collections.abc import Callable
 
 import grpc
 
-from kvasir_rpc import get_logger, session_pb2, session_pb2_grpc
-from kvasir_rpc import bearer
+from kvasir_rpc import bearer, get_logger, session_pb2, session_pb2_grpc
 
 __all__ = ["AuditGate", "WorkReporter", "WorkTally"]
 

@@ -22,8 +22,8 @@ import grpc
 import trio
 
 from kvasir_rpc import Wallet, get_logger, ledger_pb2, ledger_pb2_grpc
-from relay._contrib import ContributionStore, PendingReceipt, Settlement
-from relay._registry import SessionRegistry, SessionStats
+from relay.hub._contributions import ContributionStore, PendingReceipt, Settlement
+from relay.hub._registry import SessionRegistry, SessionStats
 
 __all__ = ["ReceiptSender", "ReceiptSenderStats"]
 

@@ -10,7 +10,7 @@ from collections.abc import Iterator
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.metrics_core import Metric
 
-from backbone._serve import Backbone
+from backbone.service._grpc_api import Backbone
 from kvasir_rpc import StatsCollector, counter_family, gauge_family, latency_histogram
 
 __all__ = ["BackboneMetrics"]

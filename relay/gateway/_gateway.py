@@ -41,12 +41,12 @@ from kvasir_rpc.protocol import (
     encode_pair,
 )
 from relay._buckets import TokenBuckets
+from relay._heap_trim import Trimmer
 from relay._intake import Refusal, http_error_refusal, upgrade_refusal
-from relay._memory import Trimmer
 from relay._refusals import RefusalLog
 from relay._ws import (
-    HttpError,
     Held,
+    HttpError,
     HttpRequest,
     MessageBudget,
     WebSocket,
@@ -130,7 +130,7 @@ class Gateway:
         # New connections per source address: a burst of the rate, refilled at the rate.
         self._limiter = TokenBuckets(config.new_connections_per_ip_per_s, max_entries=config.rate_table_size)
         # Unfinished messages are dropped all the time; the heap pages they churned go back
-        # to the system soon after (see relay._memory).
+        # to the system soon after (see relay._heap_trim).
         self.trimmer = Trimmer()
         self._budget = MessageBudget(config.max_buffered_bytes, config.message_deadline_s,
                                      on_release=self.trimmer.dropped)
