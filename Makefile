@@ -37,7 +37,7 @@ demo: $(STAMP) bytecode
 # of the suite's ~1,000 processes compiled them again: ~130 ms of CPU each for the relay and
 # worker modules alone. Python reads them, and recompiles in memory any whose source changed.
 bytecode: $(STAMP)
-	@$(PY) -m compileall -q kvasir_rpc relay worker backbone ledger tools
+	@$(PY) -m compileall -q kvasir kvasir_rpc relay worker backbone ledger tools
 
 # The in-process tier (protocol cores, stores, fuzz) on TEST_PROCS processes at once; then the
 # real-process tier one test at a time: its tests time deadlines and heartbeats, and each
@@ -93,7 +93,7 @@ bench-deps:
 
 lint: $(STAMP) node-deps
 	$(VENV)/bin/buf lint
-	$(VENV)/bin/mypy kvasir_rpc relay worker backbone ledger
+	$(VENV)/bin/mypy kvasir kvasir_rpc relay worker backbone ledger
 	npm run --prefix $(TS) --silent typecheck
 
 # The ledger's tests start a throwaway PostgreSQL cluster (Debian's server binaries); the status

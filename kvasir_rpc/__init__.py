@@ -1,8 +1,8 @@
 """Kvasir RPC shared library: protocol stubs, tensor codec, expert kernel, tunnel,
-wallets, checkpoint reading and logging. Imports no component package, and components use
-only the names in ``__all__`` (tests/test_repo.py checks both). Development tooling (the
-``kvasir`` command, the local-swarm launcher, benchmarks, tiny checkpoints) lives in
-``kvasir_rpc.dev``, which nothing here imports.
+wallets, checkpoint reading, the row checks and the audit's tolerance, and logging. Only a
+library: it imports no component and not the ``kvasir`` package (the command, the
+local-swarm launcher, benchmarks, tiny checkpoints, the conformance check), and those use only
+the names in ``__all__`` (tests/test_repo.py checks both).
 
 Every name loads on first use: the gateway imports no protobuf or gRPC module and the
 relay and the ledger start without torch, while ``from kvasir_rpc import X`` works for all.
@@ -26,65 +26,20 @@ if TYPE_CHECKING:  # the real names, for type checkers; at run time __getattr__ 
         target_key,
         target_key_matches,
     )
-    from kvasir_rpc._errors import (
-        CloseCode,
-        LocalProtocolError,
-        RemoteProtocolError,
-        leaf_exception,
-    )
-    from kvasir_rpc._gen.kvasir.v1 import (
-        backbone_pb2,
-        backbone_pb2_grpc,
-        expert_pb2,
-        expert_pb2_grpc,
-        ledger_pb2,
-        ledger_pb2_grpc,
-        session_pb2,
-        session_pb2_grpc,
-        tensor_pb2,
-    )
     from kvasir_rpc._addr import address_key, remote_host
-    from kvasir_rpc._experts import ExpertSet, ModelShape, read_model_shape
-    from kvasir_rpc._handshake import (
-        HELLO_SIGNATURE_DOMAIN,
-        HelloInfo,
-        HubHandshake,
-        WorkerHandshake,
-        slices_from_proto,
-        slices_to_proto,
-    )
-    from kvasir_rpc._reflection import enable_reflection, start_with_health
-    from kvasir_rpc._listen import (
-        NO_PORT_SHARING,
-        ListenError,
-        as_listen_error,
-        bind_grpc,
-        check_listen,
-    )
-    from kvasir_rpc._secrets import (
-        check_secret_mode,
-        ensure_state_dir,
-        write_secret,
-    )
-    from kvasir_rpc._receipts import (
-        DEFAULT_RATE_NANO_PER_BYTE,
-        MAX_CUMULATIVE_BYTES,
-        ReceiptError,
-        format_kvr,
-        format_units,
-        open_receipt,
-        sign_receipt,
-        validate_receipt,
-    )
-    from kvasir_rpc._log import (
-        configure_logging,
-        get_logger,
-    )
-    from kvasir_rpc._wallet import (
-        Wallet,
-        WalletError,
-        is_address,
-        verify_signature,
+    from kvasir_rpc._channel import TunnelCipher, preferred_aeads
+    from kvasir_rpc._checkpoint import (
+        CHECKPOINT_HINT,
+        CheckpointError,
+        ExpertIndex,
+        ModelInfo,
+        SpecError,
+        check_checkpoint,
+        expert_digest,
+        format_slices,
+        parse_expert_spec,
+        read_model_info,
+        slices_digest,
     )
     from kvasir_rpc._cliargs import (
         BACKBONE_TOKEN_FILE,
@@ -112,21 +67,14 @@ if TYPE_CHECKING:  # the real names, for type checkers; at run time __getattr__ 
         serialize_dispatch_request,
         serialize_dispatch_response,
     )
-    from kvasir_rpc._fastmask import install_fast_masking, xor_mask_into
-    from kvasir_rpc._lazy import lazy_getattr
-    from kvasir_rpc._checkpoint import (
-        CHECKPOINT_HINT,
-        CheckpointError,
-        ExpertIndex,
-        ModelInfo,
-        SpecError,
-        check_checkpoint,
-        expert_digest,
-        format_slices,
-        parse_expert_spec,
-        read_model_info,
-        slices_digest,
+    from kvasir_rpc._errors import (
+        CloseCode,
+        LocalProtocolError,
+        RemoteProtocolError,
+        leaf_exception,
     )
+    from kvasir_rpc._experts import ExpertSet, ModelShape, read_model_shape
+    from kvasir_rpc._fastmask import install_fast_masking, xor_mask_into
     from kvasir_rpc._fetch import (
         DEFAULT_MODEL_CACHE,
         FetchError,
@@ -138,22 +86,25 @@ if TYPE_CHECKING:  # the real names, for type checkers; at run time __getattr__ 
         model_cache_folder,
     )
     from kvasir_rpc._function import ExpertFunction, announced_mismatch, as_function, function_of_module
-    from kvasir_rpc._quant import (
-        CT_COMPANIONS,
-        CtExpert,
-        Mxfp4Expert,
-        QuantizedExpert,
-        QuantizedWeights,
-        decompress_now,
-        dequantize_block_fp8,
-        dequantize_ct_dense,
-        dequantize_mxfp4,
-        quantize_block_fp8,
-        quantize_ct_activations,
-        quantize_mxfp4,
-        write_ct_release,
-        write_fp8_release,
-        write_mxfp4_release,
+    from kvasir_rpc._gen.kvasir.v1 import (
+        backbone_pb2,
+        backbone_pb2_grpc,
+        expert_pb2,
+        expert_pb2_grpc,
+        function_pb2,
+        ledger_pb2,
+        ledger_pb2_grpc,
+        session_pb2,
+        session_pb2_grpc,
+        tensor_pb2,
+    )
+    from kvasir_rpc._handshake import (
+        HELLO_SIGNATURE_DOMAIN,
+        HelloInfo,
+        HubHandshake,
+        WorkerHandshake,
+        slices_from_proto,
+        slices_to_proto,
     )
     from kvasir_rpc._kernel import (
         Activation,
@@ -167,17 +118,18 @@ if TYPE_CHECKING:  # the real names, for type checkers; at run time __getattr__ 
         threads_initializer,
         validate_dispatch,
     )
-    from kvasir_rpc._tls import (
-        TLSStream,
-        open_websocket_url,
+    from kvasir_rpc._lazy import lazy_getattr
+    from kvasir_rpc._listen import (
+        NO_PORT_SHARING,
+        ListenError,
+        as_listen_error,
+        bind_grpc,
+        check_listen,
     )
-    from kvasir_rpc._tunnel import (
-        SealedHeartbeat,
-        keepalive,
-        receive_message,
-        send_whole,
+    from kvasir_rpc._log import (
+        configure_logging,
+        get_logger,
     )
-    from kvasir_rpc._channel import TunnelCipher, preferred_aeads
     from kvasir_rpc._metrics import (
         LATENCY_BUCKETS_S,
         METRICS_PATH,
@@ -186,6 +138,59 @@ if TYPE_CHECKING:  # the real names, for type checkers; at run time __getattr__ 
         gauge_family,
         latency_histogram,
         serve_metrics,
+    )
+    from kvasir_rpc._quant import (
+        CT_COMPANIONS,
+        CtExpert,
+        Mxfp4Expert,
+        QuantizedExpert,
+        QuantizedWeights,
+        compress_ct,
+        ct_scheme_of,
+        decompress_now,
+        dequantize_block_fp8,
+        dequantize_ct_dense,
+        dequantize_mxfp4,
+        quantize_block_fp8,
+        quantize_ct_activations,
+        quantize_mxfp4,
+        write_ct_release,
+        write_fp8_release,
+        write_mxfp4_release,
+    )
+    from kvasir_rpc._receipts import (
+        DEFAULT_RATE_NANO_PER_BYTE,
+        MAX_CUMULATIVE_BYTES,
+        ReceiptError,
+        format_kvr,
+        format_units,
+        open_receipt,
+        sign_receipt,
+        validate_receipt,
+    )
+    from kvasir_rpc._reflection import enable_reflection, start_with_health
+    from kvasir_rpc._row_checks import NARROW_Z, ROW_CHECK_FACTOR, RowChecker, RowVerdict
+    from kvasir_rpc._secrets import (
+        check_secret_mode,
+        ensure_state_dir,
+        write_secret,
+    )
+    from kvasir_rpc._tls import (
+        TLSStream,
+        open_websocket_url,
+    )
+    from kvasir_rpc._tolerance import TOLERANCE_FACTOR, AuditResult, audit_rows, error_scale
+    from kvasir_rpc._tunnel import (
+        SealedHeartbeat,
+        keepalive,
+        receive_message,
+        send_whole,
+    )
+    from kvasir_rpc._wallet import (
+        Wallet,
+        WalletError,
+        is_address,
+        verify_signature,
     )
 
 __version__ = "0.1.0"
@@ -215,6 +220,7 @@ _LAZY = {
     "session_pb2": _GEN,
     "session_pb2_grpc": _GEN,
     "tensor_pb2": _GEN,
+    "function_pb2": _GEN,
     "address_key": "kvasir_rpc._addr",
     "remote_host": "kvasir_rpc._addr",
     "ExpertSet": "kvasir_rpc._experts",
@@ -299,6 +305,8 @@ _LAZY = {
     "Mxfp4Expert": "kvasir_rpc._quant",
     "dequantize_mxfp4": "kvasir_rpc._quant",
     "quantize_mxfp4": "kvasir_rpc._quant",
+    "compress_ct": "kvasir_rpc._quant",
+    "ct_scheme_of": "kvasir_rpc._quant",
     "write_mxfp4_release": "kvasir_rpc._quant",
     "dequantize_block_fp8": "kvasir_rpc._quant",
     "quantize_block_fp8": "kvasir_rpc._quant",
@@ -310,6 +318,14 @@ _LAZY = {
     "quantize_ct_activations": "kvasir_rpc._quant",
     "decompress_now": "kvasir_rpc._quant",
     "expert_forward": "kvasir_rpc._kernel",
+    "NARROW_Z": "kvasir_rpc._row_checks",
+    "ROW_CHECK_FACTOR": "kvasir_rpc._row_checks",
+    "RowChecker": "kvasir_rpc._row_checks",
+    "RowVerdict": "kvasir_rpc._row_checks",
+    "TOLERANCE_FACTOR": "kvasir_rpc._tolerance",
+    "AuditResult": "kvasir_rpc._tolerance",
+    "audit_rows": "kvasir_rpc._tolerance",
+    "error_scale": "kvasir_rpc._tolerance",
     "expert_forward_projections": "kvasir_rpc._kernel",
     "plan_routes": "kvasir_rpc._kernel",
     "Route": "kvasir_rpc._kernel",

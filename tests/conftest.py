@@ -58,7 +58,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory: pytest.TempPathFactory):
     """A function arch -> checkpoint folder, each made at most once per test session."""
-    from kvasir_rpc.dev.tiny import make_tiny_checkpoint
+    from kvasir.tiny import make_tiny_checkpoint
 
     base = tmp_path_factory.mktemp("models")
     made: dict[str, pathlib.Path] = {}
@@ -76,7 +76,7 @@ def two_worker_swarm(tiny_models, tmp_path_factory: pytest.TempPathFactory):
     """A hub and two workers holding half the experts of the tiny qwen3_moe each (no ledger),
     started once for the tests that only decode through it or read from it; ``.model`` is
     the checkpoint. A test that stops, freezes or poisons a component starts its own swarm."""
-    from kvasir_rpc.dev.swarm import LocalSwarm
+    from kvasir.swarm import LocalSwarm
 
     model = tiny_models("qwen3_moe")
     with LocalSwarm(tmp_path_factory.mktemp("swarm")) as sw:

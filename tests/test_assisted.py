@@ -76,7 +76,7 @@ def test_draft_model_equals_plain_greedy(local_model, plain, tiny_models, tmp_pa
     few; the tokens are greedy's either way."""
     from backbone.engine._assist import DraftModel, decode_assisted
     from backbone.engine._decode import load_model
-    from kvasir_rpc.dev.tiny import make_tiny_checkpoint
+    from kvasir.tiny import make_tiny_checkpoint
 
     model, tokenizer = local_model
     path = tiny_models("qwen3_moe") if draft_kind == "same" else make_tiny_checkpoint(
@@ -128,7 +128,7 @@ def _fails(out: subprocess.CompletedProcess[str], *needles: str) -> None:
 
 @pytest.mark.integration
 def test_bad_combinations_end_in_one_line(tiny_models, tmp_path) -> None:  # type: ignore[no-untyped-def]
-    from kvasir_rpc.dev.tiny import make_tiny_checkpoint
+    from kvasir.tiny import make_tiny_checkpoint
 
     model = str(tiny_models("qwen3_moe"))
     base = ["--model", model, "--prompt", "x", "--max-new-tokens", "2"]

@@ -14,8 +14,8 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from helpers import wait_until
 
+from kvasir.swarm import LocalSwarm
 from kvasir_rpc import backbone_pb2, backbone_pb2_grpc
-from kvasir_rpc.dev.swarm import LocalSwarm
 
 pytestmark = pytest.mark.integration
 

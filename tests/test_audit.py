@@ -7,7 +7,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from backbone.experts._audit import TOLERANCE_FACTOR, AuditRates, RowSampler, audit_rows, error_scale
+from backbone.experts._audit import AuditRates, RowSampler
+from kvasir_rpc import TOLERANCE_FACTOR, audit_rows, error_scale
 from kvasir_rpc._kernel import expert_forward
 
 act = F.silu

@@ -170,7 +170,7 @@ def test_a_hub_address_that_is_no_host_port_fails_in_one_line(tiny_models, tmp_p
 
 
 def test_too_few_sessions_waits_saying_so_then_names_the_flags(tiny_models, tmp_path: pathlib.Path) -> None:
-    from kvasir_rpc.dev.swarm import LocalSwarm
+    from kvasir.swarm import LocalSwarm
 
     with LocalSwarm(tmp_path) as sw:
         sw.start_hub()
@@ -223,7 +223,7 @@ def test_serve_and_demo_check_the_model_too(tiny_models, tmp_path: pathlib.Path)
     model, says = _not_checkpoints(tiny_models("qwen3_moe"), tmp_path)["no-tokenizer"]
     serve = _run(["-m", "backbone", "serve", "--model", str(model), "--listen", "127.0.0.1:0"])
     _one_line(serve, 2, f"backbone: --model {model}:", says, CHECKPOINT_FIX)
-    demo = _run(["-m", "kvasir_rpc", "demo", "--model", str(tmp_path / "empty")])
+    demo = _run(["-m", "kvasir", "demo", "--model", str(tmp_path / "empty")])
     _one_line(demo, 2, f"kvasir demo: --model {tmp_path / 'empty'}:", "has no config.json", CHECKPOINT_FIX)
     assert list((tmp_path / "empty").iterdir()) == []  # nothing written into a folder that is no checkpoint
 
@@ -260,7 +260,7 @@ def test_ctrl_c_stops_the_demo_and_its_processes_in_one_line(tiny_models, tmp_pa
 
     err_path = tmp_path / "err.log"
     err = open(err_path, "wb")
-    proc = subprocess.Popen([sys.executable, "-m", "kvasir_rpc", "demo", "--path", "hub",
+    proc = subprocess.Popen([sys.executable, "-m", "kvasir", "demo", "--path", "hub",
                              "--model", str(tiny_models("qwen3_moe"))],
                             stdout=subprocess.PIPE, stderr=err, stdin=subprocess.DEVNULL, env=_env(), cwd=tmp_path)
     children: list[psutil.Process] = []

@@ -8,9 +8,9 @@ import torch
 
 from backbone.engine._decode import decode, load_model, prompts_for_batch
 from backbone.experts._dispatch import Dispatcher
+from kvasir.swarm import LocalSwarm
+from kvasir.tiny import make_tiny_checkpoint
 from kvasir_rpc import ExpertIndex
-from kvasir_rpc.dev.swarm import LocalSwarm
-from kvasir_rpc.dev.tiny import make_tiny_checkpoint
 
 # Integration: starts a local swarm of real processes and loads real transformers models.
 pytestmark = pytest.mark.integration

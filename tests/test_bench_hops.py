@@ -14,6 +14,10 @@ import pytest
 import torch
 from helpers import wait_until
 
+from kvasir.bench import decode_hop_figures, hop_figures, hop_table
+from kvasir.cpu import CpuMeter, ProcessGoneError, cpu_seconds, ns_per_byte
+from kvasir.floors import hop_floors, measure_primitives
+from kvasir.swarm import LocalSwarm, SwarmError
 from kvasir_rpc import (
     TARGET_KEY_METADATA,
     decode_tensor,
@@ -22,10 +26,6 @@ from kvasir_rpc import (
     expert_pb2_grpc,
     target_key,
 )
-from kvasir_rpc.dev.bench import decode_hop_figures, hop_figures, hop_table
-from kvasir_rpc.dev.cpu import CpuMeter, ProcessGoneError, cpu_seconds, ns_per_byte
-from kvasir_rpc.dev.floors import hop_floors, measure_primitives
-from kvasir_rpc.dev.swarm import LocalSwarm, SwarmError
 
 BURN = "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.3: pass\nprint('done', flush=True)\ninput()"
 
@@ -173,7 +173,7 @@ def test_latency_proxy_delivers_every_byte_in_order_late_by_the_rtt(rtt_ms, mode
         rtt_file = tmp_path / "rtt"
         rtt_file.write_text(str(rtt_ms))
         ready = tmp_path / "ready.json"
-        proxy = subprocess.Popen([sys.executable, "-m", "kvasir_rpc.dev.latency", "--upstream",
+        proxy = subprocess.Popen([sys.executable, "-m", "kvasir.latency", "--upstream",
                                   f"127.0.0.1:{server.getsockname()[1]}", "--rtt-file", str(rtt_file),
                                   "--ready-file", str(ready), *mode])
         try:

@@ -14,8 +14,7 @@ import sys
 import pytest
 import torch
 
-from kvasir_rpc import encode_tensor, expert_pb2
-from kvasir_rpc.dev.bench import (
+from kvasir.bench import (
     DECODE_MODEL,
     HIDDEN,
     INTER,
@@ -38,7 +37,8 @@ from kvasir_rpc.dev.bench import (
     shapes_named,
     wire_figures,
 )
-from kvasir_rpc.dev.cli import build_parser, main
+from kvasir.cli import build_parser, main
+from kvasir_rpc import encode_tensor, expert_pb2
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 # Small enough that every figure can be worked out by hand.
@@ -186,7 +186,7 @@ def test_shape_flag_takes_the_names_and_refuses_others(capsys: pytest.CaptureFix
 
 @pytest.mark.integration
 def test_quick_shape_bench_end_to_end() -> None:
-    out = subprocess.run([sys.executable, "-m", "kvasir_rpc", "bench", "--shape", "qwen3-30b-a3b", "--quick", "--json"],
+    out = subprocess.run([sys.executable, "-m", "kvasir", "bench", "--shape", "qwen3-30b-a3b", "--quick", "--json"],
                          capture_output=True, text=True, timeout=600, cwd=ROOT, stdin=subprocess.DEVNULL)
     assert out.returncode == 0, out.stderr[-4000:]
     result = json.loads(out.stdout)

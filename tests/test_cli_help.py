@@ -21,7 +21,7 @@ COMMANDS = {
     "worker.__main__": True,
     "relay.__main__": True,
     "ledger.__main__": True,
-    "kvasir_rpc.dev.cli": False,
+    "kvasir.cli": False,
 }
 
 

@@ -8,8 +8,8 @@ import sys
 
 import pytest
 
+from kvasir.cli import main
 from kvasir_rpc import Wallet
-from kvasir_rpc.dev.cli import main
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
@@ -18,7 +18,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 def test_key_show_prints_the_address_of_a_hub_key(tmp_path: pathlib.Path) -> None:
     path = tmp_path / "hub.key"
     address = Wallet.load_or_create(path).address
-    out = subprocess.run([sys.executable, "-m", "kvasir_rpc", "key", "show", str(path)], capture_output=True,
+    out = subprocess.run([sys.executable, "-m", "kvasir", "key", "show", str(path)], capture_output=True,
                          text=True, timeout=60, cwd=ROOT, stdin=subprocess.DEVNULL)
     assert out.returncode == 0, out.stderr
     assert out.stdout == address + "\n"

@@ -13,14 +13,14 @@ import pytest
 from helpers import ROOT, LedgerProcess
 from test_ledger import CREDITED, HUB, receipt
 
+from kvasir.swarm import free_port
 from kvasir_rpc import Wallet, ledger_pb2, ledger_pb2_grpc
-from kvasir_rpc.dev.swarm import free_port
 
 pytestmark = pytest.mark.integration
 
 
 def kvasir(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "kvasir_rpc", *args], capture_output=True, text=True, timeout=60,
+    return subprocess.run([sys.executable, "-m", "kvasir", *args], capture_output=True, text=True, timeout=60,
                           cwd=ROOT, stdin=subprocess.DEVNULL)
 
 

@@ -13,8 +13,8 @@ import sys
 
 import pytest
 
+from kvasir.conformance import FAIL, PASS, SKIP, STEPS, StepResult, run_check
 from kvasir_rpc import protocol
-from kvasir_rpc.dev.conformance import FAIL, PASS, SKIP, STEPS, StepResult, run_check
 
 pytestmark = pytest.mark.integration
 
@@ -48,7 +48,7 @@ def _check(model: pathlib.Path, tmp_path: pathlib.Path, launcher: list[str]) -> 
 def test_the_python_worker_passes_every_step(tiny_models, tmp_path):
     model = tiny_models("qwen3_moe")
     cmd = _worker_cmd(model, tmp_path / "w.key", ["-m", "worker"])
-    out = subprocess.run([sys.executable, "-m", "kvasir_rpc", "conformance", "--model", str(model), "--json",
+    out = subprocess.run([sys.executable, "-m", "kvasir", "conformance", "--model", str(model), "--json",
                           "--worker-cmd", cmd, "--worker-log", str(tmp_path / "worker.log")],
                          capture_output=True, text=True, timeout=240, cwd=ROOT)
     report = json.loads(out.stdout.splitlines()[-1])
@@ -132,7 +132,7 @@ def test_a_worker_without_projections_passes_with_a_note(tiny_models, tmp_path):
 def test_the_python_worker_passes_every_step_on_gpt_oss(tmp_path):
     # gpt-oss's expert function (docs/PROTOCOL.md 11.2): clamped SwiGLU, biases, interleaved and
     # transposed weights; bfloat16 and sharded as released.
-    from kvasir_rpc.dev.families import make_family_checkpoint
+    from kvasir.families import make_family_checkpoint
 
     model = make_family_checkpoint(tmp_path / "gpt_oss", "gpt_oss", dtype="bfloat16", shard="100KB")
     steps = _check(model, tmp_path, ["-m", "worker"])
@@ -141,7 +141,7 @@ def test_the_python_worker_passes_every_step_on_gpt_oss(tmp_path):
 
 
 def test_a_worker_announcing_another_function_fails_the_digest_step(tmp_path):
-    from kvasir_rpc.dev.families import make_family_checkpoint
+    from kvasir.families import make_family_checkpoint
 
     model = make_family_checkpoint(tmp_path / "gpt_oss", "gpt_oss", dtype="bfloat16")
     steps = _check(model, tmp_path, [str(TESTS / "liar_worker.py"), "honest", "--announce-plain", "--"])
@@ -150,7 +150,7 @@ def test_a_worker_announcing_another_function_fails_the_digest_step(tmp_path):
 
 
 def test_a_worker_command_without_url_is_refused(tiny_models):
-    out = subprocess.run([sys.executable, "-m", "kvasir_rpc", "conformance", "--model", str(tiny_models("qwen3_moe")),
+    out = subprocess.run([sys.executable, "-m", "kvasir", "conformance", "--model", str(tiny_models("qwen3_moe")),
                           "--worker-cmd", "python -m worker"], capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert out.returncode == 2 and "--worker-cmd must contain {url}" in out.stderr
 

@@ -19,7 +19,7 @@ pytestmark = pytest.mark.integration
 
 
 def test_demo_stay_keeps_the_service_up_says_how_to_use_it_and_stops_whole(tmp_path):
-    proc = subprocess.Popen([sys.executable, "-m", "kvasir_rpc", "demo", "--stay", "--path", "hub"], cwd=tmp_path,
+    proc = subprocess.Popen([sys.executable, "-m", "kvasir", "demo", "--stay", "--path", "hub"], cwd=tmp_path,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     lines: list[str] = []
     try:

@@ -29,8 +29,8 @@ from collections.abc import Callable
 import pytest
 from helpers import trustme_certs, wait_until
 
+from kvasir.swarm import LocalSwarm, free_port
 from kvasir_rpc import Wallet
-from kvasir_rpc.dev.swarm import LocalSwarm, free_port
 
 # Integration: a real ledger, gateway, hub, workers and backbone.
 pytestmark = pytest.mark.integration

@@ -25,9 +25,9 @@ import pytest
 import torch
 from helpers import trustme_certs, wait_until
 
+from kvasir.swarm import LocalSwarm
 from kvasir_rpc import TARGET_KEY_METADATA, encode_tensor, expert_pb2, expert_pb2_grpc, preferred_aeads, target_key
 from kvasir_rpc.protocol import AEAD_CHACHA20_POLY1305, AEAD_NAMES
-from kvasir_rpc.dev.swarm import LocalSwarm
 
 # Integration: real gateway, hub, relays, workers and a backbone.
 pytestmark = pytest.mark.integration

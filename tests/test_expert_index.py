@@ -112,7 +112,7 @@ def test_a_file_shrunk_after_opening_is_refused_not_mapped(tiny_models, tmp_path
 def test_loaded_weights_start_on_a_64_byte_boundary(tiny_models, tmp_path):
     """Kept weights (a worker's, a backbone's own) must not be copied again on every call:
     expert_forward copies an operand that is not 64-byte aligned."""
-    from kvasir_rpc.dev.bench import make_bench_checkpoint
+    from kvasir.bench import make_bench_checkpoint
 
     for model in (tiny_models("qwen3_moe"), tiny_models("mixtral"), make_bench_checkpoint(tmp_path / "bench", inter=64)):
         index = ExpertIndex(model)

@@ -12,8 +12,8 @@ import sys
 import pytest
 from helpers import ROOT
 
+from kvasir.swarm import LocalSwarm
 from kvasir_rpc import ExpertIndex
-from kvasir_rpc.dev.swarm import LocalSwarm
 from relay.hub._plan import Demand, Reservations, pick_mover, plan_slice
 
 ALL = {layer: tuple(range(8)) for layer in range(3)}

@@ -1,5 +1,5 @@
 """The Mixture-of-Experts families transformers ships, as a user gets them: tiny checkpoints
-made by transformers' own ``save_pretrained`` (kvasir_rpc.dev.families). One test walks every
+made by transformers' own ``save_pretrained`` (kvasir.families). One test walks every
 model type of the installed transformers whose experts go through ``ExpertsInterface`` and
 prints which this project serves exactly and which not, saying why; then the families issue
 28 names, bfloat16 and sharded as releases are, through a real swarm: every expert remote,
@@ -11,7 +11,7 @@ import pathlib
 
 import pytest
 
-from kvasir_rpc.dev.swarm import LocalSwarm
+from kvasir.swarm import LocalSwarm
 
 pytestmark = pytest.mark.integration
 
@@ -26,8 +26,8 @@ def judge(model_type: str, folder: pathlib.Path, *, dtype: str = "float32") -> s
     experts (same tokens; on one machine the remote path runs the same kernel as the local one)."""
     import torch
 
+    from kvasir.families import make_family_checkpoint
     from kvasir_rpc import CheckpointError, ExpertIndex, check_checkpoint
-    from kvasir_rpc.dev.families import make_family_checkpoint
 
     try:
         make_family_checkpoint(folder, model_type, dtype=dtype)
@@ -93,7 +93,7 @@ WALK_SERVED = ["aria_text", "granitemoeshared", "hy_v4", "minimax_m3_vl_text", "
 
 
 def test_every_moe_family_transformers_ships_is_served_exact_or_says_why(tmp_path, capsys):
-    from kvasir_rpc.dev.families import moe_model_types
+    from kvasir.families import moe_model_types
 
     verdicts = {mt: judge(mt, tmp_path / mt) for mt in moe_model_types()}
     with capsys.disabled():
@@ -110,7 +110,7 @@ def test_every_moe_family_transformers_ships_is_served_exact_or_says_why(tmp_pat
 
 @pytest.mark.parametrize("model_type", NOW_SERVED)
 def test_a_family_as_released_is_served_exact_by_the_swarm(model_type, tmp_path):
-    from kvasir_rpc.dev.families import make_family_checkpoint
+    from kvasir.families import make_family_checkpoint
 
     model = make_family_checkpoint(tmp_path / "model", model_type, dtype="bfloat16", shard="100KB")
     assert len(list(model.glob("model-*.safetensors"))) > 1  # sharded, as releases are
@@ -140,7 +140,7 @@ def test_a_worker_announcing_another_function_gets_no_rows_and_the_output_stays_
     # it earns nothing.
     from helpers import swarm_with_dishonest
 
-    from kvasir_rpc.dev.families import make_family_checkpoint
+    from kvasir.families import make_family_checkpoint
 
     liar_worker = str(pathlib.Path(__file__).with_name("liar_worker.py"))
     model = make_family_checkpoint(tmp_path / "model", "gpt_oss", dtype="bfloat16", shard="100KB")

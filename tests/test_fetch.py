@@ -121,7 +121,7 @@ class Server:
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
-    from kvasir_rpc.dev.families import make_family_checkpoint
+    from kvasir.families import make_family_checkpoint
 
     model = make_family_checkpoint(tmp_path_factory.mktemp("model"), "qwen3_moe", dtype="bfloat16", shard="100KB")
     assert len(list(model.glob("model-*.safetensors"))) > 2

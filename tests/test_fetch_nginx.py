@@ -17,7 +17,7 @@ import time
 import pytest
 from helpers import wait_until
 
-from kvasir_rpc.dev.swarm import LocalSwarm, free_port
+from kvasir.swarm import LocalSwarm, free_port
 
 pytestmark = pytest.mark.integration
 
@@ -85,8 +85,9 @@ def test_a_worker_fetches_only_its_slice_from_nginx_resumes_and_serves_exact(tmp
     nginx = find_nginx()
     if nginx is None:
         pytest.skip("nginx not found: install Debian's nginx (apt-get install nginx-light; make system-deps does)")
-    from kvasir_rpc.dev.families import make_family_checkpoint
     from test_fetch import check_slice, slice_spans
+
+    from kvasir.families import make_family_checkpoint
 
     model = make_family_checkpoint(tmp_path / "model", "qwen3_moe", dtype="bfloat16", shard="100KB")
     spans = slice_spans(model, {layer: {0, 1, 2, 3} for layer in range(3)})

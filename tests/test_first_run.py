@@ -10,7 +10,6 @@ import shutil
 import subprocess
 
 import pytest
-
 from helpers import ROOT
 
 
@@ -42,8 +41,8 @@ def test_state_files_are_git_ignored(path: str) -> None:
 
 
 def test_the_defaults_point_under_dot_kvasir() -> None:
+    from kvasir.cli import DEFAULT_CERTS_DIR
     from kvasir_rpc import BACKBONE_TOKEN_FILE, STATE_DIR
-    from kvasir_rpc.dev.cli import DEFAULT_CERTS_DIR
     from worker.__main__ import DEFAULT_WALLET
 
     assert STATE_DIR == pathlib.Path(".kvasir")
@@ -53,7 +52,7 @@ def test_the_defaults_point_under_dot_kvasir() -> None:
 
 def test_kvasir_certs_writes_under_dot_kvasir_by_default(tmp_path: pathlib.Path,
                                                          monkeypatch: pytest.MonkeyPatch) -> None:
-    from kvasir_rpc.dev.cli import main
+    from kvasir.cli import main
 
     monkeypatch.chdir(tmp_path)
     assert main(["certs"]) == 0

@@ -23,8 +23,8 @@ from hypothesis import event as note_case
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvasir.tiny import make_tiny_checkpoint
 from kvasir_rpc import decode_tensor, encode_tensor, expert_pb2, expert_pb2_grpc
-from kvasir_rpc.dev.tiny import make_tiny_checkpoint
 from worker._load import load_experts
 from worker._service import ExpertServicer, add_to_server
 

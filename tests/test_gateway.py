@@ -22,8 +22,8 @@ from probes import PROBES
 from wsclient import connect, open_stream, open_tcp, read_until_eof
 from wsproto.events import BytesMessage, CloseConnection, Ping, Pong
 
+from kvasir.swarm import LocalSwarm
 from kvasir_rpc import Wallet, WorkerHandshake
-from kvasir_rpc.dev.swarm import LocalSwarm
 from kvasir_rpc.protocol import READ_BYTES
 
 # Integration: real gateway, hub, worker and backbone processes.
@@ -428,7 +428,7 @@ def test_gateway_restart_mid_decode(tiny_models, tmp_path):
 def test_kvasir_certs_makes_a_ca_that_verifies_the_gateway(tmp_path):
     """`kvasir certs DIR` (the cryptography library): a TLS handshake with it succeeds for the
     names it covers and fails for others."""
-    out = subprocess.run([sys.executable, "-m", "kvasir_rpc", "certs", str(tmp_path), "--host", "127.0.0.1",
+    out = subprocess.run([sys.executable, "-m", "kvasir", "certs", str(tmp_path), "--host", "127.0.0.1",
                           "--host", "gw.example"], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert oct((tmp_path / "gateway.key").stat().st_mode & 0o777) == "0o600"

@@ -17,6 +17,7 @@ import pytest
 import torch
 from helpers import trustme_certs, wait_until
 
+from kvasir.swarm import LocalSwarm
 from kvasir_rpc import (
     TARGET_KEY_METADATA,
     ExpertIndex,
@@ -29,7 +30,6 @@ from kvasir_rpc import (
     get_activation,
     target_key,
 )
-from kvasir_rpc.dev.swarm import LocalSwarm
 
 HUB_ARGS = ["--keepalive", "0.5"]  # end-to-end checks keep spliced pairs from the idle timeout
 

@@ -21,8 +21,8 @@ import grpc
 import pytest
 from helpers import wait_until
 
+from kvasir.swarm import LocalSwarm
 from kvasir_rpc import backbone_pb2, backbone_pb2_grpc
-from kvasir_rpc.dev.swarm import LocalSwarm
 
 pytestmark = pytest.mark.integration
 

@@ -13,8 +13,8 @@ import trio
 from helpers import trustme_certs, wait_until
 from trio_websocket import ConnectionClosed, connect_websocket_url
 
+from kvasir.swarm import LocalSwarm
 from kvasir_rpc import Wallet, WorkerHandshake
-from kvasir_rpc.dev.swarm import LocalSwarm
 from kvasir_rpc.protocol import MAX_EXPERTS_PER_LAYER, TUNNEL_SUBPROTOCOL
 
 pytestmark = pytest.mark.integration
@@ -428,8 +428,17 @@ def _dispatch_is_exact(sw: LocalSwarm, model, session) -> bool:  # type: ignore[
     import grpc
     import torch
 
-    from kvasir_rpc import (TARGET_KEY_METADATA, ExpertIndex, decode_tensor, encode_tensor, expert_forward,
-                            expert_pb2, expert_pb2_grpc, get_activation, target_key)
+    from kvasir_rpc import (
+        TARGET_KEY_METADATA,
+        ExpertIndex,
+        decode_tensor,
+        encode_tensor,
+        expert_forward,
+        expert_pb2,
+        expert_pb2_grpc,
+        get_activation,
+        target_key,
+    )
 
     gate_up, down = ExpertIndex(model).load(0, 0)
     hidden = torch.randn(8, gate_up.shape[1], generator=torch.Generator().manual_seed(5))

@@ -9,7 +9,7 @@ import pathlib
 import pytest
 from helpers import swarm_with_dishonest, wait_until
 
-from kvasir_rpc.dev.swarm import LocalSwarm
+from kvasir.swarm import LocalSwarm
 
 # Integration: real swarms with lying workers.
 pytestmark = pytest.mark.integration

@@ -8,7 +8,7 @@ import sqlite3
 import pytest
 from helpers import wait_until
 
-from kvasir_rpc.dev.swarm import LocalSwarm
+from kvasir.swarm import LocalSwarm
 
 # Integration: a real swarm and a hub restart.
 pytestmark = pytest.mark.integration

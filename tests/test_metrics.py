@@ -19,8 +19,8 @@ import pytest
 from helpers import trustme_certs
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvasir.swarm import LocalSwarm
 from kvasir_rpc import backbone_pb2, backbone_pb2_grpc
-from kvasir_rpc.dev.swarm import LocalSwarm
 
 PROMPTS = [f"Metrics request {i} asks the swarm" + " about experts" * (i % 3) for i in range(4)]
 TOKENS = 6

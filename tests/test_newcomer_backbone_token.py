@@ -143,7 +143,7 @@ def test_backbone_generate_with_a_wrong_token_file_against_a_real_hub(tiny_model
     import subprocess
     import sys
 
-    from kvasir_rpc.dev.swarm import LocalSwarm
+    from kvasir.swarm import LocalSwarm
 
     wrong = tmp_path / "WRONG.token"
     wrong.write_text("b" * 64 + "\n")

@@ -14,8 +14,8 @@ from collections.abc import Iterator
 
 import pytest
 
+from kvasir.cli import build_parser, main
 from kvasir_rpc import HUB_KEY_FILE, WALLET_FILE, Wallet, run_main
-from kvasir_rpc.dev.cli import build_parser, main
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
@@ -93,7 +93,7 @@ def _raises_broken_pipe() -> int:
 
 
 def _piped_into_a_reader_that_left(argv: list[str], env: dict[str, str]) -> tuple[int, str]:
-    proc = subprocess.Popen([sys.executable, "-m", "kvasir_rpc", *argv], stdout=subprocess.PIPE,
+    proc = subprocess.Popen([sys.executable, "-m", "kvasir", *argv], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, cwd=ROOT, env=env)
     assert proc.stdout is not None and proc.stderr is not None
     proc.stdout.close()  # long before the child's Python has started and printed

@@ -38,7 +38,7 @@ def test_a_grid_that_does_not_divide_the_weight_is_refused_as_transformers_refus
 
 @pytest.fixture(scope="module")
 def fp8_model(tmp_path_factory):
-    from kvasir_rpc.dev.families import make_family_checkpoint
+    from kvasir.families import make_family_checkpoint
 
     return make_family_checkpoint(tmp_path_factory.mktemp("fp8") / "qwen3_moe", "qwen3_moe", dtype="bfloat16",
                                   shard="100KB", quant="fp8", block=16)
@@ -146,8 +146,8 @@ def test_mxfp4_every_byte_and_exponent_dequantizes_as_transformers_does():
 
 
 def test_an_mxfp4_worker_holds_about_a_quarter_of_the_bfloat16_bytes(tmp_path):
+    from kvasir.families import make_family_checkpoint
     from kvasir_rpc import Mxfp4Expert
-    from kvasir_rpc.dev.families import make_family_checkpoint
 
     model = make_family_checkpoint(tmp_path / "gpt_oss", "gpt_oss", dtype="bfloat16", quant="mxfp4")
     config = json.loads((model / "config.json").read_text())
@@ -184,7 +184,7 @@ def test_the_dequantized_cache_keeps_the_most_recently_used_within_its_bytes(fp8
 
 @pytest.fixture(scope="module", params=["ct-fp8", "ct-int4"])
 def ct_model(request, tmp_path_factory):
-    from kvasir_rpc.dev.families import make_family_checkpoint
+    from kvasir.families import make_family_checkpoint
 
     return make_family_checkpoint(tmp_path_factory.mktemp(request.param) / "qwen3_moe", "qwen3_moe",
                                   dtype="bfloat16", shard="100KB", quant=request.param)
@@ -292,7 +292,7 @@ def _edit_config(model, tmp_path, edit):  # type: ignore[no-untyped-def]
     (lambda q: q.update(config_groups={}), "no config_groups"),
 ])
 def test_compressed_tensors_schemes_without_an_exact_reference_are_refused(tmp_path, edit, says):
-    from kvasir_rpc.dev.families import make_family_checkpoint
+    from kvasir.families import make_family_checkpoint
 
     model = make_family_checkpoint(tmp_path / "m", "qwen3_moe", dtype="bfloat16", quant="ct-int4")
     with pytest.raises(CheckpointError, match=says) as caught:
@@ -301,7 +301,7 @@ def test_compressed_tensors_schemes_without_an_exact_reference_are_refused(tmp_p
 
 
 def test_a_compressed_tensors_expert_without_its_scale_is_refused(tmp_path):
-    from kvasir_rpc.dev.families import make_family_checkpoint
+    from kvasir.families import make_family_checkpoint
 
     model = make_family_checkpoint(tmp_path / "m", "qwen3_moe", dtype="bfloat16", quant="ct-fp8")
     key = "model.layers.1.mlp.experts.2.down_proj.weight_scale"
@@ -312,7 +312,7 @@ def test_a_compressed_tensors_expert_without_its_scale_is_refused(tmp_path):
 def test_a_compressed_tensors_expert_in_activation_order_is_refused(tmp_path):
     # A g_idx beside a packed weight (GPTQ's activation order): transformers' fused experts ignore
     # it, so no exact reference exists; the index says so rather than serve wrong weights.
-    from kvasir_rpc.dev.families import make_family_checkpoint
+    from kvasir.families import make_family_checkpoint
 
     model = make_family_checkpoint(tmp_path / "m", "qwen3_moe", dtype="bfloat16", quant="ct-int4")
     packed = "model.layers.2.mlp.experts.7.up_proj.weight_packed"
@@ -327,7 +327,7 @@ def test_a_compressed_tensors_expert_in_activation_order_is_refused(tmp_path):
 def test_static_activation_scales_send_the_backbone_to_load_every_expert(tmp_path):
     # The on-demand backbone does not read input_scale tensors: it says so, and which path does.
     from backbone.experts._weights import load_without_experts
-    from kvasir_rpc.dev.families import make_family_checkpoint
+    from kvasir.families import make_family_checkpoint
 
     model = make_family_checkpoint(tmp_path / "m", "qwen3_moe", dtype="bfloat16", quant="ct-fp8")
     static = _edit_config(model, tmp_path, lambda q: q["config_groups"]["group_0"]["input_activations"].update(
@@ -337,7 +337,7 @@ def test_static_activation_scales_send_the_backbone_to_load_every_expert(tmp_pat
 
 
 def test_the_formats_bench_holds_each_format_in_its_stored_bytes():
-    from kvasir_rpc.dev.bench_formats import run_formats_bench
+    from kvasir.bench_formats import run_formats_bench
 
     result = run_formats_bench(quick=True, widths=(256, 128), say=lambda _: None)
     held = {name: f["held_vs_bfloat16"] for name, f in result["formats"].items()}  # type: ignore[attr-defined]

@@ -13,8 +13,8 @@ import pathlib
 import pytest
 from helpers import swarm_with_dishonest
 
-from kvasir_rpc.dev.families import make_family_checkpoint
-from kvasir_rpc.dev.swarm import LocalSwarm
+from kvasir.families import make_family_checkpoint
+from kvasir.swarm import LocalSwarm
 
 pytestmark = pytest.mark.integration
 

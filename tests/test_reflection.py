@@ -25,10 +25,10 @@ import pytest
 from google.protobuf import descriptor_pb2, message_factory
 from grpc_reflection.v1alpha import reflection_pb2 as alpha_pb2
 
+from kvasir.swarm import LocalSwarm
 from kvasir_rpc import enable_reflection, expert_pb2, expert_pb2_grpc
 from kvasir_rpc._access import TARGET_KEY_METADATA, target_key
 from kvasir_rpc._reflection import REFLECTION_SERVICES, reflection_v1_file
-from kvasir_rpc.dev.swarm import LocalSwarm
 
 V1, V1ALPHA = REFLECTION_SERVICES
 EXPERT_SERVICE = expert_pb2.DESCRIPTOR.services_by_name["ExpertService"].full_name

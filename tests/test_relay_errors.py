@@ -30,8 +30,8 @@ from collections.abc import Iterator
 import pytest
 from helpers import ROOT, taken_port, wait_until
 
+from kvasir.swarm import LocalSwarm, free_port
 from kvasir_rpc import BACKBONE_TOKEN_FILE, STATE_DIR, HelpFormatter, Wallet
-from kvasir_rpc.dev.swarm import LocalSwarm, free_port
 
 RUN_TIMEOUT_S = 60  # a cold interpreter importing grpc on a busy 2-core machine, with room
 TOKEN = "t" * 40

@@ -13,10 +13,9 @@ import sys
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-COMPONENTS = ("backbone", "worker", "relay", "ledger")
-# The one exception, by file: the conformance check judges a worker's numbers with the
-# backbone's own audit tolerance, so that it passes exactly what the backbone accepts.
-ALLOWED = {"kvasir_rpc/dev/conformance.py": {"backbone"}}
+# The components, and the kvasir command's package: each imports the library's public names
+# only, and none of the others (the tooling meets the components as processes, over the wire).
+COMPONENTS = ("backbone", "worker", "relay", "ledger", "kvasir")
 
 
 @pytest.mark.integration
@@ -42,7 +41,7 @@ def _imports(pkg: str) -> set[str]:
                 names.update(a.name.split(".")[0] for a in node.names)
             elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
                 names.add(node.module.split(".")[0])
-        found |= names - ALLOWED.get(path.relative_to(ROOT).as_posix(), set())
+        found |= names
     return found
 
 
@@ -96,17 +95,20 @@ def test_components_use_only_public_library_names(pkg):
     assert not bad, "components import only public kvasir_rpc names (add to kvasir_rpc._LAZY):\n" + "\n".join(bad)
 
 
-def test_library_core_does_not_import_dev_tooling():
-    # kvasir_rpc/__main__.py is `python -m kvasir_rpc`, the kvasir command: run, never imported.
+def test_the_library_imports_no_component_nor_the_tooling():
+    """kvasir_rpc is only a library: not one import of a component or of the kvasir command's
+    package, function-level ones included."""
     bad = []
     for path in _py_files("kvasir_rpc"):
-        rel = path.relative_to(ROOT / "kvasir_rpc")
-        if rel.parts[0] == "dev" or rel.as_posix() == "__main__.py":
-            continue
-        for line, module, names in _library_imports(path):
-            if module.startswith("kvasir_rpc.dev") or (module == "kvasir_rpc" and "dev" in names):
-                bad.append(f"kvasir_rpc/{rel}:{line}: {module}")
-    assert not bad, f"the library imports its development tooling: {bad}"
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                modules = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                modules = [node.module]
+            else:
+                continue
+            bad += [f"{path.relative_to(ROOT)}:{node.lineno}: {m}" for m in modules if m.split(".")[0] in COMPONENTS]
+    assert not bad, f"the library imports what is built on it: {bad}"
 
 
 @pytest.mark.integration
@@ -120,7 +122,7 @@ def test_every_public_name_resolves_without_dev_tooling():
         "    except Exception as exc:\n"
         "        bad.append(f'{name}: {exc!r}')\n"
         "assert not bad, bad\n"
-        "dev = sorted(m for m in sys.modules if m.startswith('kvasir_rpc.dev'))\n"
+        "dev = sorted(m for m in sys.modules if m.split('.')[0] == 'kvasir')\n"
         "assert not dev, dev\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)

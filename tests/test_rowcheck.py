@@ -1,4 +1,4 @@
-"""Row checks (backbone/experts/_row_checks.py) as pure functions: every honest way of computing an
+"""Row checks (kvasir_rpc/_row_checks.py) as pure functions: every honest way of computing an
 expert passes (this kernel, another summation order, narrow wires, narrow models), every
 liar of the issue's table fails on every row of a float32 wire, a narrow wire still catches
 gross lies, and a lie of a given size passes one check no more often than the stated bound."""
@@ -7,13 +7,12 @@ from __future__ import annotations
 
 import math
 
+import kvasir_rpc._row_checks as rowcheck
 import pytest
 import torch
 import torch.nn.functional as F
 
-import backbone.experts._row_checks as rowcheck
-from backbone.experts._row_checks import ROW_CHECK_FACTOR, RowChecker
-from kvasir_rpc import ExpertFunction, expert_forward_projections
+from kvasir_rpc import ROW_CHECK_FACTOR, ExpertFunction, RowChecker, expert_forward_projections
 
 act = F.silu
 

@@ -17,8 +17,8 @@ import shutil
 import grpc
 import pytest
 
+from kvasir.swarm import LocalSwarm
 from kvasir_rpc import backbone_pb2, backbone_pb2_grpc
-from kvasir_rpc.dev.swarm import LocalSwarm
 
 pytestmark = pytest.mark.integration
 

@@ -18,8 +18,8 @@ import grpc
 import pytest
 from helpers import grpcurl_path, swarm_with_dishonest, trustme_certs, wait_until
 
+from kvasir.swarm import LocalSwarm
 from kvasir_rpc import backbone_pb2, backbone_pb2_grpc
-from kvasir_rpc.dev.swarm import LocalSwarm
 
 pytestmark = pytest.mark.integration
 

@@ -25,8 +25,8 @@ import psutil
 import pytest
 from helpers import ROOT
 
+from kvasir.swarm import LocalSwarm
 from kvasir_rpc import backbone_pb2, backbone_pb2_grpc
-from kvasir_rpc.dev.swarm import LocalSwarm
 
 pytestmark = pytest.mark.integration
 

@@ -23,7 +23,7 @@ import psutil
 import pytest
 from helpers import trustme_certs
 
-from kvasir_rpc.dev.swarm import LocalSwarm
+from kvasir.swarm import LocalSwarm
 
 # Seconds of decoding. CI's default keeps the whole test near a minute and a half; make soak
 # runs 300.

@@ -27,8 +27,9 @@ from concurrent import futures
 import grpc
 import pytest
 import structlog
-
 from helpers import ROOT, LedgerProcess, taken_port
+
+from kvasir.swarm import LocalSwarm
 from kvasir_rpc import (
     NO_PORT_SHARING,
     ListenError,
@@ -45,7 +46,6 @@ from kvasir_rpc import (
     session_pb2_grpc,
     write_secret,
 )
-from kvasir_rpc.dev.swarm import LocalSwarm
 
 EXIT_WITHIN_S = 15.0  # a cold interpreter importing grpc on a busy 2-core machine, with room
 
@@ -312,7 +312,7 @@ def test_concurrent_creators_agree_on_one_wallet(tmp_path: pathlib.Path) -> None
 
 def test_kvasir_certs_over_old_0644_keys_leaves_them_0600(tmp_path: pathlib.Path,
                                                           capsys: pytest.CaptureFixture[str]) -> None:
-    from kvasir_rpc.dev.cli import main
+    from kvasir.cli import main
 
     for name in ("ca.key", "gateway.key", "ca.pem"):
         (tmp_path / name).write_text("stale\n")
@@ -327,7 +327,7 @@ def test_kvasir_certs_over_old_0644_keys_leaves_them_0600(tmp_path: pathlib.Path
 
 def test_key_show_warns_on_stderr_and_keeps_stdout_the_address(tmp_path: pathlib.Path,
                                                               capsys: pytest.CaptureFixture[str]) -> None:
-    from kvasir_rpc.dev.cli import main
+    from kvasir.cli import main
 
     path = tmp_path / "hub.key"
     address = Wallet.load_or_create(path).address

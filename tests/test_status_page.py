@@ -98,7 +98,7 @@ def test_a_live_demo_shows_on_its_page_its_metrics_and_kvasir_status(tiny_models
 
     model = tiny_models("qwen3_moe")
     info = read_model_info(model)
-    proc = subprocess.Popen([sys.executable, "-m", "kvasir_rpc", "demo", "--stay", "--json",
+    proc = subprocess.Popen([sys.executable, "-m", "kvasir", "demo", "--stay", "--json",
                              "--model", str(model), "--max-new-tokens", "4"],
                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             stdin=subprocess.DEVNULL)
@@ -194,7 +194,7 @@ def test_a_live_demo_shows_on_its_page_its_metrics_and_kvasir_status(tiny_models
 
         # The terminal's view.
         hub_grpc = re.search(r"hub: SessionService on (\S+)", text).group(1)  # type: ignore[union-attr]
-        shown = subprocess.run([sys.executable, "-m", "kvasir_rpc", "status", "--hub", hub_grpc, "--json"],
+        shown = subprocess.run([sys.executable, "-m", "kvasir", "status", "--hub", hub_grpc, "--json"],
                                capture_output=True, text=True, timeout=60, check=True)
         listed = {s["session_id"]: s for s in json.loads(shown.stdout)["sessions"]}
         assert set(listed) == set(by_id)
@@ -208,7 +208,7 @@ def test_a_live_demo_shows_on_its_page_its_metrics_and_kvasir_status(tiny_models
             int(s["bytes_to_worker"]) for s in listed.values())
         assert hub["kvasir_hub_tunnel_bytes_total"][(("direction", "from_worker"),)] == sum(
             int(s["bytes_from_worker"]) for s in listed.values())
-        shown = subprocess.run([sys.executable, "-m", "kvasir_rpc", "status", "--hub", hub_grpc],
+        shown = subprocess.run([sys.executable, "-m", "kvasir", "status", "--hub", hub_grpc],
                                capture_output=True, text=True, timeout=60, check=True)
         assert "2 live sessions" in shown.stdout, shown.stdout
 

@@ -12,7 +12,7 @@ import urllib.request
 import pytest
 from helpers import swarm_with_dishonest
 
-from kvasir_rpc.dev.swarm import LocalSwarm
+from kvasir.swarm import LocalSwarm
 
 # Integration: real swarms with a straggling worker.
 pytestmark = pytest.mark.integration

@@ -11,11 +11,11 @@ import pytest
 import torch
 from helpers import wait_until
 
+from kvasir.cli import run_demo
+from kvasir.swarm import LocalSwarm
 from kvasir_rpc import expert_pb2, expert_pb2_grpc, session_pb2
 from kvasir_rpc._access import TARGET_KEY_METADATA, target_key
 from kvasir_rpc._codec import decode_tensor, encode_tensor
-from kvasir_rpc.dev.cli import run_demo
-from kvasir_rpc.dev.swarm import LocalSwarm
 
 # Integration: real swarms of processes.
 pytestmark = pytest.mark.integration

@@ -18,9 +18,9 @@ import grpc
 import pytest
 from helpers import wait_until
 
+from kvasir.swarm import LocalSwarm
 from kvasir_rpc import expert_pb2, expert_pb2_grpc, session_pb2, session_pb2_grpc
 from kvasir_rpc._access import TARGET_KEY_METADATA, bearer, target_key
-from kvasir_rpc.dev.swarm import LocalSwarm
 
 # Integration: a real swarm.
 pytestmark = pytest.mark.integration

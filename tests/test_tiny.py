@@ -1,4 +1,4 @@
-"""Tests for kvasir_rpc.dev.tiny.make_tiny_checkpoint (tiny random MoE checkpoints)."""
+"""Tests for kvasir.tiny.make_tiny_checkpoint (tiny random MoE checkpoints)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
-from kvasir_rpc.dev.tiny import ARCHES, make_tiny_checkpoint  # noqa: E402
+from kvasir.tiny import ARCHES, make_tiny_checkpoint  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 

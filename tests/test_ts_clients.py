@@ -24,8 +24,8 @@ import grpc
 import pytest
 from helpers import LedgerProcess
 
+from kvasir.swarm import LocalSwarm
 from kvasir_rpc import Wallet, format_kvr, format_units, ledger_pb2, ledger_pb2_grpc, sign_receipt
-from kvasir_rpc.dev.swarm import LocalSwarm
 
 pytestmark = pytest.mark.integration
 

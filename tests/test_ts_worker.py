@@ -19,7 +19,7 @@ import sys
 
 import pytest
 
-from kvasir_rpc.dev.conformance import PASS, STEPS
+from kvasir.conformance import PASS, STEPS
 
 pytestmark = pytest.mark.integration
 
@@ -44,7 +44,7 @@ def _node() -> str:
 
 
 def _tiny(folder: pathlib.Path, *args: str) -> pathlib.Path:
-    out = subprocess.run([sys.executable, "-m", "kvasir_rpc", "model", "tiny", str(folder), *args],
+    out = subprocess.run([sys.executable, "-m", "kvasir", "model", "tiny", str(folder), *args],
                          capture_output=True, text=True, timeout=TINY_TIMEOUT_S, cwd=ROOT, stdin=subprocess.DEVNULL)
     assert out.returncode == 0, out.stdout + out.stderr
     return folder
@@ -86,7 +86,7 @@ def _conformance(model: pathlib.Path, tmp_path: pathlib.Path, *worker_args: str)
                       "--wallet", str(tmp_path / "w.key"), *worker_args])
     log = tmp_path / "worker.log"
     try:
-        out = subprocess.run([sys.executable, "-m", "kvasir_rpc", "conformance", "--model", str(model), "--json",
+        out = subprocess.run([sys.executable, "-m", "kvasir", "conformance", "--model", str(model), "--json",
                               "--timeout", "60", "--worker-cmd", cmd, "--worker-log", str(log)],
                              capture_output=True, text=True, timeout=RUN_TIMEOUT_S, cwd=ROOT, stdin=subprocess.DEVNULL)
     except subprocess.TimeoutExpired:

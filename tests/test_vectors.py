@@ -724,7 +724,7 @@ def test_dispatch(case):
 
 @pytest.mark.parametrize("case", COMPUTE["functions"], ids=[c["name"] for c in COMPUTE["functions"]])
 def test_expert_functions(case):
-    from backbone.experts._audit import audit_rows
+    from kvasir_rpc import audit_rows
     from kvasir_rpc._gen.kvasir.v1 import function_pb2
 
     fn = ExpertFunction.from_proto(function_pb2.ExpertFunction.FromString(bytes.fromhex(case["function_proto_hex"])),

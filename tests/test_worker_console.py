@@ -22,9 +22,9 @@ import termios
 import threading
 
 import pytest
-
 from helpers import ROOT, wait_until
-from kvasir_rpc.dev.swarm import LocalSwarm
+
+from kvasir.swarm import LocalSwarm
 
 pytestmark = pytest.mark.integration
 

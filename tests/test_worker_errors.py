@@ -22,10 +22,10 @@ import sys
 import threading
 
 import pytest
-
 from helpers import ROOT, wait_until
+
+from kvasir.swarm import LocalSwarm, free_port
 from kvasir_rpc import Wallet
-from kvasir_rpc.dev.swarm import LocalSwarm, free_port
 
 pytestmark = pytest.mark.integration
 

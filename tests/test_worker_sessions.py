@@ -7,8 +7,8 @@ import pytest
 import torch
 from helpers import wait_until
 
+from kvasir.swarm import LocalSwarm
 from kvasir_rpc import ExpertFunction, expert_digest, slices_digest
-from kvasir_rpc.dev.swarm import LocalSwarm
 from worker._load import load_experts
 from worker._service import LoadedExperts
 

@@ -129,8 +129,8 @@ def main() -> int:
         print("perf is missing (Debian: apt-get install linux-perf)", file=sys.stderr)
         return 2
 
-    from kvasir_rpc.dev.bench import _core_split, start_decode_swarm
-    from kvasir_rpc.dev.swarm import LocalSwarm
+    from kvasir.bench import _core_split, start_decode_swarm
+    from kvasir.swarm import LocalSwarm
 
     args.out.mkdir(parents=True, exist_ok=True)
     counts: dict[int, dict[str, collections.Counter[str]]] = {}

@@ -82,9 +82,9 @@ def main() -> int:
     import psutil
     import torch
 
+    from kvasir.bench import HIDDEN, _Stream, make_bench_checkpoint
+    from kvasir.swarm import LocalSwarm
     from kvasir_rpc import TARGET_KEY_METADATA, encode_tensor, expert_pb2, target_key
-    from kvasir_rpc.dev.bench import HIDDEN, _Stream, make_bench_checkpoint
-    from kvasir_rpc.dev.swarm import LocalSwarm
 
     args.out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="kvasir-profile-") as tmp, LocalSwarm(tmp) as sw:

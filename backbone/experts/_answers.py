@@ -21,15 +21,17 @@ from collections.abc import Iterator
 
 import torch
 
-from backbone.experts._audit import AuditRates, AuditResult, RowSampler, audit_rows
+from backbone.experts._audit import AuditRates, RowSampler
 from backbone.experts._links import CallRecord, WorkerLink
-from backbone.experts._row_checks import RowChecker
 from backbone.experts._weights import ExpertTensors, ExpertWeights
 from kvasir_rpc import (
+    AuditResult,
     ExpertFunction,
     Route,
+    RowChecker,
     TensorCodecError,
     all_finite,
+    audit_rows,
     decode_tensor,
     expert_forward,
     expert_pb2,

@@ -45,13 +45,14 @@ from backbone.experts._deadlines import StragglerPolicy
 from backbone.experts._hub_reports import AuditGate, WorkReporter
 from backbone.experts._links import SessionWatcher, WorkerLink
 from backbone.experts._placement import Placement
-from backbone.experts._row_checks import NARROW_Z, RowChecker
 from backbone.experts._shared_deferral import SharedDeferral
 from backbone.experts._weights import CheckpointWeights, ExpertWeights, HeldWeights, experts_modules
 from kvasir_rpc import (
+    NARROW_Z,
     ExpertFunction,
     ExpertIndex,
     Route,
+    RowChecker,
     expert_forward,
     expert_pb2,
     get_logger,

@@ -188,8 +188,7 @@ def judge_projections(call: _Call, partials: torch.Tensor, answer: Any, experts:
     for (docs/PROTOCOL.md 11.1), on a call's answer: ``(passed, why not)``."""
     import torch
 
-    from backbone.experts._row_checks import RowChecker
-    from kvasir_rpc import TensorCodecError, decode_tensor
+    from kvasir_rpc import RowChecker, TensorCodecError, decode_tensor
 
     cid = call.request.call_id
     if not answer.HasField("projections"):
@@ -221,8 +220,7 @@ def judge_partials(call: _Call, got: torch.Tensor, experts: ExpertIndex, fn: Exp
     tolerance passes with a note; anything else fails, the note naming the worst element."""
     import torch
 
-    from backbone.experts._audit import audit_rows
-    from kvasir_rpc import expert_forward
+    from kvasir_rpc import audit_rows, expert_forward
 
     rows = sum(n for _, n in call.segments)
     want = (rows, call.hidden.shape[1])
@@ -506,8 +504,7 @@ class _Check:
 
     def _other_function(self) -> str:
         """Why the hello's expert function is not the checkpoint's ("" when it is)."""
-        from kvasir_rpc import announced_mismatch
-        from kvasir_rpc._gen.kvasir.v1 import function_pb2
+        from kvasir_rpc import announced_mismatch, function_pb2
 
         assert self.hello is not None
         raw = self.hello.expert_function

@@ -6,7 +6,7 @@ modeling code declares its experts through ``use_experts_implementation`` (so th
 :func:`make_family_checkpoint` writes one of them as a user would get it: transformers' own
 config for the type (``AutoConfig.for_model``) shrunk to test sizes, a model built from it with
 random weights (``AutoModelForCausalLM.from_config``) and saved with ``save_pretrained``,
-sharded as releases are, with the tiny tokenizer of ``kvasir_rpc.dev.tiny``.
+sharded as releases are, with the tiny tokenizer of ``kvasir.tiny``.
 
 Importing this module is cheap: transformers and torch are imported inside the functions.
 """
@@ -95,7 +95,7 @@ def make_family_checkpoint(directory: str | pathlib.Path, model_type: str, *, dt
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
-    from kvasir_rpc.dev.tiny import _write_tokenizer
+    from kvasir.tiny import _write_tokenizer
 
     if dtype not in ("float32", "bfloat16", "float16"):
         raise ValueError(f"dtype must be float32, bfloat16 or float16, got {dtype!r}")
@@ -120,7 +120,7 @@ def make_family_checkpoint(directory: str | pathlib.Path, model_type: str, *, dt
         import shutil
         import tempfile
 
-        from kvasir_rpc._quant import write_ct_release, write_fp8_release, write_mxfp4_release
+        from kvasir_rpc import write_ct_release, write_fp8_release, write_mxfp4_release
 
         with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
             out = pathlib.Path(tmp) / "q"
@@ -134,7 +134,7 @@ def make_family_checkpoint(directory: str | pathlib.Path, model_type: str, *, dt
                 old_file.unlink()
             for f in staged.iterdir():
                 shutil.move(str(f), str(path / f.name))
-    meta = {"made_by": "kvasir_rpc.dev.families", "model_type": model_type, "dtype": dtype, "seed": seed,
+    meta = {"made_by": "kvasir.families", "model_type": model_type, "dtype": dtype, "seed": seed,
             "quant": quant}
     (path / "kvasir_tiny.json").write_text(json.dumps(meta) + "\n")
     return path

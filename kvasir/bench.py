@@ -124,6 +124,7 @@ def run_bench(*, quick: bool = False, say: Callable[[str], None] = print) -> dic
     import grpc
     import torch
 
+    from kvasir.swarm import LocalSwarm, SwarmError, free_port
     from kvasir_rpc import (
         TARGET_KEY_METADATA,
         ExpertIndex,
@@ -133,7 +134,6 @@ def run_bench(*, quick: bool = False, say: Callable[[str], None] = print) -> dic
         get_activation,
         target_key,
     )
-    from kvasir_rpc.dev.swarm import LocalSwarm, SwarmError, free_port
 
     torch.set_num_threads(1)
     calls = {1: 60, 8: 40, 64: 20, 512: 6} if quick else {1: 300, 8: 200, 64: 100, 512: 30}
@@ -339,7 +339,7 @@ def start_decode_swarm(sw, tmp: pathlib.Path, split: tuple[frozenset[int], froze
     whose round trip is the number in the returned file (ms). With ``split``, the processes
     named ``backbones`` and the hub get the first cores, the rest the others. Returns
     ``(model, rtt_file)``."""
-    from kvasir_rpc.dev.tiny import make_tiny_checkpoint
+    from kvasir.tiny import make_tiny_checkpoint
 
     if split is not None:
         sw.default_cpus = split[1]
@@ -364,7 +364,7 @@ def run_decode_bench(*, quick: bool = False, say: Callable[[str], None] = print)
     with an emulated round trip (a latency proxy between the workers and the gateway).
     The remote runs pick their micro-batch groups from measured step times. Processes are
     pinned by :func:`_core_split` where the machine allows it."""
-    from kvasir_rpc.dev.swarm import LocalSwarm
+    from kvasir.swarm import LocalSwarm
 
     batch, tokens = (32, 6) if quick else (128, 16)
     args_common = ["--prompt", "the swarm", "--max-new-tokens", str(tokens), "--batch", str(batch)]
@@ -410,7 +410,7 @@ def run_decode_bench(*, quick: bool = False, say: Callable[[str], None] = print)
 def run_checks_bench(*, quick: bool = False, say: Callable[[str], None] = print) -> dict[str, object]:
     """Only what checking the workers costs (``kvasir bench --checks``): on the decode bench's
     swarm, the remote decode at RTT 0 with row checks on and off, and with audits on and off."""
-    from kvasir_rpc.dev.swarm import LocalSwarm
+    from kvasir.swarm import LocalSwarm
 
     batch, tokens = (32, 6) if quick else (128, 16)
     args_common = ["--prompt", "the swarm", "--max-new-tokens", str(tokens), "--batch", str(batch)]
@@ -487,7 +487,7 @@ def run_assist_bench(*, quick: bool = False, say: Callable[[str], None] = print)
     verifying pass per step gives. Reports the drafts' acceptance and whether the assisted
     texts equal the plain one. The model's weights are random: it does not quote the passage
     as a trained model would, so lookup's acceptance here is what its own repetitions give."""
-    from kvasir_rpc.dev.swarm import LocalSwarm
+    from kvasir.swarm import LocalSwarm
 
     tokens = 24 if quick else 48
     prompt = f"Passage: {ASSIST_PASSAGE}\nRepeat the passage word for word: {ASSIST_PASSAGE}"
@@ -616,10 +616,17 @@ def run_hop_bench(*, quick: bool = False, say: Callable[[str], None] = print) ->
     subtracted (the fabric path's worker computes nothing). Also the fabric path's latency at batch 1."""
     import torch
 
-    from kvasir_rpc import TARGET_KEY_METADATA, ExpertIndex, encode_tensor, expert_forward, expert_pb2, \
-        get_activation, target_key
-    from kvasir_rpc.dev.cpu import CpuMeter, ns_per_byte
-    from kvasir_rpc.dev.swarm import LocalSwarm
+    from kvasir.cpu import CpuMeter, ns_per_byte
+    from kvasir.swarm import LocalSwarm
+    from kvasir_rpc import (
+        TARGET_KEY_METADATA,
+        ExpertIndex,
+        encode_tensor,
+        expert_forward,
+        expert_pb2,
+        get_activation,
+        target_key,
+    )
 
     torch.set_num_threads(1)
     n = 10 if quick else 25
@@ -708,10 +715,10 @@ def run_hop_bench(*, quick: bool = False, say: Callable[[str], None] = print) ->
 
 
 def add_floors(hops: dict[str, object], *, say: Callable[[str], None] = print) -> None:
-    """Put under ``hops`` each hop's floor (``kvasir_rpc.dev.floors``: what its kernel copies,
+    """Put under ``hops`` each hop's floor (``kvasir.floors``: what its kernel copies,
     TLS, end-to-end AEAD and masking alone cost per byte on this machine, measured now) and,
     per path, ``floor_ns_per_byte`` and ``over_floor`` (measured / floor) by hop."""
-    from kvasir_rpc.dev.floors import hop_floors, measure_primitives
+    from kvasir.floors import hop_floors, measure_primitives
 
     say("hops: the primitives' CPU ns per byte (sockets, TLS, AEADs, mask), for each hop's floor")
     primitives = measure_primitives()
@@ -780,7 +787,7 @@ def decode_hops(sw, args: list[str], *, hub: bool = True) -> tuple[dict[str, obj
     whole life); what emulating the round trip costs the remote run."""
     import resource
 
-    from kvasir_rpc.dev.cpu import CpuMeter, ns_per_byte
+    from kvasir.cpu import CpuMeter, ns_per_byte
 
     def hub_bytes() -> int:
         return sum(int(s.bytes_to_worker + s.bytes_from_worker) for s in sw.list_sessions())
@@ -889,8 +896,8 @@ def run_gateway_processes_bench(*, quick: bool = False, workers: int = 4, batch:
 
     import torch
 
+    from kvasir.swarm import LocalSwarm, SwarmError
     from kvasir_rpc import TARGET_KEY_METADATA, encode_tensor, expert_pb2, target_key
-    from kvasir_rpc.dev.swarm import LocalSwarm, SwarmError
 
     seconds = 6.0 if quick else 15.0
     out: dict[str, object] = {"workers": workers, "batch": batch, "seconds": seconds, "cpus": os.cpu_count()}
@@ -1189,6 +1196,7 @@ def shape_dispatch(shape: ReleaseShape, *, quick: bool = False,
     import psutil
     import torch
 
+    from kvasir.swarm import LocalSwarm, SwarmError
     from kvasir_rpc import (
         TARGET_KEY_METADATA,
         ExpertIndex,
@@ -1198,7 +1206,6 @@ def shape_dispatch(shape: ReleaseShape, *, quick: bool = False,
         serialize_dispatch_response,
         target_key,
     )
-    from kvasir_rpc.dev.swarm import LocalSwarm, SwarmError
 
     torch.set_num_threads(1)  # as the swarm's processes (LocalSwarm's KVASIR_THREADS)
     budget_s = 4.0 if quick else 15.0

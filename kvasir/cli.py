@@ -47,13 +47,13 @@ def make_model(directory: pathlib.Path, arch: str, *, seed: int = 0, dtype: str 
                group_size: int = 32) -> pathlib.Path:
     """A tiny checkpoint of ``arch`` in ``directory``: one of this project's own (``ARCHES``,
     float32, one file) or, for any other Mixture-of-Experts family transformers ships (or with
-    another dtype or shards), one transformers makes (``kvasir_rpc.dev.families``). Raises
+    another dtype or shards), one transformers makes (``kvasir.families``). Raises
     ValueError naming the families when ``arch`` is none of them."""
-    from kvasir_rpc.dev.tiny import ARCHES, make_tiny_checkpoint
+    from kvasir.tiny import ARCHES, make_tiny_checkpoint
 
     if arch in ARCHES and dtype == "float32" and shard is None and quant is None:
         return make_tiny_checkpoint(directory, arch=arch, seed=seed)
-    from kvasir_rpc.dev.families import make_family_checkpoint, moe_model_types
+    from kvasir.families import make_family_checkpoint, moe_model_types
 
     known = moe_model_types()
     if arch not in known:
@@ -80,8 +80,8 @@ def run_demo(arch: str, *, seed: int = 0, max_new_tokens: int = 12, batch: int =
     ``workdir`` (kept) or a temporary folder. The hub serves its status page (``status_url``
     in the result). With ``stay``, it is called with the verdict while the swarm still runs
     (the workers and the hub, the backbones stopped); the swarm stops once it returns."""
+    from kvasir.swarm import LocalSwarm
     from kvasir_rpc import DEFAULT_RATE_NANO_PER_BYTE, format_kvr, format_units, read_model_info
-    from kvasir_rpc.dev.swarm import LocalSwarm
 
     model_dir = model or _default_model_dir(arch, seed)
     if not (model_dir / "config.json").exists():
@@ -243,13 +243,13 @@ def _demo_decodes(remote: _Service, local: _Service, prompts: list[str], max_tok
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
-    from kvasir_rpc.dev.bench import run_bench
+    from kvasir.bench import run_bench
 
     def say(msg: str) -> None:
         print(msg, file=sys.stderr, flush=True)
 
     if args.shape is not None:
-        from kvasir_rpc.dev.bench import run_shape_bench
+        from kvasir.bench import run_shape_bench
 
         say(f"shape {args.shape}: wire bytes per token, worker memory per expert, rows/s through the gateway "
             "against the kernel alone")
@@ -259,20 +259,20 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         print(json.dumps(shapes if args.json else brief, indent=None if args.json else 2))
         return 0
     if args.formats:
-        from kvasir_rpc.dev.bench_formats import run_formats_bench
+        from kvasir.bench_formats import run_formats_bench
 
         say("formats: one expert held in each served format, bytes and dequantizing against computing")
         print(json.dumps(run_formats_bench(quick=args.quick, say=say), indent=None if args.json else 2))
         return 0
     if args.service:
-        from kvasir_rpc.dev.bench_service import run_service_bench
+        from kvasir.bench_service import run_service_bench
 
         say("backbone service: 1, 8 and 32 concurrent Generate callers, experts local vs on workers via the gateway")
         service = run_service_bench(quick=args.quick, say=say)
         print(json.dumps(service if args.json else {"ratios": service["ratios"]}, indent=None if args.json else 2))
         return 0
     if args.hops:
-        from kvasir_rpc.dev.bench import hop_figures, hop_table, run_hop_bench
+        from kvasir.bench import hop_figures, hop_table, run_hop_bench
 
         say("hops: CPU ns per byte of each process a batch-512 Dispatch call crosses (fabric, gateway, hub paths)")
         hops = run_hop_bench(quick=args.quick, say=say)
@@ -280,21 +280,21 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         print(json.dumps({"hops": hops} if args.json else {"figures": hop_figures(hops)}, indent=None if args.json else 2))
         return 0
     if args.gateway_processes:
-        from kvasir_rpc.dev.bench import run_gateway_processes_bench
+        from kvasir.bench import run_gateway_processes_bench
 
         say("gateway processes: aggregate MB/s through a TLS gateway, 1 process vs --processes 2")
         procs = run_gateway_processes_bench(quick=args.quick, say=say)
         print(json.dumps(procs, indent=None if args.json else 2))
         return 0
     if args.checks:
-        from kvasir_rpc.dev.bench import run_checks_bench
+        from kvasir.bench import run_checks_bench
 
         say("checks: the remote decode at RTT 0 with row checks on and off, and audits on and off")
         checks = run_checks_bench(quick=args.quick, say=say)
         print(json.dumps(checks, indent=None if args.json else 2))
         return 0
     if args.assist:
-        from kvasir_rpc.dev.bench import assist_keys, run_assist_bench
+        from kvasir.bench import assist_keys, run_assist_bench
 
         say("one stream: plain greedy vs --assist lookup, every MoE layer through the gateway, RTT 13/50 ms")
         assist = run_assist_bench(quick=args.quick, say=say)
@@ -309,7 +309,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
 
 def _cmd_certs(args: argparse.Namespace) -> int:
-    from kvasir_rpc.dev.certs import make_dev_certs
+    from kvasir.certs import make_dev_certs
 
     paths = make_dev_certs(args.dir, args.host or list(DEFAULT_CERT_HOSTS))
     for name, p in paths.items():
@@ -500,8 +500,8 @@ def _cmd_key_new(args: argparse.Namespace) -> int:
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
+    from kvasir.swarm import SwarmError
     from kvasir_rpc import CHECKPOINT_HINT, CheckpointError, check_checkpoint, fail
-    from kvasir_rpc.dev.swarm import SwarmError
 
     if args.max_new_tokens < 1 or args.batch < 1:
         fail("kvasir demo: --max-new-tokens and --batch must be at least 1")
@@ -512,10 +512,10 @@ def _cmd_demo(args: argparse.Namespace) -> int:
         except CheckpointError as exc:
             fail(f"kvasir demo: --model {args.model}: {exc}; {CHECKPOINT_HINT}")
     else:
-        from kvasir_rpc.dev.tiny import ARCHES
+        from kvasir.tiny import ARCHES
 
         if args.arch not in ARCHES:
-            from kvasir_rpc.dev.families import moe_model_types
+            from kvasir.families import moe_model_types
 
             known = moe_model_types()
             if args.arch not in known:
@@ -611,9 +611,9 @@ def _show_verdict(args: argparse.Namespace, result: dict[str, object]) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``kvasir`` command line, every sub-command included."""
+    from kvasir.bench import SHAPE_ALL, SHAPES
+    from kvasir.tiny import ARCHES
     from kvasir_rpc import HelpFormatter
-    from kvasir_rpc.dev.bench import SHAPE_ALL, SHAPES
-    from kvasir_rpc.dev.tiny import ARCHES
 
     def add(sub, name: str, **kwargs):  # type: ignore[no-untyped-def]
         return sub.add_parser(name, formatter_class=HelpFormatter, **kwargs)
@@ -723,7 +723,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--stay", action="store_true",
                       help="after the verdict, keep the swarm running (see its status page) until Ctrl-C")
     demo.set_defaults(func=_cmd_demo)
-    from kvasir_rpc.dev import conformance
+    from kvasir import conformance
 
     conformance.add_parser(sub)
     return parser

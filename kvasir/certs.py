@@ -9,7 +9,7 @@ import os
 import pathlib
 from collections.abc import Sequence
 
-from kvasir_rpc._secrets import write_secret
+from kvasir_rpc import write_secret
 
 __all__ = ["make_dev_certs"]
 

@@ -24,7 +24,7 @@ def _held(fmt: str, gate_up: Any, down: Any) -> Any:
     """The expert ``(gate_up [2I, H], down [H, I])`` bfloat16 as a worker holds it in ``fmt``."""
     import torch
 
-    from kvasir_rpc._quant import (
+    from kvasir_rpc import (
         CtExpert,
         Mxfp4Expert,
         QuantizedExpert,
@@ -66,8 +66,7 @@ def run_formats_bench(*, quick: bool = False, widths: tuple[int, int] = WIDTHS,
     compute, as every format computes once dequantized), on one thread."""
     import torch
 
-    from kvasir_rpc._function import ExpertFunction
-    from kvasir_rpc._kernel import expert_forward
+    from kvasir_rpc import ExpertFunction, expert_forward
 
     hidden, inter = widths
     calls = 3 if quick else 9

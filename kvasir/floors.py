@@ -88,7 +88,7 @@ def _unix_pair() -> tuple[socket.socket, socket.socket]:
 def _tls_costs(reps: int) -> tuple[float, float, str]:
     """(encrypt, decrypt) CPU ns per byte of ``ssl`` over memory BIOs (as the relays'
     TLSStream: 256 KiB writes, reads of 1 MiB), and the cipher negotiated."""
-    from kvasir_rpc.dev.certs import make_dev_certs
+    from kvasir.certs import make_dev_certs
 
     with tempfile.TemporaryDirectory(prefix="kvasir-floors-") as tmp:
         paths = make_dev_certs(pathlib.Path(tmp), hosts=("localhost",))
@@ -141,7 +141,7 @@ def _aead_costs(cls: type, reps: int) -> tuple[float, float]:
 
 
 def _mask_cost(reps: int) -> float:
-    from kvasir_rpc._fastmask import xor_mask_into
+    from kvasir_rpc import xor_mask_into
 
     buf = memoryview(bytearray(os.urandom(_CHUNK)))
     t0 = time.thread_time()

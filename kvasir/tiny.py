@@ -271,8 +271,7 @@ def _random_state_dict(
 
 def _write_tokenizer(directory: pathlib.Path, max_vocab: int) -> Any:
     """Train a byte-level BPE on the built-in text, save it, return the ``Tokenizer``."""
-    from tokenizers import Regex, Tokenizer, decoders, models, normalizers
-    from tokenizers import pre_tokenizers, trainers
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     # Same pipeline as Qwen2/Qwen3/Qwen3.5's byte-level BPE.  (transformers 5

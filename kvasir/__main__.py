@@ -1,11 +1,10 @@
-"""``python -m kvasir_rpc``: the ``kvasir`` command (kvasir_rpc.dev.cli), loaded only when run
-this way; importing kvasir_rpc never loads the development tooling."""
+"""``python -m kvasir``: the ``kvasir`` command (kvasir.cli)."""
 
 import gc
 import sys
 
+from kvasir.cli import _prog, main
 from kvasir_rpc import run_main
-from kvasir_rpc.dev.cli import _prog, main
 
 
 def _main_then_freeze() -> int:

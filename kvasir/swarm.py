@@ -151,7 +151,7 @@ class LocalSwarm:
         returned ready info's ``children`` with ``processes`` > 1, which also gives every
         process its own hub-facing port). Several gateways (several "hosts") take distinct
         names; ``gateway_port`` is the one named "gateway". Returns its ready info."""
-        from kvasir_rpc.dev.certs import make_dev_certs
+        from kvasir.certs import make_dev_certs
 
         if not self.ca_file.exists():
             make_dev_certs(self.workdir / "certs")
@@ -500,7 +500,7 @@ http {{
         ready.unlink(missing_ok=True)
         if not rtt_file.exists():
             rtt_file.write_text("0")
-        self._spawn(name, ["-m", "kvasir_rpc.dev.latency", "--upstream", f"127.0.0.1:{upstream_port}",
+        self._spawn(name, ["-m", "kvasir.latency", "--upstream", f"127.0.0.1:{upstream_port}",
                            "--rtt-file", str(rtt_file), "--ready-file", str(ready)])
         return int(self._wait_ready(name, ready, timeout)["port"])  # type: ignore[call-overload]
 
