@@ -106,14 +106,13 @@ if TYPE_CHECKING:  # the real names, for type checkers; at run time __getattr__ 
         slices_from_proto,
         slices_to_proto,
     )
+    from kvasir_rpc._activation import Activation, get_activation
     from kvasir_rpc._kernel import (
-        Activation,
         DispatchInputError,
         Route,
         all_finite,
         expert_forward,
         expert_forward_projections,
-        get_activation,
         plan_routes,
         threads_initializer,
         validate_dispatch,
@@ -329,10 +328,10 @@ _LAZY = {
     "expert_forward_projections": "kvasir_rpc._kernel",
     "plan_routes": "kvasir_rpc._kernel",
     "Route": "kvasir_rpc._kernel",
-    "get_activation": "kvasir_rpc._kernel",
+    "get_activation": "kvasir_rpc._activation",
     "DispatchInputError": "kvasir_rpc._kernel",
     "validate_dispatch": "kvasir_rpc._kernel",
-    "Activation": "kvasir_rpc._kernel",
+    "Activation": "kvasir_rpc._activation",
     "ExpertFunction": "kvasir_rpc._function",
     "announced_mismatch": "kvasir_rpc._function",
     "as_function": "kvasir_rpc._function",

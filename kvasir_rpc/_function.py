@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import torch
 
-    from kvasir_rpc._kernel import Activation
+    from kvasir_rpc._activation import Activation
 
 __all__ = ["CLAMPED_GLU", "CLAMPED_SWIGLU", "GLU", "ExpertFunction", "announced_mismatch", "as_function",
            "function_of_module"]
@@ -74,7 +74,7 @@ class ExpertFunction:
     @functools.cached_property
     def act(self) -> Activation:
         """GLU's activation (the torch function transformers' ACT2FN runs for the name)."""
-        from kvasir_rpc._kernel import get_activation
+        from kvasir_rpc._activation import get_activation
 
         return get_activation(self.activation)
 

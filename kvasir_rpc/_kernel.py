@@ -16,6 +16,7 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.nn.functional as F
 
+from kvasir_rpc._activation import Activation, get_activation
 from kvasir_rpc._function import ExpertFunction
 
 __all__ = [
@@ -33,9 +34,6 @@ __all__ = [
     "validate_dispatch",
 ]
 
-Activation = Callable[[torch.Tensor], torch.Tensor]
-
-
 def threads_initializer() -> Callable[[], None]:
     """A function that gives the thread calling it this thread's torch thread count.
 
@@ -46,24 +44,6 @@ def threads_initializer() -> Callable[[], None]:
     group threads each took both cores. Run it first in every thread that computes."""
     n = torch.get_num_threads()
     return lambda: torch.set_num_threads(n)
-
-
-# The activations of MoE checkpoints, as the torch functions transformers' ACT2FN calls for
-# them (its SiLUActivation and nn.SiLU both run F.silu; nn.ReLU runs F.relu): bitwise the same,
-# checked against ACT2FN in tests/test_kernel.py. Importing transformers.activations costs a
-# worker ~2.3 s of CPU at start (it pulls in torch.distributed.tensor and hub kernels), most of
-# a worker's start-up; other names still come from transformers.
-_TORCH_ACTIVATIONS: dict[str, Activation] = {"silu": F.silu, "swish": F.silu, "relu": F.relu}
-
-
-def get_activation(name: str) -> Activation:
-    """The activation transformers uses for ``hidden_act=name``: the same function, bitwise."""
-    act = _TORCH_ACTIVATIONS.get(name)
-    if act is not None:
-        return act
-    from transformers.activations import ACT2FN
-
-    return ACT2FN[name]  # type: ignore[no-any-return]
 
 
 def expert_forward(

@@ -44,8 +44,8 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
+from kvasir_rpc._activation import Activation
 from kvasir_rpc._function import ExpertFunction, as_function
-from kvasir_rpc._kernel import Activation
 
 __all__ = ["ROW_CHECK_FACTOR", "NARROW_Z", "RowChecker", "RowVerdict"]
 

@@ -32,8 +32,9 @@ import dataclasses
 
 import torch
 
+from kvasir_rpc._activation import Activation
 from kvasir_rpc._function import ExpertFunction, as_function
-from kvasir_rpc._kernel import Activation, expert_forward
+from kvasir_rpc._kernel import expert_forward
 
 __all__ = ["TOLERANCE_FACTOR", "AuditResult", "audit_rows", "error_scale"]
 

@@ -7,6 +7,7 @@ Importing this package connects to nothing and starts nothing.
 
 from __future__ import annotations
 
+from ledger._open import open_store
 from ledger._service import LedgerServicer, create_server
 from ledger._store import (
     POOL_ACCOUNT,
@@ -18,7 +19,6 @@ from ledger._store import (
     StoreError,
     StoreStatistics,
     StoreUnavailable,
-    open_store,
     pending_account,
 )
 

@@ -47,8 +47,9 @@ def _hub_key(text: str) -> str:
 
 def run_serve(args: argparse.Namespace) -> int:
     from kvasir_rpc import ListenError, check_listen
+    from ledger._open import open_store
     from ledger._service import serve_ledger
-    from ledger._store import StoreError, open_store
+    from ledger._store import StoreError
 
     configure_logging("ledger", level=args.log_level)
     log = get_logger("ledger")

@@ -9,8 +9,8 @@ import time
 import grpc
 
 from kvasir_rpc import Wallet, ledger_pb2, ledger_pb2_grpc, sign_receipt
+from ledger._open import open_store
 from ledger._service import MAX_BATCH, create_server
-from ledger._store import open_store
 
 __all__ = ["bench_receipts"]
 

@@ -50,7 +50,6 @@ __all__ = [
     "StoreError",
     "StoreStatistics",
     "StoreUnavailable",
-    "open_store",
     "pending_account",
 ]
 
@@ -769,29 +768,3 @@ def _credit(row: Sequence[Any]) -> CreditRecord:
         int(row[0]), row[1], row[2], row[3], int(row[4]), int(row[5]), int(row[6]), int(row[7]), int(row[8]),
         int(row[9]), int(row[10]), bool(row[11]),
     )
-
-
-def open_store(url: str, *, pool_size: int = 8) -> LedgerStore:
-    """Open (creating its tables if needed) the ledger at ``url``:
-
-    * ``sqlite:///PATH`` - a SQLite file (relative PATH, or absolute as ``sqlite:////abs``),
-      WAL journal, synchronous=FULL;
-    * ``postgresql://USER@HOST:PORT/DB`` (or ``postgres://``) - PostgreSQL through psycopg 3.
-
-    Raises StoreError for an unsupported URL or schema, StoreUnavailable when the database
-    cannot be reached. The store owns its connections: close it when done.
-    """
-    if url.startswith("sqlite://"):
-        from ledger._sqlite import SqliteDialect
-
-        return LedgerStore(SqliteDialect.from_url(url), pool_size=pool_size)
-    if url.startswith(("postgresql://", "postgres://")):
-        from ledger._postgres import PostgresDialect
-
-        try:
-            import psycopg  # noqa: F401
-        except ImportError as exc:
-            raise StoreError("a PostgreSQL ledger needs psycopg 3: pip install 'kvasir-rpc[postgres]'") from exc
-
-        return LedgerStore(PostgresDialect(url), pool_size=pool_size)
-    raise StoreError(f"unsupported database URL {url[:40]!r}: use sqlite:///PATH or postgresql://...")

@@ -104,7 +104,7 @@ def test_the_stream_prints_what_the_decode_says_and_starts_again_on_a_replay(
     import torch
     from transformers import AutoTokenizer
 
-    from backbone.__main__ import _TextStream
+    from backbone.cli._generate import _TextStream
 
     tokenizer = AutoTokenizer.from_pretrained(str(tiny_models("qwen3_moe")))
     ids = tokenizer("a stream of text\nover two lines, déjà vu", add_special_tokens=False)["input_ids"]

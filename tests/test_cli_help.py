@@ -17,7 +17,7 @@ from kvasir_rpc import LOG_LEVELS, HelpFormatter
 
 # The module of each command, and whether it must have --log-level (a component's does).
 COMMANDS = {
-    "backbone.__main__": True,
+    "backbone.cli": True,
     "worker.__main__": True,
     "relay.__main__": True,
     "ledger.__main__": True,

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from kvasir_rpc import get_activation
-from kvasir_rpc._kernel import _TORCH_ACTIVATIONS
+from kvasir_rpc._activation import _TORCH_ACTIVATIONS
 
 
 def _inputs(dtype: torch.dtype) -> torch.Tensor:

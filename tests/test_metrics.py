@@ -67,7 +67,7 @@ def test_gateway_and_ledger_metrics_follow_the_naming_rules(tmp_path):
     from prometheus_client import generate_latest
 
     from ledger._metrics import LedgerMetrics
-    from ledger._store import open_store
+    from ledger._open import open_store
     from relay.gateway._gateway import Gateway, GatewayConfig
     from relay.gateway._metrics import gateway_registry
 

@@ -14,7 +14,7 @@ from concurrent import futures
 import grpc
 import pytest
 
-from backbone.__main__ import _await_sessions
+from backbone.cli._setup import _await_sessions
 from backbone.experts._links import SessionWatcher
 from kvasir_rpc import session_pb2, session_pb2_grpc
 from relay.hub._registry import SessionRegistry

@@ -189,7 +189,7 @@ def test_a_caller_that_goes_away_frees_its_slot_and_a_full_service_says_resource
     # Fill every slot (8) and the waiting line (24): the next call is refused at once.
     calls = [local.stub.Generate(_long(f"long {i}"), timeout=60, metadata=local.metadata) for i in range(32)]
     try:
-        wait_until(lambda: local.describe().running + local.describe().waiting == 32, 20, "32 calls to be held")
+        wait_until(lambda: local.describe().running + local.describe().waiting == 32, 60, "32 calls to be held")
         t0 = time.monotonic()
         with pytest.raises(grpc.RpcError) as refused:
             local.generate(**_greedy("one too many"), timeout=20)

@@ -13,10 +13,11 @@ from hypothesis import strategies as st
 from transformers import Qwen3MoeConfig
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
 
+from kvasir_rpc._activation import _TORCH_ACTIVATIONS, get_activation
 from kvasir_rpc._checkpoint import SpecError, expert_digest, format_slices, parse_expert_spec, slices_digest
 from kvasir_rpc._codec import decode_tensor, encode_tensor
 from kvasir_rpc._gen.kvasir.v1 import tensor_pb2
-from kvasir_rpc._kernel import _TORCH_ACTIVATIONS, DispatchInputError, expert_forward, get_activation, plan_routes, validate_dispatch
+from kvasir_rpc._kernel import DispatchInputError, expert_forward, plan_routes, validate_dispatch
 
 SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 

@@ -5,17 +5,18 @@ from __future__ import annotations
 
 import pytest
 
-import backbone.__main__ as cli
+import backbone.cli as cli
+import backbone.cli._generate as generate
 
 
 @pytest.mark.parametrize("result,want", [
-    ({"tokens_identical": True, "max_abs_logit_diff": 0.0}, cli.BITWISE),
-    ({"tokens_identical": True, "max_abs_logit_diff": 9.5e-7}, cli.WITHIN_BOUND),
-    ({"tokens_identical": False, "max_abs_logit_diff": 0.0}, cli.TOKENS_DIFFER),
-    ({"tokens_identical": False, "max_abs_logit_diff": float("inf")}, cli.TOKENS_DIFFER),
+    ({"tokens_identical": True, "max_abs_logit_diff": 0.0}, generate.BITWISE),
+    ({"tokens_identical": True, "max_abs_logit_diff": 9.5e-7}, generate.WITHIN_BOUND),
+    ({"tokens_identical": False, "max_abs_logit_diff": 0.0}, generate.TOKENS_DIFFER),
+    ({"tokens_identical": False, "max_abs_logit_diff": float("inf")}, generate.TOKENS_DIFFER),
 ])
 def test_the_verdict_of_a_comparison(result, want):
-    assert cli.verdict(result) == want
+    assert generate.verdict(result) == want
 
 
 def test_require_bitwise_needs_compare_local(tmp_path, capsys):

@@ -14,7 +14,7 @@ log = get_logger("backbone.serve")
 
 
 def run_serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
-    from backbone.__main__ import build_setup
+    from backbone.cli._setup import build_setup
 
     if args.max_batch < 1 or args.max_waiting < 0 or args.lanes < 1:
         parser.error("--max-batch and --lanes must be at least 1, --max-waiting at least 0")
@@ -58,7 +58,7 @@ def run_serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
 
-    setup = build_setup(parser, args)
+    setup = build_setup(parser, args, kind="serve")
     if isinstance(setup, int):
         return setup
     from backbone.engine._batch import Engine
@@ -67,8 +67,7 @@ def run_serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     result: dict[str, object] = {}
     engine = Engine(setup.model, setup.tokenizer, setup.dispatcher, max_batch=args.max_batch,
                     max_waiting=args.max_waiting, lanes=args.lanes, max_tokens_cap=args.max_tokens_limit)
-    setup.dispatcher.kind = "serve"
-    setup.dispatcher.load = engine.load  # type: ignore[method-assign]
+    setup.dispatcher.measure_load_with(engine.load)
     backbone = Backbone(engine=engine, tokenizer=setup.tokenizer, dispatcher=setup.dispatcher,
                         model_id=args.model_name or args.model.resolve().name, api_key=api_key,
                         max_prompt_bytes=args.max_prompt_bytes or 0)

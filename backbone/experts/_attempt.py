@@ -31,10 +31,7 @@ import contextlib
 import dataclasses
 import threading
 from collections.abc import Iterator, Mapping, Sequence
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from backbone.experts._dispatch import Dispatcher
+from typing import Protocol
 
 __all__ = ["LOCAL_AFTER", "DecodeAttempt", "ReplayNeeded", "Untrusted", "current_attempt"]
 
@@ -43,6 +40,14 @@ __all__ = ["LOCAL_AFTER", "DecodeAttempt", "ReplayNeeded", "Untrusted", "current
 LOCAL_AFTER = 3
 
 _current = threading.local()
+
+
+class Dispatcher(Protocol):
+    """What an attempt asks of the Dispatcher (``backbone.experts._dispatch``) that runs it."""
+
+    def untrusted(self) -> Mapping[str, Untrusted]: ...
+
+    def note_replay(self) -> None: ...
 
 
 @dataclasses.dataclass(frozen=True)

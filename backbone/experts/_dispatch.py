@@ -154,6 +154,7 @@ class Dispatcher:
         stragglers: StragglerPolicy | None = None,
         audit_rates: AuditRates | None = None,
         row_checks: bool = True,
+        kind: str = "generate",
     ) -> None:
         modules = experts_modules(model)
         self.weights: ExpertWeights
@@ -195,6 +196,10 @@ class Dispatcher:
         self._lock = threading.Lock()
         # Called with each accepted call's round trip in seconds (metrics' latency histogram).
         self.observe_call: Callable[[float], None] | None = None
+        # What ``backbone_status`` says this backbone is ("generate" or "serve"), and where its
+        # load (requests running, waiting) is read: a service's engine, once it is built.
+        self.kind = kind
+        self._load: Callable[[], tuple[int, int]] = lambda: (0, 0)
         self.reset_counters()
 
     # -- the experts path ------------------------------------------------------------
@@ -479,13 +484,14 @@ class Dispatcher:
         self.shared.overlapped = 0
         self.checker.reset_counters()
 
-    #: What ``backbone_status`` says the backbone is, and its load now (a service sets both).
-    kind = "generate"
-    load: Callable[[], tuple[int, int]] = staticmethod(lambda: (0, 0))  # type: ignore[assignment]
+    def measure_load_with(self, load: Callable[[], tuple[int, int]]) -> None:
+        """Read this backbone's load (requests running, waiting) from ``load``: a service's
+        engine, built after its dispatcher."""
+        self._load = load
 
     def backbone_status(self) -> session_pb2.BackboneStatus:
         """This run as the hub's status page shows it (sent with every work report)."""
-        running, waiting = self.load()
+        running, waiting = self._load()
         d = self.statistics()
         return session_pb2.BackboneStatus(kind=self.kind, running=running, waiting=waiting, remote_rows=d.remote_rows,
                                           local_rows=d.local_rows, fallback_rows=d.fallback_rows,
