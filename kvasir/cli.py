@@ -259,13 +259,13 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         print(json.dumps(shapes if args.json else brief, indent=None if args.json else 2))
         return 0
     if args.formats:
-        from kvasir.bench_formats import run_formats_bench
+        from kvasir.bench.formats import run_formats_bench
 
         say("formats: one expert held in each served format, bytes and dequantizing against computing")
         print(json.dumps(run_formats_bench(quick=args.quick, say=say), indent=None if args.json else 2))
         return 0
     if args.service:
-        from kvasir.bench_service import run_service_bench
+        from kvasir.bench.service import run_service_bench
 
         say("backbone service: 1, 8 and 32 concurrent Generate callers, experts local vs on workers via the gateway")
         service = run_service_bench(quick=args.quick, say=say)

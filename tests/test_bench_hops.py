@@ -15,8 +15,8 @@ import torch
 from helpers import wait_until
 
 from kvasir.bench import decode_hop_figures, hop_figures, hop_table
-from kvasir.cpu import CpuMeter, ProcessGoneError, cpu_seconds, ns_per_byte
-from kvasir.floors import hop_floors, measure_primitives
+from kvasir.bench.cpu import CpuMeter, ProcessGoneError, cpu_seconds, ns_per_byte
+from kvasir.bench.floors import hop_floors, measure_primitives
 from kvasir.swarm import LocalSwarm, SwarmError
 from kvasir_rpc import (
     TARGET_KEY_METADATA,

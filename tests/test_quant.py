@@ -337,7 +337,7 @@ def test_static_activation_scales_send_the_backbone_to_load_every_expert(tmp_pat
 
 
 def test_the_formats_bench_holds_each_format_in_its_stored_bytes():
-    from kvasir.bench_formats import run_formats_bench
+    from kvasir.bench.formats import run_formats_bench
 
     result = run_formats_bench(quick=True, widths=(256, 128), say=lambda _: None)
     held = {name: f["held_vs_bfloat16"] for name, f in result["formats"].items()}  # type: ignore[attr-defined]

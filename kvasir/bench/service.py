@@ -80,7 +80,7 @@ def _http_point(port: int, n: int, tokens: int, rounds: int) -> dict[str, float]
 def run_service_bench(*, quick: bool = False, say: Callable[[str], None] = print) -> dict[str, object]:
     import grpc
 
-    from kvasir.bench import DECODE_MODEL, _core_split, start_decode_swarm
+    from kvasir.bench._decode_swarm import DECODE_MODEL, _core_split, start_decode_swarm
     from kvasir.swarm import LocalSwarm
     from kvasir_rpc import backbone_pb2_grpc
 

@@ -1,0 +1,187 @@
+"""The fabric's cost by hop (``kvasir bench --hops``; ``hops`` in the full bench): CPU nanoseconds
+per byte of each process a Dispatch call crosses, and each hop's floor.
+"""
+
+from __future__ import annotations
+
+import pathlib
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+
+from kvasir.bench._checkpoint import HIDDEN, make_bench_checkpoint
+from kvasir.bench._streams import _pct, _Stream
+
+HOP_BATCH = 512
+# The processes a Dispatch call crosses on each path, from the backbone's side.
+HOP_PATHS = {"hub": ("client", "hub", "worker"), "gateway": ("client", "hub", "gateway", "worker"),
+             "fabric": ("client", "hub", "gateway", "worker")}
+
+
+def run_hop_bench(*, quick: bool = False, say: Callable[[str], None] = print) -> dict[str, object]:
+    """CPU nanoseconds per byte of each process a Dispatch call crosses, at batch 512.
+
+    One swarm: a TLS gateway, a hub, a worker that dials the hub (path ``hub``, plain ws), one
+    that dials the gateway (``gateway``, sealed end to end) and one that dials the gateway with
+    ``--echo-experts`` (``fabric``: the relays without compute). This process is the
+    backbone's client side (a grpcio stream, as the backbone's). Each hop's CPU time over the
+    same calls (every thread, from /proc) is divided by the same byte count: the tensor
+    payload of those calls, request rows and weights plus the partials. On the ``hub`` and
+    ``gateway`` paths the worker's figure has the in-process compute time of the same calls
+    subtracted (the fabric path's worker computes nothing). Also the fabric path's latency at batch 1."""
+    import torch
+
+    from kvasir.bench.cpu import CpuMeter, ns_per_byte
+    from kvasir.swarm import LocalSwarm
+    from kvasir_rpc import (
+        TARGET_KEY_METADATA,
+        ExpertIndex,
+        encode_tensor,
+        expert_forward,
+        expert_pb2,
+        get_activation,
+        target_key,
+    )
+
+    torch.set_num_threads(1)
+    n = 10 if quick else 25
+    out: dict[str, object] = {"batch": HOP_BATCH, "calls": n, "hidden": HIDDEN, "dtype": "float32",
+                              "bytes": "tensor payload: request hidden + weights + response partials",
+                              "client": "this process (grpcio stream), time.process_time()"}
+    with tempfile.TemporaryDirectory(prefix="kvasir-bench-hops-") as tmp, LocalSwarm(tmp) as sw:
+        ckpt = make_bench_checkpoint(pathlib.Path(tmp) / "expert")
+        gate_up, down = ExpertIndex(ckpt).load(0, 0)
+        act = get_activation("silu")
+        say("hops: TLS gateway, hub, a worker on the hub, one on the gateway and an --echo-experts one")
+        sw.start_gateway()
+        sw.start_hub(gateway=True)
+        # The echo worker holds expert 1, the others expert 0: their sessions are told apart so.
+        sw.start_worker("worker_hub", ckpt, "0:0", via="hub")
+        sw.start_worker("worker_gateway", ckpt, "0:0", via="gateway")
+        sw.start_worker("worker_echo", ckpt, "0:1", via="gateway", extra=["--echo-experts"])
+        sessions = sw.wait_sessions(3, watch=["gateway", "worker_hub", "worker_gateway", "worker_echo"])
+        by_path = {}
+        for s in sessions:
+            through_gateway = s.remote_address.startswith("gateway:")
+            path = "fabric" if s.slices[0].experts[0] == 1 else ("gateway" if through_gateway else "hub")
+            by_path[path] = s
+        worker_of = {"hub": "worker_hub", "gateway": "worker_gateway", "fabric": "worker_echo"}
+        token = sw.backbone_token
+
+        def metered(path: str) -> int:
+            return sum(int(s.bytes_to_worker + s.bytes_from_worker) for s in sw.list_sessions()
+                       if s.session_id == by_path[path].session_id)
+
+        g = torch.Generator().manual_seed(2)
+        for batch in (HOP_BATCH, 1):
+            hidden = torch.randn(batch, HIDDEN, generator=g)
+            weights = torch.rand(batch, generator=g)
+            payload = (2 * hidden.numel() + weights.numel()) * 4
+            compute_s = 0.0
+            if batch == HOP_BATCH:
+                c0 = time.process_time()
+                for _ in range(n):
+                    expert_forward(hidden, gate_up, down, act, weights)
+                compute_s = time.process_time() - c0
+            for path in (("fabric", "gateway", "hub") if batch == HOP_BATCH else ("fabric",)):
+                req = expert_pb2.DispatchRequest(
+                    call_id=1, layer=0, hidden=encode_tensor(hidden), weights=encode_tensor(weights),
+                    segments=[expert_pb2.ExpertSegment(expert=1 if path == "fabric" else 0, rows=batch)])
+                meta = ((TARGET_KEY_METADATA, target_key(token, by_path[path].session_id)),)
+                stream = _Stream(by_path[path].target, meta)
+                try:
+                    for _ in range(3):
+                        stream.call(req)  # warm up the connection and the worker
+                    pids: dict[str, int | None] = {"client": None, "worker": sw.pid(worker_of[path]),
+                                                   "hub": sw.pid("hub"), "gateway": sw.pid("gateway")}
+                    before = metered(path)
+                    times = []
+                    with CpuMeter(pids) as meter:
+                        for _ in range(n):
+                            t0 = time.perf_counter()
+                            stream.call(req)
+                            times.append(time.perf_counter() - t0)
+                    wire = metered(path) - before
+                finally:
+                    stream.close()
+                cpu = meter.reading.cpu_s
+                med = statistics.median(times)
+                if batch == 1:
+                    out["fabric_b1"] = {"p50_ms": round(med * 1000, 3), "p90_ms": round(_pct(times, 0.9) * 1000, 3)}
+                    continue
+                hops = HOP_PATHS[path]
+                if path != "fabric":
+                    cpu = {**cpu, "worker_with_compute": cpu["worker"], "worker": cpu["worker"] - compute_s}
+                total = payload * n
+                point: dict[str, object] = {
+                    "bytes": total, "metered_bytes": wire, "wall_s": round(meter.reading.wall_s, 3),
+                    "p50_ms": round(med * 1000, 3), "mb_s": round(payload / med / 1e6, 1),
+                    "cpu_s": {k: round(v, 4) for k, v in cpu.items() if k in hops or k == "worker_with_compute"},
+                    "ns_per_byte": {h: ns_per_byte(cpu[h], total) for h in hops},
+                }
+                point["ns_per_byte_total"] = ns_per_byte(sum(cpu[h] for h in hops), total)
+                if path != "fabric":
+                    point["worker_compute_s"] = round(compute_s, 4)
+                out[path] = point
+                say(f"  {path}: " + ", ".join(f"{h} {v} ns/B" for h, v in point["ns_per_byte"].items())  # type: ignore[attr-defined]
+                    + f"; {point['mb_s']} MB/s")
+    add_floors(out, say=say)
+    return out
+
+
+def add_floors(hops: dict[str, object], *, say: Callable[[str], None] = print) -> None:
+    """Put under ``hops`` each hop's floor (``kvasir.bench.floors``: what its kernel copies,
+    TLS, end-to-end AEAD and masking alone cost per byte on this machine, measured now) and,
+    per path, ``floor_ns_per_byte`` and ``over_floor`` (measured / floor) by hop."""
+    from kvasir.bench.floors import hop_floors, measure_primitives
+
+    say("hops: the primitives' CPU ns per byte (sockets, TLS, AEADs, mask), for each hop's floor")
+    primitives = measure_primitives()
+    hops["primitives"] = primitives
+    floors = hop_floors(primitives)
+    for path, point in hops.items():
+        if path not in HOP_PATHS or not isinstance(point, dict):
+            continue
+        floor = floors["hub" if path == "hub" else "gateway"]
+        point["floor_ns_per_byte"] = {h: round(floor[h], 3) for h in point["ns_per_byte"]}
+        point["over_floor"] = {h: round(v / floor[h], 2) if v is not None else None
+                               for h, v in point["ns_per_byte"].items()}
+
+
+def hop_figures(hops: dict[str, object]) -> dict[str, object]:
+    """The hop bench's flat figures: ``{path}_ns_per_byte_{hop}_b512`` and the fabric's MB/s."""
+    figures: dict[str, object] = {}
+    for path in HOP_PATHS:
+        point = hops.get(path)
+        if isinstance(point, dict):
+            for hop, v in point["ns_per_byte"].items():
+                figures[f"{path}_ns_per_byte_{hop}_b512"] = v
+            figures[f"{path}_ns_per_byte_total_b512"] = point["ns_per_byte_total"]
+            for hop, v in point.get("floor_ns_per_byte", {}).items():
+                figures[f"{path}_floor_ns_per_byte_{hop}_b512"] = v
+    if isinstance(hops.get("fabric"), dict):
+        figures["fabric_mb_s_b512"] = hops["fabric"]["mb_s"]  # type: ignore[index]
+    if isinstance(hops.get("fabric_b1"), dict):
+        figures["fabric_p50_ms_b1"] = hops["fabric_b1"]["p50_ms"]  # type: ignore[index]
+    return figures
+
+
+def hop_table(hops: dict[str, object]) -> str:
+    """The hop bench as a text table: ns of CPU per byte, a row per path, a column per hop."""
+    cols = ("client", "hub", "gateway", "worker")
+    lines = [f"CPU ns per byte of tensor payload, batch {hops['batch']}, {hops['calls']} calls (floor: what the hop's "
+             "socket copies, TLS, end-to-end AEAD and masking alone cost here)",
+             f"{'path':<10}" + "".join(f"{c:>10}" for c in cols) + f"{'total':>10}{'MB/s':>10}"]
+    for path in HOP_PATHS:
+        point = hops.get(path)
+        if not isinstance(point, dict):
+            continue
+        cells = "".join(f"{point['ns_per_byte'].get(c, '-')!s:>10}" for c in cols)
+        lines.append(f"{path:<10}{cells}{point['ns_per_byte_total']!s:>10}{point['mb_s']!s:>10}")
+        if "floor_ns_per_byte" in point:
+            floor = "".join(f"{point['floor_ns_per_byte'].get(c, '-')!s:>10}" for c in cols)
+            lines.append(f"{'  floor':<10}{floor}")
+    if isinstance(hops.get("fabric_b1"), dict):
+        lines.append(f"fabric p50 at batch 1: {hops['fabric_b1']['p50_ms']} ms")  # type: ignore[index]
+    return "\n".join(lines)
