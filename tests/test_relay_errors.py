@@ -82,6 +82,19 @@ def _gateway_log(sw: LocalSwarm) -> list[dict[str, object]]:
 
 
 @pytest.mark.integration
+def test_a_contrib_db_that_is_not_a_hub_database_stops_the_hub_in_one_line(tmp_path: pathlib.Path) -> None:
+    """A careless operator points --contrib-db at some other file: the hub says which file and
+    what to do, exit status 2, no traceback, and leaves the file as it was."""
+    junk = tmp_path / "contrib.sqlite"
+    junk.write_bytes(b"this is a spreadsheet, not a database\n" * 64)
+    before = junk.read_bytes()
+    line = _one_line(_run(_hub(tmp_path)))
+    assert line.startswith("hub: --contrib-db: ") and str(junk) in line, line
+    assert line.endswith("point --contrib-db at this hub's database, or at a new path to start one"), line
+    assert junk.read_bytes() == before
+
+
+@pytest.mark.integration
 def test_a_gateway_certificate_not_trusted_stops_the_hub_naming_ca_file(tls_gateway: LocalSwarm,
                                                                         tmp_path: pathlib.Path) -> None:
     out = _run(_hub(tmp_path, "--gateway", tls_gateway.gateway_url, "--gateway-token-file",

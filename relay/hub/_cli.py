@@ -240,24 +240,20 @@ def run_hub(args: argparse.Namespace) -> int:
     token, gateway_ssl = _gateway_link(args) if args.gateway else ("", None)
     key, backbone_token = _hub_state(args)
     registry = SessionRegistry()
-    import sqlite3
-
-    from relay.hub._contributions import ContributionStore
+    from relay.hub._contributions import ContributionStore, ContributionStoreError
     from relay.hub._receipts import ReceiptSender
+    from relay.hub._work_desk import WorkDesk
 
     try:
         store = ContributionStore(args.contrib_db)
-    except sqlite3.Error as exc:
-        fail(f"hub: --contrib-db {args.contrib_db}: {exc}: point --contrib-db at this hub's database, "
-             "or at a new path to start one")
-    ended = store.end_open_sessions()
+        ended = store.end_open_sessions()
+        desk = WorkDesk(registry, store, key, quarantine_s=args.quarantine_seconds)  # reads the bans
+    except ContributionStoreError as exc:
+        fail(f"hub: --contrib-db: {exc}; point --contrib-db at this hub's database, or at a new path to start one")
     if ended:
         log.info("sessions of a previous run closed; their receipts will be sent", sessions=ended)
     sender = ReceiptSender(store, registry, key, args.ledger, interval_s=args.receipt_interval)
     registry.on_removed.append(sender.session_ended)
-    from relay.hub._work_desk import WorkDesk
-
-    desk = WorkDesk(registry, store, key, quarantine_s=args.quarantine_seconds)
     try:
         server, bound_grpc = create_session_server(registry, grpc_address, backbone_token=backbone_token, desk=desk)
     except (OSError, RuntimeError) as exc:  # taken since check_listen_flags

@@ -10,7 +10,12 @@ loop saves them, and ``close`` saves what is still queued once the loop has stop
 A receipt the ledger refuses for a reason that can change stays pending and is sent again
 with the loop's backoff: an untrusted key (the ledger's ``--trust-key`` can be fixed) or a
 receipt the ledger cannot read (a ledger older than this hub). Only a receipt that can never
-become valid is dropped."""
+become valid is dropped.
+
+A pass the contribution store cannot serve for now (``ContributionStoreUnavailable``: its file
+locked by another program, its disk failing or full) is logged and tried again with the same
+backoff; the loop lives on. Any other store error ends the loop as any error did before (and
+the hub with it): waiting does not mend a damaged or foreign database."""
 
 from __future__ import annotations
 
@@ -22,7 +27,13 @@ import grpc
 import trio
 
 from kvasir_rpc import Wallet, get_logger, ledger_pb2, ledger_pb2_grpc
-from relay.hub._contributions import ContributionStore, PendingReceipt, Settlement
+from relay.hub._contributions import (
+    ContributionStore,
+    ContributionStoreError,
+    ContributionStoreUnavailable,
+    PendingReceipt,
+    Settlement,
+)
 from relay.hub._registry import SessionRegistry, SessionStats
 
 __all__ = ["ReceiptSender", "ReceiptSenderStats"]
@@ -47,6 +58,7 @@ _FINAL: dict[int, str] = {
 }
 _ANSWERED = (_R.RECEIPT_STATUS_CREDITED, _R.RECEIPT_STATUS_DUPLICATE, _R.RECEIPT_STATUS_STALE)
 _CREDITED = _R.ReceiptStatus.Name(_R.RECEIPT_STATUS_CREDITED)
+_STORE_TROUBLE = "contribution store: "
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,7 +69,8 @@ class ReceiptSenderStats:
     duplicate or stale at the ledger (nothing more to send); ``rejected``: dropped as never
     valid; ``refused``: refusals that left a receipt pending (each resend counts again);
     ``flushes``: passes of the loop; ``ledger_errors``: passes where the ledger could not be
-    reached; ``ended_recorded``: final counters of ended sessions saved; ``ended_queued``:
+    reached; ``store_errors``: passes the contribution store could not serve for now (tried
+    again); ``ended_recorded``: final counters of ended sessions saved; ``ended_queued``:
     those waiting for the next pass."""
 
     submitted: int
@@ -78,6 +91,7 @@ class ReceiptSenderStats:
     pending: int = 0
     last_answer_unix_ms: int = 0
     last_error: str = ""
+    store_errors: int = 0
 
 
 class ReceiptSender:
@@ -106,6 +120,7 @@ class ReceiptSender:
         self._refused = 0
         self._flushes = 0
         self._ledger_errors = 0
+        self._store_errors = 0
         self._ended_recorded = 0
         self._credited_bytes = 0
         self._credited_nano_kvr = 0
@@ -122,7 +137,8 @@ class ReceiptSender:
                                   ended_recorded=self._ended_recorded, ended_queued=queued,
                                   credited_bytes=self._credited_bytes, credited_nano_kvr=self._credited_nano_kvr,
                                   ledger=self.ledger_target, pending=self._pending,
-                                  last_answer_unix_ms=self._last_answer_ms, last_error=self._last_error)
+                                  last_answer_unix_ms=self._last_answer_ms, last_error=self._last_error,
+                                  store_errors=self._store_errors)
 
     def session_ended(self, stats: SessionStats) -> None:
         """Registry hook (trio thread): queue the session's final counters and wake the loop,
@@ -134,8 +150,12 @@ class ReceiptSender:
 
     def close(self) -> None:
         """After ``run`` has returned (no event loop needed): save the final counters of
-        sessions that ended after the loop's last flush, and close the ledger channel."""
-        self._record_ended(self._take_ended())
+        sessions that ended after the loop's last flush, and close the ledger channel. A store
+        that cannot save them is logged: raw counters are for display, receipts pay work."""
+        try:
+            self._record_ended(self._take_ended())
+        except ContributionStoreError as exc:
+            log.error("final counters of ended sessions not saved", error=str(exc))
         if self._channel is not None:
             self._channel.close()
             self._channel = None
@@ -165,11 +185,27 @@ class ReceiptSender:
                 with trio.move_on_after(backoff):
                     await self._wake.wait()
                 self._wake = trio.Event()
-                ok = await self.flush()
+                try:
+                    ok = await self.flush()
+                except ContributionStoreUnavailable as exc:
+                    # Locked by another program, a failing or full disk: it may pass. What the
+                    # pass did not save is saved by a later one (ended sessions stay queued).
+                    self._store_errors += 1
+                    self._last_error = f"{_STORE_TROUBLE}{exc}"[:300]
+                    log.warning("contribution store unavailable; the pass is tried again", error=str(exc),
+                                retry_in_s=min(backoff * 2, self.max_backoff_s))
+                    ok = False
+                else:
+                    if self._last_error.startswith(_STORE_TROUBLE):
+                        self._last_error = ""  # the store answers again
                 backoff = self.interval_s if ok else min(backoff * 2, self.max_backoff_s)
         finally:
             with trio.CancelScope(shield=True), trio.move_on_after(5):
-                await self.flush()
+                try:
+                    await self.flush()
+                except ContributionStoreError as exc:
+                    log.error("last pass of the receipt loop failed; the next start sends what is pending",
+                              error=str(exc))
             if self._channel is not None:
                 self._channel.close()
                 self._channel = None

@@ -5,6 +5,11 @@ accepted; the hub counts it per session (cumulative per backbone run, so a repor
 twice adds nothing) in its contribution store, which signs receipts for it. A quarantine
 ends the session at once, issues its closing receipt (``quarantined``: the ledger credits
 nothing more for it) and refuses the wallet for ``quarantine_s``.
+
+When the store cannot answer, the backbone is told so: UNAVAILABLE, with what to retry, while
+the database is locked or its disk fails (it may pass; the backbone sends the report or the
+quarantine again, and neither counts twice); INTERNAL, with the store's message, for anything
+else.
 """
 
 from __future__ import annotations
@@ -14,12 +19,14 @@ import dataclasses
 import re
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import grpc
 
 from kvasir_rpc import MAX_CUMULATIVE_BYTES, Wallet, get_logger, session_pb2
 from kvasir_rpc.protocol import MAX_EXPERTS_PER_LAYER, MAX_LAYERS
-from relay.hub._contributions import ContributionStore
+from relay.hub._contributions import ContributionStore, ContributionStoreError, ContributionStoreUnavailable
 from relay.hub._registry import SessionRegistry
 
 __all__ = ["DeskError", "QuarantineNote", "WorkDesk", "WorkDeskStats"]
@@ -38,6 +45,27 @@ class DeskError(Exception):
         super().__init__(message)
         self.code = code
         self.message = message
+
+
+# What the backbone is told to do when the store may answer again later, per call.
+_RETRY_HINTS = {
+    "ReportWork": "send the report again: its counts are cumulative, so nothing is counted twice",
+    "Quarantine": "send the quarantine again: a session is closed once, however often it is asked",
+}
+
+
+@contextmanager
+def _store_answers(call: str) -> Iterator[None]:
+    """The contribution store's trouble as the call's answer: UNAVAILABLE with a retry hint
+    when it may pass, INTERNAL with the store's message otherwise."""
+    try:
+        yield
+    except ContributionStoreUnavailable as exc:
+        log.warning("contribution store unavailable; the backbone is told to retry", call=call, error=str(exc))
+        raise DeskError(grpc.StatusCode.UNAVAILABLE, f"{exc}; retry: {_RETRY_HINTS[call]}") from exc
+    except ContributionStoreError as exc:
+        log.error("contribution store failed; the call is refused", call=call, error=str(exc))
+        raise DeskError(grpc.StatusCode.INTERNAL, f"the hub could not record this {call}: {exc}") from exc
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,28 +138,29 @@ class WorkDesk:
         if request.HasField("status"):
             self.registry.note_backbone(request.run_id, request.status)
         refused = []
-        for r in request.reports:
-            if r.cumulative_bytes > MAX_CUMULATIVE_BYTES:
-                raise DeskError(grpc.StatusCode.INVALID_ARGUMENT,
-                                f"session {r.session_id[:64]!r}: cumulative_bytes above {MAX_CUMULATIVE_BYTES}")
-            live = self.registry.get(r.session_id)
-            before = self.store.work_totals(r.session_id)
-            counted = self.store.add_work(
-                request.run_id, r.session_id, r.cumulative_bytes, r.calls, r.rows,
-                wallet=live.wallet if live else None,
-                started_unix_ms=live.connected_since_unix_ms if live else None,
-            )
-            if not counted:
-                refused.append(r.session_id)
-                continue
-            after = self.store.work_totals(r.session_id)
-            with self._lock:
-                for i in range(3):
-                    self._grown[i] += after[i] - before[i]
-            if live is not None:
-                self.registry.set_work(r.session_id, *after)
-                if r.fallback_rows:
-                    self.registry.note_fallback(r.session_id, request.run_id, r.fallback_rows)
+        with _store_answers("ReportWork"):
+            for r in request.reports:
+                if r.cumulative_bytes > MAX_CUMULATIVE_BYTES:
+                    raise DeskError(grpc.StatusCode.INVALID_ARGUMENT,
+                                    f"session {r.session_id[:64]!r}: cumulative_bytes above {MAX_CUMULATIVE_BYTES}")
+                live = self.registry.get(r.session_id)
+                before = self.store.work_totals(r.session_id)
+                counted = self.store.add_work(
+                    request.run_id, r.session_id, r.cumulative_bytes, r.calls, r.rows,
+                    wallet=live.wallet if live else None,
+                    started_unix_ms=live.connected_since_unix_ms if live else None,
+                )
+                if not counted:
+                    refused.append(r.session_id)
+                    continue
+                after = self.store.work_totals(r.session_id)
+                with self._lock:
+                    for i in range(3):
+                        self._grown[i] += after[i] - before[i]
+                if live is not None:
+                    self.registry.set_work(r.session_id, *after)
+                    if r.fallback_rows:
+                        self.registry.note_fallback(r.session_id, request.run_id, r.fallback_rows)
         with self._lock:
             self._reports += 1
             self._refused += len(refused)
@@ -142,15 +171,16 @@ class WorkDesk:
     def quarantine(self, request: session_pb2.QuarantineRequest) -> session_pb2.QuarantineResponse:
         sid = request.session_id
         live = self.registry.get(sid)
-        wallet = live.wallet if live is not None else self.store.session_wallet(sid)
-        if wallet is None:
-            raise DeskError(grpc.StatusCode.NOT_FOUND, f"this hub has no session {sid[:64]!r}")
-        until = time.time_ns() // 1_000_000 + int(self.quarantine_s * 1000)
-        violation = session_pb2.Violation.Name(request.violation) if request.violation in \
-            session_pb2.Violation.values() else str(request.violation)
-        seq = self.store.quarantine(sid, self.key, wallet=wallet,
-                                    started_unix_ms=live.connected_since_unix_ms if live else None)
-        self.store.ban(wallet, until, f"{violation}: {request.detail[:200]}")
+        with _store_answers("Quarantine"):
+            wallet = live.wallet if live is not None else self.store.session_wallet(sid)
+            if wallet is None:
+                raise DeskError(grpc.StatusCode.NOT_FOUND, f"this hub has no session {sid[:64]!r}")
+            until = time.time_ns() // 1_000_000 + int(self.quarantine_s * 1000)
+            violation = session_pb2.Violation.Name(request.violation) if request.violation in \
+                session_pb2.Violation.values() else str(request.violation)
+            seq = self.store.quarantine(sid, self.key, wallet=wallet,
+                                        started_unix_ms=live.connected_since_unix_ms if live else None)
+            self.store.ban(wallet, until, f"{violation}: {request.detail[:200]}")
         self.registry.ban(wallet, until)
         # The evidence, for whoever reads the hub's log.
         log.error("session quarantined: wrong work", session_id=sid, wallet=wallet, violation=violation,
