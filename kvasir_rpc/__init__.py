@@ -107,6 +107,7 @@ if TYPE_CHECKING:  # the real names, for type checkers; at run time __getattr__ 
         slices_to_proto,
     )
     from kvasir_rpc._activation import Activation, get_activation
+    from kvasir_rpc._interceptor import NeverUnknown
     from kvasir_rpc._kernel import (
         DispatchInputError,
         Route,
@@ -196,6 +197,7 @@ __version__ = "0.1.0"
 
 _GEN = "kvasir_rpc._gen.kvasir.v1"
 _LAZY = {
+    "NeverUnknown": "kvasir_rpc._interceptor",
     "AUTHORIZATION_METADATA": "kvasir_rpc._access",
     "MIN_TOKEN_CHARS": "kvasir_rpc._access",
     "TARGET_KEY_METADATA": "kvasir_rpc._access",

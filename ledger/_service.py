@@ -14,6 +14,7 @@ import grpc
 
 from kvasir_rpc import (
     NO_PORT_SHARING,
+    NeverUnknown,
     format_kvr,
     format_units,
     get_logger,
@@ -70,8 +71,9 @@ def _decode_token(wallet: str, token: str) -> int | None:
 class LedgerServicer(ledger_pb2_grpc.LedgerServiceServicer):
     """LedgerService on a LedgerStore, crediting receipts of ``trusted_keys`` at ``rate``
     nano-KVR per byte. Database trouble answers UNAVAILABLE (retry the same request),
-    bad requests INVALID_ARGUMENT, anything unexpected INTERNAL; never UNKNOWN. With
-    ``metrics``, each answered SubmitReceipts is counted there."""
+    bad requests INVALID_ARGUMENT; anything unexpected is the server's NeverUnknown
+    interceptor's (INTERNAL, logged), never UNKNOWN. With ``metrics``, each answered
+    SubmitReceipts is counted there."""
 
     def __init__(self, store: LedgerStore, trusted_keys: Collection[str], rate: int, *,
                  metrics: LedgerMetrics | None = None) -> None:
@@ -90,9 +92,6 @@ class LedgerServicer(ledger_pb2_grpc.LedgerServiceServicer):
         except StoreError as exc:
             log.error("database unusable", call=what, error=str(exc))
             _abort(context, grpc.StatusCode.FAILED_PRECONDITION, f"the ledger's database is unusable: {exc}")
-        except Exception as exc:
-            log.exception("ledger call failed", call=what)
-            _abort(context, grpc.StatusCode.INTERNAL, f"{what} failed inside the ledger ({type(exc).__name__}); see its log")
 
     def SubmitReceipts(
         self, request: ledger_pb2.SubmitReceiptsRequest, context: grpc.ServicerContext
@@ -186,7 +185,7 @@ def serve_ledger(
     if not 1 <= rate <= MAX_RATE_NANO_PER_BYTE:
         raise ValueError(f"rate must be 1 to {MAX_RATE_NANO_PER_BYTE} nano-KVR per byte, got {rate}")
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="ledger-svc"),
-                         options=[NO_PORT_SHARING])
+                         interceptors=[NeverUnknown()], options=[NO_PORT_SHARING])
     ledger_pb2_grpc.add_LedgerServiceServicer_to_server(LedgerServicer(store, trusted_keys, rate, metrics=metrics),
                                                       server)
     port, health_servicer = start_with_health(server, address, SERVICE_NAME)

@@ -18,7 +18,6 @@ import sys
 import tempfile
 import time
 import urllib.parse
-from concurrent import futures
 from typing import TYPE_CHECKING, Any
 
 import grpc
@@ -26,7 +25,6 @@ import trio
 
 from kvasir_rpc import (
     preferred_aeads,
-    NO_PORT_SHARING,
     EXIT_INTERRUPTED,
     CheckpointError,
     DEFAULT_MODEL_CACHE,
@@ -40,12 +38,9 @@ from kvasir_rpc import (
     WorkerHandshake,
     __version__,
     add_log_level,
-    bind_grpc,
     ensure_state_dir,
     check_listen,
     configure_logging,
-    enable_reflection,
-    expert_pb2,
     fail,
     format_slices,
     get_logger,
@@ -528,26 +523,13 @@ def _serve(args: argparse.Namespace, *, url: str, ssl_context: ssl.SSLContext | 
 def _grpc_server(servicer: ExpertServicer, args: argparse.Namespace, uds_path: str) -> grpc.Server:
     """The started gRPC server of ``servicer`` on ``uds_path`` (and --direct-grpc); raises
     ListenError."""
-    from kvasir_rpc import threads_initializer
-    from worker._service import add_to_server
+    from worker._service import serve_experts
 
-    server = grpc.server(
-        # Carry --threads into the pool's threads (see threads_initializer). A backbone keeps
-        # one Dispatch stream open per session, and each holds a thread for its life.
-        futures.ThreadPoolExecutor(max_workers=7 + args.sessions, thread_name_prefix="expert",
-                                   initializer=threads_initializer()),
-        options=[("grpc.max_receive_message_length", 256 << 20), ("grpc.max_send_message_length", 256 << 20),
-                 NO_PORT_SHARING],
-    )
-    add_to_server(servicer, server)
-    # Reflection reaches only those who reach the server: the key holder through the hub's target.
-    enable_reflection(server, [expert_pb2.DESCRIPTOR.services_by_name["ExpertService"].full_name])
-    bind_grpc(server, f"unix:{uds_path}")
+    addresses = [f"unix:{uds_path}"]
     if args.direct_grpc:
         # Opt-in, for benchmarks and trusted LANs: the one case where the worker listens.
-        bind_grpc(server, args.direct_grpc)
-    server.start()
-    return server
+        addresses.append(args.direct_grpc)
+    return serve_experts(servicer, addresses, sessions=args.sessions)
 
 
 async def _drain(servicer: ExpertServicer, server: grpc.Server, holders: list[TunnelHolder], signum: int,

@@ -6,16 +6,21 @@ import collections
 import threading
 import time
 from collections.abc import Mapping, Sequence
+from concurrent import futures
 
 import grpc
 import torch
 
 from kvasir_rpc import (
+    NO_PORT_SHARING,
     DispatchInputError,
     ExpertFunction,
+    NeverUnknown,
     QuantizedWeights,
     TensorCodecError,
+    bind_grpc,
     decode_tensor,
+    enable_reflection,
     expert_forward_projections,
     expert_pb2,
     expert_pb2_grpc,
@@ -23,10 +28,11 @@ from kvasir_rpc import (
     serialize_dispatch_response,
     slices_digest,
     slices_to_proto,
+    threads_initializer,
     validate_dispatch,
 )
 
-__all__ = ["ExpertServicer", "LoadedExperts", "add_to_server"]
+__all__ = ["ExpertServicer", "LoadedExperts", "add_to_server", "serve_experts"]
 
 log = get_logger("worker.service")
 
@@ -153,6 +159,29 @@ def add_to_server(servicer: ExpertServicer, server: grpc.Server) -> None:
     name = expert_pb2.DESCRIPTOR.services_by_name["ExpertService"].full_name
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(name, handlers),))
     server.add_registered_method_handlers(name, handlers)
+
+
+def serve_experts(servicer: ExpertServicer, addresses: Sequence[str], *, sessions: int) -> grpc.Server:
+    """The started gRPC server of ``servicer`` (ExpertService and reflection) on each of
+    ``addresses`` ("unix:PATH", "HOST:PORT"), with a thread for each of ``sessions`` Dispatch
+    streams; what a handler lets out is answered by NeverUnknown (never UNKNOWN). Raises
+    ListenError naming an address that cannot be bound."""
+    server = grpc.server(
+        # Carry --threads into the pool's threads (see threads_initializer). A backbone keeps
+        # one Dispatch stream open per session, and each holds a thread for its life.
+        futures.ThreadPoolExecutor(max_workers=7 + sessions, thread_name_prefix="expert",
+                                   initializer=threads_initializer()),
+        interceptors=[NeverUnknown()],
+        options=[("grpc.max_receive_message_length", 256 << 20), ("grpc.max_send_message_length", 256 << 20),
+                 NO_PORT_SHARING],
+    )
+    add_to_server(servicer, server)
+    # Reflection reaches only those who reach the server: the key holder through the hub's target.
+    enable_reflection(server, [expert_pb2.DESCRIPTOR.services_by_name["ExpertService"].full_name])
+    for address in addresses:
+        bind_grpc(server, address)
+    server.start()
+    return server
 
 
 class Turns:

@@ -37,6 +37,7 @@ from backbone.experts._dispatch import Dispatcher
 from kvasir_rpc import (
     NO_PORT_SHARING,
     ExpertFunction,
+    NeverUnknown,
     backbone_pb2,
     backbone_pb2_grpc,
     check_bearer,
@@ -355,11 +356,13 @@ def serve_backbone(address: str, backbone: Backbone, *, extra_workers: int = 8) 
     ("HOST:PORT", port 0 picks one): ``(server, port, health servicer)``. Every streaming
     call holds a thread, so the pool has one per slot and per waiting request (and a few
     more for ListModels, Describe and health); past that grpcio answers RESOURCE_EXHAUSTED.
-    A message over ``max_message_bytes`` is refused by grpc (RESOURCE_EXHAUSTED) unread."""
+    A message over ``max_message_bytes`` is refused by grpc (RESOURCE_EXHAUSTED) unread;
+    what a handler lets out is answered by NeverUnknown (never UNKNOWN)."""
     engine = backbone.engine
     workers = engine.max_batch + engine.max_waiting + extra_workers
     limit = max_message_bytes(backbone.max_prompt_bytes, engine.context_length)
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="backbone-svc"),
+                         interceptors=[NeverUnknown()],
                          options=[NO_PORT_SHARING, ("grpc.max_receive_message_length", limit)],
                          maximum_concurrent_rpcs=workers)
     _add_servicer(BackboneServicer(backbone), server)

@@ -197,13 +197,15 @@ def create_session_server(registry: SessionRegistry, address: str, *, backbone_t
 
     Long-lived streams are admitted within ``limits`` (WatchSessions presenting
     ``backbone_token`` in its own allowance), so ListSessions always finds a thread.
-    ReportWork and Quarantine go to ``desk`` for callers presenting the token."""
+    ReportWork and Quarantine go to ``desk`` for callers presenting the token. What a
+    handler lets out is answered by NeverUnknown, first, so it also sees the limits' own."""
     from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-    from kvasir_rpc import NO_PORT_SHARING, enable_reflection
+    from kvasir_rpc import NO_PORT_SHARING, NeverUnknown, enable_reflection
 
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=limits.threads, thread_name_prefix="session-svc"),
-                         interceptors=[StreamLimitsInterceptor(limits, backbone_token)], options=[NO_PORT_SHARING])
+                         interceptors=[NeverUnknown(), StreamLimitsInterceptor(limits, backbone_token)],
+                         options=[NO_PORT_SHARING])
     session_pb2_grpc.add_SessionServiceServicer_to_server(
         SessionServicer(registry, token=backbone_token, desk=desk), server)
     health_servicer = health.HealthServicer()
