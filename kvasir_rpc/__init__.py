@@ -26,6 +26,7 @@ if TYPE_CHECKING:  # the real names, for type checkers; at run time __getattr__ 
         target_key,
         target_key_matches,
     )
+    from kvasir_rpc._activation import Activation, get_activation
     from kvasir_rpc._addr import address_key, remote_host
     from kvasir_rpc._channel import TunnelCipher, preferred_aeads
     from kvasir_rpc._checkpoint import (
@@ -68,9 +69,11 @@ if TYPE_CHECKING:  # the real names, for type checkers; at run time __getattr__ 
         serialize_dispatch_response,
     )
     from kvasir_rpc._errors import (
+        CloseClass,
         CloseCode,
         LocalProtocolError,
         RemoteProtocolError,
+        close_class,
         leaf_exception,
     )
     from kvasir_rpc._experts import ExpertSet, ModelShape, read_model_shape
@@ -106,7 +109,6 @@ if TYPE_CHECKING:  # the real names, for type checkers; at run time __getattr__ 
         slices_from_proto,
         slices_to_proto,
     )
-    from kvasir_rpc._activation import Activation, get_activation
     from kvasir_rpc._interceptor import NeverUnknown
     from kvasir_rpc._kernel import (
         DispatchInputError,
@@ -197,7 +199,6 @@ __version__ = "0.1.0"
 
 _GEN = "kvasir_rpc._gen.kvasir.v1"
 _LAZY = {
-    "NeverUnknown": "kvasir_rpc._interceptor",
     "AUTHORIZATION_METADATA": "kvasir_rpc._access",
     "MIN_TOKEN_CHARS": "kvasir_rpc._access",
     "TARGET_KEY_METADATA": "kvasir_rpc._access",
@@ -209,6 +210,8 @@ _LAZY = {
     "target_key": "kvasir_rpc._access",
     "target_key_matches": "kvasir_rpc._access",
     "CloseCode": "kvasir_rpc._errors",
+    "CloseClass": "kvasir_rpc._errors",
+    "close_class": "kvasir_rpc._errors",
     "LocalProtocolError": "kvasir_rpc._errors",
     "RemoteProtocolError": "kvasir_rpc._errors",
     "leaf_exception": "kvasir_rpc._errors",
@@ -234,6 +237,7 @@ _LAZY = {
     "slices_from_proto": "kvasir_rpc._handshake",
     "slices_to_proto": "kvasir_rpc._handshake",
     "enable_reflection": "kvasir_rpc._reflection",
+    "NeverUnknown": "kvasir_rpc._interceptor",
     "start_with_health": "kvasir_rpc._reflection",
     "NO_PORT_SHARING": "kvasir_rpc._listen",
     "ListenError": "kvasir_rpc._listen",

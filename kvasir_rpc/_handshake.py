@@ -17,9 +17,11 @@ connection (the nonce), nor put its own key exchange in (the signatures cover bo
 nor strip the encryption (the flag is signed).
 
 Each side is a plain object fed bytes; it returns bytes to send or raises
-RemoteProtocolError carrying the WebSocket close code to answer with (1008, policy
-violation, for a bad signature, a stale challenge, an unpinned hub key or an encryption
-policy the sides do not share; 1002 for malformed messages).
+RemoteProtocolError carrying the WebSocket close code to answer with (``CloseCode``: 1002 for
+malformed messages; on the hub's side 4100 for a hello that breaks the rules, 4201 for one
+that answers another challenge, 4102 for slices outside the model, 4103 for encryption
+policies the sides do not share; on the worker's side 4104 for an unpinned hub key, 4103,
+and 1008 for an accept that does not verify).
 """
 
 from __future__ import annotations
@@ -222,7 +224,7 @@ class HubHandshake:
         tunnel_channels: int = 0,
     ) -> None:
         """``key``: the hub's wallet, which signs the accept. ``shape``: the model served; a
-        hello announcing a layer or expert outside it is refused (1008). Without it only the
+        hello announcing a layer or expert outside it is refused (4102). Without it only the
         protocol's bounds apply. ``e2e`` (one of E2E_HUB_MODES) with ``via_gateway`` decide
         whether the session is encrypted end to end: "auto" encrypts a session that came
         through a gateway or whose worker requires it, "on" every session, "off" none.
@@ -245,6 +247,8 @@ class HubHandshake:
         self._challenge = b""
         self._transcript = b""
         self._keys: tuple[bytes, bytes] | None = None
+        # The hello's wallet once its signature verifies (also when a later check refuses it).
+        self.wallet: str | None = None
         self.encrypted = False
         # The AEAD sealing the tunnel (a TunnelAead value): the hello's first offer this hub
         # supports when encrypted, else the default.
@@ -288,42 +292,47 @@ class HubHandshake:
         body = _parse(session_pb2.HelloBody, hello.body, "HelloBody")
         if not is_address(body.wallet):
             raise RemoteProtocolError(
-                "hello: wallet must be 64 lowercase hex characters", close_code=CloseCode.POLICY_VIOLATION
+                "hello: wallet must be 64 lowercase hex characters", close_code=CloseCode.HELLO_INVALID
             )
         if body.nonce != self._nonce or body.hub_key != self.hub_key:
             raise RemoteProtocolError(
-                "stale challenge: the hello answers another challenge", close_code=CloseCode.POLICY_VIOLATION
+                "stale challenge: the hello answers another challenge", close_code=CloseCode.HELLO_STALE
             )
         if self._clock() - self._issued_ms > self._max_age:
             raise RemoteProtocolError(
                 f"stale challenge: answered after more than {self._max_age} ms",
-                close_code=CloseCode.POLICY_VIOLATION,
+                close_code=CloseCode.HELLO_STALE,
             )
         if not verify_signature(body.wallet, HELLO_SIGNATURE_DOMAIN + hello.body, hello.signature):
             raise RemoteProtocolError(
-                "bad signature: the hello is not signed by its wallet", close_code=CloseCode.POLICY_VIOLATION
+                "bad signature: the hello is not signed by its wallet", close_code=CloseCode.HELLO_INVALID
             )
+        self.wallet = body.wallet
         try:
             slices = slices_from_proto(body.slices, self._shape)
         except ValueError as exc:
-            code = CloseCode.REFUSED if isinstance(exc, OutsideModel) else CloseCode.POLICY_VIOLATION
+            code = CloseCode.OUTSIDE_MODEL if isinstance(exc, OutsideModel) else CloseCode.HELLO_INVALID
             raise RemoteProtocolError(f"hello: {exc}", close_code=code) from exc
         if len(body.weights_digest) != 32:
             raise RemoteProtocolError(
-                "hello: weights_digest must be 32 bytes (sha256)", close_code=CloseCode.POLICY_VIOLATION
+                "hello: weights_digest must be 32 bytes (sha256)", close_code=CloseCode.HELLO_INVALID
             )
         self._transcript = transcript_hash(self._challenge, data)
         self.encrypted = self._must_encrypt(body)
         if body.kx_public:
             if body.hub_kx_public != self._kx.public:
                 raise RemoteProtocolError("hello: hub_kx_public is not the key exchange this hub sent "
-                                          "(a relay put its own in)", close_code=CloseCode.POLICY_VIOLATION)
+                                          "(a relay put its own in)", close_code=CloseCode.HELLO_STALE)
             if self.encrypted:
                 self.aead = next((a for a in body.aeads if a in AEAD_NAMES), AEAD_CHACHA20_POLY1305)
-                self._keys = derive_tunnel_keys(self._kx.shared_secret(body.kx_public), self._transcript, self.aead)
+                try:
+                    shared = self._kx.shared_secret(body.kx_public)
+                except RemoteProtocolError as exc:  # a low-order point: no honest worker's key
+                    raise RemoteProtocolError(f"hello: {exc.reason}", close_code=CloseCode.HELLO_INVALID) from None
+                self._keys = derive_tunnel_keys(shared, self._transcript, self.aead)
         if body.tunnel_channels > MAX_TUNNEL_CHANNELS:
             raise RemoteProtocolError(f"hello: tunnel_channels {body.tunnel_channels}, at most {MAX_TUNNEL_CHANNELS}",
-                                      close_code=CloseCode.POLICY_VIOLATION)
+                                      close_code=CloseCode.HELLO_INVALID)
         chosen = min(body.tunnel_channels, self._max_channels)
         self.channels = chosen if chosen >= 2 else 0
         return HelloInfo(
@@ -340,22 +349,22 @@ class HubHandshake:
         )
 
     def _must_encrypt(self, body: session_pb2.HelloBody) -> bool:
-        """Whether this session is sealed; RemoteProtocolError (1008) when the two sides'
-        policies cannot both hold."""
+        """Whether this session is sealed; RemoteProtocolError when the two sides' policies
+        cannot both hold (4103) or the hello's key exchange breaks the rules (4100)."""
         if body.require_encryption and self._e2e == "off":
             raise RemoteProtocolError("the worker requires end-to-end encryption and this hub runs with --e2e off "
                                       "(run the worker with --e2e auto)",
-                                      close_code=CloseCode.REFUSED)
+                                      close_code=CloseCode.E2E_MISMATCH)
         must = self._e2e == "on" or (self._e2e == "auto" and (self._via_gateway or body.require_encryption))
         if must and not body.kx_public:
             raise RemoteProtocolError(f"this hub encrypts this session end to end (--e2e {self._e2e}) and the hello has "
-                                      "no key exchange: upgrade the worker", close_code=CloseCode.REFUSED)
+                                      "no key exchange: upgrade the worker", close_code=CloseCode.E2E_MISMATCH)
         if body.kx_public and len(body.kx_public) != KX_PUBLIC_BYTES:
             raise RemoteProtocolError(f"hello: kx_public must be {KX_PUBLIC_BYTES} bytes, got {len(body.kx_public)}",
-                                      close_code=CloseCode.POLICY_VIOLATION)
+                                      close_code=CloseCode.HELLO_INVALID)
         if len(body.aeads) > MAX_AEADS_OFFERED:
             raise RemoteProtocolError(f"hello: offers {len(body.aeads)} AEADs, at most {MAX_AEADS_OFFERED}",
-                                      close_code=CloseCode.POLICY_VIOLATION)
+                                      close_code=CloseCode.HELLO_INVALID)
         return must
 
     def accept(self, session_id: str, suggested: Mapping[int, Sequence[int]] | None = None) -> bytes:
@@ -396,7 +405,7 @@ class WorkerHandshake:
         expert_capacity: int = 0,
     ) -> None:
         """``expected_hub_key``: the pinned hub key (a challenge from another is refused,
-        1008). ``require_encryption``: refuse an accept that does not encrypt (1008).
+        4104). ``require_encryption``: refuse a challenge or an accept that does not encrypt (4103).
         ``kx_private``: the ephemeral X25519 key, fresh unless given. ``aeads``: the AEADs
         offered besides the default, most preferred first (``preferred_aeads()``).
         ``projections``: the worker answers a call that asks for its projections with them.
@@ -461,13 +470,13 @@ class WorkerHandshake:
         if self._expected_hub_key is not None and ch.hub_key != self._expected_hub_key:
             # Close reasons hold 120 characters: the keys' first 16 hex digits name them.
             raise self._fail(f"unexpected hub key {ch.hub_key[:16]}…: this worker pins {self._expected_hub_key[:16]}… "
-                             "(--hub-key); another answered as the hub", CloseCode.REFUSED)
+                             "(--hub-key); another answered as the hub", CloseCode.HUB_KEY_MISMATCH)
         if ch.kx_public and len(ch.kx_public) != KX_PUBLIC_BYTES:
             raise self._fail(f"challenge kx_public must be {KX_PUBLIC_BYTES} bytes, got {len(ch.kx_public)}",
                              CloseCode.POLICY_VIOLATION)
         if self._require and not ch.kx_public:
             raise self._fail("the hub offers no end-to-end encryption (no key exchange in its challenge) and this "
-                             "worker requires it (--e2e require): upgrade the hub", CloseCode.REFUSED)
+                             "worker requires it (--e2e require): upgrade the hub", CloseCode.E2E_MISMATCH)
         self.hub_key = ch.hub_key
         self._hub_kx = bytes(ch.kx_public)
         body = session_pb2.HelloBody(
@@ -540,7 +549,7 @@ class WorkerHandshake:
             self.aead = aead
         elif self._require:
             raise self._fail("accept: the hub did not encrypt this session and this worker requires it "
-                             "(--e2e require); the hub runs with --e2e off?", CloseCode.REFUSED)
+                             "(--e2e require); the hub runs with --e2e off?", CloseCode.E2E_MISMATCH)
         self.encrypted = msg.encrypted
         self.channels = channels
         if self._capacity:

@@ -121,9 +121,9 @@ READ_BYTES = 1 << 20
 # WebSocket ping); no answer within the timeout: the peer is gone (close 1001).
 KEEPALIVE_S = 15.0
 KEEPALIVE_TIMEOUT_S = 10.0
-# The hub gives a worker this long from the upgrade to a verified hello (then close 1008).
+# The hub gives a worker this long from the upgrade to a verified hello (then close 4200).
 HUB_HANDSHAKE_TIMEOUT_S = 10.0
-# The worker gives the hub this long to connect, challenge and accept.
+# The worker gives the hub this long to connect, challenge and accept (then close 4200).
 WORKER_HANDSHAKE_TIMEOUT_S = 15.0
 # A worker must answer "close" with "closed" within this (else the hub closes 1008).
 CLOSE_TIMEOUT_S = 10.0
@@ -134,7 +134,7 @@ CLOSE_TIMEOUT_S = 10.0
 # The worker signs HELLO_SIGNATURE_DOMAIN + HelloBody bytes with its wallet (Ed25519).
 HELLO_SIGNATURE_DOMAIN = b"kvasir.v1.SessionHello\x00"
 NONCE_BYTES = 32
-# A hello answering a challenge older than this is stale (close 1008).
+# A hello answering a challenge older than this is stale (close 4201).
 MAX_CHALLENGE_AGE_MS = 30_000
 # Bounds on what a stranger may claim, so a hello cannot make the hub allocate without limit.
 MAX_HELLO_BYTES = 4 << 20
@@ -156,7 +156,7 @@ TUNNEL_KEYS_INFO = b"kvasir.v1.tunnel keys"
 AEAD_CHACHA20_POLY1305 = 0
 AEAD_AES_256_GCM = 1
 AEAD_NAMES = {AEAD_CHACHA20_POLY1305: "chacha20-poly1305", AEAD_AES_256_GCM: "aes-256-gcm"}
-# A hello offers at most this many AEADs (more is refused, 1008).
+# A hello offers at most this many AEADs (more is refused, 4100).
 MAX_AEADS_OFFERED = 16
 # With another AEAD than the default the hub signs ACCEPT_AEAD_SIGNATURE_DOMAIN + transcript
 # hash + AEAD byte + encrypted flag byte + session id.

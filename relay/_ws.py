@@ -9,8 +9,8 @@ broke it (``trio.BrokenResourceError``: WsClosed 1006, ``local`` False, counted 
 task that closed it under another; WsClosed ``local`` True, counted as ``closed_locally``).
 
 Partial messages are what a peer can make the gateway hold without finishing anything: a
-``MessageBudget`` shared by every WebSocket of a process bounds their sum (close 1013) and
-how long one may stay unfinished (close 1008).
+``MessageBudget`` shared by every WebSocket of a process bounds their sum (close 4208) and
+how long one may stay unfinished (close 4209).
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from wsproto import ConnectionType, WSConnection
 from wsproto.events import AcceptConnection, CloseConnection, Ping, Pong, Request
 from wsproto.utilities import RemoteProtocolError as WsRemoteProtocolError
 
+from kvasir_rpc import CloseCode
 from relay._frames import (
     BINARY,
     CLOSE,
@@ -110,8 +111,8 @@ class WsStats:
 class BudgetStats:
     """A ``MessageBudget``'s counters: ``buffered`` bytes of unfinished messages held now,
     their ``peak`` and ``limit``; connections closed because a fragment would have passed
-    the limit (``refused_buffer``, 1013) or a message stayed unfinished past the deadline
-    (``refused_deadline``, 1008)."""
+    the limit (``refused_buffer``, 4208) or a message stayed unfinished past the deadline
+    (``refused_deadline``, 4209)."""
 
     buffered: int
     peak: int
@@ -347,8 +348,8 @@ class WebSocket:
     answers to our own pings) are returned to be relayed to the other side instead of being
     answered here, and answers to our own pings no longer count as activity, so that
     liveness is what the two ends see of each other. With a ``budget``, unfinished messages
-    are bounded in bytes over all WebSockets sharing it (close 1013) and in time (close
-    1008), and their buffers are freed whenever this WebSocket ends. A send that the peer
+    are bounded in bytes over all WebSockets sharing it (close 4208) and in time (close
+    4209), and their buffers are freed whenever this WebSocket ends. A send that the peer
     does not take within ``send_timeout_s`` ends the WebSocket (1001). Every failure
     surfaces as WsClosed with the code to report.
 
@@ -578,7 +579,8 @@ class WebSocket:
             if now >= ends:
                 assert budget is not None
                 budget.refused_deadline += 1
-                raise await self._expire(1008, f"message not finished within {budget.deadline_s:g} s")
+                raise await self._expire(CloseCode.MESSAGE_TIMEOUT,
+                                         f"message not finished within {budget.deadline_s:g} s")
             if now >= self._last_active + self._idle_timeout:
                 raise await self._expire(1001, "idle timeout")
             next_ping = max(self._last_heard, self._last_ping) + self._keepalive
@@ -631,7 +633,7 @@ class WebSocket:
 
     async def _unfinished(self, n: int) -> None:
         """``n`` bytes of a message that is not finished yet arrived: bound its size, start
-        its deadline, and reserve the bytes in the budget (closes 1009, 1013)."""
+        its deadline, and reserve the bytes in the budget (closes 1009, 4208)."""
         self._last_active = trio.current_time()
         await self._count(n)
         if self._started_at is None:
@@ -639,8 +641,9 @@ class WebSocket:
         if self._budget is not None:
             if not self._budget.take(n):
                 self._budget.refused_buffer += 1
-                await self.close(1013, "the gateway holds too many unfinished messages; try again later")
-                raise WsClosed(1013, "message buffers full", local=True)
+                await self.close(CloseCode.BUFFERS_FULL,
+                                 "the gateway holds too many unfinished messages; try again later")
+                raise WsClosed(CloseCode.BUFFERS_FULL, "message buffers full", local=True)
             self._charged += n
 
     async def _handle(self, event: object, relay: bool) -> Held | str | Ping | Pong | None:

@@ -1,9 +1,11 @@
 """The end-to-end channel, without I/O: the key exchange in the handshake, the hub's signed
 accept, the encryption policy of both sides, and the sealed tunnel messages.
 
-Each tampered field is refused with its close code (1008: the peer, or a relay between
-us, broke the channel's promises); the cipher refuses a flipped bit, a replay, a reorder, a
-truncation, a text message and the other direction's key with 1008 too. The sealed
+Each tampered field is refused with its close code (the worker refuses an accept with 1008:
+the peer, or a relay between us, broke the channel's promises; the hub refuses a hello that
+does not verify with 4100, one that answers another key exchange with 4201, and policies that
+do not meet with 4103); the cipher refuses a flipped bit, a replay, a reorder, a truncation, a
+text message and the other direction's key with 1008. The sealed
 heartbeat's format and its sender's bookkeeping are here; tests/test_heartbeat.py runs it
 over WebSockets.
 """
@@ -79,7 +81,7 @@ def test_the_policies_decide_together(hub_mode, via_gateway, require, encrypted)
 def test_a_hub_with_e2e_off_refuses_a_worker_that_requires_it():
     hub, worker = hub_side(e2e="off"), worker_side(require_encryption=True)
     hello = worker.receive_challenge(hub.challenge())
-    refused(hub.receive_hello, hello, CloseCode.REFUSED, "--e2e off")
+    refused(hub.receive_hello, hello, CloseCode.E2E_MISMATCH, "--e2e off")
 
 
 def _hello_without_kx(ch_bytes: bytes) -> bytes:
@@ -94,7 +96,7 @@ def _hello_without_kx(ch_bytes: bytes) -> bytes:
 @pytest.mark.parametrize("mode, via_gateway", [("auto", True), ("on", False)])
 def test_a_hub_that_must_encrypt_refuses_a_hello_without_key_exchange(mode, via_gateway):
     hub = hub_side(e2e=mode, via_gateway=via_gateway)
-    refused(hub.receive_hello, _hello_without_kx(hub.challenge()), CloseCode.REFUSED, "upgrade the worker")
+    refused(hub.receive_hello, _hello_without_kx(hub.challenge()), CloseCode.E2E_MISMATCH, "upgrade the worker")
 
 
 def test_an_old_worker_still_joins_a_hub_that_need_not_encrypt():
@@ -109,7 +111,7 @@ def test_a_worker_that_requires_encryption_refuses_a_challenge_without_key_excha
     ch = session_pb2.SessionChallenge.FromString(hub.challenge())
     ch.ClearField("kx_public")
     refused(worker_side(require_encryption=True).receive_challenge, ch.SerializeToString(),
-            CloseCode.REFUSED, "upgrade the hub")
+            CloseCode.E2E_MISMATCH, "upgrade the hub")
 
 
 # --- the signed accept and the key exchange, tampered --------------------------------------
@@ -163,7 +165,7 @@ def test_an_unencrypted_accept_is_refused_by_a_worker_that_requires_encryption()
     hello = worker.receive_challenge(ch)
     plain = session_pb2.SessionAccept(session_id="s1", encrypted=False, signature=HUB.sign(
         accept_signed_message(transcript_hash(ch, hello), "s1", False))).SerializeToString()
-    refused(worker.receive_accept, plain, CloseCode.REFUSED, "--e2e require")
+    refused(worker.receive_accept, plain, CloseCode.E2E_MISMATCH, "--e2e require")
 
 
 def test_a_relay_that_substitutes_its_key_exchange_in_the_challenge_is_caught():
@@ -171,7 +173,7 @@ def test_a_relay_that_substitutes_its_key_exchange_in_the_challenge_is_caught():
     ch = session_pb2.SessionChallenge.FromString(hub.challenge())
     ch.kx_public = KeyExchange().public
     hello = worker.receive_challenge(ch.SerializeToString())
-    refused(hub.receive_hello, hello, CloseCode.POLICY_VIOLATION, "hub_kx_public")
+    refused(hub.receive_hello, hello, CloseCode.HELLO_STALE, "hub_kx_public")
 
 
 def test_a_relay_that_substitutes_the_workers_key_exchange_breaks_the_wallet_signature():
@@ -180,13 +182,13 @@ def test_a_relay_that_substitutes_the_workers_key_exchange_breaks_the_wallet_sig
     body = session_pb2.HelloBody.FromString(hello.body)
     body.kx_public = KeyExchange().public
     hello.body = body.SerializeToString()
-    refused(hub.receive_hello, hello.SerializeToString(), CloseCode.POLICY_VIOLATION, "bad signature")
+    refused(hub.receive_hello, hello.SerializeToString(), CloseCode.HELLO_INVALID, "bad signature")
 
 
 def test_a_relay_that_impersonates_the_hub_is_refused_by_a_pinned_worker():
     relay = hub_side(key=RELAY)
     refused(worker_side(expected_hub_key=HUB.address).receive_challenge, relay.challenge(),
-            CloseCode.REFUSED, "pins")
+            CloseCode.HUB_KEY_MISMATCH, "pins")
 
 
 @pytest.mark.parametrize("key, words", [(bytes(32), "all-zero"), (b"\x01" + bytes(31), "all-zero"),
@@ -200,7 +202,7 @@ def test_a_low_order_or_short_key_exchange_is_refused(key, words):
                                  slices=[session_pb2.ExpertSlice(layer=0, experts=[0])], weights_digest=bytes(32),
                                  device="cpu", kx_public=key, hub_kx_public=ch.kx_public).SerializeToString()
     hello = session_pb2.SessionHello(body=body, signature=WORKER.sign(HELLO_SIGNATURE_DOMAIN + body))
-    refused(hub.receive_hello, hello.SerializeToString(), CloseCode.POLICY_VIOLATION, words)
+    refused(hub.receive_hello, hello.SerializeToString(), CloseCode.HELLO_INVALID, words)
     with pytest.raises(RemoteProtocolError) as exc:
         KeyExchange().shared_secret(key)
     assert exc.value.close_code == CloseCode.POLICY_VIOLATION
@@ -488,7 +490,7 @@ def test_a_hello_offering_too_many_aeads_is_refused():
     body.aeads[:] = [AEAD_AES_256_GCM] * (MAX_AEADS_OFFERED + 1)
     data = body.SerializeToString()
     hello = session_pb2.SessionHello(body=data, signature=WORKER.sign(HELLO_SIGNATURE_DOMAIN + data))
-    refused(hub.receive_hello, hello.SerializeToString(), CloseCode.POLICY_VIOLATION, "at most 16")
+    refused(hub.receive_hello, hello.SerializeToString(), CloseCode.HELLO_INVALID, "at most 16")
 
 
 def test_a_worker_refuses_to_offer_what_it_cannot_seal():
@@ -503,7 +505,7 @@ def test_a_relay_that_strips_the_offer_breaks_the_wallet_signature():
     body = session_pb2.HelloBody.FromString(hello.body)
     del body.aeads[:]
     hello.body = body.SerializeToString()
-    refused(hub.receive_hello, hello.SerializeToString(), CloseCode.POLICY_VIOLATION, "bad signature")
+    refused(hub.receive_hello, hello.SerializeToString(), CloseCode.HELLO_INVALID, "bad signature")
 
 
 @pytest.mark.parametrize("offer, aead", [

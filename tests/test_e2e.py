@@ -148,7 +148,7 @@ def test_a_relay_impersonating_the_hub_or_stripping_the_encryption_is_refused(sw
     assert sw.procs["pinned"].wait(timeout=30) == 2
     evs = events(fake)
     assert not [e for e in evs if e["event"] == "hello received"], evs
-    assert all(e["code"] == 4008 and "unexpected hub key" in e["reason"] for e in closed_by_worker(fake)), evs
+    assert all(e["code"] == 4104 and "unexpected hub key" in e["reason"] for e in closed_by_worker(fake)), evs
     log = (sw.logs / "pinned.log").read_text()
     assert "unexpected hub key" in log and "session established" not in log
     assert "(--hub-key)" in log.strip().splitlines()[-1] and "Traceback" not in log

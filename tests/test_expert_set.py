@@ -96,14 +96,14 @@ def test_a_whole_model_fits():
     assert slices_from_proto(items, SHAPE) == {layer: tuple(range(8)) for layer in range(4)}
 
 
-def test_hub_handshake_refuses_a_hello_outside_its_model_with_1008():
+def test_hub_handshake_refuses_a_hello_outside_its_model_with_4102():
     hub_key, wallet = Wallet.generate(), Wallet.generate()
     hub = HubHandshake(hub_key, shape=SHAPE)
     worker = WorkerHandshake(wallet, slices={0: [1], 9: [0]}, weights_digest=bytes(32), device="cpu")
     hello = worker.receive_challenge(hub.challenge())
     with pytest.raises(RemoteProtocolError) as exc:
         hub.receive_hello(hello)
-    assert exc.value.close_code == CloseCode.REFUSED
+    assert exc.value.close_code == CloseCode.OUTSIDE_MODEL  # permanent: the same hello gets the same answer
     assert "layer 9 is not in the model served" in exc.value.reason
     assert HELLO_SIGNATURE_DOMAIN  # the hello was signed: the refusal is the shape's, not the signature's
 

@@ -46,8 +46,9 @@ MAX_MESSAGE = 4096
 CONFIG = dict(hub_token=TOKEN, keepalive_s=1000.0, idle_timeout_s=200.0, handshake_timeout_s=30.0,
               max_message_bytes=MAX_MESSAGE, max_buffered_bytes=3000, message_deadline_s=50.0)
 # What the gateway itself may close with (docs/PROTOCOL.md): going away, protocol error,
-# invalid payload (wsproto's 1007), policy, too big, try again later.
-GATEWAY_CODES = {1000, 1001, 1002, 1007, 1008, 1009, 1011, 1013}
+# invalid payload (wsproto's 1007), policy, too big, and its own refusals (no hub, the pairing
+# time, buffers full, a message past its deadline, a pairing gone).
+GATEWAY_CODES = {1000, 1001, 1002, 1007, 1008, 1009, 1011, 4206, 4207, 4208, 4209, 4210}
 HTTP_STATUSES = {200, 400, 401, 404, 405, 414, 426, 429, 431, 501, 503}  # 501: h11 on an unsupported Transfer-Encoding
 
 

@@ -39,8 +39,11 @@ HUB = Wallet.generate()
 WORKER = Wallet.generate()
 NOW = 1_700_000_000_000
 NONCE = bytes(range(NONCE_BYTES))
-# The codes a handshake may answer with (docs/PROTOCOL.md, "Close codes").
-HANDSHAKE_CODES = {CloseCode.PROTOCOL_ERROR, CloseCode.POLICY_VIOLATION, CloseCode.MESSAGE_TOO_BIG}
+# The codes a handshake may answer with (docs/PROTOCOL.md, "Close codes"): the hub's refusals of
+# a hello (4100 breaks the rules, 4201 answers another challenge), the worker's of a challenge
+# or an accept (1008; 4104 another hub key than the pinned one).
+HANDSHAKE_CODES = {CloseCode.PROTOCOL_ERROR, CloseCode.POLICY_VIOLATION, CloseCode.MESSAGE_TOO_BIG,
+                   CloseCode.HELLO_INVALID, CloseCode.HELLO_STALE, CloseCode.HUB_KEY_MISMATCH}
 
 
 def worker(**kw: object) -> WorkerHandshake:

@@ -18,6 +18,7 @@ import trio.testing
 from wsmem import MemClient, open_client
 from wsproto.events import BytesMessage, CloseConnection, Event, Ping, Pong
 
+from kvasir_rpc import CloseCode
 from kvasir_rpc.protocol import (
     GATEWAY_SUBPROTOCOL,
     HUB_CONTROL_PATH,
@@ -177,7 +178,7 @@ def test_a_side_that_vanishes_without_a_close_frame_closes_the_other_1001() -> N
 # -- 2. the pairing timeout ------------------------------------------------------------------
 
 
-def test_a_worker_no_hub_takes_is_closed_1013_after_the_pairing_time() -> None:
+def test_a_worker_no_hub_takes_is_closed_4207_after_the_pairing_time() -> None:
     async def main() -> None:
         async with gateway(pairing_timeout_s=10.0) as h:
             hub = await h.control()
@@ -185,7 +186,7 @@ def test_a_worker_no_hub_takes_is_closed_1013_after_the_pairing_time() -> None:
             worker = await h.worker()
             pid = await announced(hub)
             got = await closed_with(worker)
-            assert got.code == 1013 and "in time" in got.reason
+            assert got.code == CloseCode.PAIRING_TIMEOUT and "in time" in got.reason
             assert trio.current_time() - start == pytest.approx(10.0)
             await trio.testing.wait_all_tasks_blocked()
             stats = h.gateway.statistics()
@@ -350,7 +351,7 @@ def test_simultaneous_arrivals_cannot_exceed_max_unpaired() -> None:
                 decode_pair(await hub.next_event())  # type: ignore[arg-type]
             for w in workers:
                 if w.status is None:
-                    assert (await closed_with(w)).code == 1013  # no hub dials: the wait times out
+                    assert (await closed_with(w)).code == CloseCode.PAIRING_TIMEOUT  # no hub dials: the wait times out
             await hub.close()
         assert h.gateway.statistics().refused == {"capacity": 4, "pairing_timeout": 2}
 
@@ -497,7 +498,7 @@ def test_sessions_per_source_address_are_capped_429_and_other_addresses_still_ge
             third = await h.worker("198.51.100.1:1004")
             await announced(hub, "198.51.100.1:1004")
             for w in (second, other, third):  # no hub dials these: they time out waiting
-                assert (await closed_with(w)).code == 1013
+                assert (await closed_with(w)).code == CloseCode.PAIRING_TIMEOUT
             await hub.close()
         stats = h.gateway.statistics()
         assert stats.refused == {"address_sessions": 2, "pairing_timeout": 3}
@@ -520,7 +521,7 @@ def test_an_ipv6_slash_64_is_one_address_and_ipv4_mapped_is_its_ipv4() -> None:
             assert mapped.status == 429
             assert h.gateway.statistics().sessions_by_address == {"2001:db8:1:2::/64": 1, "192.0.2.1": 1}
             for w in (v6, v4):
-                assert (await closed_with(w)).code == 1013
+                assert (await closed_with(w)).code == CloseCode.PAIRING_TIMEOUT
             await hub.close()
         assert h.gateway.statistics().refused == {"address_sessions": 2, "pairing_timeout": 2}
 
@@ -530,7 +531,7 @@ def test_an_ipv6_slash_64_is_one_address_and_ipv4_mapped_is_its_ipv4() -> None:
 # -- 8. unfinished messages ----------------------------------------------------------------------------
 
 
-def test_a_spliced_worker_trickling_a_message_is_cut_1008_at_the_deadline_and_the_hub_told() -> None:
+def test_a_spliced_worker_trickling_a_message_is_cut_4209_at_the_deadline_and_the_hub_told() -> None:
     async def main() -> None:
         async with gateway(message_deadline_s=7.0) as h:
             hub = await h.control()
@@ -543,10 +544,10 @@ def test_a_spliced_worker_trickling_a_message_is_cut_1008_at_the_deadline_and_th
             await trio.testing.wait_all_tasks_blocked()
             assert h.gateway.statistics().buffered_bytes == 5 * 4096
             got = await closed_with(worker)
-            assert got.code == 1008 and "not finished within 7 s" in got.reason
+            assert got.code == CloseCode.MESSAGE_TIMEOUT and "not finished within 7 s" in got.reason
             assert trio.current_time() - start == pytest.approx(7.0)
             relayed = await closed_with(data)  # the hub hears why its session ended
-            assert relayed.code == 1008
+            assert relayed.code == CloseCode.MESSAGE_TIMEOUT
             await hub.close()
         stats = h.gateway.statistics()
         assert (stats.buffered_bytes, stats.refused) == (0, {"message_deadline": 1})
@@ -554,7 +555,7 @@ def test_a_spliced_worker_trickling_a_message_is_cut_1008_at_the_deadline_and_th
     run(main)
 
 
-def test_unfinished_messages_of_all_sessions_share_the_budget_1013() -> None:
+def test_unfinished_messages_of_all_sessions_share_the_budget_4208() -> None:
     async def main() -> None:
         async with gateway(max_buffered_bytes=10_000) as h:
             hub = await h.control()
@@ -565,8 +566,8 @@ def test_unfinished_messages_of_all_sessions_share_the_budget_1013() -> None:
             await a.send(BytesMessage(b"a" * 6000, message_finished=False))
             await trio.testing.wait_all_tasks_blocked()
             await b.send(BytesMessage(b"b" * 6000, message_finished=False))
-            assert (await closed_with(b)).code == 1013
-            assert (await closed_with(data_b)).code == 1013
+            assert (await closed_with(b)).code == CloseCode.BUFFERS_FULL
+            assert (await closed_with(data_b)).code == CloseCode.BUFFERS_FULL
             await a.send(BytesMessage(b"a"))  # a's message was held within the budget and goes through
             assert await data_a.next_event() == b"a" * 6001
             await a.close()

@@ -202,27 +202,27 @@ def test_flipped_signature_byte_is_a_bad_signature(pos):
     sig = bytearray(hello.signature)
     sig[pos] ^= 0x01
     hello.signature = bytes(sig)
-    expect_remote(hub.receive_hello, hello.SerializeToString(), CloseCode.POLICY_VIOLATION, "bad signature")
+    expect_remote(hub.receive_hello, hello.SerializeToString(), CloseCode.HELLO_INVALID, "bad signature")
 
 
 @pytest.mark.parametrize("signature", [b"", b"\x00" * 63, b"\x00" * 64, b"\x00" * 65], ids=len)
 def test_signature_of_wrong_length_or_zero_is_a_bad_signature(signature):
     hub, ch = challenged()
     hello = session_pb2.SessionHello(body=body_for(ch).SerializeToString(), signature=signature)
-    expect_remote(hub.receive_hello, hello.SerializeToString(), CloseCode.POLICY_VIOLATION, "bad signature")
+    expect_remote(hub.receive_hello, hello.SerializeToString(), CloseCode.HELLO_INVALID, "bad signature")
 
 
 def test_signed_by_another_wallet_claiming_the_first():
     hub, ch = challenged()
     hello = sign_body(body_for(ch, wallet=WORKER), signer=OTHER)
-    expect_remote(hub.receive_hello, hello, CloseCode.POLICY_VIOLATION, "bad signature")
+    expect_remote(hub.receive_hello, hello, CloseCode.HELLO_INVALID, "bad signature")
 
 
 def test_signature_without_the_domain_prefix_is_rejected():
     hub, ch = challenged()
     raw = body_for(ch).SerializeToString()
     hello = session_pb2.SessionHello(body=raw, signature=WORKER.sign(raw)).SerializeToString()
-    expect_remote(hub.receive_hello, hello, CloseCode.POLICY_VIOLATION, "bad signature")
+    expect_remote(hub.receive_hello, hello, CloseCode.HELLO_INVALID, "bad signature")
 
 
 def test_self_consistent_hello_from_another_wallet_is_accepted_as_that_wallet():
@@ -245,13 +245,13 @@ def test_second_body_after_a_valid_hello_replaces_it_and_breaks_the_signature():
     hub, ch = challenged()
     other_body = body_for(ch, device="cuda:0").SerializeToString()
     trailing = session_pb2.SessionHello(body=other_body).SerializeToString()
-    expect_remote(hub.receive_hello, valid_hello(ch) + trailing, CloseCode.POLICY_VIOLATION, "bad signature")
+    expect_remote(hub.receive_hello, valid_hello(ch) + trailing, CloseCode.HELLO_INVALID, "bad signature")
 
 
 def test_second_signature_after_a_valid_hello_replaces_it():
     hub, ch = challenged()
     trailing = session_pb2.SessionHello(signature=b"\x01" * 64).SerializeToString()
-    expect_remote(hub.receive_hello, valid_hello(ch) + trailing, CloseCode.POLICY_VIOLATION, "bad signature")
+    expect_remote(hub.receive_hello, valid_hello(ch) + trailing, CloseCode.HELLO_INVALID, "bad signature")
 
 
 @pytest.mark.parametrize("garbage", [b"\xff", b"\x0a", b"\x0a\x05ab", b"\x80" * 11])
@@ -272,7 +272,7 @@ def test_signature_covers_body_bytes_not_their_meaning():
     b.ParseFromString(padded)
     assert a.ListFields() == b.ListFields()  # equal fields; only unknown ones differ
     forged = session_pb2.SessionHello(body=padded, signature=hello.signature).SerializeToString()
-    expect_remote(hub.receive_hello, forged, CloseCode.POLICY_VIOLATION, "bad signature")
+    expect_remote(hub.receive_hello, forged, CloseCode.HELLO_INVALID, "bad signature")
     # ...while a body with the same padding signed by its wallet is accepted.
     hub2, ch2 = challenged()
     padded2 = body_for(ch2).SerializeToString() + b"\xa0\x06\x01"
@@ -285,7 +285,7 @@ def test_signature_covers_body_bytes_not_their_meaning():
 def test_hello_answering_another_hubs_challenge():
     _, ch_a = challenged()
     hub_b, _ = challenged()
-    expect_remote(hub_b.receive_hello, valid_hello(ch_a), CloseCode.POLICY_VIOLATION, "stale challenge")
+    expect_remote(hub_b.receive_hello, valid_hello(ch_a), CloseCode.HELLO_STALE, "stale challenge")
 
 
 def test_replayed_hello_from_an_older_challenge():
@@ -293,14 +293,14 @@ def test_replayed_hello_from_an_older_challenge():
     hello = valid_hello(old_ch)
     old_hub.receive_hello(hello)
     new_hub, _ = challenged()  # the same hub key, a new connection, a new nonce
-    expect_remote(new_hub.receive_hello, hello, CloseCode.POLICY_VIOLATION, "stale challenge")
+    expect_remote(new_hub.receive_hello, hello, CloseCode.HELLO_STALE, "stale challenge")
 
 
 def test_same_nonce_but_another_hub_key():
     nonce = b"\x07" * NONCE_BYTES
     _, ch_a = challenged(nonce=nonce, hub_key=HUB)
     hub_b, _ = challenged(nonce=nonce, hub_key=OTHER)
-    expect_remote(hub_b.receive_hello, valid_hello(ch_a), CloseCode.POLICY_VIOLATION, "stale challenge")
+    expect_remote(hub_b.receive_hello, valid_hello(ch_a), CloseCode.HELLO_STALE, "stale challenge")
 
 
 @pytest.mark.parametrize("max_age", [DEFAULT_MAX_CHALLENGE_AGE_MS, 5, 0])
@@ -309,7 +309,7 @@ def test_hello_after_max_challenge_age(max_age):
     hub, ch = challenged(clock=clock, max_challenge_age_ms=max_age)
     hello = valid_hello(ch)
     clock.now += max_age + 1
-    expect_remote(hub.receive_hello, hello, CloseCode.POLICY_VIOLATION, "stale")
+    expect_remote(hub.receive_hello, hello, CloseCode.HELLO_STALE, "stale")
 
 
 @pytest.mark.parametrize("max_age", [DEFAULT_MAX_CHALLENGE_AGE_MS, 5, 0])
@@ -326,7 +326,7 @@ def test_default_max_age_is_used():
     hub, ch = challenged(clock=clock)
     hello = valid_hello(ch)
     clock.now += DEFAULT_MAX_CHALLENGE_AGE_MS + 1
-    expect_remote(hub.receive_hello, hello, CloseCode.POLICY_VIOLATION, "stale")
+    expect_remote(hub.receive_hello, hello, CloseCode.HELLO_STALE, "stale")
 
 
 # --- malformed input -------------------------------------------------------------------------
@@ -341,7 +341,7 @@ def test_every_truncation_of_a_valid_hello_is_refused():
         hub.challenge()
         with pytest.raises(RemoteProtocolError) as exc:
             hub.receive_hello(full[:n])
-        assert exc.value.close_code in (CloseCode.PROTOCOL_ERROR, CloseCode.POLICY_VIOLATION)
+        assert exc.value.close_code in (CloseCode.PROTOCOL_ERROR, CloseCode.HELLO_INVALID)
         assert hub.state.value == "FAILED"
     hub = make_hub(nonce=nonce, kx_private=kx)
     hub.challenge()
@@ -356,7 +356,7 @@ def test_garbage_hello_is_a_protocol_error(data):
 
 def test_empty_hello_is_refused():
     hub, _ = challenged()
-    expect_remote(hub.receive_hello, b"", CloseCode.POLICY_VIOLATION, "wallet")
+    expect_remote(hub.receive_hello, b"", CloseCode.HELLO_INVALID, "wallet")
 
 
 def test_invalid_utf8_in_a_body_string_is_malformed():
@@ -375,7 +375,9 @@ def _feed(fn, data):
     try:
         return fn(data)
     except RemoteProtocolError as exc:
-        assert exc.close_code in (CloseCode.PROTOCOL_ERROR, CloseCode.POLICY_VIOLATION, CloseCode.MESSAGE_TOO_BIG)
+        # the hub's refusals of a hello (4100, 4201), the worker's of an accept (1008)
+        assert exc.close_code in (CloseCode.PROTOCOL_ERROR, CloseCode.POLICY_VIOLATION, CloseCode.HELLO_INVALID,
+                                  CloseCode.HELLO_STALE, CloseCode.MESSAGE_TOO_BIG)
         return exc
 
 
@@ -409,7 +411,7 @@ def test_hub_receive_hello_on_arbitrary_bytes(data):
 )
 def test_hub_receive_hello_on_signed_arbitrary_claims(wallet_text, slices, digest, device, extra):
     # A correctly signed body with arbitrary claims: accepted exactly when the claims are
-    # within bounds, refused with 1008/1002 otherwise.
+    # within bounds, refused with 4100/1002 otherwise.
     hub, ch = challenged()
     body = body_for(
         ch,
@@ -520,7 +522,7 @@ def test_worker_refuses_malformed_hub_key(hub_key):
 
 def test_worker_refuses_an_unexpected_hub_key():
     worker = make_worker(expected_hub_key=OTHER.address)
-    expect_remote(worker.receive_challenge, _challenge(), CloseCode.REFUSED, "unexpected hub key")
+    expect_remote(worker.receive_challenge, _challenge(), CloseCode.HUB_KEY_MISMATCH, "unexpected hub key")
     assert worker.state.value == "FAILED"
 
 
@@ -575,11 +577,11 @@ def _claims_case(name):
         "digest_33",
     ],
 )
-def test_signed_claims_over_the_bounds_are_policy_violations(case):
+def test_signed_claims_over_the_bounds_are_invalid_hellos(case):
     hub, ch = challenged()
     hello = sign_body(body_for(ch, **_claims_case(case)))
     assert len(hello) <= MAX_HELLO_BYTES
-    err = expect_remote(hub.receive_hello, hello, CloseCode.POLICY_VIOLATION)
+    err = expect_remote(hub.receive_hello, hello, CloseCode.HELLO_INVALID)
     assert err.reason.startswith("hello: ")
     assert hub.state.value == "FAILED"
 
@@ -598,14 +600,14 @@ def test_claimed_wallet_that_is_no_address(wallet):
     hub, ch = challenged()
     body = body_for(ch)
     body.wallet = wallet
-    expect_remote(hub.receive_hello, sign_body(body), CloseCode.POLICY_VIOLATION, "wallet")
+    expect_remote(hub.receive_hello, sign_body(body), CloseCode.HELLO_INVALID, "wallet")
 
 
 def test_hub_refuses_wallet_with_trailing_newline():
     hub, ch = challenged()
     body = body_for(ch)
     body.wallet = WORKER.address + "\n"
-    expect_remote(hub.receive_hello, sign_body(body), CloseCode.POLICY_VIOLATION, "wallet")
+    expect_remote(hub.receive_hello, sign_body(body), CloseCode.HELLO_INVALID, "wallet")
 
 
 # --- local protocol errors and sticky failure ---------------------------------------------

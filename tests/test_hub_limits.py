@@ -164,10 +164,10 @@ def test_hub_with_a_model_refuses_hellos_outside_it_and_stays_small(tmp_path):
                 nursery.cancel_scope.cancel()
 
         trio.run(main)
-        assert results["layer"] == (4008, f"hello: layer {layers} is not in the model served ({layers} layers)")
+        assert results["layer"] == (4102, f"hello: layer {layers} is not in the model served ({layers} layers)")
         code, reason = results["expert"]
-        assert code == 4008 and f"expert {experts} is not in the model served ({experts} experts per layer)" in reason
-        assert results["probe"][0] == 4008  # outside the model: a refusal the same hello gets again
+        assert code == 4102 and f"expert {experts} is not in the model served ({experts} experts per layer)" in reason
+        assert results["probe"][0] == 4102  # outside the model: a refusal the same hello gets again (permanent)
         assert results["listed"] == 1 + n
         growth = results["growth"]
         assert isinstance(growth, int)
@@ -201,7 +201,7 @@ def test_hub_caps_sessions_per_wallet(tmp_path):
 
         trio.run(main)
         assert codes["first four"] == [0, 0, 0, 0]
-        assert codes["fifth"] == (1013, "too many sessions for this wallet (at most 4 per wallet on this hub)")
+        assert codes["fifth"] == (4202, "too many sessions for this wallet (at most 4 per wallet on this hub)")
         assert codes["other wallet"] == 0
         assert codes["listed"] == [False, True, True, True, True]
         assert codes["after"] == 0
@@ -225,7 +225,7 @@ def test_hub_caps_sessions_per_address(tmp_path):
 
         trio.run(main)
         assert out["first three"] == [0, 0, 0]
-        assert out["fourth"] == (1013, "too many sessions from this address (at most 3 per address on this hub)")
+        assert out["fourth"] == (4203, "too many sessions from this address (at most 3 per address on this hub)")
         assert out["listed"] == out["watched"] == 3
 
 
@@ -245,7 +245,7 @@ def test_hub_reads_the_model_shape_from_config_json(tmp_path):
                 nursery.cancel_scope.cancel()
 
         trio.run(main)
-        assert out["outside"] == (4008, "hello: layer 1: expert 4 is not in the model served (4 experts per layer)")
+        assert out["outside"] == (4102, "hello: layer 1: expert 4 is not in the model served (4 experts per layer)")
         assert out["inside"] == 0
 
 
@@ -312,7 +312,7 @@ def test_the_hub_bounds_pending_connections_sessions_and_unfinished_messages(tmp
     """The gateway's probe, against the hub's own intake (LAN workers dial it directly):
     connections that upgrade and never say hello hold at most --max-pending places (HTTP 503
     beyond), sessions at most --max-sessions (503), unfinished messages at most
-    --max-buffered-bytes in all (1013) and --message-deadline each (1008); the hub's memory
+    --max-buffered-bytes in all (4208) and --message-deadline each (4209); the hub's memory
     follows what they hold and comes back; and a worker still gets a session afterwards."""
     from wsproto.events import BytesMessage, Ping
 
@@ -374,8 +374,8 @@ def test_the_hub_bounds_pending_connections_sessions_and_unfinished_messages(tmp
           f"({out['holding'] / 8 / 2**20:.2f} MiB each); after the deadline cut them: {out['after'] / 2**20:+.1f} MiB")
     assert out["third pending"] == 503 and "connections are already waiting" in log
     assert out["eleventh"] == 503 and "the hub holds its most sessions (10)" in log
-    assert out["ninth message"] == (1013, "the hub holds too many unfinished messages; try again later")
-    assert out["cut"] == {(1008, "message not finished within 6 s")} and out["held for"] < 7.5
+    assert out["ninth message"] == (4208, "the hub holds too many unfinished messages; try again later")
+    assert out["cut"] == {(4209, "message not finished within 6 s")} and out["held for"] < 7.5
     # Each unfinished message is trio-websocket's list of 1 MiB reads: about its size.
     assert 7 * HELD_BYTES <= out["holding"] <= 8 * HELD_BYTES * 1.5, out  # type: ignore[operator]
     assert out["after"] < 4 << 20, out  # type: ignore[operator]
@@ -457,7 +457,7 @@ def _dispatch_is_exact(sw: LocalSwarm, model, session) -> bool:  # type: ignore[
 def test_a_liar_back_with_fresh_wallets_is_throttled_while_an_honest_worker_serves(tiny_models, tmp_path, via):
     """The attack that ran against main: a liar caught and quarantined comes straight back with
     a fresh wallet, in a loop. Under the hub's default limits its address (127.0.0.2) gets a
-    few wallets in, each quarantine charging the address too, then close 1013 with the wait;
+    few wallets in, each quarantine charging the address too, then close 4205 with the wait;
     an honest worker from 127.0.0.1 keeps its session and serves exact answers, and a new
     wallet from a third address still gets in. Through a gateway, too: the hub counts each
     session under the worker's address the gateway reports, not the gateway's own."""
@@ -502,7 +502,7 @@ def test_a_liar_back_with_fresh_wallets_is_throttled_while_an_honest_worker_serv
         # (one every 10 s) while a loaded machine ran the loop. Then a wait of about 40 s.
         assert 5 <= len(admitted) <= 10, (admitted, refused)
         for code, reason in refused:
-            assert code == 1013 and (m := THROTTLED.fullmatch(reason)) and int(m[1]) >= 10, (code, reason)
+            assert code == 4205 and (m := THROTTLED.fullmatch(reason)) and int(m[1]) >= 10, (code, reason)
         assert out["bystander"] == "admitted", out
         # The honest worker kept its session (its first: never replaced) and serves exactly.
         assert [s.session_id for s in sw.list_sessions() if s.wallet == honest.wallet] == [honest.session_id]

@@ -190,9 +190,9 @@ def test_hub_refuses_bad_hello_and_keeps_serving(swarm):
         return session_pb2.SessionHello(body=b, signature=wallet.sign(HELLO_SIGNATURE_DOMAIN + b)).SerializeToString()
 
     code, reason = trio.run(attempt, bad_signature)
-    assert code == 1008 and "bad signature" in reason
+    assert code == 4100 and "bad signature" in reason  # CloseCode.HELLO_INVALID: permanent
     code, reason = trio.run(attempt, stale)
-    assert code == 1008 and "stale challenge" in reason
+    assert code == 4201 and "stale challenge" in reason  # CloseCode.HELLO_STALE: retry
     code, reason = trio.run(attempt, lambda ch: b"\xff\x00garbage")
     assert code == 1002
     assert len(swarm.list_sessions()) == 2

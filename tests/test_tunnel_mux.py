@@ -88,7 +88,7 @@ def test_a_hello_offering_more_than_64_channels_is_refused():
     forged = session_pb2.SessionHello(body=raw, signature=WORKER.sign(HELLO_SIGNATURE_DOMAIN + raw))
     with pytest.raises(RemoteProtocolError) as caught:
         hub.receive_hello(forged.SerializeToString())
-    assert caught.value.close_code == CloseCode.POLICY_VIOLATION and "at most 64" in caught.value.reason
+    assert caught.value.close_code == CloseCode.HELLO_INVALID and "at most 64" in caught.value.reason
 
 
 def test_a_worker_cannot_offer_more_than_64():

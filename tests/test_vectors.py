@@ -24,6 +24,7 @@ import torch
 from kvasir_rpc import (
     HELLO_SIGNATURE_DOMAIN,
     CloseCode,
+    close_class,
     ExpertFunction,
     HubHandshake,
     RemoteProtocolError,
@@ -227,13 +228,13 @@ def build_handshake() -> dict:  # type: ignore[type-arg]
     refusals = [
         {"name": "signature with one bit flipped", "hello_hex": session_pb2.SessionHello(
             body=good.body, signature=bytes(bad_sig)).SerializeToString().hex(), "now_ms": _ISSUED_AT_MS,
-         "close_code": CloseCode.POLICY_VIOLATION},
+         "close_code": CloseCode.HELLO_INVALID},
         {"name": "answers another nonce (validly signed)", "hello_hex": signed(other_body), "now_ms": _ISSUED_AT_MS,
-         "close_code": CloseCode.POLICY_VIOLATION},
+         "close_code": CloseCode.HELLO_STALE},
         {"name": "answered 30001 ms after the challenge", "hello_hex": hello_bytes.hex(),
-         "now_ms": _ISSUED_AT_MS + 30_001, "close_code": CloseCode.POLICY_VIOLATION},
+         "now_ms": _ISSUED_AT_MS + 30_001, "close_code": CloseCode.HELLO_STALE},
         {"name": "weights_digest of 16 bytes (validly signed)", "hello_hex": signed(short_body),
-         "now_ms": _ISSUED_AT_MS, "close_code": CloseCode.POLICY_VIOLATION},
+         "now_ms": _ISSUED_AT_MS, "close_code": CloseCode.HELLO_INVALID},
         {"name": "not a SessionHello (field 1 claims 127 bytes, 1 follows)", "hello_hex": "0a7f00",
          "now_ms": _ISSUED_AT_MS, "close_code": CloseCode.PROTOCOL_ERROR},
     ]
@@ -518,9 +519,37 @@ def build_tensor_codec() -> dict:  # type: ignore[type-arg]
     }
 
 
+def close_code_members() -> dict[str, int]:
+    """CloseCode's codes by name, in the order the class lists them."""
+    return {name: value for name, value in vars(CloseCode).items() if name.isupper() and isinstance(value, int)}
+
+
+def build_close_codes() -> dict:  # type: ignore[type-arg]
+    codes = [{"code": code, "name": name, "class": close_class(code)} for name, code in close_code_members().items()]
+    # Codes no table names: a worker acts on their range (and never stops outside 4100-4199).
+    unassigned = [{"code": c, "class": close_class(c)}
+                  for c in (1006, 1012, 3000, 3999, 4000, 4009, 4011, 4099, 4105, 4150, 4199, 4211, 4250, 4299, 4300,
+                            4500, 4999)]
+    return {
+        "description": (
+            "The WebSocket close codes (docs/PROTOCOL.md, 'Close codes'): each code's name and what a worker "
+            "does after it, its class, decided by the code alone (the reason is for people). 'permanent': do "
+            "not dial again unchanged (4008, and 4100-4199 whether the code is known or not); 'retry': dial "
+            "again after a backoff (4200-4299, RFC 6455's codes but 1000 and 1001, and every code not "
+            "assigned); 'replan': a worker whose slice the hub planned asks for a slice again, any other "
+            "dials again (4010); 'closed': an end with nothing refused, dial again (1000, 1001). 'codes' are "
+            "the codes a hub, a gateway or a worker sends; 'unassigned' are codes no table names, with the "
+            "class a worker gives them."),
+        "ranges": [{"first": 4100, "last": 4199, "class": "permanent"}, {"first": 4200, "last": 4299, "class": "retry"}],
+        "codes": codes,
+        "unassigned": unassigned,
+    }
+
+
 BUILDERS = {
     "weights_digest.json": build_weights_digest,
     "handshake.json": build_handshake,
+    "close_codes.json": build_close_codes,
     "channel.json": build_channel,
     "expert_compute.json": build_expert_compute,
     "tensor_codec.json": build_tensor_codec,
@@ -555,6 +584,7 @@ if __name__ == "__main__":
 
 DIGEST = _load("weights_digest.json")
 HANDSHAKE = _load("handshake.json")
+CLOSE_CODES = _load("close_codes.json")
 CHANNEL = _load("channel.json")
 COMPUTE = _load("expert_compute.json")
 CODEC = _load("tensor_codec.json")
@@ -693,6 +723,16 @@ def test_handshake_refusals(case):
     with pytest.raises(RemoteProtocolError) as err:
         hub.receive_hello(bytes.fromhex(case["hello_hex"]))
     assert err.value.close_code == case["close_code"]
+
+
+def test_close_codes():
+    """The table in close_codes.json is CloseCode's, each code with close_class's class; the
+    codes no table names get their range's."""
+    assert {c["name"]: c["code"] for c in CLOSE_CODES["codes"]} == close_code_members()
+    for case in CLOSE_CODES["codes"] + CLOSE_CODES["unassigned"]:
+        assert close_class(case["code"]) == case["class"], case
+    for r in CLOSE_CODES["ranges"]:
+        assert {close_class(c) for c in range(r["first"], r["last"] + 1)} == {r["class"]}
 
 
 def test_expert_forward_single():

@@ -110,13 +110,13 @@ def test_a_refusal_that_retrying_cannot_change_fails_naming_the_flag(tiny_models
                           "--log-level", "warning"], tmp_path)
         line = last_line(out)
         assert line.startswith(f"worker: this worker refused the hub at {sw.hub_ws_url}: unexpected hub key"), line
-        assert "(--hub-key)" in line and line.endswith("would get the same answer"), line
+        assert "(--hub-key)" in line and line.endswith("would get the same answer (close code 4104)"), line
         # Experts outside the model the hub serves: the hub refuses the hello.
         out = run_worker(["--hub", sw.hub_ws_url, "--hub-key", sw.hub_key, "--model", str(model),
                           "--log-level", "warning"], tmp_path)
         line = last_line(out)
         assert line.startswith(f"worker: the hub refused this worker at {sw.hub_ws_url}: hello: "), line
-        assert "is not in the model served" in line and line.endswith("would get the same answer"), line
+        assert "is not in the model served" in line and line.endswith("would get the same answer (close code 4102)"), line
         sw._check_alive("hub")
 
 

@@ -3,6 +3,8 @@ each session routed its own share; the hub's per-wallet cap applies to them."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from helpers import wait_until
@@ -54,9 +56,13 @@ def test_one_process_holds_several_sessions_under_the_wallet_cap(tiny_models, tm
         sw.start_worker("multi", model, "0-1:0-7", extra=["--sessions", "5"])
         sessions = sw.wait_sessions(4, watch=["multi"])
         expected = [share for share, _ in load_experts(model, "0-1:0-7", "cpu").shares(5)]
-        # The fifth session is refused (1013, try again later) while four are live.
+        # The fifth session is refused (4202, a retry code: the wallet's cap) while four are
+        # live; the worker dials it again with backoff, and serves the four meanwhile.
         wait_until(lambda: "too many sessions for this wallet" in (sw.logs / "hub.log").read_text(), 30,
                    "the hub refusing the fifth session")
+        wait_until(lambda: len(re.findall(r"\(close code 4202\); retrying in", (sw.logs / "multi.log").read_text()))
+                   >= 2, 60, "the worker dialling the fifth session again")
+        assert sw.procs["multi"].poll() is None
         sessions = sw.list_sessions()
         assert len(sessions) == 4 and len({s.wallet for s in sessions}) == 1, (sw.logs / "multi.log").read_text()[-2000:]
         held = [{sl.layer: tuple(sl.experts) for sl in s.slices} for s in sessions]

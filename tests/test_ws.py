@@ -26,6 +26,7 @@ from wsproto.events import (
     TextMessage,
 )
 
+from kvasir_rpc import CloseCode
 from relay._ws import (
     MAX_HEADER_BYTES,
     OWN_PING,
@@ -442,7 +443,7 @@ def test_text_is_bounded_and_counted_in_utf8_bytes() -> None:
 # -- unfinished messages: a deadline, and a budget of bytes shared by every connection ------------
 
 
-def test_a_trickled_message_is_closed_1008_at_the_deadline_and_its_bytes_freed() -> None:
+def test_a_trickled_message_is_closed_4209_at_the_deadline_and_its_bytes_freed() -> None:
     async def main() -> None:
         budget = MessageBudget(1 << 20, deadline_s=10.0)
         # Keepalive and idle time far away: only the deadline can end this.
@@ -459,10 +460,10 @@ def test_a_trickled_message_is_closed_1008_at_the_deadline_and_its_bytes_freed()
             with pytest.raises(WsClosed) as info:
                 await ws.receive_message()
             nursery.cancel_scope.cancel()
-        assert (info.value.code, info.value.local) == (1008, True)
+        assert (info.value.code, info.value.local) == (CloseCode.MESSAGE_TIMEOUT, True)
         assert trio.current_time() - start == pytest.approx(10.0)
         closes = [e for e in await client.events() if isinstance(e, CloseConnection)]
-        assert closes[0].code == 1008 and "not finished within 10 s" in closes[0].reason
+        assert closes[0].code == CloseCode.MESSAGE_TIMEOUT and "not finished within 10 s" in closes[0].reason
         stats = budget.statistics()
         assert (stats.buffered, stats.peak, stats.refused_deadline) == (0, 10_000, 1)
         assert ws.statistics().buffered == 0
@@ -485,7 +486,7 @@ def test_the_deadline_runs_per_message_and_a_finished_one_releases_it() -> None:
     run(main)
 
 
-def test_unfinished_messages_share_one_budget_the_one_that_would_pass_it_is_closed_1013() -> None:
+def test_unfinished_messages_share_one_budget_the_one_that_would_pass_it_is_closed_4208() -> None:
     async def main() -> None:
         budget = MessageBudget(1000, deadline_s=30.0)
         a, ws_a, _ = await connect(max_message_bytes=5000, keepalive_s=1000, idle_timeout_s=5000, budget=budget)
@@ -501,9 +502,9 @@ def test_unfinished_messages_share_one_budget_the_one_that_would_pass_it_is_clos
         await b.send(BytesMessage(b"y" * 300, message_finished=False), BytesMessage(b"y" * 200, message_finished=False))
         with pytest.raises(WsClosed) as info:
             await ws_b.receive_message()
-        assert (info.value.code, info.value.local) == (1013, True)
+        assert (info.value.code, info.value.local) == (CloseCode.BUFFERS_FULL, True)
         closes = [e for e in await b.events() if isinstance(e, CloseConnection)]
-        assert closes[0].code == 1013 and "try again later" in closes[0].reason
+        assert closes[0].code == CloseCode.BUFFERS_FULL and "try again later" in closes[0].reason
         assert budget.statistics().buffered == 600  # b's 300 went back with it
         await a.send(BytesMessage(b"x" * 400))  # a finishes: 1000 bytes, more than was left
         assert await ws_a.receive_message() == b"x" * 1000

@@ -1,6 +1,6 @@
 """What a worker can make the hub's WebSocket library hold, in memory and on a fake clock:
 ``FrameMeter`` follows client frames fed in any pieces, ``MeteredStream`` enforces the
-shared budget (1013), the message deadline (1008) and the hello's allowance (1009) with its
+shared budget (4208), the message deadline (4209) and the hello's allowance (1009) with its
 own close frame, and ``UpgradeIntake`` bounds the connections it screens and asks the
 server's ``admit`` before handing one on. tests/test_hub_limits.py does the same to a real hub.
 """
@@ -91,7 +91,7 @@ async def _drain(stream: MeteredStream) -> None:
         pass
 
 
-def test_the_budget_is_shared_and_a_message_past_it_is_closed_1013() -> None:
+def test_the_budget_is_shared_and_a_message_past_it_is_closed_4208() -> None:
     async def main() -> None:
         budget = MessageBudget(100_000, 30.0)
         c1, s1, _ = _metered(budget, hello_limit=1 << 30)
@@ -101,9 +101,9 @@ def test_the_budget_is_shared_and_a_message_past_it_is_closed_1013() -> None:
             assert len(await s1.receive_some(1 << 20)) > 0
             assert budget.statistics().buffered == 60_000
             await c2.send_all(frame(0x2, bytes(60_000), fin=False))
-            with pytest.raises(trio.BrokenResourceError, match="1013"):
+            with pytest.raises(trio.BrokenResourceError, match="4208"):
                 await s2.receive_some(1 << 20)
-            assert await _read_close(c2) == (1013, "the hub holds too many unfinished messages; try again later")
+            assert await _read_close(c2) == (4208, "the hub holds too many unfinished messages; try again later")
             assert r2.counts() == {"buffer_full": 1} and budget.statistics().refused_buffer == 1
             await c1.send_all(frame(0x0, b"done"))  # finished: whole, it leaves the budget
             await s1.receive_some(1 << 20)
@@ -117,7 +117,7 @@ def test_the_budget_is_shared_and_a_message_past_it_is_closed_1013() -> None:
     trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
 
 
-def test_a_message_left_unfinished_is_closed_1008_at_its_deadline() -> None:
+def test_a_message_left_unfinished_is_closed_4209_at_its_deadline() -> None:
     async def main() -> None:
         budget = MessageBudget(1 << 20, 5.0)
         client, stream, refusals = _metered(budget, hello_limit=1 << 30)
@@ -127,7 +127,7 @@ def test_a_message_left_unfinished_is_closed_1008_at_its_deadline() -> None:
             await stream.receive_some(1 << 20)
 
             async def hub_side() -> None:
-                with pytest.raises(trio.BrokenResourceError, match="1008"):
+                with pytest.raises(trio.BrokenResourceError, match="4209"):
                     await _drain(stream)
 
             async with trio.open_nursery() as nursery:
@@ -135,7 +135,7 @@ def test_a_message_left_unfinished_is_closed_1008_at_its_deadline() -> None:
                 first = await client.receive_some(2)  # the close frame goes out at the deadline
                 assert trio.current_time() - t0 == pytest.approx(5.0)
                 got = await _read_close(client, first)  # the hub waits CLOSE_WRITE_S for us to hang up
-            assert first[0] == 0x88 and got == (1008, "message not finished within 5 s")
+            assert first[0] == 0x88 and got == (4209, "message not finished within 5 s")
         assert refusals.counts() == {"message_deadline": 1} and budget.statistics().buffered == 0
 
     trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
@@ -242,7 +242,7 @@ def test_the_intake_tells_the_wrapper_where_the_frames_begin() -> None:
     trio.run(main)
 
 
-def test_the_hub_admits_within_its_caps_and_refuses_a_hello_past_max_sessions_1013() -> None:
+def test_the_hub_admits_within_its_caps_and_refuses_a_hello_past_max_sessions_4204() -> None:
     from kvasir_rpc import RemoteProtocolError, Wallet
     from relay.hub._registry import SessionRegistry
     from relay.hub._sessions import HubConfig, _Hub
@@ -262,7 +262,7 @@ def test_the_hub_admits_within_its_caps_and_refuses_a_hello_past_max_sessions_10
         assert full is not None and (full.reason, full.status) == ("capacity", 503)
         with pytest.raises(RemoteProtocolError) as exc:
             hub._hold("wallet-c", "10.0.0.3")  # a hello verified after the intake let it in
-        assert exc.value.close_code == 1013
+        assert exc.value.close_code == 4204  # CloseCode.HUB_FULL: retry later
         assert exc.value.reason == "the hub holds its most sessions (2); try again later"
         hub._release("wallet-a", "10.0.0.1")
         hub._hold("wallet-c", "10.0.0.3")

@@ -423,7 +423,8 @@ def _plan(args: argparse.Namespace, index: ExpertIndex, wallet: Wallet, url: str
     log.info("asking the hub for a slice", capacity_experts=int(capacity), expert_mib=round(per_expert / 2**20, 2),
              budget_mib=round(budget / 2**20, 1))
     try:
-        plan = trio.run(functools.partial(request_plan, url, make_handshake, ssl_context=ssl_context))
+        plan = trio.run(functools.partial(request_plan, url, make_handshake, ssl_context=ssl_context,
+                                          gateway=args.gateway is not None))
     except TunnelRefused as exc:
         fail(f"worker: --experts auto: {exc}")
     spec = format_slices(plan)
@@ -483,7 +484,8 @@ def _serve(args: argparse.Namespace, *, url: str, ssl_context: ssl.SSLContext | 
         async with trio.open_nursery() as nursery:
             for (slices, digest), holder in zip(shares, holders):
                 nursery.start_soon(functools.partial(run_tunnel, url, functools.partial(make_handshake, slices, digest),
-                                                     uds_path, holder=holder, ssl_context=ssl_context, replan=replan))
+                                                     uds_path, holder=holder, ssl_context=ssl_context, replan=replan,
+                                                     gateway=args.gateway is not None))
             if balance is not None:
                 nursery.start_soon(poll_balance, balance, wallet.address)
             if console is None:

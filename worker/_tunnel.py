@@ -19,6 +19,7 @@ from kvasir_rpc import (
     RemoteProtocolError,
     SealedHeartbeat,
     WorkerHandshake,
+    close_class,
     get_logger,
     keepalive,
     leaf_exception,
@@ -176,14 +177,17 @@ class _OneChannel:
 
 async def request_plan(url: str, make_handshake: Callable[[], WorkerHandshake], *,
                        ssl_context=None,  # type: ignore[no-untyped-def]
-                       attempts: int = 6, min_backoff_s: float = 0.5) -> dict[int, tuple[int, ...]]:
+                       attempts: int = 6, min_backoff_s: float = 0.5,
+                       gateway: bool = False) -> dict[int, tuple[int, ...]]:
     """Dial the hub once with a planning hello (``make_handshake()`` made with ``expert_capacity``):
     the slice it suggests (``SessionAccept.suggested_slices``), then close. A dial that fails
-    and may work later is retried with backoff, ``attempts`` times in all; TunnelRefused for one
-    that cannot, for the last failure, and for a hub that suggests nothing (one too old to
-    plan, which took the hello as an ordinary one)."""
+    and may work later (a close whose code is not permanent, see ``close_class``) is retried
+    with backoff, ``attempts`` times in all; TunnelRefused for one that cannot, for the last
+    failure, and for a hub that suggests nothing (one too old to plan, which took the hello as
+    an ordinary one). ``gateway``: ``url`` is a gateway's (the worker's --gateway), not a hub's."""
     backoff = min_backoff_s
     failure = ""
+    where = f"{'the gateway' if gateway else 'the hub'} at {_shown(url, gateway)}"
     for attempt in range(attempts):
         handshake = make_handshake()
         try:
@@ -191,36 +195,55 @@ async def request_plan(url: str, make_handshake: Callable[[], WorkerHandshake], 
                                           max_message_size=MAX_MESSAGE_BYTES, connect_timeout=HANDSHAKE_TIMEOUT_S,
                                           disconnect_timeout=5) as ws:
                 if ws.subprotocol not in TUNNEL_SUBPROTOCOLS:
-                    raise TunnelRefused(f"{_shown(url)} chose subprotocol {ws.subprotocol!r}: not a Kvasir hub")
-                with trio.fail_after(HANDSHAKE_TIMEOUT_S):
-                    challenge = await ws.get_message()
-                    if not isinstance(challenge, bytes):
-                        raise RemoteProtocolError("challenge must be a binary message")
-                    await ws.send_message(handshake.receive_challenge(challenge))
-                    accept = await ws.get_message()
-                    if not isinstance(accept, bytes):
-                        raise RemoteProtocolError("accept must be a binary message")
-                    handshake.receive_accept(accept)
+                    raise TunnelRefused(f"{_shown(url, gateway)} chose subprotocol {ws.subprotocol!r}: "
+                                        "not a Kvasir hub")
+                await _handshake(ws, handshake)
                 if not handshake.suggested:
                     await ws.aclose(1000, "no slice suggested")
-                    raise TunnelRefused(f"the hub at {_shown(url)} suggested no slice (a hub too old to plan, or one "
-                                        "not told the model): give the worker --experts")
+                    raise TunnelRefused(f"the hub at {_shown(url, gateway)} suggested no slice (a hub too old to "
+                                        "plan, or one not told the model): give the worker --experts")
                 await ws.aclose(1000, "slice taken")
                 return handshake.suggested
-        except ConnectionClosed as exc:
-            why = exc.reason
-            raise TunnelRefused(_refusal(url, (why.reason if why else "") or "", why.code if why else 1006,
-                                         by_hub=True)) from None
+        except _HandshakeClosed as closed:
+            failure = _refusal(url, closed.reason, closed.code, by_hub=True, gateway=gateway)
         except RemoteProtocolError as exc:
-            raise TunnelRefused(_refusal(url, exc.reason, exc.close_code, by_hub=False)) from None
+            failure = _refusal(url, exc.reason, exc.close_code, by_hub=False, gateway=gateway)
         except (OSError, HandshakeError, trio.TooSlowError, trio.BrokenResourceError) as exc:
-            failure, hint = _dial_failure(url, exc)
+            failure, hint = _dial_failure(url, exc, gateway=gateway)
             failure += f" — {hint}" if hint else ""
-        log.warning(f"asking for a slice: {failure}; retrying in {backoff:.1f} s", url=_shown(url),
+        log.warning(f"asking for a slice: {failure}; retrying in {backoff:.1f} s", url=_shown(url, gateway),
                     attempt=attempt + 1, attempts=attempts)
         await trio.sleep(backoff)
         backoff = min(backoff * 2, 8.0)
-    raise TunnelRefused(f"could not ask the hub at {_shown(url)} for a slice in {attempts} tries: {failure}")
+    raise TunnelRefused(f"could not ask {where} for a slice in {attempts} tries: {failure}")
+
+
+async def _handshake(ws: WebSocketConnection, hs: WorkerHandshake) -> str:
+    """Run ``hs`` on ``ws`` within HANDSHAKE_TIMEOUT_S: the session id. A refusal of this side's
+    is sent with its code and raised (RemoteProtocolError); so is a timeout (4200,
+    trio.TooSlowError); the peer's close raises _HandshakeClosed with its code and reason."""
+    try:
+        with trio.fail_after(HANDSHAKE_TIMEOUT_S):
+            challenge = await ws.get_message()
+            if not isinstance(challenge, bytes):
+                raise RemoteProtocolError("challenge must be a binary message")
+            await ws.send_message(hs.receive_challenge(challenge))
+            accept = await ws.get_message()
+            if not isinstance(accept, bytes):
+                raise RemoteProtocolError("accept must be a binary message")
+            return hs.receive_accept(accept)
+    except RemoteProtocolError as exc:
+        with trio.move_on_after(2):  # the peer may be gone: do not wait on it
+            await ws.aclose(exc.close_code, exc.reason[:120])
+        raise
+    except trio.TooSlowError:
+        with trio.move_on_after(2):  # as the hub does: said why, with the code that says "retry"
+            await ws.aclose(CloseCode.HANDSHAKE_TIMEOUT, "handshake timed out")
+        raise
+    except ConnectionClosed as exc:
+        # The peer closed during the handshake: its close code says why.
+        why = exc.reason
+        raise _HandshakeClosed(why.code if why else CloseCode.GOING_AWAY, (why.reason if why else "") or "") from None
 
 
 class ReplanRequested(Exception):
@@ -228,9 +251,10 @@ class ReplanRequested(Exception):
 
 
 class TunnelRefused(Exception):
-    """A dial that retrying cannot fix (a certificate not trusted, an HTTP 4xx, a hello the hub
-    refuses for what this worker is, a hub other than the pinned one). The message is one
-    line for the person running the worker: what happened, where, and the flag to change."""
+    """A dial that retrying cannot fix (a certificate not trusted, an HTTP 4xx, a close whose
+    code is permanent: a hello the hub refuses for what this worker is, a hub other than the
+    pinned one). The message is one line for the person running the worker: what happened,
+    where, and the flag to change."""
 
 
 class TunnelHolder:
@@ -260,20 +284,22 @@ class TunnelHolder:
                 await self.ws.aclose(CloseCode.GOING_AWAY, reason)
 
 
-def _peer(url: str) -> tuple[str, str]:
-    """(what is dialled, the flag that names it), from the tunnel's URL."""
-    return ("the gateway", "--gateway") if url.endswith("/v1/worker") else ("the hub", "--hub")
+def _peer(gateway: bool) -> tuple[str, str]:
+    """(what is dialled, the flag that names it): a gateway (--gateway) or a hub (--hub)."""
+    return ("the gateway", "--gateway") if gateway else ("the hub", "--hub")
 
 
-def _shown(url: str) -> str:
-    return url.removesuffix("/v1/worker")
+def _shown(url: str, gateway: bool) -> str:
+    """The address as the person gave it: a gateway's without the path the worker adds."""
+    return url.removesuffix("/v1/worker") if gateway else url
 
 
-def _dial_failure(url: str, exc: BaseException) -> tuple[str, str]:
+def _dial_failure(url: str, exc: BaseException, *, gateway: bool) -> tuple[str, str]:
     """What failed, for a dial that may work later, and a question that hints at the cause
-    ("" when none); raises TunnelRefused for a dial that cannot work later."""
-    what, flag = _peer(url)
-    where = f"{what} at {_shown(url)}"
+    ("" when none); raises TunnelRefused for a dial that cannot work later. ``gateway``: the
+    worker dials a gateway (--gateway), else a hub (--hub)."""
+    what, flag = _peer(gateway)
+    where = f"{what} at {_shown(url, gateway)}"
     if type(exc) is HandshakeError and isinstance(exc.__cause__, OSError):
         exc = exc.__cause__  # open_websocket_url's wrapping of a failed TCP connect
     if isinstance(exc, OSError) and isinstance(leaf_exception(exc.__cause__ or exc), OSError):
@@ -282,16 +308,16 @@ def _dial_failure(url: str, exc: BaseException) -> tuple[str, str]:
     untrusted = re.search(r"certificate verify failed: ([^(]*)", str(exc))
     if isinstance(exc, ssl.SSLCertVerificationError) or untrusted:
         why = untrusted[1].strip() if untrusted else getattr(exc, "verify_message", "")
-        raise TunnelRefused(f"worker: {flag} {_shown(url)}: the gateway's TLS certificate is not trusted ({why}); "
-                            "pass the CA that signed it with --ca-file (`kvasir certs DIR` writes a development CA "
-                            "as DIR/ca.pem)")
+        raise TunnelRefused(f"worker: {flag} {_shown(url, gateway)}: the gateway's TLS certificate is not trusted "
+                            f"({why}); pass the CA that signed it with --ca-file (`kvasir certs DIR` writes a "
+                            "development CA as DIR/ca.pem)")
     if isinstance(exc, ConnectionRejected):
         body = bytes(exc.body or b"").decode(errors="replace").strip().splitlines()
         said = f": {body[0][:200]}" if body else ""
         if 400 <= exc.status_code < 500 and exc.status_code not in (408, 429):
             hint = (" (is it a gateway? then use --gateway wss://HOST:PORT)" if flag == "--hub" and exc.status_code == 404
                     else "")
-            raise TunnelRefused(f"worker: {flag} {_shown(url)}: {what} refused this worker with HTTP "
+            raise TunnelRefused(f"worker: {flag} {_shown(url, gateway)}: {what} refused this worker with HTTP "
                                 f"{exc.status_code}{said}; check {flag}{hint}")
         return f"{where} answered HTTP {exc.status_code}{said}", ""
     running = f"is {what} running, and is {flag} its --listen address?"
@@ -311,17 +337,19 @@ def _dial_failure(url: str, exc: BaseException) -> tuple[str, str]:
     return f"{where}: {exc}", ""
 
 
-def _refusal(url: str, reason: str, code: int, *, by_hub: bool) -> str:
+def _refusal(url: str, reason: str, code: int, *, by_hub: bool, gateway: bool) -> str:
     """The sentence for a handshake refused with ``reason``, or TunnelRefused when the close
-    code says the next dial would get the same answer (CloseCode.REFUSED: what this worker is
-    or wants; the reason names the flag to change). Anything else is retried."""
-    what, _flag = _peer(url)
-    if code == CloseCode.REFUSED:
+    code is permanent (``close_class``: the next dial would get the same answer; the reason
+    names the flag to change). Any other code is retried. Decided by the code alone, never by
+    the reason, which is for people."""
+    what, _flag = _peer(gateway)
+    if close_class(code) == "permanent":
         who = "the hub refused this worker" if by_hub else "this worker refused the hub"
-        raise TunnelRefused(f"worker: {who} at {_shown(url)}: {reason}; dialling again unchanged would get the "
-                            "same answer")
-    who = f"{what} at {_shown(url)} refused the session" if by_hub else f"refused {what} at {_shown(url)}"
-    return f"{who}: {reason} (close code {code})"
+        raise TunnelRefused(f"worker: {who} at {_shown(url, gateway)}: {reason}; dialling again unchanged would get "
+                            f"the same answer (close code {code})")
+    shown = _shown(url, gateway)
+    who = f"{what} at {shown} refused the session" if by_hub else f"refused {what} at {shown}"
+    return f"{who}: {reason or 'no reason'} (close code {code})"
 
 
 async def run_tunnel(
@@ -334,21 +362,28 @@ async def run_tunnel(
     max_backoff_s: float = 30.0,
     holder: TunnelHolder | None = None,
     replan: bool = False,
+    gateway: bool = False,
 ) -> None:
-    """Keep one session with the hub up until cancelled.
+    """Keep one session with the hub up until cancelled. ``gateway``: ``url`` is a gateway's
+    (the worker's --gateway), not a hub's (--hub); it names what failed, and the flag.
 
-    With ``replan`` (a worker whose slice the hub planned), a session the hub ends asking it to
-    plan again (close 4010) raises ``ReplanRequested`` instead of dialling again.
+    What a close does is its code's class (``close_class``), never its reason's text. With
+    ``replan`` (a worker whose slice the hub planned), a session the hub ends asking it to plan
+    again (close 4010, "replan") raises ``ReplanRequested`` instead of dialling again.
 
     A dial that fails and may work later (nothing listening yet, a timeout, an HTTP 5xx or
-    429, a session lost) is retried with jittered exponential backoff, each failure logged
-    once at WARNING with what failed, where and the next try. One that cannot (see
-    ``TunnelRefused``) raises TunnelRefused."""
+    429, a close whose code says "retry") is retried with jittered exponential backoff, each
+    failure logged once at WARNING with what failed, where and the next try; a session that
+    was established and ends with nothing refused ("closed", or "replan" unasked) is dialled
+    again at once. One that cannot work later (see ``TunnelRefused``: a permanent close code,
+    during the handshake or after it) raises TunnelRefused."""
     holder = holder if holder is not None else TunnelHolder(url)
     backoff = min_backoff_s
-    what, _flag = _peer(url)
+    what, _flag = _peer(gateway)
+    shown = _shown(url, gateway)
     while True:
         established = False
+        retry_later = False  # an established session ended by a close that says "retry"
         failure, hint = "", ""
         holder.state = "connecting"
         try:
@@ -365,28 +400,7 @@ async def run_tunnel(
                     raise RemoteProtocolError(f"hub chose subprotocol {ws.subprotocol!r}, "
                                               f"need one of {', '.join(TUNNEL_SUBPROTOCOLS)}")
                 hs = make_handshake()
-                try:
-                    with trio.fail_after(HANDSHAKE_TIMEOUT_S):
-                        challenge = await ws.get_message()
-                        if not isinstance(challenge, bytes):
-                            raise RemoteProtocolError("challenge must be a binary message")
-                        await ws.send_message(hs.receive_challenge(challenge))
-                        accept = await ws.get_message()
-                        if not isinstance(accept, bytes):
-                            raise RemoteProtocolError("accept must be a binary message")
-                        session_id = hs.receive_accept(accept)
-                except RemoteProtocolError as exc:
-                    await ws.aclose(exc.close_code, exc.reason[:120])
-                    raise
-                except trio.TooSlowError:
-                    with trio.move_on_after(2):  # as the hub does: 1008, said why
-                        await ws.aclose(CloseCode.POLICY_VIOLATION, "handshake timed out")
-                    raise
-                except ConnectionClosed as exc:
-                    # The hub closed during the handshake: its close reason says why.
-                    why = exc.reason
-                    raise _HandshakeClosed(why.code if why else CloseCode.GOING_AWAY,
-                                           (why.reason if why else "") or "") from None
+                session_id = await _handshake(ws, hs)
                 established = True
                 backoff = min_backoff_s
                 holder.ws = ws
@@ -416,35 +430,40 @@ async def run_tunnel(
         except* _HandshakeClosed as eg:
             closed = leaf_exception(eg)
             assert isinstance(closed, _HandshakeClosed)
-            failure = _refusal(url, closed.reason, closed.code, by_hub=True)
+            failure = _refusal(url, closed.reason, closed.code, by_hub=True, gateway=gateway)
         except* ConnectionClosed as eg:
             reason = leaf_exception(eg).reason  # type: ignore[attr-defined]
-            if replan and reason.code == CloseCode.REPLAN:
+            kind = close_class(reason.code)
+            if kind == "replan" and replan:
                 raise ReplanRequested(reason.reason or "the hub asks for a new plan") from None
-            failure = f"the session with {what} at {_shown(url)} ended: {reason.reason or 'no reason'} " \
+            if kind == "permanent":  # raises TunnelRefused
+                _refusal(url, reason.reason or "", reason.code, by_hub=True, gateway=gateway)
+            retry_later = kind == "retry"
+            failure = f"the session with {what} at {shown} ended: {reason.reason or 'no reason'} " \
                       f"(close code {reason.code})"
         except* RemoteProtocolError as eg:
             perr = leaf_exception(eg)
             assert isinstance(perr, RemoteProtocolError)
-            failure = (f"the session with {what} at {_shown(url)} ended: {perr.reason} (close code {perr.close_code})"
-                       if established else _refusal(url, perr.reason, perr.close_code, by_hub=False))
+            failure = (f"the session with {what} at {shown} ended: {perr.reason} (close code {perr.close_code})"
+                       if established else _refusal(url, perr.reason, perr.close_code, by_hub=False, gateway=gateway))
         except* (OSError, HandshakeError, trio.TooSlowError, trio.BrokenResourceError) as eg:
-            failure, hint = _dial_failure(url, leaf_exception(eg))
+            failure, hint = _dial_failure(url, leaf_exception(eg), gateway=gateway)
         holder.ws = None
         if holder.closing:
             return
-        delay = 0.05 if established else backoff * random.uniform(0.5, 1.5)
-        if not established:
+        at_once = established and not retry_later
+        delay = 0.05 if at_once else backoff * random.uniform(0.5, 1.5)
+        if not at_once:
             backoff = min(backoff * 2, max_backoff_s)
         if failure:
             holder.last_error = failure
         holder.state = "retrying"
         holder.retry_at = time.monotonic() + delay
-        if established:
-            log.warning(f"{failure or 'the session ended'}; dialling again", url=_shown(url))
+        if at_once:
+            log.warning(f"{failure or 'the session ended'}; dialling again", url=shown)
         else:
             log.warning(f"{failure}; retrying in {delay:.1f} s" + (f" — {hint}" if hint else ""),
-                        url=_shown(url), retry_in_s=round(delay, 2))
+                        url=shown, retry_in_s=round(delay, 2))
         await trio.sleep(delay)
 
 

@@ -383,18 +383,18 @@ class Gateway:
         try:
             control = self._control
             if control is None:
-                await worker.close(CloseCode.TRY_AGAIN_LATER, "no hub connected")
+                await worker.close(CloseCode.NO_HUB, "no hub connected")
                 return
             try:
                 await control.send_message(encode_pair(PairRequest(pid, remote)))
             except WsClosed:
-                await worker.close(CloseCode.TRY_AGAIN_LATER, "hub went away")
+                await worker.close(CloseCode.NO_HUB, "hub went away")
                 return
             with trio.move_on_after(self.config.pairing_timeout_s):
                 await pending.paired.wait()
             if pending.hub_ws is None:
                 self._refuse("pairing_timeout", remote=remote)
-                await worker.close(CloseCode.TRY_AGAIN_LATER, "no hub took the session in time")
+                await worker.close(CloseCode.PAIRING_TIMEOUT, "no hub took the session in time")
                 return
             self._sessions += 1
             self._spliced += 1
@@ -409,7 +409,7 @@ class Gateway:
     async def _serve_data(self, hub_ws: WebSocket, pid: str) -> None:
         pending = self._pending.get(pid)
         if pending is None or pending.hub_ws is not None:
-            await hub_ws.close(CloseCode.POLICY_VIOLATION, "pairing gone")
+            await hub_ws.close(CloseCode.PAIRING_GONE, "pairing gone")
             return
         pending.hub_ws = hub_ws
         pending.paired.set()

@@ -78,6 +78,12 @@ log = get_logger("relay.hub")
 
 # How long a refused target connection may stay open for its caller to read the answer.
 REFUSED_LINGER_S = 5.0
+# The permanent refusals a worker of the first close codes knew as 4008 (it retries any code
+# but 4008): sent as 4008 to a wallet refused so again within FIRST_TABLE_MEMORY_S (such a
+# worker redials within its backoff, at most 45 s), remembered for this many wallets at most.
+FIRST_TABLE_REFUSED = frozenset((CloseCode.QUARANTINED, CloseCode.OUTSIDE_MODEL, CloseCode.E2E_MISMATCH))
+FIRST_TABLE_MEMORY_S = 120.0
+FIRST_TABLE_WALLETS = 4096
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,27 +121,27 @@ class HubConfig:
     # holds (0: never), and how long a session is left where it is first.
     move_check_s: float = 30.0
     move_min_age_s: float = 60.0
-    # The model served: a hello announcing a layer or expert outside it is refused (1008).
+    # The model served: a hello announcing a layer or expert outside it is refused (4102).
     # None: only the protocol's bounds apply (MAX_LAYERS x MAX_EXPERTS_PER_LAYER).
     model_shape: ModelShape | None = None
     # Live sessions one wallet, and one source address (IPv4 address, IPv6 /64; through a
-    # gateway the worker's address it announces), may hold; more are refused with 1013.
+    # gateway the worker's address it announces), may hold; more are refused (4202, 4203).
     max_sessions_per_wallet: int = 4
     max_sessions_per_address: int = 32
     # End-to-end encryption of hub <-> worker tunnels (kvasir_rpc.protocol.E2E_HUB_MODES):
     # "auto" seals every session that comes through a gateway and a direct one whose worker
-    # requires it; "on" every session; "off" none (a worker that requires it is refused, 1008).
+    # requires it; "on" every session; "off" none (a worker that requires it is refused, 4103).
     e2e: str = "auto"
     # Live sessions in all (direct and through a gateway): more are refused, with HTTP 503
-    # at the intake when it is already full, else 1013 after the hello.
+    # at the intake when it is already full, else 4204 after the hello.
     max_sessions: int = 1024
     # Direct connections upgraded (or being upgraded) whose hello is not verified yet; each
     # may hold up to MAX_HELLO_BYTES. More get HTTP 503 at the intake.
     max_pending: int = 64
     # Connections whose HTTP request head is being read; one more closes the oldest.
     max_screening: int = 256
-    # Bytes of unfinished messages on direct connections, in all (close 1013), and how long
-    # one may stay unfinished (close 1008), as at the gateway.
+    # Bytes of unfinished messages on direct connections, in all (close 4208), and how long
+    # one may stay unfinished (close 4209), as at the gateway.
     max_buffered_bytes: int = 256 << 20
     message_deadline_s: float = 30.0
 
@@ -560,21 +566,24 @@ class _Hub:
         self.refusals = RefusalLog(log)
         # Sessions that joined with the hub's plan (--experts auto): the ones it may ask to move.
         self.planned: set[str] = set()
+        # (wallet, code) of the permanent refusals a worker of the first close codes knew as
+        # 4008, by when they were last sent (see _first_table_code).
+        self._permanent_sent: collections.OrderedDict[tuple[str, int], float] = collections.OrderedDict()
 
     def _hold(self, wallet: str, address: str) -> None:
         """Count one more session for ``wallet`` and ``address``, or raise RemoteProtocolError
-        (1013, the cap's name and value in the reason) when either is at its cap."""
+        (4204, 4202 or 4203: the cap's name and value in the reason) when one is at its cap."""
         cfg = self.config
         if self._sessions >= cfg.max_sessions:
             raise RemoteProtocolError(f"the hub holds its most sessions ({cfg.max_sessions}); try again later",
-                                      close_code=CloseCode.TRY_AGAIN_LATER)
+                                      close_code=CloseCode.HUB_FULL)
         if self._per_wallet[wallet] >= cfg.max_sessions_per_wallet:
             raise RemoteProtocolError(f"too many sessions for this wallet (at most {cfg.max_sessions_per_wallet} "
-                                      "per wallet on this hub)", close_code=CloseCode.TRY_AGAIN_LATER)
+                                      "per wallet on this hub)", close_code=CloseCode.WALLET_CAP)
         if self._per_address[address] >= cfg.max_sessions_per_address:
             raise RemoteProtocolError(f"too many sessions from this address (at most "
                                       f"{cfg.max_sessions_per_address} per address on this hub)",
-                                      close_code=CloseCode.TRY_AGAIN_LATER)
+                                      close_code=CloseCode.ADDRESS_CAP)
         self._per_wallet[wallet] += 1
         self._per_address[address] += 1
         self._sessions += 1
@@ -665,7 +674,7 @@ class _Hub:
                 if until is not None:
                     when = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(until / 1000))
                     raise RemoteProtocolError(f"wallet quarantined by this hub until {when}",
-                                              close_code=CloseCode.REFUSED)
+                                              close_code=CloseCode.QUARANTINED)
                 standing = await self._standing(info.wallet)
                 # Through a gateway, the worker's address the gateway reports (never the
                 # gateway's own): the caps and the rate count one host's sessions together.
@@ -679,7 +688,7 @@ class _Hub:
                     # many times a second.
                     self.refusals.refused(f"session_rate_{throttled.limit}", remote=remote, wallet=info.wallet,
                                           standing=standing.value, retry_in_s=round(throttled.wait_s, 1))
-                    await ws.aclose(CloseCode.TRY_AGAIN_LATER, throttled.reason[:120])
+                    await ws.aclose(CloseCode.RATE_LIMITED, throttled.reason[:120])
                     return None
                 held.append((info.wallet, address))
                 if on_verified is not None:
@@ -694,13 +703,30 @@ class _Hub:
                 return info, session_id, hs.cipher
         except trio.TooSlowError:
             log.info("handshake timed out", remote=remote)
-            await ws.aclose(CloseCode.POLICY_VIOLATION, "handshake timed out")
+            await ws.aclose(CloseCode.HANDSHAKE_TIMEOUT, "handshake timed out")
         except RemoteProtocolError as exc:
-            log.info("handshake refused", remote=remote, reason=exc.reason, code=exc.close_code)
-            await ws.aclose(exc.close_code, exc.reason[:120])
+            code = self._first_table_code(hs.wallet, exc.close_code)
+            log.info("handshake refused", remote=remote, reason=exc.reason, code=code)
+            await ws.aclose(code, exc.reason[:120])
         except ConnectionClosed:
             pass
         return None
+
+    def _first_table_code(self, wallet: str | None, code: int) -> int:
+        """The code to refuse ``wallet``'s hello with, for ``code``. A worker that knows only
+        the first close codes stops on 4008 alone and retries any other: the refusals it knew
+        as 4008 (quarantined, outside the model, encryption policies) go out with their own
+        code the first time, and as 4008 when the same wallet is refused so again within
+        FIRST_TABLE_MEMORY_S. A worker that knows the code never dials again unchanged, so
+        only such a worker (or one that ignores the code) hears 4008; it stops one dial later."""
+        if wallet is None or code not in FIRST_TABLE_REFUSED:
+            return code
+        now = time.monotonic()
+        sent = self._permanent_sent.pop((wallet, code), None)
+        self._permanent_sent[(wallet, code)] = now
+        while len(self._permanent_sent) > FIRST_TABLE_WALLETS:
+            self._permanent_sent.popitem(last=False)
+        return CloseCode.REFUSED if sent is not None and now - sent < FIRST_TABLE_MEMORY_S else code
 
     async def move_workers(self) -> None:
         """Every ``config.move_check_s``: when the backbones route rows to experts no session

@@ -8,8 +8,8 @@ the socket and trio-websocket, and counts what the worker sends as it goes by, w
 ``FrameMeter`` (sans-IO: bytes in, frame boundaries out). It enforces, as the gateway's own
 WebSocket does (``relay._ws.MessageBudget``):
 
-* bytes of unfinished messages over all connections within a shared budget (close 1013);
-* a deadline from a message's first byte to its last (close 1008);
+* bytes of unfinished messages over all connections within a shared budget (close 4208);
+* a deadline from a message's first byte to its last (close 4209);
 * before the session is accepted (``verified``), at most ``hello_limit`` bytes of messages
   in all: a hello and nothing more (close 1009).
 
@@ -164,7 +164,7 @@ class MeteredStream(trio.abc.Stream):
             data = bytes(await self._inner.receive_some(max_bytes))
         if scope.cancelled_caught:
             self._budget.refused_deadline += 1
-            await self._refuse(CloseCode.POLICY_VIOLATION, "message_deadline",
+            await self._refuse(CloseCode.MESSAGE_TIMEOUT, "message_deadline",
                                f"message not finished within {self._budget.deadline_s:g} s")
         if not data:
             self._give_back()
@@ -193,7 +193,7 @@ class MeteredStream(trio.abc.Stream):
         elif held > self._charged:
             if not self._budget.take(held - self._charged):
                 self._budget.refused_buffer += 1
-                await self._refuse(CloseCode.TRY_AGAIN_LATER, "buffer_full",
+                await self._refuse(CloseCode.BUFFERS_FULL, "buffer_full",
                                    "the hub holds too many unfinished messages; try again later")
             self._charged = held
         return data

@@ -14,7 +14,7 @@ import { SessionAcceptSchema, SessionHelloSchema } from "../src/gen/kvasir/v1/se
 import { TensorSchema } from "../src/gen/kvasir/v1/tensor_pb.js";
 import { ExpertFunctionSchema } from "../src/gen/kvasir/v1/function_pb.js";
 import { functionFromConfig, functionFromProto, functionToProto } from "../src/worker/function.js";
-import { concat, fromHex, LocalProtocolError, ProtocolError, toHex } from "../src/worker/bytes.js";
+import { closeClass, CloseCode, concat, fromHex, LocalProtocolError, ProtocolError, toHex } from "../src/worker/bytes.js";
 import { AEAD_AES_256_GCM, AEAD_CHACHA20_POLY1305, deriveTunnelKeys, HeartbeatMonitor, KeyExchange, TunnelCipher } from "../src/worker/channel.js";
 import { ExpertIndex, parseExpertSpec } from "../src/worker/checkpoint.js";
 import { expertDigest, slicesDigest } from "../src/worker/digest.js";
@@ -172,9 +172,10 @@ test("handshake: refusals of the worker's side and their close codes", () => {
   // A challenge that does not parse, or with a short nonce: 1002.
   assert.equal(code(() => vectorHandshake(h).receiveChallenge(fromHex("0a7f00"))), 1002);
   const ch = fromHex(h.session_challenge_hex);
-  // Another hub key than the pinned one: 4008 (the Python worker's REFUSED; see the report).
+  // Another hub key than the pinned one: 4104, a permanent refusal (close_codes.json).
   const pinned = new WorkerHandshake((vectorHandshake(h) as Json).info, { requireEncryption: false, aeads: [], expectedHubKey: "00".repeat(32) });
-  assert.equal(code(() => pinned.receiveChallenge(ch)), 4008);
+  assert.equal(code(() => pinned.receiveChallenge(ch)), 4104);
+  assert.equal(closeClass(4104), "permanent");
   // An accept with one bit of its signature flipped: 1008.
   const acc = fromBinary(SessionAcceptSchema, fromHex(h.session_accept_hex));
   acc.signature = Uint8Array.from(acc.signature, (b, i) => (i === 0 ? b ^ 1 : b));
@@ -193,6 +194,22 @@ test("handshake: refusals of the worker's side and their close codes", () => {
   const empty = fromBinary(SessionAcceptSchema, fromHex(h.session_accept_hex));
   empty.sessionId = "";
   assert.equal(code(() => hs3.receiveAccept(toBinary(SessionAcceptSchema, empty))), 1002);
+});
+
+test("close codes: every code's class, and the ranges, as close_codes.json says", () => {
+  const c = vectors("close_codes");
+  const named = CloseCode as Record<string, number>;
+  for (const entry of c.codes) {
+    assert.equal(closeClass(entry.code), entry.class, `${entry.name} ${entry.code}`);
+    if (entry.name in named) assert.equal(named[entry.name], entry.code, entry.name);
+  }
+  // Every code this worker names is in the table, with the same name.
+  const table = new Map<string, number>(c.codes.map((e: Json) => [e.name, e.code]));
+  for (const [name, value] of Object.entries(named)) assert.equal(table.get(name), value, name);
+  for (const entry of c.unassigned) assert.equal(closeClass(entry.code), entry.class, String(entry.code));
+  for (const r of c.ranges) {
+    for (let code = r.first; code <= r.last; code++) assert.equal(closeClass(code), r.class, String(code));
+  }
 });
 
 function checkMessages(cipherWorker: TunnelCipher, messages: Json[]): void {

@@ -86,7 +86,7 @@ export class LocalProtocolError extends Error {
   }
 }
 
-/** Close codes (PROTOCOL.md 7). */
+/** Close codes (PROTOCOL.md 7): RFC 6455's, then the private ones, whose hundreds say what to do (closeClass). */
 export const CloseCode = {
   NORMAL: 1000,
   GOING_AWAY: 1001,
@@ -95,5 +95,41 @@ export const CloseCode = {
   MESSAGE_TOO_BIG: 1009,
   INTERNAL_ERROR: 1011,
   TRY_AGAIN_LATER: 1013,
+  /** Permanent: any refusal the same hello gets again (the first private code). */
   REFUSED: 4008,
+  /** A worker whose slice the hub planned plans again; any other dials again. */
+  REPLAN: 4010,
+  // 4100-4199, permanent: do not dial again unchanged.
+  HELLO_INVALID: 4100,
+  QUARANTINED: 4101,
+  OUTSIDE_MODEL: 4102,
+  E2E_MISMATCH: 4103,
+  HUB_KEY_MISMATCH: 4104,
+  // 4200-4299, retry: dial again after a backoff.
+  HANDSHAKE_TIMEOUT: 4200,
+  HELLO_STALE: 4201,
+  WALLET_CAP: 4202,
+  ADDRESS_CAP: 4203,
+  HUB_FULL: 4204,
+  RATE_LIMITED: 4205,
+  NO_HUB: 4206,
+  PAIRING_TIMEOUT: 4207,
+  BUFFERS_FULL: 4208,
+  MESSAGE_TIMEOUT: 4209,
+  PAIRING_GONE: 4210,
 } as const;
+
+/** What a close code tells a worker to do (PROTOCOL.md 7). */
+export type CloseClass = "permanent" | "retry" | "replan" | "closed";
+
+/**
+ * The class of a close code, by the code alone (never the reason, which is for people):
+ * 4008 and 4100-4199 permanent; 4010 replan; 1000 and 1001 closed; every other code, known
+ * or not, retry (a code this worker does not know never stops it outside 4100-4199).
+ */
+export function closeClass(code: number): CloseClass {
+  if (code === CloseCode.REFUSED || (code >= 4100 && code <= 4199)) return "permanent";
+  if (code === CloseCode.REPLAN) return "replan";
+  if (code === CloseCode.NORMAL || code === CloseCode.GOING_AWAY) return "closed";
+  return "retry";
+}

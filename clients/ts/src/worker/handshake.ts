@@ -171,13 +171,13 @@ export class WorkerHandshake {
     if (!isAddress(ch.hubKey)) throw new ProtocolError(CloseCode.PROTOCOL_ERROR, "challenge hub_key must be 64 lowercase hex characters");
     const pinned = this.opts.expectedHubKey;
     if (pinned !== undefined && ch.hubKey !== pinned) {
-      throw new ProtocolError(CloseCode.REFUSED, `unexpected hub key ${ch.hubKey.slice(0, 16)}…: this worker pins ${pinned.slice(0, 16)}… (--hub-key)`);
+      throw new ProtocolError(CloseCode.HUB_KEY_MISMATCH, `unexpected hub key ${ch.hubKey.slice(0, 16)}…: this worker pins ${pinned.slice(0, 16)}… (--hub-key)`);
     }
     if (ch.kxPublic.byteLength !== 0 && ch.kxPublic.byteLength !== 32) {
       throw new ProtocolError(CloseCode.POLICY_VIOLATION, `challenge kx_public must be 32 bytes, got ${ch.kxPublic.byteLength}`);
     }
     if (this.opts.requireEncryption && ch.kxPublic.byteLength === 0) {
-      throw new ProtocolError(CloseCode.REFUSED, "the hub offers no end-to-end encryption (no key exchange in its challenge) and this worker requires it (--e2e require)");
+      throw new ProtocolError(CloseCode.E2E_MISMATCH, "the hub offers no end-to-end encryption (no key exchange in its challenge) and this worker requires it (--e2e require)");
     }
     this.hubKey = ch.hubKey;
     this.hubKx = ch.kxPublic;
@@ -242,7 +242,7 @@ export class WorkerHandshake {
       const shared = this.kx.sharedSecret(this.hubKx);
       cipher = TunnelCipher.forWorker(deriveTunnelKeys(shared, transcript, aead), aead);
     } else if (this.opts.requireEncryption) {
-      throw new ProtocolError(CloseCode.REFUSED, "accept: the hub did not encrypt this session and this worker requires it (--e2e require)");
+      throw new ProtocolError(CloseCode.E2E_MISMATCH, "accept: the hub did not encrypt this session and this worker requires it (--e2e require)");
     }
     return { sessionId: msg.sessionId, encrypted: msg.encrypted, aead, cipher, hubKey: this.hubKey };
   }

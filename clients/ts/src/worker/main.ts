@@ -11,7 +11,7 @@
 import { readFileSync } from "node:fs";
 import { parseArgs } from "node:util";
 
-import { toHex } from "./bytes.js";
+import { closeClass, toHex } from "./bytes.js";
 import { AEAD_AES_256_GCM } from "./channel.js";
 import { CheckpointError, ExpertIndex } from "./checkpoint.js";
 import { isLittleEndian } from "./dtype.js";
@@ -164,8 +164,9 @@ async function main(): Promise<void> {
     log(`session over: ${end.code ?? "-"} ${end.reason}`.trimEnd());
     if (end.fatal) die(`refused (${end.code ?? "HTTP"}): ${end.reason}; not dialling again unchanged`);
     let wait: number;
-    if (end.established) {
-      backoff = 250;
+    // After a live session: at once, unless its close code says "retry" (then the backoff, from its start).
+    if (end.established) backoff = 250;
+    if (end.established && (end.code === undefined || closeClass(end.code) !== "retry")) {
       wait = 50;
     } else {
       wait = backoff * (0.5 + Math.random());

@@ -6,7 +6,7 @@ import { Duplex } from "node:stream";
 
 import WebSocket from "ws";
 
-import { CloseCode, LocalProtocolError, ProtocolError } from "./bytes.js";
+import { CloseCode, closeClass, LocalProtocolError, ProtocolError } from "./bytes.js";
 import { HeartbeatMonitor, type Opened, type TunnelCipher } from "./channel.js";
 import { WorkerHandshake, type HandshakeOptions, type HelloInfo } from "./handshake.js";
 import type { ExpertServer } from "./service.js";
@@ -38,7 +38,7 @@ export interface SessionEnd {
   established: boolean;
   code: number | undefined;
   reason: string;
-  /** Dialling again unchanged gets the same answer (4008, an HTTP 4xx other than 429). */
+  /** Dialling again unchanged gets the same answer (a permanent close code, closeClass; an HTTP 4xx other than 429). */
   fatal: boolean;
   /** The server asked to wait (HTTP Retry-After). */
   retryAfterMs?: number;
@@ -136,7 +136,7 @@ export class Session {
     this.ws = ws;
     ws.binaryType = "nodebuffer";
     const handshakeTimer = this.timer(HANDSHAKE_TIMEOUT_MS, () => {
-      if (!this.established) this.fail(new ProtocolError(CloseCode.POLICY_VIOLATION, "handshake timed out"));
+      if (!this.established) this.fail(new ProtocolError(CloseCode.HANDSHAKE_TIMEOUT, "handshake timed out"));
     });
     ws.on("unexpected-response", (req, res) => {
       const status = res.statusCode ?? 0;
@@ -184,7 +184,7 @@ export class Session {
     });
     ws.on("close", (code: number, reason: Buffer) => {
       this.clearTimer(handshakeTimer);
-      this.finish({ established: this.established, code, reason: reason.toString("utf8"), fatal: code === CloseCode.REFUSED });
+      this.finish({ established: this.established, code, reason: reason.toString("utf8"), fatal: closeClass(code) === "permanent" });
     });
     return this.done;
   }
@@ -346,8 +346,8 @@ export class Session {
       }
     }
     this.timer(5000, () => ws.terminate());
-    // A refusal we send (4008) is as final as one we receive.
-    this.ended = { established: this.established, code: sent, reason, fatal: code === CloseCode.REFUSED };
+    // A refusal we send with a permanent code (4104, 4103) is as final as one we receive.
+    this.ended = { established: this.established, code: sent, reason, fatal: closeClass(code) === "permanent" };
   }
 
   private dropConnection(): void {
