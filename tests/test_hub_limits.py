@@ -488,7 +488,7 @@ def test_a_liar_back_with_fresh_wallets_is_throttled_while_an_honest_worker_serv
                     admitted.append(got)
                     await trio.to_thread.run_sync(_quarantine, sw, got)
                     ended = await ws.next_event()  # the hub ends the liar's session at once
-                    assert isinstance(ended, CloseConnection) and ended.code == 1008, ended
+                    assert isinstance(ended, CloseConnection) and ended.code == 4101, ended  # QUARANTINED: permanent
                     await ws.stream.send_all(ws.conn.send(ended.response()))
                     await ws.aclose()
                 bystander, got = await _fresh_wallet_session(port, ctx, BYSTANDER)

@@ -51,11 +51,13 @@ def test_liar_is_caught_quarantined_and_the_decode_stays_exact(lie, tiny_models,
             assert result["replays"] == 0 and result["answers_refused"] == 1, result
             assert result["row_check_refusals"] == (0 if lie == ["nan"] else 1)  # NaN fails before its rows
             assert result["row_checked_rows"] > 0
-        # The hub ended the session and refuses the wallet when it dials again.
+        # The hub ended the session with QUARANTINED (4101, permanent): the liar stops, saying why,
+        # and is refused should it dial again.
         wait_until(lambda: liar.session_id not in {s.session_id for s in sw.list_sessions()}, 30,
                    "the hub to end the liar's session")
-        wait_until(lambda: "quarantined by this hub" in (sw.logs / "liar.log").read_text(), 60,
-                   "the liar to be refused when it dials again")
+        wait_until(lambda: sw.procs["liar"].poll() is not None, 60, "the liar to stop on its quarantine")
+        said = (sw.logs / "liar.log").read_text()
+        assert sw.procs["liar"].returncode == 2 and "quarantined" in said and "(close code 4101)" in said, said[-2000:]
         assert [s.session_id for s in sw.list_sessions()] == [honest.session_id]
         assert "session quarantined: wrong work" in (sw.logs / "hub.log").read_text()
         # Honest work is paid exactly; the liar gets nothing after it was caught.

@@ -168,7 +168,7 @@ class _HubSide:
                 self.heartbeat = SealedHeartbeat(self.ws, hs.cipher) if hs.cipher is not None else None
         except trio.TooSlowError:
             await self.end(f"no SessionHello within {HUB_HANDSHAKE_TIMEOUT_S:g} s of the challenge (a hub closes "
-                           "1008 'handshake timed out')", CloseCode.POLICY_VIOLATION)
+                           "4200 'handshake timed out')", CloseCode.HANDSHAKE_TIMEOUT)
             raise _StepFailed(self.fatal) from None
         except RemoteProtocolError as exc:
             await self.end(f"hello refused: {exc.reason} (a hub closes {exc.close_code})", exc.close_code)

@@ -50,9 +50,9 @@ def add_gateway_command(sub: Any) -> None:
                     help="sessions (waiting or spliced) one source address may hold; an IPv6 /64 is one address "
                          "(more: HTTP 429)")
     gw.add_argument("--max-buffered-bytes", type=int, default=256 << 20,
-                    help="bytes of unfinished messages held over all connections (a fragment past it: close 1013)")
+                    help="bytes of unfinished messages held over all connections (a fragment past it: close 4208)")
     gw.add_argument("--message-deadline", type=float, default=30.0,
-                    help="seconds from a message's first fragment to its last (later: close 1008)")
+                    help="seconds from a message's first fragment to its last (later: close 4209)")
     gw.add_argument("--keepalive", type=float, default=20.0, help="ping a silent peer after this many seconds")
     gw.add_argument("--idle-timeout", type=float, default=120.0,
                     help="close a peer silent this long (1001); once a worker is paired, only its own traffic and "

@@ -6,7 +6,7 @@ sessions do not stop that (the liar holds one session at a time); this does: aft
 is verified and before it is accepted, every new session takes tokens from two buckets (see
 ``relay._buckets``), one per source address (``kvasir_rpc.address_key``: IPv4 by address,
 IPv6 by /64; through a gateway, the worker's address the gateway reports) and one for the
-whole hub. Without enough tokens the session is refused with close 1013 and the wait.
+whole hub. Without enough tokens the session is refused with close 4205 (retry) and the wait.
 
 Tokens are counted in new wallets, and what a session costs depends on what this hub knows
 of its wallet (``Standing``, from its contribution store, ``WalletHistory``):
@@ -123,7 +123,7 @@ class SessionRateLimits:
 @dataclasses.dataclass(frozen=True)
 class Throttled:
     """A session refused for rate: which bucket (``"address"`` or ``"hub"``), how long until
-    it would be admitted, and the close reason for the worker (close code 1013)."""
+    it would be admitted, and the close reason for the worker (close code 4205)."""
 
     limit: str
     wait_s: float

@@ -49,20 +49,20 @@ def add_hub_command(sub: Any) -> None:
                      help="seconds a connection to a session's target has to present its key")
     hub.add_argument("--model", type=pathlib.Path,
                      help="checkpoint folder of the model served (only its config.json is read): hellos announcing "
-                          "a layer or expert outside it are refused (1008)")
+                          "a layer or expert outside it are refused (close 4102)")
     hub.add_argument("--layers", type=int, help="the model's layer count, instead of --model (with --experts)")
     hub.add_argument("--experts", type=int, help="the model's experts per layer, instead of --model (with --layers)")
     hub.add_argument("--max-sessions-per-wallet", type=int, default=4,
-                     help="live sessions one wallet may hold (more are refused with 1013)")
+                     help="live sessions one wallet may hold (more are refused with close 4202, retried)")
     hub.add_argument("--max-sessions-per-address", type=int, default=32,
-                     help="live sessions from one address, IPv6 by /64 (more are refused with 1013); through a "
+                     help="live sessions from one address, IPv6 by /64 (more are refused with close 4203, retried); through a "
                           "gateway, the worker's address the gateway reports")
     hub.add_argument("--session-burst-per-address", type=float, default=32, metavar="N",
                      help="new sessions one address (IPv6 by /64; through a gateway, the worker's address) may "
                           "start at once, counted in new wallets: a wallet without work here that the backbone "
                           "accepted counts 1, one quarantined here in the last 30 days 4, a returning wallet with a "
                           "clean record (or a further session of a wallet already connected) 1/2; beyond it close "
-                          "1013 says how long to wait, and a quarantine charges the liar's address 4")
+                          "4205 says how long to wait, and a quarantine charges the liar's address 4")
     hub.add_argument("--sessions-per-minute-per-address", type=float, default=6, metavar="N",
                      help="how fast an address's --session-burst-per-address refills, in new wallets a minute")
     hub.add_argument("--session-burst", type=float, default=256, metavar="N",
@@ -72,13 +72,13 @@ def add_hub_command(sub: Any) -> None:
     hub.add_argument("--sessions-per-minute", type=float, default=60, metavar="N",
                      help="how fast --session-burst refills, in new wallets a minute")
     hub.add_argument("--max-sessions", type=int, default=1024,
-                     help="live sessions in all, direct and through a gateway (more: HTTP 503 or close 1013)")
+                     help="live sessions in all, direct and through a gateway (more: HTTP 503 or close 4204)")
     hub.add_argument("--max-pending", type=int, default=64,
                      help="direct connections waiting for their hello to be verified (more: HTTP 503)")
     hub.add_argument("--max-buffered-bytes", type=int, default=256 << 20,
-                     help="bytes of unfinished messages on direct connections, in all (more: close 1013)")
+                     help="bytes of unfinished messages on direct connections, in all (more: close 4208)")
     hub.add_argument("--message-deadline", type=float, default=30.0,
-                     help="seconds a message may stay unfinished on a direct connection (then close 1008)")
+                     help="seconds a message may stay unfinished on a direct connection (then close 4209)")
     hub.add_argument("--gateway", action="append", metavar="URL",
                      help="wss://HOST:PORT of a public gateway to take sessions from; repeat it for several gateway "
                           "hosts, or for each process of a gateway run with --processes (at its --hub-listen ports): "

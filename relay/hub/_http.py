@@ -87,7 +87,7 @@ class HubCollector(Collector):
             for standing, n in sorted(rate.admitted.items()):
                 admitted.add_metric([standing], n)
             yield admitted
-            limited = CounterMetricFamily("kvasir_hub_sessions_rate_limited", "New sessions refused (close 1013) "
+            limited = CounterMetricFamily("kvasir_hub_sessions_rate_limited", "New sessions refused (close 4205) "
                                           "by the rate limits, by the limit (address, hub) and the wallet's standing",
                                           labels=["limit", "standing"])
             for (limit, standing), n in sorted(rate.refused.items()):

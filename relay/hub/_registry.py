@@ -342,8 +342,9 @@ class SessionRegistry:
                                   bytes_from_worker=frm, generation=self._generation)
 
     def kick(self, session_id: str, reason: str, code: int = 1008) -> bool:
-        """End a live session (its worker is told ``reason``, with close ``code``: 1008, or
-        4010 to ask a planned worker to plan again). False if it is not live."""
+        """End a live session (its worker is told ``reason``, with close ``code``: 1008 by
+        default, 4101 for a quarantine, 4010 to ask a planned worker to plan again). False if
+        it is not live."""
         with self._lock:
             e = self._sessions.get(session_id)
             kick = None if e is None else e.kick

@@ -24,7 +24,7 @@ from contextlib import contextmanager
 
 import grpc
 
-from kvasir_rpc import MAX_CUMULATIVE_BYTES, Wallet, get_logger, session_pb2
+from kvasir_rpc import MAX_CUMULATIVE_BYTES, CloseCode, Wallet, get_logger, session_pb2
 from kvasir_rpc.protocol import MAX_EXPERTS_PER_LAYER, MAX_LAYERS
 from relay.hub._contributions import ContributionStore, ContributionStoreError, ContributionStoreUnavailable
 from relay.hub._registry import SessionRegistry
@@ -193,5 +193,5 @@ class WorkDesk:
             self._recent.append(QuarantineNote(
                 session_id=sid, wallet=wallet, violation=violation, layer=request.layer, expert=request.expert,
                 detail=request.detail[:200], at_unix_ms=time.time_ns() // 1_000_000, until_unix_ms=until))
-        self.registry.kick(sid, f"quarantined: {violation}")
+        self.registry.kick(sid, f"quarantined: {violation}", CloseCode.QUARANTINED)
         return session_pb2.QuarantineResponse(refused_until_unix_ms=until)
