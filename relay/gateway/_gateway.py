@@ -21,12 +21,11 @@ from __future__ import annotations
 
 import dataclasses
 import hmac
-import secrets
 import ssl
 
 import trio
 
-from kvasir_rpc import CloseCode, TLSStream, address_key, get_logger, remote_host
+from kvasir_rpc import CloseCode, RemoteProtocolError, TLSStream, address_key, get_logger, remote_host
 from kvasir_rpc.protocol import (
     GATEWAY_SUBPROTOCOL,
     HEALTH_PATH,
@@ -55,6 +54,7 @@ from relay._ws import (
     send_response,
     upgrade,
 )
+from relay.gateway._pairing import Pairing, Pairings
 
 __all__ = ["GatewayConfig", "GatewayStats", "serve_gateway"]
 
@@ -116,9 +116,10 @@ class GatewayStats:
 
 
 @dataclasses.dataclass
-class _Pending:
+class _Link:
+    """What the I/O code keeps with a pairing (the state is the ``Pairings``')."""
+
     worker: WebSocket
-    remote: str
     hub_ws: WebSocket | None = None
     paired: trio.Event = dataclasses.field(default_factory=trio.Event)
     done: trio.Event = dataclasses.field(default_factory=trio.Event)
@@ -138,7 +139,9 @@ class Gateway:
         # lives while its count is above zero, so the table is bounded by the sessions.
         self._by_address: dict[str, int] = {}
         self._control: WebSocket | None = None
-        self._pending: dict[str, _Pending] = {}
+        # Every worker held, from the capacity check on, by pairing id (sans I/O: _pairing).
+        self._pairings: Pairings[_Link] = Pairings(config.max_unpaired, config.max_sessions,
+                                                   config.pairing_timeout_s)
         self._sessions = 0
         self._spliced = 0
         self._connections = 0
@@ -147,15 +150,24 @@ class Gateway:
         self._relayed_messages = [0, 0]
         self._closed: dict[tuple[str, int], int] = {}
         self.hub_port: int | None = None  # the hub-facing port, once listening (config.hub_port)
-        self._admitting = 0  # workers between the capacity check and their _pending entry
         # Every refusal is counted here and logged one line each, rate-limited per reason.
         self.refusals = RefusalLog(log)
+
+    @property
+    def _admitting(self) -> int:
+        """Workers between the capacity check and their upgrade's end."""
+        return self._pairings.admitting
+
+    @property
+    def _pending(self) -> dict[str, Pairing[_Link]]:
+        """The upgraded workers' pairings (waiting, spliced or being refused)."""
+        return self._pairings.live()
 
     def statistics(self) -> GatewayStats:
         return GatewayStats(
             connections=self._connections,
             hub_connected=self._control is not None,
-            unpaired=sum(1 for p in self._pending.values() if p.hub_ws is None),
+            unpaired=self._pairings.unpaired,
             sessions=self._sessions,
             refused=self._refusals(),
             relayed_bytes=sum(self._relayed_bytes),
@@ -258,7 +270,7 @@ class Gateway:
         kind, sock, extra = ws
         try:
             if kind == "worker":
-                await self._serve_worker(sock, remote)
+                await self._serve_worker(sock, remote, extra[1])
             elif kind == "control":
                 await self._serve_control(sock)
             else:
@@ -268,7 +280,8 @@ class Gateway:
         finally:
             sock.forget_partial()  # its bytes go back to the budget however it ended
             if kind == "worker":
-                self._release_address(extra)
+                self._pairings.leave(extra[1])  # already left, unless _serve_worker never ran
+                self._release_address(extra[0])
 
     async def _route(self, stream: trio.abc.Stream, req: HttpRequest, remote: str,  # type: ignore[no-untyped-def]
                      *, hub_paths: bool = True):
@@ -307,11 +320,7 @@ class Gateway:
             if self._control is None:
                 return await refuse("no_hub", 503, "no hub is connected to this gateway; retry later\n",
                                     headers=(("retry-after", "5"),))
-            # A worker still upgrading will wait, and every waiting worker is a session to be
-            # (_pending holds both the waiting and the spliced): count them all, or
-            # simultaneous arrivals pass this check together while each upgrade awaits.
-            waiting = sum(1 for p in self._pending.values() if p.hub_ws is None) + self._admitting
-            if waiting >= cfg.max_unpaired or len(self._pending) + self._admitting >= cfg.max_sessions:
+            if not self._pairings.has_room():
                 return await refuse("capacity", 503, "gateway at capacity; retry later\n", headers=(("retry-after", "5"),))
             source = address_key(remote_host(remote))
             if self._by_address.get(source, 0) >= cfg.max_sessions_per_address:
@@ -319,17 +328,14 @@ class Gateway:
                                     f"{cfg.max_sessions_per_address} sessions, the most one address may; "
                                     "retry when one ends\n", headers=(("retry-after", "5"),))
             self._by_address[source] = self._by_address.get(source, 0) + 1
-            self._admitting += 1
+            pid = self._pairings.admit()  # its place, held (ADMITTING) while it upgrades
             try:
                 sock = await ws(subprotocol)
             except BaseException:
                 self._release_address(source)
+                self._pairings.upgrade_failed(pid)
                 raise
-            finally:
-                # No checkpoint from here to _serve_worker's _pending entry: the place
-                # passes from this count to that one without a gap.
-                self._admitting -= 1
-            return "worker", sock, source
+            return "worker", sock, (source, pid)
         if path == HUB_CONTROL_PATH or path.startswith(HUB_DATA_PREFIX):
             if not hub_paths:
                 # Another process of this gateway may hold the pairing: a hub must reach each
@@ -350,8 +356,7 @@ class Gateway:
             if path == HUB_CONTROL_PATH:
                 return "control", await ws(GATEWAY_SUBPROTOCOL), None
             pid = path[len(HUB_DATA_PREFIX):]
-            pending = self._pending.get(pid)
-            if pending is None or pending.hub_ws is not None:
+            if not self._pairings.can_take(pid):
                 return await refuse("unknown_pairing", 404, "no worker waits under this pairing id\n")
             data_sub = choose_subprotocol(req.subprotocols)
             if data_sub is None:
@@ -376,44 +381,54 @@ class Gateway:
                 self._control = None
                 log.info("hub disconnected")
 
-    async def _serve_worker(self, worker: WebSocket, remote: str) -> None:
-        pid = secrets.token_urlsafe(18)
-        pending = _Pending(worker=worker, remote=remote)
-        self._pending[pid] = pending
+    async def _serve_worker(self, worker: WebSocket, remote: str, pid: str | None = None) -> None:
+        """Announce the upgraded ``worker`` (admitted under ``pid``; None: admit it now) to
+        the hub, wait for a hub data connection to take it, and splice the two."""
+        pairings = self._pairings
+        if pid is None:
+            pid = pairings.admit()
+        link = _Link(worker)
+        deadline = pairings.upgraded(pid, remote, link, now=trio.current_time())
         try:
             control = self._control
             if control is None:
-                await worker.close(CloseCode.NO_HUB, "no hub connected")
+                verdict = pairings.refuse(pid, "no hub")
+                await worker.close(verdict.close_code, verdict.reason)
                 return
             try:
                 await control.send_message(encode_pair(PairRequest(pid, remote)))
             except WsClosed:
-                await worker.close(CloseCode.NO_HUB, "hub went away")
+                verdict = pairings.refuse(pid, "hub gone")
+                await worker.close(verdict.close_code, verdict.reason)
                 return
-            with trio.move_on_after(self.config.pairing_timeout_s):
-                await pending.paired.wait()
-            if pending.hub_ws is None:
-                self._refuse("pairing_timeout", remote=remote)
-                await worker.close(CloseCode.PAIRING_TIMEOUT, "no hub took the session in time")
+            with trio.move_on_at(deadline):
+                await link.paired.wait()
+            late = pairings.settle(pid, now=trio.current_time())
+            if late is not None:
+                if late.refusal:
+                    self._refuse(late.refusal, remote=remote)
+                await worker.close(late.close_code, late.reason)
                 return
+            assert link.hub_ws is not None
             self._sessions += 1
             self._spliced += 1
             try:
-                await self._splice(worker, pending.hub_ws)
+                await self._splice(worker, link.hub_ws)
             finally:
                 self._sessions -= 1
         finally:
-            self._pending.pop(pid, None)
-            pending.done.set()
+            pairings.leave(pid)
+            link.done.set()
 
     async def _serve_data(self, hub_ws: WebSocket, pid: str) -> None:
-        pending = self._pending.get(pid)
-        if pending is None or pending.hub_ws is not None:
-            await hub_ws.close(CloseCode.PAIRING_GONE, "pairing gone")
+        try:
+            link = self._pairings.take(pid)
+        except RemoteProtocolError as exc:  # unknown, or taken or refused since the route's check
+            await hub_ws.close(exc.close_code, exc.reason)
             return
-        pending.hub_ws = hub_ws
-        pending.paired.set()
-        await pending.done.wait()
+        link.hub_ws = hub_ws
+        link.paired.set()
+        await link.done.wait()
 
     async def _splice(self, a: WebSocket, b: WebSocket) -> None:
         """Relay messages, pings and pongs both ways (``a`` the worker, ``b`` the hub); when
