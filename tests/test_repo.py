@@ -159,9 +159,7 @@ def test_components_use_only_public_library_names(pkg):
         for line, module, names in _library_imports(path):
             parts = module.split(".")
             where = f"{rel}:{line}"
-            if len(parts) > 1 and parts[1] == "dev":
-                bad.append(f"{where}: {module} is development tooling")
-            elif any(p.startswith("_") for p in parts):
+            if any(p.startswith("_") for p in parts):
                 bad.append(f"{where}: private module {module}")
             elif module == "kvasir_rpc":
                 bad += [f"{where}: kvasir_rpc.{n} is not in kvasir_rpc.__all__" for n in names if n not in public]

@@ -41,7 +41,7 @@ def test_unknown_arch_raises(tmp_path: pathlib.Path) -> None:
 def test_import_is_cheap() -> None:
     code = (
         "import importlib.util, sys\n"
-        f"spec = importlib.util.spec_from_file_location('t', {str(ROOT / 'kvasir_rpc' / 'dev' / 'tiny.py')!r})\n"
+        f"spec = importlib.util.spec_from_file_location('t', {str(ROOT / 'kvasir' / 'tiny.py')!r})\n"
         "mod = importlib.util.module_from_spec(spec); spec.loader.exec_module(mod)\n"
         "heavy = [m for m in ('torch', 'transformers', 'safetensors', 'tokenizers') if m in sys.modules]\n"
         "assert not heavy, heavy\n"
