@@ -120,7 +120,10 @@ def test_other_summation_order_passes_with_a_note(tiny_models, tmp_path):
 def test_projections_that_do_not_fit_fail_dispatch_by_the_row_checks(tiny_models, tmp_path):
     steps = _check(tiny_models("qwen3_moe"), tmp_path, [str(TESTS / "liar_worker.py"), "proj", "--"])
     assert [s for s in STEPS if steps[s].status == FAIL] == ["dispatch"], steps
-    assert "the row checks fail" in steps["dispatch"].detail and "gate projection" in steps["dispatch"].detail
+    # The row checks draw secret directions per run: the gate projections off may show as the
+    # projection check failing or as the partials not fitting them; either names the row.
+    detail = steps["dispatch"].detail
+    assert "the row checks fail" in detail and ("gate projection" in detail or "secret direction" in detail), detail
 
 
 def test_a_worker_without_projections_passes_with_a_note(tiny_models, tmp_path):
