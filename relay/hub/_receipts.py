@@ -235,9 +235,10 @@ class ReceiptSender:
             return False
         # Counted on the event loop's thread (never in ``_submit``'s worker thread), before the
         # store shows the answers, so whoever sees a settled receipt sees it counted.
+        kept = [s for s in results if s.state == "pending"]
         self._acked += sum(s.state == "acked" for s in results)
         self._rejected += sum(s.state == "rejected" for s in results)
-        self._refused += sum(s.state == "pending" for s in results)
+        self._refused += len(kept)
         for s in results:
             if s.credit is None:
                 continue
@@ -247,10 +248,9 @@ class ReceiptSender:
             self.registry.credit(s.receipt.session_id, s.credit.seq, s.credit.cumulative_bytes, s.credit.nano_kvr)
         await trio.to_thread.run_sync(self.store.settle, results)
         self._last_answer_ms = time.time_ns() // 1_000_000
-        kept = [s for s in results if s.state == "pending"]
         self._last_error = f"refused {len(kept)} receipts: {kept[0].reason}" if kept else ""
-        self._pending = await trio.to_thread.run_sync(self.store.pending_count)
-        return all(s.state != "pending" for s in results)
+        self._pending -= len(results) - len(kept)  # what the ledger answered for good left the store's pending
+        return not kept
 
     def _submit(self, pending: list[PendingReceipt]) -> list[Settlement]:
         if self._channel is None:
