@@ -51,13 +51,6 @@ from kvasir_rpc.protocol import (
     MAX_MESSAGE_BYTES,
     READ_BYTES,
     TUNNEL_SUBPROTOCOLS,
-    Closed,
-    Data,
-    Eof,
-    Event,
-    HubTunnel,
-    MuxHubTunnel,
-    TunnelState,
     choose_subprotocol,
 )
 from relay._heap_trim import Trimmer
@@ -67,6 +60,7 @@ from relay._ws import HttpRequest, MessageBudget
 from relay.hub._admission import SessionRate, Standing, WalletHistory, standing_of
 from relay.hub._plan import pick_mover, plan_slice
 from relay.hub._registry import SessionRegistry
+from relay.hub._splice import Ended, Forward, Released, Splices
 from relay.hub._stream_limits import StreamLimits, StreamLimitsInterceptor
 from relay.hub._target_gate import Admitted, Refused, TargetGate, Verdict
 from relay.hub._work_desk import DeskError, WorkDesk
@@ -226,16 +220,25 @@ def create_session_server(registry: SessionRegistry, address: str, *, backbone_t
     return server, port
 
 
-class _Session:
-    """One verified worker: its tunnel, its backbone-facing listener, its splice.
+@dataclasses.dataclass(eq=False)
+class _Link:
+    """What the session keeps with a channel a backbone connection claimed."""
 
-    The WebSocket is read at all times (so a worker that leaves while no backbone is
-    connected is noticed at once, and sealed heartbeats are answered), by one task at a time:
-    while no backbone connection is spliced, an idle reader (``_read_idle``; in IDLE every
-    tunnel message is a protocol error); while one is, the splice itself, which turns each
-    message into an event of the session's ``HubTunnel`` (raising on anything the worker may
-    not send now) and writes its data to the backbone before reading the next: a slow
-    backbone slows the reader, and so the worker, with no task switch per message.
+    stream: trio.abc.Stream
+    scope: trio.CancelScope = dataclasses.field(default_factory=trio.CancelScope)  # cancelled: the splice ends
+    released: trio.Event = dataclasses.field(default_factory=trio.Event)  # set on the worker's "closed"
+
+
+class _Session:
+    """One verified worker: its tunnel, its backbone-facing listener, its splices.
+
+    Which backbone connection rides which channel, and what each message from the worker asks
+    for, is ``Splices``' (relay/hub/_splice.py, no I/O); this class moves the bytes. One task
+    reads the WebSocket for the session's life (``_read``: a worker that leaves while no
+    backbone is connected is noticed at once, sealed heartbeats are answered): it writes each
+    message's data to its backbone connection before reading the next (a slow backbone slows
+    the reader, and so the worker, with no task switch per message), ends a splice on the
+    worker's "eof" and lets it go on its "closed". A plain tunnel is a tunnel of one channel.
     """
 
     def __init__(self, hub: _Hub, ws: WebSocketConnection, session_id: str,
@@ -248,42 +251,22 @@ class _Session:
         self.heartbeat = SealedHeartbeat(ws, cipher) if cipher is not None else None
         self.session_id = session_id
         self.log = log.bind(session_id=session_id)
-        self.tunnel = HubTunnel()
-        # The idle reader's scope and its end (None while a splice reads the WebSocket).
-        self._idle_reader: tuple[trio.CancelScope, trio.Event] | None = None
-        self._nursery: trio.Nursery | None = None
+        # Below 2 channels, the plain tunnel: one backbone connection at a time.
+        self.splices: Splices[_Link] = Splices(channels, hub.config.close_timeout_s)
         # Connections still presenting their key, oldest first (the scope ends the gate).
         self._unauthenticated: collections.deque[trio.CancelScope] = collections.deque()
-        # A multiplexed tunnel (channels >= 2): one backbone connection per channel, the
-        # WebSocket read by one task for the session's life (_mux_read), which hands each
-        # channel's bytes to its backbone connection and its "eof" / "closed" to its splice.
-        self.mux = MuxHubTunnel(channels) if channels else None
-        self._mux_streams: dict[int, trio.SocketStream] = {}
-        self._mux_scopes: dict[int, trio.CancelScope] = {}
-        self._mux_closed: dict[int, trio.Event] = {}
 
     @property
     def channels(self) -> int:
         """Backbone connections the tunnel carries at once."""
-        return len(self.mux.channels) if self.mux is not None else 1
-
-    @property
-    def busy(self) -> bool:
-        """Every channel holds a backbone connection (from "open" until the worker's "closed")."""
-        if self.mux is not None:
-            return self.mux.free() is None
-        return self.tunnel.state is not TunnelState.IDLE
+        return len(self.splices)
 
     async def run(self, task_status=trio.TASK_STATUS_IGNORED) -> None:  # type: ignore[no-untyped-def]
         listeners = await trio.open_tcp_listeners(0, host=self.hub.config.grpc_host)
         listener = listeners[0]
         port = listener.socket.getsockname()[1]
         async with listener, trio.open_nursery() as nursery:
-            self._nursery = nursery
-            if self.mux is not None:
-                nursery.start_soon(self._mux_read)
-            else:
-                self._read_idle()
+            nursery.start_soon(self._read)
             # Each round trip goes to the registry: the status page and metrics show it.
             nursery.start_soon(functools.partial(
                 keepalive, self.ws, self.hub.config.keepalive_s, self.hub.config.keepalive_timeout_s, self.heartbeat,
@@ -336,7 +319,9 @@ class _Session:
             self.log.info("target connection refused", reason=why, state=gate.state)
             await stream.aclose()
             return
-        if self.busy:
+        link = _Link(stream)
+        claimed = self.splices.claim(link)
+        if claimed is None:
             # Said to the caller, not only closed: its log and metrics name why it got no time.
             why = (f"worker session {self.session_id} carries {self.channels} backbone connection"
                    f"{'s' if self.channels > 1 else ''} already (all its tunnel's channels); retry later")
@@ -349,15 +334,10 @@ class _Session:
                     pass
             await stream.aclose()
             return
-        # No checkpoint between this check and the tunnel's open() in the splice; were one
-        # added, a second splice would meet LocalProtocolError there rather than mix two
-        # connections.
+        channel, opening = claimed
         self.hub.registry.note_connection(self.session_id, opened=1)
         try:
-            if self.mux is not None:
-                await self._mux_splice(stream, verdict.forward)
-            else:
-                await self._splice(stream, verdict.forward)
+            await self._splice(channel, link, opening, verdict.forward)
         finally:
             self.hub.registry.note_connection(self.session_id, opened=-1)
 
@@ -371,167 +351,59 @@ class _Session:
             while await stream.receive_some(max_bytes):
                 pass
 
-    async def _mux_read(self) -> None:
-        """Read a multiplexed tunnel for the session's life: each channel's data to its
-        backbone connection (before the next message: a slow backbone slows the reader, and
-        with it the worker, as on the plain tunnel), its "eof" to its splice (which closes it),
-        its "closed" to the splice waiting for it. Anything out of turn raises (the session
-        ends: 1002)."""
-        mux = self.mux
-        assert mux is not None
+    async def _read(self) -> None:
+        """Read the tunnel for the session's life and do what each message asks (``Splices``):
+        anything out of turn raises RemoteProtocolError (the session ends: 1002)."""
+        splices = self.splices
         reg = self.hub.registry
         sid = self.session_id
         while True:
-            channel, event = mux.receive(await receive_message(self.ws, self.cipher, self.heartbeat))
-            if isinstance(event, Data):
-                reg.count_bytes(sid, from_worker=len(event.data))
-                stream = self._mux_streams.get(channel)
+            action = splices.from_worker(await receive_message(self.ws, self.cipher, self.heartbeat))
+            if isinstance(action, Forward):
+                reg.count_bytes(sid, from_worker=len(action.data))
                 try:
-                    if stream is not None:
-                        await stream.send_all(event.data)
-                except (trio.BrokenResourceError, trio.ClosedResourceError):
-                    self._mux_scopes[channel].cancel()  # the backbone's side broke: its splice closes it
-            elif isinstance(event, Eof):
-                self._mux_scopes[channel].cancel()
-            elif isinstance(event, Closed):
-                self._mux_closed[channel].set()
+                    await action.link.stream.send_all(action.data)
+                except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
+                    # The backbone's side broke (or its splice closed it meanwhile): the splice ends.
+                    splices.broke(action.channel, f"backbone connection broke ({exc!r})")
+                    action.link.scope.cancel()
+            elif isinstance(action, Ended):
+                action.link.scope.cancel()
+            elif isinstance(action, Released):
+                action.link.released.set()
 
-    async def _mux_splice(self, stream: trio.SocketStream, first: bytes) -> None:
-        """Bridge one backbone connection on the next free channel until either side ends,
-        then close the channel and wait for the worker's "closed" (within close_timeout_s;
-        past it the session ends, as on the plain tunnel)."""
-        mux = self.mux
-        assert mux is not None
-        channel = mux.free()
-        assert channel is not None  # busy was checked with no checkpoint since
-        opening = mux.open(channel)
+    async def _splice(self, channel: int, link: _Link, opening: str, first: bytes) -> None:
+        """Bridge one backbone connection on ``channel`` (claimed, ``opening`` not yet sent) until
+        either side ends; ``first``: the bytes the gate read from the backbone, sent before any
+        others. Then close the channel and wait for the worker's "closed" (by the deadline
+        ``Splices`` sets; past it the session ends)."""
+        splices = self.splices
         reg = self.hub.registry
         sid = self.session_id
         cipher = self.cipher
-        scope = self._mux_scopes[channel] = trio.CancelScope()
-        self._mux_closed[channel] = trio.Event()
-        self._mux_streams[channel] = stream
+        stream = link.stream
+        ended_by = "backbone"
         try:
             async with stream:
-                with scope:
+                with link.scope:
                     await send_whole(self.ws, opening, cipher=cipher)
-                    await send_whole(self.ws, mux.send_data(channel, first), cipher=cipher)
+                    await send_whole(self.ws, splices.to_worker(channel, first), cipher=cipher)
                     reg.count_bytes(sid, to_worker=len(first))
-                    while True:
-                        try:
-                            data = await stream.receive_some(READ_BYTES)
-                        except trio.BrokenResourceError:
-                            data = b""
-                        if not data:
-                            break
-                        await send_whole(self.ws, mux.send_data(channel, data), cipher=cipher)
-                        reg.count_bytes(sid, to_worker=len(data))
-        finally:
-            self._mux_streams.pop(channel, None)
-        await send_whole(self.ws, mux.close(channel), cipher=cipher)
-        with trio.fail_after(self.hub.config.close_timeout_s):
-            await self._mux_closed[channel].wait()
-
-    async def _receive(self) -> Event:
-        """The next tunnel message as an event of the session's ``HubTunnel``."""
-        return self.tunnel.receive(await receive_message(self.ws, self.cipher, self.heartbeat))
-
-    def _read_idle(self) -> None:
-        """Start reading the WebSocket while no backbone connection is spliced: any tunnel
-        message then breaks the protocol (raising ends the session); heartbeats are answered
-        below it, in ``receive_message``. ``_stop_idle`` hands the reading to a splice."""
-        assert self._nursery is not None
-        scope, done = trio.CancelScope(), trio.Event()
-        self._idle_reader = (scope, done)
-
-        async def read() -> None:
-            try:
-                with scope:
-                    while True:
-                        message = await receive_message(self.ws, self.cipher, self.heartbeat)
-                        # Only a message that arrived as a splice began finds the tunnel open:
-                        # the worker sent it before the hub's "open" left, out of turn as well.
-                        if self.tunnel.state is TunnelState.IDLE:
-                            self.tunnel.receive(message)  # raises: nothing may come in IDLE
-                        raise RemoteProtocolError(f"the worker sent {message!r:.40} before the hub opened a "
-                                                  "connection", close_code=CloseCode.PROTOCOL_ERROR)
-            finally:
-                done.set()
-
-        self._nursery.start_soon(read)
-
-    async def _stop_idle(self) -> None:
-        """Stop the idle reader (between messages: a message taken from the WebSocket is
-        handled before its next checkpoint) so that the caller may read the WebSocket."""
-        assert self._idle_reader is not None
-        scope, done = self._idle_reader
-        self._idle_reader = None
-        scope.cancel()
-        await done.wait()
-
-    async def _splice(self, stream: trio.SocketStream, first: bytes) -> None:
-        """Bridge one backbone connection with the worker until either side ends; ``first``:
-        the bytes the gate read from the backbone, sent before any others.
-
-        The tunnel is opened (the session is busy) before the first checkpoint; the splice
-        reads the WebSocket itself, from when the idle reader has stopped until "closed"."""
-        opening = self.tunnel.open()
-        try:
-            await self._stop_idle()
-            await self._bridge(stream, first, opening)
-        finally:
-            self._read_idle()
-
-    async def _bridge(self, stream: trio.SocketStream, first: bytes, opening: str) -> None:
-        reg = self.hub.registry
-        sid = self.session_id
-        tunnel = self.tunnel
-        cipher = self.cipher
-        await send_whole(self.ws, opening, cipher=cipher)
-        await send_whole(self.ws, tunnel.send_data(first), cipher=cipher)
-        reg.count_bytes(sid, to_worker=len(first))
-        ended_by = "backbone"
-        async with stream:
-            async with trio.open_nursery() as nursery:
-
-                async def backbone_to_worker() -> None:
-                    nonlocal ended_by
                     while True:
                         try:
                             data = await stream.receive_some(READ_BYTES)
                         except trio.BrokenResourceError as exc:
                             ended_by, data = f"backbone connection broke ({exc!r})", b""
                         if not data:
-                            nursery.cancel_scope.cancel()
-                            return
-                        await send_whole(self.ws, tunnel.send_data(bytes(data)), cipher=cipher)
+                            break
+                        await send_whole(self.ws, splices.to_worker(channel, data), cipher=cipher)
                         reg.count_bytes(sid, to_worker=len(data))
-
-                async def worker_to_backbone() -> None:
-                    nonlocal ended_by
-                    while True:
-                        event = await self._receive()
-                        if isinstance(event, Eof):
-                            ended_by = "worker"
-                            nursery.cancel_scope.cancel()
-                            return
-                        assert isinstance(event, Data)  # the tunnel is OPEN: nothing else arrives
-                        reg.count_bytes(sid, from_worker=len(event.data))
-                        try:
-                            await stream.send_all(event.data)
-                        except trio.BrokenResourceError as exc:
-                            ended_by = f"backbone connection broke ({exc!r})"
-                            nursery.cancel_scope.cancel()
-                            return
-
-                nursery.start_soon(backbone_to_worker)
-                nursery.start_soon(worker_to_backbone)
-        # Either side ended: tell the worker, then drop its late bytes until "closed".
-        await send_whole(self.ws, tunnel.close(), cipher=cipher)
-        with trio.fail_after(self.hub.config.close_timeout_s):
-            while not isinstance(await self._receive(), Closed):
-                pass
-        self.log.debug("backbone connection ended", ended_by=ended_by, connection=tunnel.connections)
+        finally:
+            closing = splices.close(channel, now=trio.current_time(), ended_by=ended_by)
+        await send_whole(self.ws, closing.message, cipher=cipher)
+        with trio.fail_at(closing.deadline):
+            await link.released.wait()
+        self.log.debug("backbone connection ended", ended_by=closing.ended_by, channel=channel)
 
 
 # What the hub knows of a wallet's past (ContributionStore.wallet_history): called in a thread,
