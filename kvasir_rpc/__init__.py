@@ -171,6 +171,7 @@ if TYPE_CHECKING:  # the real names, for type checkers; at run time __getattr__ 
         validate_receipt,
     )
     from kvasir_rpc._reflection import enable_reflection, start_with_health
+    from kvasir_rpc._kv_cache import GrowingLayer, growing_cache
     from kvasir_rpc._row_checks import NARROW_Z, ROW_CHECK_FACTOR, RowChecker, RowVerdict
     from kvasir_rpc._secrets import (
         check_secret_mode,
@@ -323,6 +324,8 @@ _LAZY = {
     "quantize_ct_activations": "kvasir_rpc._quant",
     "decompress_now": "kvasir_rpc._quant",
     "expert_forward": "kvasir_rpc._kernel",
+    "GrowingLayer": "kvasir_rpc._kv_cache",
+    "growing_cache": "kvasir_rpc._kv_cache",
     "NARROW_Z": "kvasir_rpc._row_checks",
     "ROW_CHECK_FACTOR": "kvasir_rpc._row_checks",
     "RowChecker": "kvasir_rpc._row_checks",

@@ -105,9 +105,9 @@ class DraftModel:
         self.reset()
 
     def reset(self) -> None:
-        from transformers import DynamicCache
+        from kvasir_rpc import growing_cache
 
-        self.cache = DynamicCache(config=self.model.config)
+        self.cache = growing_cache(self.model.config)
         self.seen: list[int] = []  # the tokens whose keys/values the cache holds
 
     def propose(self, tokens: list[int], k: int) -> list[int]:
@@ -278,10 +278,10 @@ class _Assisted:
         cut_cache(self.cache, len(self.prompt_ids) + n - 1)  # the last kept token leads the next pass
 
     def run(self) -> None:
-        from transformers import DynamicCache
+        from kvasir_rpc import growing_cache
 
         if self.cache is None:
-            self.cache = DynamicCache(config=self.model.config)
+            self.cache = growing_cache(self.model.config)
             out = self.model(input_ids=torch.tensor([self.prompt_ids], dtype=torch.long), cache=self.cache,
                              use_cache=True, logits_to_keep=1)
             self._settle()

@@ -562,7 +562,7 @@ class _Lane:
     def _prefill(self, seqs: list[_Seq]):  # type: ignore[no-untyped-def]
         """The prompts of ``seqs`` through the model in one pass, left-padded to the longest
         (the padding keeps out of the experts path): ``(cache, mask [B, L], last logits [B, V])``."""
-        from transformers import DynamicCache
+        from kvasir_rpc import growing_cache
 
         length = max(len(seq.req.prompt_ids) for seq in seqs)
         ids = torch.full((len(seqs), length), self.engine.pad_id, dtype=torch.long)
@@ -575,7 +575,7 @@ class _Lane:
         owners = torch.arange(len(seqs))[:, None].expand(-1, length).masked_fill(mask == 0, -1).reshape(-1)
 
         def forward():  # type: ignore[no-untyped-def]
-            cache = DynamicCache(config=self.engine.model.config)
+            cache = growing_cache(self.engine.model.config)
             with self.engine.dispatcher.tally_rows(owners, len(seqs)) as tally:
                 out = self.engine.model(input_ids=ids, attention_mask=mask, position_ids=positions, cache=cache,
                                         use_cache=True, logits_to_keep=1)
@@ -637,7 +637,7 @@ class _Lane:
             return out, tally
 
         out, tally = self._pass(forward, _cut_back(cache))
-        self.mask = mask  # the cache grew in place
+        self.mask = mask  # the cache grew in place (its layers: kvasir_rpc/_kv_cache.py)
         self.engine._stepped(len(rows))
         self._add_rows(tally, rows)
         tokens = self._choose(out.logits[:, -1].float(), rows)

@@ -144,13 +144,15 @@ class _Passes:
 
     def run(self) -> None:
         """Decode from the last settled pass to the end (or the stop)."""
-        from transformers import DynamicCache, LogitsProcessorList, StoppingCriteriaList
+        from transformers import LogitsProcessorList, StoppingCriteriaList
+
+        from kvasir_rpc import growing_cache
 
         done = len(self.tokens)
         if done >= self.max_new_tokens or (done and self.stop is not None and self.stop.is_set()):
             return
-        if self.cache is None:
-            self.cache = DynamicCache(config=self.model.config)
+        if self.cache is None:  # one buffer for the run: the prompt and every new token
+            self.cache = growing_cache(self.model.config, self.enc["input_ids"].shape[1] + self.max_new_tokens)
         ids, mask = self.enc["input_ids"], self.enc["attention_mask"]
         if done:
             ids = torch.cat([ids, torch.stack(self.tokens, dim=1)], dim=1)
