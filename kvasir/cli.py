@@ -264,6 +264,14 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         say("formats: one expert held in each served format, bytes and dequantizing against computing")
         print(json.dumps(run_formats_bench(quick=args.quick, say=say), indent=None if args.json else 2))
         return 0
+    if args.kv_cache:
+        from kvasir.bench.kv_cache import run_kv_cache_bench
+
+        say("kv cache: backbone serve decoding locally against transformers' generate, DynamicCache against the "
+            "cache that grows in place")
+        kv = run_kv_cache_bench(quick=args.quick, say=say)
+        print(json.dumps(kv if args.json else {"ratios": kv["ratios"]}, indent=None if args.json else 2))
+        return 0
     if args.service:
         from kvasir.bench.service import run_service_bench
 
@@ -649,6 +657,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--json", action="store_true", help="print the whole result as one JSON object")
     bench.add_argument("--service", action="store_true",
                        help="only the backbone service: 1, 8 and 32 concurrent callers, local vs remote")
+    bench.add_argument("--kv-cache", action="store_true",
+                       help="only the local decode: backbone serve against transformers' own generate, and "
+                            "DynamicCache against the KV cache that grows in place (tokens/s, page faults per token)")
     bench.add_argument("--hops", action="store_true",
                        help="only the fabric's cost by hop: CPU ns per byte of the client, hub, gateway and worker "
                             "at batch 512 (under 2 minutes)")

@@ -16,6 +16,7 @@ A module per path, each with the option that runs it alone:
     shapes              --shape NAME: real releases' widths, their wire bytes and memory
     formats             --formats: an expert held in each served format, dequantizing's cost
     service             --service: the backbone service under 1, 8 and 32 concurrent callers
+    kv_cache            --kv-cache: backbone serve's local decode against transformers' generate
 
 and what they share: ``_checkpoint`` (the bench's checkpoint), ``_streams`` (Dispatch streams
 and the summary of their times), ``_decode_swarm`` (the decode benches' swarm), ``cpu``
