@@ -10,7 +10,9 @@ Three paths, alternated (this machine is noisy), on the same model, prompts and 
 * ``serve``: a ``backbone serve`` process, experts local (continuous batch, the backbone's
   kernel, the growing cache), every sequence sent at once as its own Generate call.
 
-For each: tokens/s over the whole run (prefill included) and over the decode steps alone, the
+For each: tokens/s over the whole run (prefill included) and over the decode steps alone,
+tokens per CPU second of the process that decodes (``generate``: this one; ``serve``: the
+service's, so the bench's 128 calling threads on the same cores do not count against it), the
 minor page faults per token over the whole run and per step once the batch is decoding (the
 kernel handing the process fresh pages; for ``serve`` the service process's), and the KV bytes
 ``DynamicCache`` copies per step at the end of the run (the growing cache copies only when it
@@ -27,6 +29,8 @@ import tempfile
 import time
 from collections.abc import Callable
 from typing import Any
+
+from kvasir.bench.cpu import cpu_seconds
 
 __all__ = ["run_kv_cache_bench"]
 
@@ -55,14 +59,16 @@ class _Steps:
 
 
 def _summary(rows: int, started: tuple[float, int], ended: tuple[float, int],
-             steps: list[tuple[float, int]]) -> dict[str, float]:
-    """Whole-run and decode-phase figures; ``steps``: (time, faults) at each step's end."""
+             steps: list[tuple[float, int]], cpu_s: float) -> dict[str, float]:
+    """Whole-run and decode-phase figures; ``steps``: (time, faults) at each step's end;
+    ``cpu_s``: the decoding process's CPU seconds over the run."""
     tokens = rows * len(steps)
     skip = min(4, len(steps) - 2)  # the first steps settle the allocator; then the batch decodes
     (t0, f0), (t1, f1) = steps[skip], steps[-1]
     n = len(steps) - 1 - skip
     return {"tokens_per_s": tokens / (ended[0] - started[0]),
             "decode_tokens_per_s": rows * n / (t1 - t0),
+            "tokens_per_cpu_s": tokens / cpu_s,
             "faults_per_token": (ended[1] - started[1]) / tokens,
             "decode_faults_per_step": (f1 - f0) / n}
 
@@ -73,12 +79,13 @@ def _generate(model: Any, enc: Any, tokens: int, cache: Any) -> dict[str, float]
 
     steps = _Steps()
     kwargs = {"cache": cache} if cache is not None else {}
+    cpu = cpu_seconds()
     started = (time.perf_counter(), _faults())
     with torch.inference_mode():
         model.generate(**enc, do_sample=False, max_new_tokens=tokens, min_new_tokens=tokens, pad_token_id=0,
                        stopping_criteria=StoppingCriteriaList([steps]), **kwargs)
     ended = (time.perf_counter(), _faults())
-    return _summary(enc["input_ids"].shape[0], started, ended, steps.marks)
+    return _summary(enc["input_ids"].shape[0], started, ended, steps.marks, cpu_seconds() - cpu)
 
 
 def _serve(stub: Any, pid: int, prompts: list[str], tokens: int) -> dict[str, float]:
@@ -98,13 +105,14 @@ def _serve(stub: Any, pid: int, prompts: list[str], tokens: int) -> dict[str, fl
                     steps.append((time.perf_counter(), _faults(pid)))
         return n
 
+    cpu = cpu_seconds(pid)
     started = (time.perf_counter(), _faults(pid))
     with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
         got = sum(pool.map(call, range(len(prompts))))
     ended = (time.perf_counter(), _faults(pid))
     if got != tokens * len(prompts) or len(steps) < 3:
         raise RuntimeError(f"backbone serve answered {got} tokens of {tokens * len(prompts)}")
-    return _summary(len(prompts), started, ended, steps)
+    return _summary(len(prompts), started, ended, steps, cpu_seconds(pid) - cpu)
 
 
 def _kv_bytes_per_step(model: Any, rows: int, context: int) -> int:
@@ -137,7 +145,8 @@ def _point(model: Any, tokenizer: Any, stub: Any, pid: int, prompts: list[str], 
                 got = _generate(model, enc, tokens, cache)
             if r:
                 runs[p].append(got)
-                say(f"    {p}: {got['tokens_per_s']:.0f} tokens/s ({got['decode_tokens_per_s']:.0f} decoding), "
+                say(f"    {p}: {got['tokens_per_s']:.0f} tokens/s ({got['decode_tokens_per_s']:.0f} decoding, "
+                    f"{got['tokens_per_cpu_s']:.0f} per CPU second), "
                     f"{got['faults_per_token']:.1f} faults per token, {got['decode_faults_per_step']:.1f} per "
                     "decode step")
     out: dict[str, object] = {"batch": len(prompts), "prompt_tokens": enc["input_ids"].shape[1], "new_tokens": tokens}
@@ -150,6 +159,7 @@ def _point(model: Any, tokenizer: Any, stub: Any, pid: int, prompts: list[str], 
         return round(out[a][key] / out[b][key], 3)  # type: ignore[index]
 
     out["ratios"] = {"serve_over_generate": ratio("serve", "generate", "tokens_per_s"),
+                     "serve_over_generate_per_cpu_s": ratio("serve", "generate", "tokens_per_cpu_s"),
                      "serve_over_generate_decoding": ratio("serve", "generate", "decode_tokens_per_s"),
                      "growing_over_dynamic_decoding": ratio("generate_growing", "generate", "decode_tokens_per_s")}
     return out
@@ -178,6 +188,9 @@ def run_kv_cache_bench(*, quick: bool = False, say: Callable[[str], None] = prin
         tokenizer.padding_side = "left"
         out["experts_implementation_generate"] = model.config._experts_implementation
         most = max(n for n, _, _ in points.values())
+        # The one process of this swarm: as many torch threads as this process has (a local
+        # swarm gives each of its processes one).
+        sw.env["KVASIR_THREADS"] = str(torch.get_num_threads())
         service = sw.start_backbone_service("serve", path, ["--max-batch", str(most)], hub=False)
         pid = sw.procs["serve"].pid
         stub = backbone_pb2_grpc.BackboneServiceStub(grpc.insecure_channel(f"127.0.0.1:{service['grpc_port']}"))
