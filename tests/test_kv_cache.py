@@ -96,7 +96,8 @@ def test_any_sequence_of_the_engines_moves_holds_what_a_dynamic_layer_holds(seed
             other_k, other_v = _states(2, rnd.randrange(1, 9), seed=7000 + step)
             length = max(n, other_k.shape[-2])
             for layer in (plain, growing):
-                layer.keys = torch.cat([_pad_left(layer.keys, length - n), _pad_left(other_k, length - other_k.shape[-2])])
+                layer.keys = torch.cat([_pad_left(layer.keys, length - n),
+                                        _pad_left(other_k, length - other_k.shape[-2])])
                 layer.values = torch.cat([_pad_left(layer.values, length - n),
                                           _pad_left(other_v, length - other_v.shape[-2])])
         _same(plain, growing)

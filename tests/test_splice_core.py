@@ -215,7 +215,8 @@ def test_a_multiplexed_tunnel_claims_the_lowest_free_channel() -> None:
 def test_a_refusal_on_a_multiplexed_tunnel_names_the_channel() -> None:
     s: Splices[str] = Splices(2, CLOSE_S)
     s.claim("a")
-    with pytest.raises(RemoteProtocolError, match="channel 1: the worker sent 3 bytes of data while the tunnel is IDLE"):
+    with pytest.raises(RemoteProtocolError, match="channel 1: the worker sent 3 bytes of data while the tunnel is "
+                                                  "IDLE"):
         s.from_worker(b"\x00\x01abc")
     with pytest.raises(RemoteProtocolError, match="named channel 7 of a tunnel of 2"):
         s.from_worker("eof 7")
