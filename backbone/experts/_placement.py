@@ -5,12 +5,18 @@ what. A session is routed to only if the digest it announces for its slices is t
 of this model's own weights for them; a session that announces other weights is rejected,
 one caught delivering wrong work is quarantined, and neither is routed to again. The route
 table is rebuilt when the session list changes or a link is dropped.
+
+An expert several live sessions hold (the hub's planner makes replicas of the most demanded)
+goes, in each layer's call, to the holder with the fewest rows so far in that call (``spread``),
+so replicas share the load instead of the first holder taking it all.
 """
 
 from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Mapping, Sequence
+from typing import TypeVar
 
 import grpc
 
@@ -18,9 +24,30 @@ from backbone.experts._links import SessionWatcher, WorkerLink
 from backbone.experts._weights import ExpertWeights
 from kvasir_rpc import Route, announced_mismatch, get_logger, session_pb2, slices_digest
 
-__all__ = ["Placement"]
+__all__ = ["Placement", "spread"]
 
 log = get_logger("backbone.placement")
+
+H = TypeVar("H")
+
+
+def spread(routes: Sequence[tuple[int, int]], holders: Mapping[int, Sequence[H]]) -> list[H | None]:
+    """Where each route goes: ``routes`` are (expert, rows) in order, ``holders`` each expert's
+    live holders in the order they joined. The largest routes are placed first, each with the
+    holder that has the fewest rows so far (the earliest joined on a tie, so one holder takes
+    all as before); None for an expert no one holds. No route is split: an expert's rows go
+    to one worker per call."""
+    load: dict[int, int] = {}  # rows so far, by id() of the holder
+    chosen: list[H | None] = [None] * len(routes)
+    for i in sorted(range(len(routes)), key=lambda i: -routes[i][1]):
+        expert, rows = routes[i]
+        options = holders.get(expert, ())
+        if not options:
+            continue
+        best = min(options, key=lambda h: load.get(id(h), 0))  # min keeps the first of equals
+        load[id(best)] = load.get(id(best), 0) + rows
+        chosen[i] = best
+    return chosen
 
 
 class Placement:
@@ -35,7 +62,7 @@ class Placement:
         # Replaced, never mutated: decode threads read it without the lock.
         self.quarantined: frozenset[str] = frozenset()
         self._seen_version = -1
-        self._routes: dict[int, dict[int, WorkerLink]] = {}
+        self._routes: dict[int, dict[int, list[WorkerLink]]] = {}  # layer -> expert -> holders
         self._lock = threading.Lock()
         # Sessions whose worker turned this backbone away because it served its maximum of
         # backbones (RESOURCE_EXHAUSTED from the hub): linked again after a backoff, not never.
@@ -59,14 +86,17 @@ class Placement:
                     counts[r.expert] += len(r.token_idx)
         placed: dict[WorkerLink, list[Route]] = {}
         local: list[Route] = []
+        live: dict[int, list[WorkerLink]] = {}
         died = False
         for r in routes:
-            link = table.get(r.expert)
-            if link is not None and link.dead is None:
+            holders = table.get(r.expert, [])
+            live[r.expert] = [link for link in holders if link.dead is None]
+            died |= len(live[r.expert]) < len(holders)
+        for r, link in zip(routes, spread([(r.expert, len(r.token_idx)) for r in routes], live)):
+            if link is not None:
                 placed.setdefault(link, []).append(r)
             else:
                 local.append(r)
-                died |= link is not None
         if died:  # a link died since the routes were built: rebuild them (and see why) next time
             with self._lock:
                 self._seen_version = -1
@@ -206,12 +236,12 @@ class Placement:
                 self._rejected.add(sid)
                 continue
             self._links[sid] = WorkerLink(s, token=self.watcher.token)
-        routes: dict[int, dict[int, WorkerLink]] = {}
+        routes: dict[int, dict[int, list[WorkerLink]]] = {}
         for link in list(self._links.values()):
             if link.dead is not None:  # one refused as it was made (a busy worker) is seen here
                 self._if_busy(link)
                 continue
             for layer, experts in link.slices.items():
                 for e in experts:
-                    routes.setdefault(layer, {}).setdefault(e, link)
+                    routes.setdefault(layer, {}).setdefault(e, []).append(link)
         self._routes = routes
