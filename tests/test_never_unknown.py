@@ -133,7 +133,7 @@ class _Boom:
     ``b"ok"`` answers for the streaming ones (raised in the middle of the stream)."""
 
     def __init__(self) -> None:
-        self.cancelled = threading.Event()
+        self.ended = threading.Event()  # a stream_unary handler's request stream ended
         self.reading = threading.Event()
 
     def unary_unary(self, request: bytes, context: grpc.ServicerContext) -> bytes:
@@ -161,8 +161,7 @@ class _Boom:
                 self.reading.set()
                 seen.append(r)
         finally:
-            if not context.is_active():
-                self.cancelled.set()
+            self.ended.set()
         _throw(seen[-1])
         return b"|".join(seen)
 
@@ -266,7 +265,9 @@ def test_a_call_the_caller_cancelled_is_left_as_it_is(boom: tuple[grpc.Channel, 
     call = channel.stream_unary("/test.Boom/StreamUnary").future(requests(), timeout=TIMEOUT)
     assert impl.reading.wait(TIMEOUT)
     call.cancel()
-    assert impl.cancelled.wait(TIMEOUT)  # the handler saw its request stream end in an RpcError
+    # The handler's request stream ended: in an RpcError, or in a plain end when it read the
+    # reset stream before grpc had processed the cancel (seen ~1 in 12 runs under load).
+    assert impl.ended.wait(TIMEOUT)
     release.set()
     assert call.cancelled()
     assert logged.records == []  # nothing to answer, nothing to log
