@@ -162,7 +162,6 @@ class Channel(Generic[L]):
     phase: SplicePhase = SplicePhase.FREE
     link: L | None = None  # the I/O code's, from "claim" until "worker closed"
     ended_by: str = ""  # who ended the connection, once one side has
-    deadline: float = float("inf")  # when "closed" is due, from "close" on
 
 
 class Splices(Generic[L]):
@@ -173,11 +172,16 @@ class Splices(Generic[L]):
         self.framing: Framing = MuxHubTunnel(channels) if channels >= 2 else OneChannel()  # type: ignore[assignment]
         self.close_timeout_s = close_timeout_s
         self._channels = [Channel[L](i) for i in range(len(self.framing.channels))]
-        self.opened = 0  # backbone connections claimed since the session began
 
     def __len__(self) -> int:
         """Backbone connections the tunnel carries at once."""
         return len(self._channels)
+
+    @property
+    def opened(self) -> int:
+        """Backbone connections claimed since the session began (each channel's tunnel counts
+        its own opens)."""
+        return sum(tunnel.connections for tunnel in self.framing.channels)
 
     @property
     def multiplexed(self) -> bool:
@@ -219,8 +223,7 @@ class Splices(Generic[L]):
             return None
         opening = self.framing.open(channel)
         c = self._step(channel, "claim")
-        c.link, c.ended_by, c.deadline = link, "", float("inf")
-        self.opened += 1
+        c.link, c.ended_by = link, ""
         return channel, opening
 
     def to_worker(self, channel: int, data: bytes | bytearray) -> bytes:
@@ -242,8 +245,7 @@ class Splices(Generic[L]):
         message = self.framing.close(channel)
         c = self._step(channel, "close")
         c.ended_by = c.ended_by or ended_by
-        c.deadline = now + self.close_timeout_s
-        return Closing(message, c.deadline, c.ended_by)
+        return Closing(message, now + self.close_timeout_s, c.ended_by)
 
     # -- the worker's side (every message it sends) ------------------------------------------
 
@@ -269,5 +271,5 @@ class Splices(Generic[L]):
             return Dropped(channel, event.nbytes)
         assert isinstance(event, Closed) and link is not None  # the hub's tunnel yields nothing else
         self._step(channel, "worker closed")
-        c.link, c.deadline = None, float("inf")
+        c.link = None
         return Released(channel, link)
