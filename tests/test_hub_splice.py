@@ -129,15 +129,22 @@ async def ends(stream: trio.abc.ReceiveStream) -> None:
         assert await stream.receive_some(1024) == b""
 
 
+def new_session(ws: MemoryWebSocket, registry: SessionRegistry | None = None, *, channels: int = 0) -> _Session:
+    """A session on ``ws`` whose hub has the real configuration (closes due in CLOSE_S) and
+    ``registry`` (a fresh one if None)."""
+    config = HubConfig(backbone_token=TOKEN, close_timeout_s=CLOSE_S)
+    parts = FakeHubParts(config, registry if registry is not None else SessionRegistry())
+    return _Session(parts, ws, SID, channels=channels)  # type: ignore[arg-type]
+
+
 def harness(fn: Callable[[Harness], Awaitable[None]], *, channels: int = 0) -> Callable[[], Awaitable[None]]:
     async def main() -> None:
         registry = SessionRegistry()
         registry.add(SID, HelloInfo(wallet=Wallet.generate().address, slices={0: ExpertSet.of([0, 1])},
                                     weights_digest=b"d" * 32, device="cpu", model_type="qwen3_moe",
                                     worker_version="test"), target="127.0.0.1:1", remote="127.0.0.1:2")
-        config = HubConfig(backbone_token=TOKEN, close_timeout_s=CLOSE_S)
         ws = MemoryWebSocket()
-        session = _Session(FakeHubParts(config, registry), ws, SID, channels=channels)  # type: ignore[arg-type]
+        session = new_session(ws, registry, channels=channels)
         async with trio.open_nursery() as nursery:
             nursery.start_soon(session._read)
             await fn(Harness(session, ws, registry, nursery))
@@ -237,10 +244,8 @@ def test_a_backbone_that_stops_reading_ends_its_splice_not_the_session() -> None
 
 def test_a_worker_that_never_says_closed_ends_the_session_at_the_deadline() -> None:
     async def main() -> None:
-        registry = SessionRegistry()
-        config = HubConfig(backbone_token=TOKEN, close_timeout_s=CLOSE_S)
         ws = MemoryWebSocket()
-        session = _Session(FakeHubParts(config, registry), ws, SID)  # type: ignore[arg-type]
+        session = new_session(ws)
         client, server = trio.testing.memory_stream_pair()
         async with trio.open_nursery() as nursery:
             nursery.start_soon(session._read)
@@ -275,8 +280,7 @@ def test_a_worker_that_speaks_while_no_connection_is_open_ends_the_session_1002(
                                                                                 says: str) -> None:
     async def main() -> None:
         ws = MemoryWebSocket()
-        session = _Session(FakeHubParts(HubConfig(backbone_token=TOKEN), SessionRegistry()), ws,  # type: ignore[arg-type]
-                           SID)
+        session = new_session(ws)
         await ws.worker_sends(message)
         with pytest.raises(RemoteProtocolError) as exc:
             await session._read()
@@ -322,8 +326,7 @@ def test_two_backbones_share_a_multiplexed_tunnel_and_a_third_is_busy() -> None:
 def test_a_multiplexed_worker_writing_to_a_channel_not_open_ends_the_session_naming_it() -> None:
     async def main() -> None:
         ws = MemoryWebSocket()
-        session = _Session(FakeHubParts(HubConfig(backbone_token=TOKEN), SessionRegistry()), ws,  # type: ignore[arg-type]
-                           SID, channels=3)
+        session = new_session(ws, channels=3)
         await ws.worker_sends(b"\x00\x02stray")
         with pytest.raises(RemoteProtocolError, match="channel 2: the worker sent 5 bytes of data while the tunnel "
                                                       "is IDLE") as exc:
