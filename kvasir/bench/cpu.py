@@ -12,10 +12,11 @@ from __future__ import annotations
 import dataclasses
 import os
 import pathlib
+import resource
 import time
 from collections.abc import Mapping
 
-__all__ = ["CpuMeter", "ProcessGoneError", "cpu_seconds", "ns_per_byte"]
+__all__ = ["CpuMeter", "ProcessGoneError", "cpu_seconds", "minor_faults", "ns_per_byte"]
 
 _TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
@@ -31,6 +32,22 @@ def cpu_seconds(pid: int | None = None) -> float:
     and OSError where /proc cannot be read (not Linux)."""
     if pid is None or pid == os.getpid():
         return time.process_time()
+    fields = _stat(pid)
+    utime, stime = int(fields[11]), int(fields[12])  # fields 14 and 15 of proc(5)
+    return (utime + stime) / _TICKS
+
+
+def minor_faults(pid: int | None = None) -> int:
+    """Minor page faults (the kernel handing the process a page, no I/O) that process ``pid``
+    has taken so far, all threads; the current process when None. Raises as ``cpu_seconds``."""
+    if pid is None or pid == os.getpid():
+        return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    return int(_stat(pid)[7])  # field 10 of proc(5)
+
+
+def _stat(pid: int) -> list[str]:
+    """Fields 3 on of /proc/PID/stat (index 0 is the state); ProcessGoneError for a process that
+    is gone or a zombie."""
     path = pathlib.Path(f"/proc/{pid}/stat")
     try:
         text = path.read_text()
@@ -39,9 +56,8 @@ def cpu_seconds(pid: int | None = None) -> float:
     # The command name (field 2) is in parentheses and may hold spaces: split after it.
     fields = text[text.rindex(")") + 2 :].split()
     if fields[0] in ("Z", "X"):
-        raise ProcessGoneError(f"process {pid} has ended (state {fields[0]}): its CPU time is no longer counted")
-    utime, stime = int(fields[11]), int(fields[12])  # fields 14 and 15 of proc(5)
-    return (utime + stime) / _TICKS
+        raise ProcessGoneError(f"process {pid} has ended (state {fields[0]}): its counters are no longer kept")
+    return fields
 
 
 @dataclasses.dataclass(frozen=True)

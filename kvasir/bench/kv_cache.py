@@ -23,26 +23,17 @@ from __future__ import annotations
 
 import concurrent.futures
 import pathlib
-import resource
 import statistics
 import tempfile
 import time
 from collections.abc import Callable
 from typing import Any
 
-from kvasir.bench.cpu import cpu_seconds
+from kvasir.bench.cpu import cpu_seconds, minor_faults
 
 __all__ = ["run_kv_cache_bench"]
 
 PATHS = ("generate", "generate_growing", "serve")
-
-
-def _faults(pid: int | None = None) -> int:
-    """Minor page faults so far of this process, or of ``pid`` (field 10 of /proc/PID/stat)."""
-    if pid is None:
-        return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-    stat = pathlib.Path(f"/proc/{pid}/stat").read_text()
-    return int(stat[stat.rindex(")") + 2:].split()[7])
 
 
 class _Steps:
@@ -54,7 +45,7 @@ class _Steps:
     def __call__(self, input_ids: Any, scores: Any, **kwargs: object) -> Any:
         import torch
 
-        self.marks.append((time.perf_counter(), _faults()))
+        self.marks.append((time.perf_counter(), minor_faults()))
         return torch.zeros((input_ids.shape[0],), dtype=torch.bool, device=input_ids.device)
 
 
@@ -80,11 +71,11 @@ def _generate(model: Any, enc: Any, tokens: int, cache: Any) -> dict[str, float]
     steps = _Steps()
     kwargs = {"cache": cache} if cache is not None else {}
     cpu = cpu_seconds()
-    started = (time.perf_counter(), _faults())
+    started = (time.perf_counter(), minor_faults())
     with torch.inference_mode():
         model.generate(**enc, do_sample=False, max_new_tokens=tokens, min_new_tokens=tokens, pad_token_id=0,
                        stopping_criteria=StoppingCriteriaList([steps]), **kwargs)
-    ended = (time.perf_counter(), _faults())
+    ended = (time.perf_counter(), minor_faults())
     return _summary(enc["input_ids"].shape[0], started, ended, steps.marks, cpu_seconds() - cpu)
 
 
@@ -102,14 +93,14 @@ def _serve(stub: Any, pid: int, prompts: list[str], tokens: int) -> dict[str, fl
             if msg.token_ids:
                 n += len(msg.token_ids)
                 if i == len(prompts) - 1:
-                    steps.append((time.perf_counter(), _faults(pid)))
+                    steps.append((time.perf_counter(), minor_faults(pid)))
         return n
 
     cpu = cpu_seconds(pid)
-    started = (time.perf_counter(), _faults(pid))
+    started = (time.perf_counter(), minor_faults(pid))
     with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
         got = sum(pool.map(call, range(len(prompts))))
-    ended = (time.perf_counter(), _faults(pid))
+    ended = (time.perf_counter(), minor_faults(pid))
     if got != tokens * len(prompts) or len(steps) < 3:
         raise RuntimeError(f"backbone serve answered {got} tokens of {tokens * len(prompts)}")
     return _summary(len(prompts), started, ended, steps, cpu_seconds(pid) - cpu)
