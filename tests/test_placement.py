@@ -72,3 +72,46 @@ def test_two_workers_holding_the_same_experts_share_the_decode(tiny_models, tmp_
         credited = sw.wait_credited(sw.list_sessions())
         for s in sessions:
             assert credited[s.session_id] == work[s.session_id]["bytes"] > 0  # type: ignore[index]
+
+
+@pytest.mark.integration
+def test_a_liar_that_replicates_every_expert_gets_a_share_and_is_caught_under_each_new_wallet(tiny_models,
+                                                                                              tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Spreading gives a replica calls the first holder used to take: a liar holding every
+    expert an honest worker holds now gets half the rows. It is caught on them, the decode stays
+    bitwise local, and when it comes back under a fresh wallet it is caught again; the honest
+    replica is paid exactly what it served."""
+    import pathlib
+
+    from helpers import wait_until
+
+    from kvasir.swarm import LocalSwarm
+
+    liar_script = str(pathlib.Path(__file__).with_name("liar_worker.py"))
+    model = tiny_models("qwen3_moe")
+    decode = ["--model", str(model), "--prompt", "a replica lies", "--batch", "4", "--max-new-tokens", "8",
+              "--compare-local", "--wait-sessions", "2"]
+    with LocalSwarm(tmp_path) as sw:
+        sw.start_ledger()
+        sw.start_hub(receipt_interval=0.5)
+        sw.start_worker("honest", model, "*:0-7")
+        sw.wait_sessions(1, watch=["honest"])
+        (honest,) = sw.list_sessions()
+        liars = []
+        for name in ("liar", "liar_new_wallet"):  # each start: a wallet of its own
+            sw.start_worker(name, model, "*:0-7", launcher=(liar_script, "offset", "--"))
+            sessions = sw.wait_sessions(2, watch=["honest", name])
+            (liar,) = [s for s in sessions if s.session_id != honest.session_id]
+            liars.append(liar)
+            result = sw.run_backbone(decode, timeout=300)
+            assert result["backbone_exit_code"] == 0, result
+            assert result["tokens_identical"] is True and result["max_abs_logit_diff"] == 0.0
+            assert result["sessions_quarantined"] == [liar.session_id], result
+            assert result["answers_refused"] >= 1 and result["replays"] == 0, result
+            wait_until(lambda: sw.procs[name].poll() is not None, 60, f"{name} to stop on its quarantine")
+        live = {s.session_id: s for s in sw.list_sessions()}
+        assert list(live) == [honest.session_id]
+        credited = sw.wait_credited([live[honest.session_id]])
+        assert credited[honest.session_id] == live[honest.session_id].work_bytes > 0
+        for liar in liars:  # caught on its first call: it never delivered accepted work
+            assert sum(int(c.bytes) for c in sw.ledger_credits(liar.wallet)) == 0
