@@ -189,7 +189,12 @@ def test_a_caller_that_goes_away_frees_its_slot_and_a_full_service_says_resource
     # Fill every slot (8) and the waiting line (24): the next call is refused at once.
     calls = [local.stub.Generate(_long(f"long {i}"), timeout=60, metadata=local.metadata) for i in range(32)]
     try:
-        wait_until(lambda: local.describe().running + local.describe().waiting == 32, 60, "32 calls to be held")
+        try:
+            wait_until(lambda: local.describe().running + local.describe().waiting == 32, 60, "32 calls to be held")
+        except AssertionError as exc:  # say what the service held and how the calls that were not held ended
+            d = local.describe()
+            ended = [(i, c.code().name, c.details()) for i, c in enumerate(calls) if c.done()]
+            raise AssertionError(f"{exc}: running {d.running}, waiting {d.waiting}; ended: {ended}") from None
         t0 = time.monotonic()
         with pytest.raises(grpc.RpcError) as refused:
             local.generate(**_greedy("one too many"), timeout=20)
