@@ -13,8 +13,9 @@ import pytest
 from helpers import ROOT
 
 from kvasir.swarm import LocalSwarm
-from kvasir_rpc import ExpertIndex
+from kvasir_rpc import ExpertIndex, ExpertSet, HelloInfo, Wallet
 from relay.hub._plan import Demand, Reservations, pick_mover, plan_slice
+from relay.hub._registry import SessionRegistry
 
 ALL = {layer: tuple(range(8)) for layer in range(3)}
 
@@ -75,6 +76,36 @@ def test_a_reservation_lasts_until_its_worker_joins_or_its_time_passes():
     assert r.live() == [{1: [0]}]
     clock.now = 61.0
     assert r.live() == []
+
+
+def test_a_plan_turns_from_reservation_to_held_in_one_step_so_a_worker_planned_meanwhile_counts_it():
+    # Seen in CI: the plan was released at the handshake and the session counted only after the
+    # accept was sent and its splice started; a second worker planned in that gap got experts the
+    # first was about to hold. Now the registry does both under one lock, in one call.
+    registry = SessionRegistry()
+    first = Wallet.generate().address
+    mine = plan_slice(ALL, 12, held=[], demand={}, salt=first)
+    registry.reservations.add(first, mine)
+
+    def counted() -> list[dict[int, list[int]]]:
+        held = [{layer: list(es) for layer, es in dict(s.slices).items()} for s in registry.statistics()]
+        return held + registry.reservations.live()
+
+    assert counted() == [{k: list(v) for k, v in mine.items()}]
+    joined = registry.add("s1", HelloInfo(wallet=first, slices={k: ExpertSet.of(v) for k, v in mine.items()},
+                                          weights_digest=b"d" * 32, device="cpu", model_type="qwen3_moe",
+                                          worker_version="test"),
+                          target="127.0.0.1:1", remote="127.0.0.1:2")
+    assert joined and registry.reservations.live() == []
+    assert counted() == [{k: list(v) for k, v in mine.items()}]
+    second = plan_slice(ALL, 12, held=[dict(s.slices) for s in registry.statistics()], demand={},
+                        salt=Wallet.generate().address, reserved=registry.reservations.live())
+    assert not {(k, e) for k, v in mine.items() for e in v} & {(k, e) for k, v in second.items() for e in v}
+    # A wallet that joins without a plan (fixed experts) is no planned session.
+    assert not registry.add("s2", HelloInfo(wallet=Wallet.generate().address, slices={0: ExpertSet.of([0])},
+                                            weights_digest=b"d" * 32, device="cpu", model_type="qwen3_moe",
+                                            worker_version="test"),
+                            target="127.0.0.1:1", remote="127.0.0.1:3")
 
 
 def test_plans_are_bounded_and_a_stranger_reserving_experts_cannot_make_them_look_covered():

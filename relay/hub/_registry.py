@@ -219,7 +219,10 @@ class SessionRegistry:
 
     def add(self, session_id: str, hello: HelloInfo, *, target: str, remote: str,
             kick: Callable[[str, int], None] | None = None, encrypted: bool = False, via_gateway: bool = False,
-            aead: int = 0) -> None:
+            aead: int = 0) -> bool:
+        """A session is live. True when its wallet joined with a plan the hub handed out
+        (``--experts auto``): the plan stops counting as a reservation in the same step as the
+        session starts counting, so a worker planned meanwhile sees it one way or the other."""
         with self._lock:
             entry = _Entry(hello=hello, since_ms=time.time_ns() // 1_000_000, target=target, remote=remote,
                            kick=kick, encrypted=encrypted, via_gateway=via_gateway, aead=aead)
@@ -227,6 +230,7 @@ class SessionRegistry:
             self._opened += 1
             self._generation += 1
             self._notify(session_pb2.SessionEvent.KIND_ADDED, self._stats(session_id, entry))
+            return self.reservations.release(hello.wallet)
 
     def remove(self, session_id: str, reason: str = "unknown") -> None:
         """End a live session; ``reason`` (a short word: "worker", "keepalive", "kicked"...)

@@ -569,8 +569,6 @@ class _Hub:
                 if info.expert_capacity:
                     await self._plan(ws, hs, info, session_id, remote)
                     return None
-                if self.registry.reservations.release(info.wallet):  # its plan is held now, by the session
-                    self.planned.add(session_id)
                 await ws.send_message(hs.accept(session_id))
                 return info, session_id, hs.cipher
         except trio.TooSlowError:
@@ -664,9 +662,12 @@ class _Hub:
                     trio_token.run_sync_soon(on_loop)
 
                 target = await nursery.start(session.run)
-                self.registry.add(session_id, info, target=target, remote=remote, kick=kick,
-                                  encrypted=cipher is not None, via_gateway=via_gateway,
-                                  aead=cipher.aead if cipher is not None else 0)
+                # Its plan, if it had one, turns from a reservation into a held slice in this one
+                # step: a worker planned meanwhile counts it either way (never neither).
+                if self.registry.add(session_id, info, target=target, remote=remote, kick=kick,
+                                     encrypted=cipher is not None, via_gateway=via_gateway,
+                                     aead=cipher.aead if cipher is not None else 0):
+                    self.planned.add(session_id)
                 slog.info("session open", target=target, device=info.device, layers=len(info.slices),
                           encrypted=cipher is not None, aead=AEAD_NAMES[cipher.aead] if cipher is not None else None)
         except* ConnectionClosed as eg:
