@@ -120,6 +120,7 @@ if TYPE_CHECKING:  # the real names, for type checkers; at run time __getattr__ 
         threads_initializer,
         validate_dispatch,
     )
+    from kvasir_rpc._kv_cache import GrowingLayer, growing_cache
     from kvasir_rpc._lazy import lazy_getattr
     from kvasir_rpc._listen import (
         NO_PORT_SHARING,
@@ -171,7 +172,6 @@ if TYPE_CHECKING:  # the real names, for type checkers; at run time __getattr__ 
         validate_receipt,
     )
     from kvasir_rpc._reflection import enable_reflection, start_with_health
-    from kvasir_rpc._kv_cache import GrowingLayer, growing_cache
     from kvasir_rpc._row_checks import NARROW_Z, ROW_CHECK_FACTOR, RowChecker, RowVerdict
     from kvasir_rpc._secrets import (
         check_secret_mode,
@@ -194,6 +194,20 @@ if TYPE_CHECKING:  # the real names, for type checkers; at run time __getattr__ 
         WalletError,
         is_address,
         verify_signature,
+    )
+    from kvasir_rpc._ws import (
+        OWN_PING,
+        SEND_TIMEOUT_S,
+        BudgetStats,
+        Held,
+        MessageBudget,
+        WebSocket,
+        WsClosed,
+        WsConnectTimeout,
+        WsHandshakeError,
+        WsRejected,
+        WsStats,
+        open_websocket,
     )
 
 __version__ = "0.1.0"
@@ -355,6 +369,18 @@ _LAZY = {
     "TunnelCipher": "kvasir_rpc._channel",
     "preferred_aeads": "kvasir_rpc._channel",
     "open_websocket_url": "kvasir_rpc._tls",
+    "OWN_PING": "kvasir_rpc._ws",
+    "SEND_TIMEOUT_S": "kvasir_rpc._ws",
+    "BudgetStats": "kvasir_rpc._ws",
+    "Held": "kvasir_rpc._ws",
+    "MessageBudget": "kvasir_rpc._ws",
+    "WebSocket": "kvasir_rpc._ws",
+    "WsClosed": "kvasir_rpc._ws",
+    "WsConnectTimeout": "kvasir_rpc._ws",
+    "WsHandshakeError": "kvasir_rpc._ws",
+    "WsRejected": "kvasir_rpc._ws",
+    "WsStats": "kvasir_rpc._ws",
+    "open_websocket": "kvasir_rpc._ws",
     "LATENCY_BUCKETS_S": "kvasir_rpc._metrics",
     "METRICS_PATH": "kvasir_rpc._metrics",
     "StatsCollector": "kvasir_rpc._metrics",

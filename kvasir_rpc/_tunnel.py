@@ -16,15 +16,16 @@ from trio_websocket import WebSocketConnection
 
 from kvasir_rpc._channel import Heartbeat, HeartbeatAck, HeartbeatMonitor, TunnelCipher
 from kvasir_rpc._errors import CloseCode, LocalProtocolError, RemoteProtocolError
+from kvasir_rpc._ws import SEND_TIMEOUT_S, WebSocket
+
+# The WebSockets these take: the library's (the worker's), or trio-websocket's (the hub's,
+# until it moves to the library's too; issue 32).
+AnyWebSocket = WebSocket | WebSocketConnection
 
 __all__ = ["SealedHeartbeat", "keepalive", "receive_message", "send_whole"]
 
-# How long one message may take to leave once started (a peer that reads nothing for this
-# long is gone; the keepalive says the same sooner).
-SEND_TIMEOUT_S = 60.0
 
-
-async def send_whole(ws: WebSocketConnection, message: bytes | str | Heartbeat | HeartbeatAck,
+async def send_whole(ws: AnyWebSocket, message: bytes | str | Heartbeat | HeartbeatAck,
                      timeout_s: float = SEND_TIMEOUT_S, *,
                      cipher: TunnelCipher | None = None) -> None:
     """Send one message on the tunnel so that a cancellation cannot cut it in half.
@@ -62,7 +63,7 @@ class SealedHeartbeat:
     ``check`` sends one heartbeat and waits for its ack; ``receive_message`` hands the acks it
     opens to ``acknowledged``. The numbering and the checks are ``HeartbeatMonitor``'s."""
 
-    def __init__(self, ws: WebSocketConnection, cipher: TunnelCipher) -> None:
+    def __init__(self, ws: AnyWebSocket, cipher: TunnelCipher) -> None:
         self._ws = ws
         self._cipher = cipher
         self.monitor = HeartbeatMonitor(peer=cipher.peer)
@@ -90,7 +91,7 @@ class SealedHeartbeat:
                                       "is gone or a relay is answering for it", close_code=CloseCode.GOING_AWAY)
 
 
-async def receive_message(ws: WebSocketConnection, cipher: TunnelCipher | None = None,
+async def receive_message(ws: AnyWebSocket, cipher: TunnelCipher | None = None,
                           heartbeat: SealedHeartbeat | None = None) -> bytes | memoryview | str:
     """The next tunnel message, opened with ``cipher`` when the session is encrypted (which
     raises RemoteProtocolError, 1008, for anything not sealed by the peer in order).
@@ -99,7 +100,8 @@ async def receive_message(ws: WebSocketConnection, cipher: TunnelCipher | None =
     control state machine: a heartbeat is answered at once with its ack, and an ack goes to
     ``heartbeat`` (an ack that answers nothing waiting raises RemoteProtocolError, 1008)."""
     while True:
-        message = await ws.get_message()
+        # The library's names it receive_message (a test's wrapper of it too), trio-websocket get_message.
+        message = await (ws.receive_message() if hasattr(ws, "receive_message") else ws.get_message())
         if cipher is None:
             return message
         opened = cipher.open(message)
@@ -114,7 +116,7 @@ async def receive_message(ws: WebSocketConnection, cipher: TunnelCipher | None =
             return opened
 
 
-async def keepalive(ws: WebSocketConnection, interval_s: float, timeout_s: float,
+async def keepalive(ws: AnyWebSocket, interval_s: float, timeout_s: float,
                     heartbeat: SealedHeartbeat | None = None, *,
                     on_rtt: Callable[[float], None] | None = None) -> None:
     """Check the peer every ``interval_s``; raise RemoteProtocolError (close 1001) when it does
@@ -123,7 +125,12 @@ async def keepalive(ws: WebSocketConnection, interval_s: float, timeout_s: float
 
     With ``heartbeat`` (an encrypted session) the check is a sealed heartbeat, answered by the
     peer itself; without, a WebSocket ping, which any relay on the way could answer (so its
-    round trip may end at a relay). ``on_rtt`` gets each check's round trip in seconds."""
+    round trip may end at a relay): trio-websocket's only, as the library's WebSocket pings a
+    silent peer itself (its ``keepalive_s`` and ``idle_timeout_s``). ``on_rtt`` gets each
+    check's round trip in seconds."""
+    if heartbeat is None and isinstance(ws, WebSocket):
+        raise LocalProtocolError("the library's WebSocket keeps itself alive: give it keepalive_s and "
+                                 "idle_timeout_s, and run keepalive only with a sealed heartbeat")
     while True:
         await trio.sleep(interval_s)
         sent = trio.current_time()

@@ -1,32 +1,40 @@
-"""A small server-side WebSocket for the gateway: h11 reads the HTTP request (so the gateway
-can answer /healthz, 401, 404 and 426 itself), wsproto does the framing, trio moves bytes.
+"""The WebSocket of every Kvasir process, both ends: frames (``kvasir_rpc._ws_frames``, one
+buffer, unmasked in place), the keepalive, the idle timeout and the close handshake, written
+once; trio moves the bytes. A relay (the gateway, the hub) accepts with ``relay._ws.upgrade``;
+a worker, or a hub dialing its gateway, connects with :func:`open_websocket` (the client's
+HTTP/1.1 upgrade is h11's, here).
 
-No protobuf, no gRPC: the gateway relays messages without looking inside them.
+No protobuf, no gRPC: relays pass messages on without looking inside them.
 
 Two ways a connection ends without a close frame are told apart: the peer (or the network)
 broke it (``trio.BrokenResourceError``: WsClosed 1006, ``local`` False, counted as
 ``broken``), or this side closed the stream (``trio.ClosedResourceError``: shutdown, or a
 task that closed it under another; WsClosed ``local`` True, counted as ``closed_locally``).
 
-Partial messages are what a peer can make the gateway hold without finishing anything: a
+Partial messages are what a peer can make a relay hold without finishing anything: a
 ``MessageBudget`` shared by every WebSocket of a process bounds their sum (close 4208) and
 how long one may stay unfinished (close 4209).
 """
 
 from __future__ import annotations
 
+import base64
+import contextlib
 import dataclasses
 import enum
-from collections.abc import Awaitable, Callable
+import hashlib
+import os
+import ssl
+import urllib.parse
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 
 import h11
 import trio
-from wsproto import ConnectionType, WSConnection
-from wsproto.events import AcceptConnection, CloseConnection, Ping, Pong, Request
-from wsproto.utilities import RemoteProtocolError as WsRemoteProtocolError
+from wsproto.events import CloseConnection, Ping, Pong
 
-from kvasir_rpc import CloseCode
-from relay._frames import (
+from kvasir_rpc._errors import CloseCode
+from kvasir_rpc._fastmask import xor_mask_into
+from kvasir_rpc._ws_frames import (
     BINARY,
     CLOSE,
     HEADROOM,
@@ -41,11 +49,10 @@ from relay._frames import (
     frame_header,
 )
 
-__all__ = ["BudgetStats", "HttpRequest", "MessageBudget", "WebSocket", "WsClosed", "WsStats", "read_request",
-           "send_response", "upgrade"]
+__all__ = ["BudgetStats", "Held", "MessageBudget", "OWN_PING", "SEND_TIMEOUT_S", "WebSocket", "WsClosed",
+           "WsConnectTimeout", "WsHandshakeError", "WsRejected", "WsStats", "open_websocket"]
 
-MAX_HEADER_BYTES = 16 << 10
-# A WebSocket's receive buffer (relay._frames.FrameReader): it starts at READ_BYTES, grows
+# A WebSocket's receive buffer (kvasir_rpc._ws_frames.FrameReader): it starts at READ_BYTES, grows
 # to BULK_READ_BYTES while reads fill it (a peer sending in bulk: fewer, larger reads), and
 # shrinks back when small reads find it empty, so an idle connection holds READ_BYTES. (A
 # single-frame message, the tunnel's bulk path, is gathered whole: the buffer grows to
@@ -55,8 +62,10 @@ BULK_READ_BYTES = 256 << 10
 # A peer that reads nothing for this long while we send to it is gone: the WebSocket is
 # closed (a send cut off mid-frame leaves nothing usable behind it).
 SEND_TIMEOUT_S = 60.0
-# The payload of this side's own keepalive pings: a pong carrying it answers us, not a ping
-# relayed from the other side of a splice.
+# What this side's own keepalive pings carry: this, then a few random bytes of each
+# WebSocket's own (``WebSocket.own_ping``). A pong carrying them answers that WebSocket, not
+# a ping relayed from the other side of a splice, nor one of a relay on the way: a worker's
+# pings pass through a gateway to the hub and their pongs back, though all three ping alike.
 OWN_PING = b"kvasir-keepalive"
 
 
@@ -158,153 +167,6 @@ class MessageBudget:
                            refused_buffer=self.refused_buffer, refused_deadline=self.refused_deadline)
 
 
-@dataclasses.dataclass
-class HttpRequest:
-    method: str
-    target: str
-    headers: list[tuple[bytes, bytes]]
-    trailing: bytes
-    http_version: str = "1.1"
-
-    def header(self, name: str) -> str | None:
-        key = name.lower().encode()
-        for k, v in self.headers:
-            if k.lower() == key:
-                return v.decode("latin-1")
-        return None
-
-    @property
-    def path(self) -> str:
-        return self.target.split("?", 1)[0]
-
-    @property
-    def is_upgrade(self) -> bool:
-        return (self.header("upgrade") or "").lower() == "websocket" and "upgrade" in (
-            self.header("connection") or ""
-        ).lower()
-
-    @property
-    def subprotocols(self) -> list[str]:
-        raw = ",".join(v.decode("latin-1") for k, v in self.headers if k.lower() == b"sec-websocket-protocol")
-        return [p.strip() for p in raw.split(",") if p.strip()]
-
-
-class HttpError(Exception):
-    """The client's bytes are not an HTTP/1.1 request we can read.
-
-    ``status`` is the answer it deserves (None when nobody is left to read one: the client
-    closed before a whole head); ``reason`` is a fixed word for statistics and logs."""
-
-    def __init__(self, message: str, *, status: int | None = 400, reason: str = "bad_request") -> None:
-        super().__init__(message)
-        self.status = status
-        self.reason = reason
-
-
-async def read_request(stream: trio.abc.ReceiveStream) -> HttpRequest:
-    """Read one HTTP request head. Raises HttpError on garbage (400), a request line over
-    MAX_HEADER_BYTES (414), a head over MAX_HEADER_BYTES (431), or EOF before a whole head
-    (status None)."""
-    conn = h11.Connection(h11.SERVER, max_incomplete_event_size=MAX_HEADER_BYTES)
-    fed = 0
-    start = bytearray()  # the first bytes, enough to tell a long request line (414) from a long head (431)
-
-    def too_big() -> HttpError:
-        if b"\n" in start[:MAX_HEADER_BYTES]:
-            return HttpError(f"request head larger than {MAX_HEADER_BYTES} bytes", status=431,
-                             reason="header_too_big")
-        return HttpError(f"request line longer than {MAX_HEADER_BYTES} bytes", status=414,
-                         reason="request_line_too_long")
-
-    while True:
-        try:
-            event = conn.next_event()
-        except h11.RemoteProtocolError as exc:
-            # h11's own bound on an incomplete head (431), or an error in a head over ours
-            if exc.error_status_hint == 431 or fed - len(conn.trailing_data[0]) > MAX_HEADER_BYTES:
-                raise too_big() from exc
-            raise HttpError(str(exc), status=exc.error_status_hint) from exc
-        if event is h11.NEED_DATA:
-            data = await stream.receive_some(MAX_HEADER_BYTES)
-            if not data:
-                raise HttpError("connection closed before a complete request", status=None, reason="incomplete")
-            fed += len(data)
-            if len(start) <= MAX_HEADER_BYTES:
-                start += data[:MAX_HEADER_BYTES + 1 - len(start)]
-            conn.receive_data(bytes(data))
-            continue
-        # h11 bounds only what is buffered while a head is incomplete: a head that ends in a
-        # later read could be up to twice the bound. Count what it really took.
-        if fed - len(conn.trailing_data[0]) > MAX_HEADER_BYTES:
-            raise too_big()
-        if isinstance(event, h11.Request):
-            trailing = b""
-            if (event.method == b"GET") and any(k.lower() == b"upgrade" for k, _ in event.headers):
-                # h11 pauses after an Upgrade request; what follows belongs to the WebSocket.
-                try:
-                    conn.next_event()
-                except h11.RemoteProtocolError:
-                    pass
-                trailing = conn.trailing_data[0]
-            return HttpRequest(
-                method=event.method.decode("ascii", "replace"),
-                target=event.target.decode("ascii", "replace"),
-                headers=list(event.headers),
-                trailing=trailing,
-                http_version=event.http_version.decode("ascii", "replace"),
-            )
-        raise HttpError(f"unexpected {type(event).__name__} before a request")
-
-
-async def send_response(stream: trio.abc.Stream, status: int, body: str, *, headers: list[tuple[str, str]] = ()) -> None:  # type: ignore[assignment]
-    """Answer with a plain-text HTTP/1.1 response and close the connection."""
-    payload = body.encode()
-    reason = {200: "OK", 400: "Bad Request", 401: "Unauthorized", 404: "Not Found", 405: "Method Not Allowed",
-              414: "URI Too Long", 426: "Upgrade Required", 429: "Too Many Requests",
-              431: "Request Header Fields Too Large", 503: "Service Unavailable"}.get(status, "")
-    head = [f"HTTP/1.1 {status} {reason}", "content-type: text/plain; charset=utf-8",
-            f"content-length: {len(payload)}", "connection: close", *(f"{k}: {v}" for k, v in headers)]
-    try:
-        await stream.send_all(("\r\n".join(head) + "\r\n\r\n").encode() + payload)
-    except trio.BrokenResourceError:
-        pass  # the client went away: nobody is left to read the answer
-    # ClosedResourceError propagates: answering on a stream we closed is our bug.
-
-
-async def upgrade(
-    stream: trio.abc.Stream,
-    request: HttpRequest,
-    *,
-    subprotocol: str,
-    max_message_bytes: int,
-    keepalive_s: float,
-    idle_timeout_s: float,
-    send_timeout_s: float = SEND_TIMEOUT_S,
-    budget: MessageBudget | None = None,
-) -> WebSocket:
-    """Accept the WebSocket upgrade of ``request`` with ``subprotocol``.
-
-    ``request`` should have passed ``relay._intake.upgrade_refusal``; one that wsproto still
-    refuses raises HttpError (400) with wsproto's words, before anything is sent."""
-    conn = WSConnection(ConnectionType.SERVER)
-    try:
-        conn.initiate_upgrade_connection(request.headers, request.target)
-    except WsRemoteProtocolError as exc:
-        raise HttpError(f"not a valid WebSocket upgrade: {exc}", reason="bad_upgrade") from exc
-    for event in conn.events():
-        if isinstance(event, Request):
-            break
-    else:  # pragma: no cover - initiate_upgrade_connection always yields the Request
-        raise HttpError("not a WebSocket upgrade")
-    # wsproto writes the 101; the frames after it are relay._frames' (the gateway's bulk path).
-    await stream.send_all(conn.send(AcceptConnection(subprotocol=subprotocol)))
-    ws = WebSocket(stream, max_message_bytes=max_message_bytes, keepalive_s=keepalive_s,
-                   idle_timeout_s=idle_timeout_s, send_timeout_s=send_timeout_s, budget=budget)
-    if request.trailing:
-        ws._reader.feed(request.trailing)
-    return ws
-
-
 class Held:
     """A binary message as ``WebSocket.receive_held`` gives it: ``buf`` holds ``room`` bytes
     (space for a frame header) and then the payload. It may be a view of the receiving
@@ -339,7 +201,8 @@ _JOIN_BYTES = 64 << 10
 
 
 class WebSocket:
-    """A server-side WebSocket over a trio stream. One task receives; any task may send.
+    """A WebSocket over a trio stream, the server's end or (``client=True``) the client's,
+    whose frames it masks. One task receives; any task may send.
 
     ``receive_message`` answers pings, enforces the largest message (close 1009), pings
     a peer silent for ``keepalive_s`` (and again every ``keepalive_s``) and closes it (1001)
@@ -353,22 +216,30 @@ class WebSocket:
     does not take within ``send_timeout_s`` ends the WebSocket (1001). Every failure
     surfaces as WsClosed with the code to report.
 
-    The frames are ``relay._frames``': received into one buffer and unmasked there, a
-    message is copied once, into a buffer with room for the header it is sent on with
+    The frames are ``kvasir_rpc._ws_frames``': received into one buffer and unmasked there,
+    a message is copied once, into a buffer with room for the header it is sent on with
     (``receive_held``/``send_held``, the splice's path). A stream with ``receive_into``
-    (``kvasir_rpc.TLSStream``) decrypts straight into that buffer.
+    (``kvasir_rpc.TLSStream``) decrypts straight into that buffer. A client masks what it
+    sends as it copies it into the frame it writes (one pass), and a held message in place.
+
+    ``on_rtt`` is told each keepalive ping's round trip (seconds), when its pong comes.
     """
 
     def __init__(self, stream: trio.abc.Stream, *, max_message_bytes: int,
                  keepalive_s: float, idle_timeout_s: float, send_timeout_s: float = SEND_TIMEOUT_S,
-                 budget: MessageBudget | None = None) -> None:
+                 budget: MessageBudget | None = None, client: bool = False,
+                 on_rtt: Callable[[float], None] | None = None) -> None:
         self._stream = stream
+        self.client = client
+        self._on_rtt = on_rtt
+        self.last_rtt_s: float | None = None  # the last keepalive ping's round trip
+        self.subprotocol: str | None = None  # what the handshake settled on (open_websocket)
         receive_into = getattr(stream, "receive_into", None)
         self._receive_into: Callable[[memoryview], Awaitable[int]] | None = (
             receive_into if callable(receive_into) else None)
         self._send_timeout = send_timeout_s
         self._cut: WsClosed | None = None
-        self._reader = FrameReader(min_bytes=READ_BYTES, max_bytes=BULK_READ_BYTES)
+        self._reader = FrameReader(min_bytes=READ_BYTES, max_bytes=BULK_READ_BYTES, client=client)
         self._state = _State.OPEN
         self._max = max_message_bytes
         self._keepalive = keepalive_s
@@ -389,6 +260,8 @@ class WebSocket:
         self._last_active = now  # the idle timer: the peer's own doing (see the class docstring)
         self._last_heard = now  # any bytes at all: the keepalive's timer
         self._last_ping = now
+        self._ping_out = False  # one of our keepalive pings awaits its pong
+        self.own_ping = OWN_PING + b"/" + os.urandom(4).hex().encode()
         self._closed: WsClosed | None = None
         self._messages_in = 0
         self._messages_out = 0
@@ -411,6 +284,11 @@ class WebSocket:
                        pings_answered=self._pings_answered, pongs_received=self._pongs,
                        control_relayed=self._relayed_control, buffered=self._size, broken=self._broken,
                        closed_locally=self._closed_locally)
+
+    def feed(self, data: bytes | bytearray | memoryview) -> None:
+        """Bytes of this WebSocket read before it existed (what followed the upgrade's head)."""
+        self._reader.feed(data)
+        self._wire_in += len(data)
 
     def forget_partial(self) -> None:
         """Drop the unfinished message, if any, and give its bytes back to the budget.
@@ -462,9 +340,13 @@ class WebSocket:
             raise self._closed.fresh()
         payload = message.encode() if isinstance(message, str) else message
         n = len(payload)
-        header = frame_header(TEXT if isinstance(message, str) else BINARY, n)
+        opcode = TEXT if isinstance(message, str) else BINARY
         self._messages_out += 1
         self._payload_out += n
+        if self.client:
+            await self._write(_masked_frame(opcode, payload))
+            return
+        header = frame_header(opcode, n)
         if n <= _JOIN_BYTES:
             await self._write(header + payload)
         else:
@@ -472,20 +354,36 @@ class WebSocket:
 
     async def send_held(self, held: Held) -> None:
         """Send a binary message as ``receive_held`` gives it: its header goes into the room
-        in front of the payload and the whole goes out in one write, without a copy."""
+        in front of the payload and the whole goes out in one write, without a copy (a
+        client masks it in place; one relaying a server's frame, whose header is shorter than
+        its own, copies it as it masks it)."""
         if self._closed is not None:
             raise self._closed.fresh()
         n = len(held)
-        header = frame_header(BINARY, n)
+        key = os.urandom(4) if self.client else None
+        header = frame_header(BINARY, n, key)
         start = held.room - len(header)
+        if start < 0:  # a client relays a server's frame: its header is shorter than ours
+            with memoryview(held.buf) as view:
+                payload = view[held.room:]
+                self._messages_out += 1
+                self._payload_out += n
+                await self._write(_masked_frame(BINARY, payload))
+                payload.release()
+            return
         with memoryview(held.buf) as view:
+            if key is not None:
+                xor_mask_into(view[held.room:], key, view[held.room:])
             view[start:held.room] = header
             self._messages_out += 1
             self._payload_out += n
             await self._write(view[start:])
 
     async def _send_frame(self, opcode: int, payload: bytes) -> None:
-        await self._write(frame_header(opcode, len(payload)) + payload)
+        if self.client:
+            await self._write(_masked_frame(opcode, payload))
+        else:
+            await self._write(frame_header(opcode, len(payload)) + payload)
 
     async def send_control(self, event: Ping | Pong) -> None:
         """Send a ping or pong received on the other side of a splice, payload unchanged.
@@ -495,10 +393,12 @@ class WebSocket:
         if self._state is _State.OPEN:
             await self._send_frame(PING if isinstance(event, Ping) else PONG, bytes(event.payload))
 
-    async def ping(self, payload: bytes = OWN_PING) -> None:
+    async def ping(self, payload: bytes | None = None) -> None:
+        payload = self.own_ping if payload is None else payload
         if self._closed is None and self._state is _State.OPEN:
             self._pings_sent += 1
             self._last_ping = trio.current_time()
+            self._ping_out = payload == self.own_ping
             await self._send_frame(PING, payload)
 
     async def close(self, code: int = 1000, reason: str = "") -> None:
@@ -690,7 +590,12 @@ class WebSocket:
             return None
         if isinstance(event, Pong):
             self._pongs += 1
-            ours = event.payload == OWN_PING
+            ours = event.payload == self.own_ping
+            if ours and self._ping_out:
+                self._ping_out = False
+                self.last_rtt_s = trio.current_time() - self._last_ping
+                if self._on_rtt is not None:
+                    self._on_rtt(self.last_rtt_s)
             if not (ours and self._relaying):
                 # Answers to our pings prove only this hop: they count while we are the end.
                 self._last_active = trio.current_time()
@@ -710,3 +615,167 @@ class WebSocket:
             await self._close_stream()
             raise self._closed.fresh()
         return None
+
+
+def _masked_frame(opcode: int, payload: bytes | bytearray | memoryview) -> bytearray:
+    """A client's frame: header, fresh mask key, and the payload masked as it is copied in."""
+    key = os.urandom(4)
+    header = frame_header(opcode, len(payload), key)
+    frame = bytearray(len(header) + len(payload))
+    frame[:len(header)] = header
+    xor_mask_into(payload, key, memoryview(frame)[len(header):])
+    return frame
+
+
+class WsHandshakeError(Exception):
+    """The WebSocket upgrade did not complete: the TCP connect failed (the OSError is the
+    cause), or the server's answer is not a WebSocket's (the message says how)."""
+
+
+class WsConnectTimeout(WsHandshakeError):
+    """No WebSocket within the connect timeout (TCP, TLS and the upgrade together)."""
+
+
+class WsRejected(WsHandshakeError):
+    """The server answered the upgrade with an HTTP status other than 101: ``status_code``,
+    its ``headers`` and the start of its ``body`` (at most MAX_REJECTION_BODY bytes)."""
+
+    def __init__(self, status_code: int, headers: list[tuple[bytes, bytes]], body: bytes) -> None:
+        first = body.decode(errors="replace").strip().splitlines()
+        super().__init__(f"HTTP {status_code}" + (f": {first[0][:200]}" if first else ""))
+        self.status_code = status_code
+        self.headers = headers
+        self.body = body
+
+
+# The largest response head a server may answer an upgrade with, and the most of a
+# refusal's body kept (its first line is what a person is shown).
+MAX_RESPONSE_HEAD = 16 << 10
+MAX_REJECTION_BODY = 16 << 10
+_ACCEPT_GUID = b"258EAFA5-E914-47DA-95CA-C5AB0DC85B11"  # RFC 6455 section 1.3
+
+
+def _header(headers: Sequence[tuple[bytes, bytes]], name: bytes) -> bytes | None:
+    values = [v for k, v in headers if k.lower() == name]
+    return b", ".join(values) if values else None
+
+
+async def _client_upgrade(stream: trio.abc.Stream, host: str, resource: str, subprotocols: Sequence[str],
+                          extra_headers: Sequence[tuple[bytes, bytes]]) -> tuple[str | None, bytes]:
+    """Send the HTTP/1.1 upgrade and read the answer (h11): ``(subprotocol, bytes after the
+    head)``. Raises WsRejected for a status other than 101, WsHandshakeError for an answer
+    that is not a valid acceptance of this upgrade."""
+    key = base64.b64encode(os.urandom(16))
+    headers = [(b"host", host.encode()), (b"upgrade", b"websocket"), (b"connection", b"Upgrade"),
+               (b"sec-websocket-key", key), (b"sec-websocket-version", b"13")]
+    if subprotocols:
+        headers.append((b"sec-websocket-protocol", ", ".join(subprotocols).encode()))
+    headers += list(extra_headers)
+    conn = h11.Connection(h11.CLIENT, max_incomplete_event_size=MAX_RESPONSE_HEAD)
+    await stream.send_all(conn.send(h11.Request(method="GET", target=resource, headers=headers))
+                          + (conn.send(h11.EndOfMessage()) or b""))
+    response: h11.Response | None = None
+    body = bytearray()
+    while True:
+        try:
+            event = conn.next_event()
+        except h11.RemoteProtocolError as exc:
+            if response is not None:  # a refusal whose body is cut short: the status is what counts
+                raise WsRejected(response.status_code, list(response.headers), bytes(body)) from None
+            raise WsHandshakeError(f"the server's answer to the upgrade is not HTTP/1.1: {exc}") from None
+        if event is h11.NEED_DATA:
+            data = await stream.receive_some(MAX_RESPONSE_HEAD)
+            conn.receive_data(bytes(data) if data else b"")  # b"": the server closed
+            continue
+        if isinstance(event, h11.InformationalResponse) and event.status_code == 101:
+            got = list(event.headers)
+            expected = base64.b64encode(hashlib.sha1(key + _ACCEPT_GUID).digest())
+            if (_header(got, b"upgrade") or b"").lower() != b"websocket":
+                raise WsHandshakeError("the server switched protocols, but not to a WebSocket")
+            if _header(got, b"sec-websocket-accept") != expected:
+                raise WsHandshakeError("the server's Sec-WebSocket-Accept does not answer this upgrade's key")
+            chosen = _header(got, b"sec-websocket-protocol")
+            subprotocol = chosen.decode("latin-1").strip() if chosen else None
+            if subprotocol is not None and subprotocol not in subprotocols:
+                raise WsHandshakeError(f"the server chose subprotocol {subprotocol!r}, which was not offered")
+            if _header(got, b"sec-websocket-extensions"):
+                raise WsHandshakeError("the server chose a WebSocket extension, and none was offered")
+            return subprotocol, bytes(conn.trailing_data[0])
+        if isinstance(event, h11.InformationalResponse):
+            continue  # 100 Continue and the like: the answer follows
+        if isinstance(event, h11.Response):
+            response = event
+        elif isinstance(event, h11.Data):
+            body += event.data[:MAX_REJECTION_BODY - len(body)]
+            if len(body) >= MAX_REJECTION_BODY:
+                event = h11.EndOfMessage()
+        if isinstance(event, h11.EndOfMessage | h11.ConnectionClosed) and response is not None:
+            raise WsRejected(response.status_code, list(response.headers), bytes(body))
+        if isinstance(event, h11.ConnectionClosed):
+            raise WsHandshakeError("the server closed the connection before answering the upgrade")
+
+
+@contextlib.asynccontextmanager
+async def open_websocket(
+    url: str,
+    ssl_context: ssl.SSLContext | None = None,
+    *,
+    subprotocols: Sequence[str] = (),
+    extra_headers: Sequence[tuple[bytes, bytes]] = (),
+    max_message_bytes: int = 1 << 20,
+    keepalive_s: float = 20.0,
+    idle_timeout_s: float = 60.0,
+    send_timeout_s: float = SEND_TIMEOUT_S,
+    connect_timeout: float = 10.0,
+    disconnect_timeout: float = 5.0,
+    on_rtt: Callable[[float], None] | None = None,
+) -> AsyncIterator[WebSocket]:
+    """A client WebSocket to ``url`` (``ws://`` or ``wss://``, whose TLS is
+    :class:`kvasir_rpc.TLSStream`'s), closed (1000, unless closed before) when the block ends.
+
+    Raises WsConnectTimeout when TCP, TLS and the upgrade take longer than
+    ``connect_timeout``; WsHandshakeError for a connect that fails (the OSError as its cause)
+    or an answer that is not a WebSocket's; WsRejected for an HTTP refusal; a failed TLS
+    handshake comes as TLSStream raises it (trio.BrokenResourceError, the ssl error in its
+    text and as its cause). ``keepalive_s``, ``idle_timeout_s``: see :class:`WebSocket`."""
+    from kvasir_rpc._tls import open_tls_over_tcp
+
+    parts = urllib.parse.urlsplit(url)
+    if parts.scheme not in ("ws", "wss") or not parts.hostname:
+        raise ValueError(f"not a ws:// or wss:// URL: {url!r}")
+    secure = parts.scheme == "wss"
+    host = parts.hostname
+    port = parts.port or (443 if secure else 80)
+    resource = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
+    shown = f"[{host}]" if ":" in host else host
+    host_header = shown if port in (80, 443) else f"{shown}:{port}"
+    stream: trio.abc.Stream | None = None
+    try:
+        with trio.fail_after(connect_timeout):
+            try:
+                if secure:
+                    stream = await open_tls_over_tcp(host, port, ssl_context or ssl.create_default_context())
+                else:
+                    stream = await trio.open_tcp_stream(host, port)
+            except OSError as exc:
+                raise WsHandshakeError(f"cannot connect to {host_header}: {exc}") from exc
+            subprotocol, trailing = await _client_upgrade(stream, host_header, resource, subprotocols, extra_headers)
+    except trio.TooSlowError:
+        if stream is not None:
+            await trio.aclose_forcefully(stream)
+        raise WsConnectTimeout(f"no WebSocket from {host_header} within {connect_timeout:g} s") from None
+    except BaseException:
+        if stream is not None:
+            await trio.aclose_forcefully(stream)
+        raise
+    ws = WebSocket(stream, max_message_bytes=max_message_bytes, keepalive_s=keepalive_s,
+                   idle_timeout_s=idle_timeout_s, send_timeout_s=send_timeout_s, client=True, on_rtt=on_rtt)
+    ws.subprotocol = subprotocol
+    if trailing:
+        ws.feed(trailing)
+    try:
+        yield ws
+    finally:
+        with trio.move_on_after(disconnect_timeout) as scope:
+            scope.shield = True
+            await ws.close(1000)

@@ -1,17 +1,17 @@
-"""The gateway's WebSocket frame layer, sans I/O: a parser of client frames that works in
-one buffer, and server frame headers.
+"""The WebSocket frame layer of every Kvasir process, sans I/O: a parser of frames that works
+in one buffer, and frame headers, for either end (RFC 6455 section 5).
 
-The gateway relays every tunnel byte twice (worker to hub, hub to worker), so the frame
-layer is on its bulk path. wsproto's general one copies each payload byte five times on the
-way in (its buffer, a slice, the unmasking, ``bytes()``, the message join) and once more on
-the way out; here bytes are received into :class:`FrameReader`'s buffer, unmasked in place
-(numpy over uint32 words) and handed out as a view, so the WebSocket copies them once, into
-the message it assembles, with room in front for the header it sends them on with.
+The gateway and the hub relay every tunnel byte, so the frame layer is on their bulk path.
+wsproto's general one copies each payload byte five times on the way in (its buffer, a
+slice, the unmasking, ``bytes()``, the message join) and once more on the way out; here
+bytes are received into :class:`FrameReader`'s buffer, unmasked in place (numpy over uint32
+words) and handed out as a view, so the WebSocket copies them once, into the message it
+assembles, with room in front for the header it sends them on with.
 
-Only what the gateway needs: server side (client frames must be masked), no extensions
-(the gateway negotiates none). Protocol errors are wsproto's, with its close codes: 1002
-for a malformed frame or sequence, 1007 for invalid UTF-8 in a text message or a close
-reason.
+A server reads masked frames and writes unmasked ones; a client the other way round
+(``FrameReader(client=True)``, ``frame_header(..., mask=key)``). No extensions (no Kvasir
+process negotiates any). Protocol errors are wsproto's, with its close codes: 1002 for a
+malformed frame or sequence, 1007 for invalid UTF-8 in a text message or a close reason.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import struct
 
 from wsproto.events import CloseConnection, Ping, Pong
 
-from kvasir_rpc import xor_mask_into
+from kvasir_rpc._fastmask import xor_mask_into
 
 __all__ = ["Progress", "BINARY", "TEXT", "CLOSE", "PING", "PONG", "Data", "FrameError", "FrameReader", "close_payload",
            "frame_header", "HEADROOM"]
@@ -30,9 +30,9 @@ __all__ = ["Progress", "BINARY", "TEXT", "CLOSE", "PING", "PONG", "Data", "Frame
 CONTINUATION, TEXT, BINARY, CLOSE, PING, PONG = 0x0, 0x1, 0x2, 0x8, 0x9, 0xA
 _OPCODES = frozenset((CONTINUATION, TEXT, BINARY, CLOSE, PING, PONG))
 _MAX_CONTROL = 125
-# The longest server frame header (2 + 8 bytes, no mask): a relayed message is assembled
-# behind this much room, so its header goes in front of it without a copy.
-HEADROOM = 10
+# The longest frame header (2 + 8 bytes, and a client's 4-byte mask): a relayed message is
+# assembled behind this much room, so its header goes in front of it without a copy.
+HEADROOM = 14
 # Close codes a peer may send (RFC 6455 7.4): the defined ones, 3000-4999, not the local-only.
 _DEFINED_CODES = frozenset((1000, 1001, 1002, 1003, 1007, 1008, 1009, 1010, 1011, 1012, 1013, 1014))
 _LOCAL_ONLY = frozenset((1005, 1006, 1015))
@@ -73,14 +73,18 @@ class Progress:
     n: int
 
 
-def frame_header(opcode: int, n: int) -> bytes:
-    """The header of an unmasked, final server frame of ``n`` payload bytes."""
+def frame_header(opcode: int, n: int, mask: bytes | None = None) -> bytes:
+    """The header of a final frame of ``n`` payload bytes: a server's (unmasked), or with
+    ``mask`` (4 bytes) a client's, whose payload must then be masked with it."""
     first = 0x80 | opcode
+    bit = 0x80 if mask is not None else 0
     if n <= _MAX_CONTROL:
-        return bytes((first, n))
-    if n <= 0xFFFF:
-        return struct.pack("!BBH", first, 126, n)
-    return struct.pack("!BBQ", first, 127, n)
+        head = bytes((first, bit | n))
+    elif n <= 0xFFFF:
+        head = struct.pack("!BBH", first, bit | 126, n)
+    else:
+        head = struct.pack("!BBQ", first, bit | 127, n)
+    return head if mask is None else head + mask
 
 
 def close_payload(code: int, reason: str) -> bytes:
@@ -104,7 +108,8 @@ def _unmask(view: memoryview, key: bytes, phase: int) -> None:
 
 
 class FrameReader:
-    """Parses the frames a client sends, out of one growable buffer.
+    """Parses the frames the peer sends, out of one growable buffer: a client's (masked, the
+    default) or, with ``client=True`` (this end is the client), a server's (unmasked).
 
     Bytes go in through :meth:`space` (a view to receive into) and :meth:`filled`, or
     :meth:`feed`; :meth:`next_event` gives ``Data``, ``Ping``, ``Pong`` or
@@ -115,7 +120,8 @@ class FrameReader:
     so idle connections hold little."""
 
     def __init__(self, *, min_bytes: int = 64 << 10, max_bytes: int = 1 << 20,
-                 gather_bytes: int = (1 << 20) + 14) -> None:
+                 gather_bytes: int = (1 << 20) + 14, client: bool = False) -> None:
+        self._masked = not client  # what the peer's frames must be
         self._min = min_bytes
         self._max = max_bytes
         # A single-frame message whose frame is at most this long is gathered in the buffer
@@ -255,16 +261,20 @@ class FrameReader:
                 raise FrameError("8-byte payload length with non-zero MSB")
         if b0 & 0x70:
             raise FrameError("Reserved bit set unexpectedly")
-        if not b1 & 0x80:
+        if self._masked and not b1 & 0x80:
             raise FrameError("server received unexpected unmasked frame")
-        size += 4
+        if not self._masked and b1 & 0x80:
+            raise FrameError("client received unexpected masked frame")
+        if self._masked:
+            size += 4
         if avail < size + (n if control else 0):
             return None  # control frames come out whole
-        key = bytes(buf[s + size - 4:s + size])
+        key = bytes(buf[s + size - 4:s + size]) if self._masked else b""
         self._start = s + size
         if control:
             view = memoryview(buf)[self._start:self._start + n]
-            _unmask(view, key, 0)
+            if key:
+                _unmask(view, key, 0)
             payload = bytes(view)
             self._start += n
             if opcode == PING:
@@ -297,7 +307,8 @@ class FrameReader:
         start = self._start
         buf = memoryview(self._buf)
         view = buf[start:start + n]
-        _unmask(view, self._key, 0)
+        if self._key:
+            _unmask(view, self._key, 0)
         text = self._message == TEXT
         if text:
             try:
@@ -319,7 +330,8 @@ class FrameReader:
         if m == 0 and self._remaining:
             return None
         view = memoryview(self._buf)[self._start:self._start + m]
-        _unmask(view, self._key, self._phase)
+        if self._key:
+            _unmask(view, self._key, self._phase)
         self._phase = (self._phase + m) % 4
         self._start += m
         self._remaining -= m

@@ -39,8 +39,8 @@ class _FaultyWebSocket:
     def __getattr__(self, name: str) -> Any:
         return getattr(self._ws, name)
 
-    async def get_message(self) -> bytes | str:
-        msg = await self._ws.get_message()
+    async def receive_message(self) -> bytes | str:
+        msg = await self._ws.receive_message()
         if isinstance(msg, bytes):
             self._binary_received += 1
             # The second binary message is SessionAccept: the session is up and idle.
@@ -85,16 +85,16 @@ def main() -> int:
 
         load.load_experts = load_experts
     else:
-        honest_open = tunnel.open_websocket_url
+        honest_open = tunnel.open_websocket
 
         @contextlib.asynccontextmanager
-        async def open_websocket_url(url: str, **kwargs: Any) -> AsyncIterator[Any]:
+        async def open_websocket(url: str, **kwargs: Any) -> AsyncIterator[Any]:
             if fault == "no-subprotocol":
                 kwargs["subprotocols"] = ["kvasir.tunnel.v0"]
             async with honest_open(url, **kwargs) as ws:
                 yield _FaultyWebSocket(ws, fault)
 
-        tunnel.open_websocket_url = open_websocket_url  # type: ignore[assignment]
+        tunnel.open_websocket = open_websocket  # type: ignore[assignment]
     return worker_main.main(argv[split + 1 :])
 
 

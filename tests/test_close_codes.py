@@ -24,14 +24,16 @@ import pytest
 import trio
 import trio.testing
 from helpers import ROOT
-from trio_websocket import ConnectionClosed, WebSocketConnection, wrap_client_stream, wrap_server_stream
+from trio_websocket import ConnectionClosed, wrap_client_stream, wrap_server_stream
 
 from kvasir_rpc import (
     CloseCode,
     HubHandshake,
     ModelShape,
     Wallet,
+    WebSocket,
     WorkerHandshake,
+    WsClosed,
     address_key,
     close_class,
     leaf_exception,
@@ -255,7 +257,7 @@ class _Closed:
 
 
 def test_the_gateway_closes_a_worker_with_no_hub_4206_and_a_late_hub_data_path_4210() -> None:
-    from relay._ws import WsClosed
+
     from relay.gateway._gateway import Gateway, GatewayConfig
 
     class GoneHub:
@@ -285,10 +287,10 @@ HUB_KEY = Wallet.generate()
 
 
 class FakeHub:
-    """What ``worker._tunnel``'s ``open_websocket_url`` dials instead of a socket: for each
-    dial, a hub over memory streams that challenges, reads the hello, accepts it when
-    ``accept``, then closes with ``code``. ``dials`` counts the dials, ``heard`` the worker's
-    own close codes (a refusal of its own)."""
+    """What ``worker._tunnel``'s ``open_websocket`` dials instead of a socket: for each dial, a
+    hub over memory streams (the library's WebSocket at both ends) that challenges, reads the
+    hello, accepts it when ``accept``, then closes with ``code``. ``dials`` counts the dials,
+    ``heard`` the worker's own close codes (a refusal of its own)."""
 
     def __init__(self, code: int, *, accept: bool = False, reason: str = "refused for a test",
                  live_s: float = 1.0) -> None:
@@ -296,15 +298,14 @@ class FakeHub:
         self.dials = 0
         self.heard: list[int] = []
 
-    async def _serve(self, nursery: trio.Nursery, stream: trio.abc.Stream) -> None:
-        req = await wrap_server_stream(nursery, stream)
-        ws = await req.accept(subprotocol=TUNNEL_SUBPROTOCOL)
+    async def _serve(self, stream: trio.abc.Stream) -> None:
+        ws = WebSocket(stream, max_message_bytes=1 << 20, keepalive_s=15.0, idle_timeout_s=25.0)
         hs = HubHandshake(HUB_KEY, tunnel_channels=0)
         try:
             await ws.send_message(hs.challenge())
-            hello = await ws.get_message()
-        except ConnectionClosed as exc:
-            self.heard.append(exc.reason.code if exc.reason else 1006)
+            hello = await ws.receive_message()
+        except WsClosed as exc:
+            self.heard.append(exc.code)
             return
         assert isinstance(hello, bytes)
         if self.accept:
@@ -312,24 +313,35 @@ class FakeHub:
             await ws.send_message(hs.accept(f"s{self.dials}-test" if info.expert_capacity == 0 else "plan",
                                             {0: (0,)} if info.expert_capacity else None))
             await trio.sleep(self.live_s)
-        await ws.aclose(self.code, self.reason)
+        await ws.close(self.code, self.reason)
 
     @contextlib.asynccontextmanager
     async def open(self, url: str, ssl_context: object = None, *, subprotocols: list[str] = (),  # type: ignore[assignment]
-                   **_: object) -> AsyncIterator[WebSocketConnection]:
+                   **_: object) -> AsyncIterator[WebSocket]:
         self.dials += 1
         client, server = trio.testing.memory_stream_pair()
         try:
             async with trio.open_nursery() as nursery:
-                nursery.start_soon(self._serve, nursery, server)
-                ws = await wrap_client_stream(nursery, client, "hub", "/", subprotocols=list(subprotocols))  # type: ignore[arg-type]
+                served = trio.Event()
+
+                async def serve() -> None:
+                    try:
+                        await self._serve(server)
+                    finally:
+                        served.set()
+
+                nursery.start_soon(serve)
+                ws = WebSocket(client, max_message_bytes=1 << 20, keepalive_s=15.0, idle_timeout_s=25.0,
+                               client=True)
+                ws.subprotocol = TUNNEL_SUBPROTOCOL if TUNNEL_SUBPROTOCOL in subprotocols else None
                 try:
                     yield ws
                 finally:
-                    with trio.move_on_after(5):
-                        await ws.aclose()
+                    await ws.close(1000)
+                    with trio.CancelScope(shield=True), trio.move_on_after(5):
+                        await served.wait()  # the hub reads what was sent
                     nursery.cancel_scope.cancel()
-        except BaseExceptionGroup as group:  # as kvasir_rpc's open_websocket_url: one error comes out as itself
+        except BaseExceptionGroup as group:  # as the worker's own open_websocket: an error comes out as itself
             if len(group.exceptions) == 1:
                 raise group.exceptions[0] from None
             raise
@@ -341,7 +353,7 @@ def fake_hub(monkeypatch):  # type: ignore[no-untyped-def]
 
     def make(code: int, **kw: object) -> FakeHub:
         hub = FakeHub(code, **kw)  # type: ignore[arg-type]
-        monkeypatch.setattr(tunnel, "open_websocket_url", hub.open)
+        monkeypatch.setattr(tunnel, "open_websocket", hub.open)
         return hub
 
     return make

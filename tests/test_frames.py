@@ -1,4 +1,4 @@
-"""relay/_frames.py, sans I/O: client frames from wsproto's own client fed whole, one byte at a
+"""kvasir_rpc/_ws_frames.py, sans I/O: client frames from wsproto's own client fed whole, one byte at a
 time and in pieces; a message gathered whole is handed out with its frame (room for a header);
 any bytes parse or raise FrameError with a close code, never anything else."""
 
@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from wsproto.events import CloseConnection, Ping, Pong
 from wsproto.frame_protocol import FrameProtocol
 
-from relay._frames import Data, FrameError, FrameReader, Progress, frame_header
+from kvasir_rpc._ws_frames import Data, FrameError, FrameReader, Progress, frame_header
 
 
 def client_frames(*messages: tuple[bytes | str, bool]) -> bytes:

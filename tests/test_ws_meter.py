@@ -19,7 +19,7 @@ from structlog.testing import capture_logs
 
 from relay._intake import Refusal, UpgradeIntake
 from relay._refusals import RefusalLog
-from relay._ws import MessageBudget
+from kvasir_rpc import MessageBudget
 from relay.hub._ws_meter import FrameMeter, MeteredStream
 
 BUDGET_S = 60.0

@@ -12,21 +12,25 @@ import time
 from collections.abc import Callable
 
 import trio
-from trio_websocket import ConnectionClosed, ConnectionRejected, ConnectionTimeout, HandshakeError, WebSocketConnection
 
 from kvasir_rpc import (
     CloseCode,
     RemoteProtocolError,
     SealedHeartbeat,
+    TunnelCipher,
+    WebSocket,
     WorkerHandshake,
+    WsClosed,
+    WsConnectTimeout,
+    WsHandshakeError,
+    WsRejected,
     close_class,
     get_logger,
     keepalive,
     leaf_exception,
-    open_websocket_url,
+    open_websocket,
     receive_message,
     send_whole,
-    TunnelCipher,
 )
 from kvasir_rpc.protocol import (
     AEAD_NAMES,
@@ -87,16 +91,18 @@ class _Conn:
         self.done = trio.Event()
 
 
-async def serve_session(ws: WebSocketConnection, uds_path: str, *, keepalive_s: float = KEEPALIVE_S,
+async def serve_session(ws: WebSocket, uds_path: str, *, keepalive_s: float = KEEPALIVE_S,
                         keepalive_timeout_s: float = KEEPALIVE_TIMEOUT_S, cipher: TunnelCipher | None = None,
                         counts: TunnelHolder | None = None, channels: int = 0) -> None:
-    """Follow the hub's control messages until the WebSocket closes (ConnectionClosed) or
-    the hub breaks the protocol or stops answering (RemoteProtocolError).
+    """Follow the hub's control messages until the WebSocket closes (WsClosed) or the hub
+    breaks the protocol or stops answering (RemoteProtocolError).
 
     What may be sent when is ``WorkerTunnel``'s; this moves the bytes, sealed and opened
     with ``cipher`` when the session is encrypted end to end. The hub's liveness is checked
     as the hub checks ours: a sealed heartbeat on an encrypted session (its heartbeats are
-    answered in ``receive_message``), a WebSocket ping otherwise. ``counts`` (when given)
+    answered in ``receive_message``), the WebSocket's own keepalive otherwise (its pings
+    after ``KEEPALIVE_S`` of silence, and 1001 after ``KEEPALIVE_TIMEOUT_S`` more: see
+    ``run_tunnel``'s ``open_websocket``). ``counts`` (when given)
     adds the HTTP/2 bytes carried each way to its ``bytes_in`` and ``bytes_out``. With
     ``channels`` (the accept's tunnel_channels) the tunnel is multiplexed: each channel the hub
     opens is a fresh connection to the local gRPC server (one per backbone connection: the
@@ -126,7 +132,8 @@ async def serve_session(ws: WebSocketConnection, uds_path: str, *, keepalive_s: 
             c.done.set()
 
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(keepalive, ws, keepalive_s, keepalive_timeout_s, heartbeat)
+        if heartbeat is not None:
+            nursery.start_soon(keepalive, ws, keepalive_s, keepalive_timeout_s, heartbeat)
         try:
             while True:
                 channel, event = tunnel.receive(await receive_message(ws, cipher, heartbeat))
@@ -191,24 +198,25 @@ async def request_plan(url: str, make_handshake: Callable[[], WorkerHandshake], 
     for attempt in range(attempts):
         handshake = make_handshake()
         try:
-            async with open_websocket_url(url, ssl_context=ssl_context, subprotocols=list(TUNNEL_SUBPROTOCOLS),
-                                          max_message_size=MAX_MESSAGE_BYTES, connect_timeout=HANDSHAKE_TIMEOUT_S,
-                                          disconnect_timeout=5) as ws:
+            async with open_websocket(url, ssl_context=ssl_context, subprotocols=list(TUNNEL_SUBPROTOCOLS),
+                                      max_message_bytes=MAX_MESSAGE_BYTES, connect_timeout=HANDSHAKE_TIMEOUT_S,
+                                      keepalive_s=KEEPALIVE_S, idle_timeout_s=KEEPALIVE_S + KEEPALIVE_TIMEOUT_S,
+                                      disconnect_timeout=5) as ws:
                 if ws.subprotocol not in TUNNEL_SUBPROTOCOLS:
                     raise TunnelRefused(f"{_shown(url, gateway)} chose subprotocol {ws.subprotocol!r}: "
                                         "not a Kvasir hub")
                 await _handshake(ws, handshake)
                 if not handshake.suggested:
-                    await ws.aclose(1000, "no slice suggested")
+                    await ws.close(1000, "no slice suggested")
                     raise TunnelRefused(f"the hub at {_shown(url, gateway)} suggested no slice (a hub too old to "
                                         "plan, or one not told the model): give the worker --experts")
-                await ws.aclose(1000, "slice taken")
+                await ws.close(1000, "slice taken")
                 return handshake.suggested
         except _HandshakeClosed as closed:
             failure = _refusal(url, closed.reason, closed.code, by_hub=True, gateway=gateway)
         except RemoteProtocolError as exc:
             failure = _refusal(url, exc.reason, exc.close_code, by_hub=False, gateway=gateway)
-        except (OSError, HandshakeError, trio.TooSlowError, trio.BrokenResourceError) as exc:
+        except (OSError, WsHandshakeError, trio.TooSlowError, trio.BrokenResourceError) as exc:
             failure, hint = _dial_failure(url, exc, gateway=gateway)
             failure += f" — {hint}" if hint else ""
         log.warning(f"asking for a slice: {failure}; retrying in {backoff:.1f} s", url=_shown(url, gateway),
@@ -218,32 +226,31 @@ async def request_plan(url: str, make_handshake: Callable[[], WorkerHandshake], 
     raise TunnelRefused(f"could not ask {where} for a slice in {attempts} tries: {failure}")
 
 
-async def _handshake(ws: WebSocketConnection, hs: WorkerHandshake) -> str:
+async def _handshake(ws: WebSocket, hs: WorkerHandshake) -> str:
     """Run ``hs`` on ``ws`` within HANDSHAKE_TIMEOUT_S: the session id. A refusal of this side's
     is sent with its code and raised (RemoteProtocolError); so is a timeout (4200,
     trio.TooSlowError); the peer's close raises _HandshakeClosed with its code and reason."""
     try:
         with trio.fail_after(HANDSHAKE_TIMEOUT_S):
-            challenge = await ws.get_message()
+            challenge = await ws.receive_message()
             if not isinstance(challenge, bytes):
                 raise RemoteProtocolError("challenge must be a binary message")
             await ws.send_message(hs.receive_challenge(challenge))
-            accept = await ws.get_message()
+            accept = await ws.receive_message()
             if not isinstance(accept, bytes):
                 raise RemoteProtocolError("accept must be a binary message")
             return hs.receive_accept(accept)
     except RemoteProtocolError as exc:
         with trio.move_on_after(2):  # the peer may be gone: do not wait on it
-            await ws.aclose(exc.close_code, exc.reason[:120])
+            await ws.close(exc.close_code, exc.reason[:120])
         raise
     except trio.TooSlowError:
         with trio.move_on_after(2):  # as the hub does: said why, with the code that says "retry"
-            await ws.aclose(CloseCode.HANDSHAKE_TIMEOUT, "handshake timed out")
+            await ws.close(CloseCode.HANDSHAKE_TIMEOUT, "handshake timed out")
         raise
-    except ConnectionClosed as exc:
+    except WsClosed as exc:
         # The peer closed during the handshake: its close code says why.
-        why = exc.reason
-        raise _HandshakeClosed(why.code if why else CloseCode.GOING_AWAY, (why.reason if why else "") or "") from None
+        raise _HandshakeClosed(exc.code, exc.reason) from None
 
 
 class ReplanRequested(Exception):
@@ -264,7 +271,7 @@ class TunnelHolder:
 
     def __init__(self, url: str = "") -> None:
         self.url = url
-        self.ws: WebSocketConnection | None = None
+        self.ws: WebSocket | None = None
         self.closing = False
         self.state = "connecting"  # connecting | connected | retrying
         self.session_id = ""
@@ -281,7 +288,7 @@ class TunnelHolder:
         self.closing = True
         if self.ws is not None:
             with trio.move_on_after(2):
-                await self.ws.aclose(CloseCode.GOING_AWAY, reason)
+                await self.ws.close(CloseCode.GOING_AWAY, reason)
 
 
 def _peer(gateway: bool) -> tuple[str, str]:
@@ -300,8 +307,8 @@ def _dial_failure(url: str, exc: BaseException, *, gateway: bool) -> tuple[str, 
     worker dials a gateway (--gateway), else a hub (--hub)."""
     what, flag = _peer(gateway)
     where = f"{what} at {_shown(url, gateway)}"
-    if type(exc) is HandshakeError and isinstance(exc.__cause__, OSError):
-        exc = exc.__cause__  # open_websocket_url's wrapping of a failed TCP connect
+    if type(exc) is WsHandshakeError and isinstance(exc.__cause__, OSError):
+        exc = exc.__cause__  # open_websocket's wrapping of a failed TCP connect
     if isinstance(exc, OSError) and isinstance(leaf_exception(exc.__cause__ or exc), OSError):
         exc = leaf_exception(exc.__cause__ or exc)  # trio's "all attempts to connect failed": the first reason
     # TLSStream reports a failed TLS handshake as BrokenResourceError, the ssl error in its text.
@@ -311,7 +318,7 @@ def _dial_failure(url: str, exc: BaseException, *, gateway: bool) -> tuple[str, 
         raise TunnelRefused(f"worker: {flag} {_shown(url, gateway)}: the gateway's TLS certificate is not trusted "
                             f"({why}); pass the CA that signed it with --ca-file (`kvasir certs DIR` writes a "
                             "development CA as DIR/ca.pem)")
-    if isinstance(exc, ConnectionRejected):
+    if isinstance(exc, WsRejected):
         body = bytes(exc.body or b"").decode(errors="replace").strip().splitlines()
         said = f": {body[0][:200]}" if body else ""
         if 400 <= exc.status_code < 500 and exc.status_code not in (408, 429):
@@ -321,7 +328,7 @@ def _dial_failure(url: str, exc: BaseException, *, gateway: bool) -> tuple[str, 
                                 f"{exc.status_code}{said}; check {flag}{hint}")
         return f"{where} answered HTTP {exc.status_code}{said}", ""
     running = f"is {what} running, and is {flag} its --listen address?"
-    if isinstance(exc, ConnectionTimeout):
+    if isinstance(exc, WsConnectTimeout):
         return f"no answer from {where} within {HANDSHAKE_TIMEOUT_S:g} s", running
     if isinstance(exc, trio.TooSlowError):
         return f"{where} did not finish the session handshake within {HANDSHAKE_TIMEOUT_S:g} s", ""
@@ -331,8 +338,8 @@ def _dial_failure(url: str, exc: BaseException, *, gateway: bool) -> tuple[str, 
         return f"no TLS session with {where}: {exc}", f"is {flag} a wss:// gateway's address?"
     if isinstance(exc, OSError):
         return f"cannot reach {where}: {exc.strerror or exc}", running
-    if isinstance(exc, HandshakeError):
-        return f"{where} did not complete a WebSocket upgrade ({type(exc).__name__}{f': {exc}' if str(exc) else ''})", \
+    if isinstance(exc, WsHandshakeError):
+        return f"{where} did not complete a WebSocket upgrade ({exc})", \
             f"is {flag} the address of {what}?"
     return f"{where}: {exc}", ""
 
@@ -387,12 +394,12 @@ async def run_tunnel(
         failure, hint = "", ""
         holder.state = "connecting"
         try:
-            async with open_websocket_url(
+            async with open_websocket(
                 url,
                 ssl_context=ssl_context,
                 subprotocols=list(TUNNEL_SUBPROTOCOLS),
-                max_message_size=MAX_MESSAGE_BYTES, receive_buffer_size=READ_BYTES,
-                message_queue_size=4,
+                max_message_bytes=MAX_MESSAGE_BYTES,
+                keepalive_s=KEEPALIVE_S, idle_timeout_s=KEEPALIVE_S + KEEPALIVE_TIMEOUT_S,
                 connect_timeout=HANDSHAKE_TIMEOUT_S,
                 disconnect_timeout=5,
             ) as ws:
@@ -412,41 +419,41 @@ async def run_tunnel(
                          backbone_connections=hs.channels or 1)
                 try:
                     await serve_session(ws, uds_path, cipher=hs.cipher, counts=holder, channels=hs.channels)
-                except* ConnectionClosed as eg:
+                except* WsClosed as eg:
                     if not holder.closing:
                         raise
-                    # TunnelHolder.close is closing this WebSocket and waits for the hub's
-                    # answer to its close frame. Leave the block without raising: an error
-                    # would cancel the connection's reader task before it reads that answer,
-                    # and close() would wait out its whole timeout on every shutdown.
-                    reason = leaf_exception(eg).reason  # type: ignore[attr-defined]
-                    log.info("tunnel closed", code=reason.code, reason=reason.reason)
+                    # TunnelHolder.close closed this WebSocket (1001): the worker is stopping.
+                    closed = leaf_exception(eg)
+                    assert isinstance(closed, WsClosed)
+                    log.info("tunnel closed", code=closed.code, reason=closed.reason)
                 except* RemoteProtocolError as eg:
                     perr = leaf_exception(eg)
                     assert isinstance(perr, RemoteProtocolError)
                     with trio.move_on_after(2):  # the hub may be gone: do not wait on it
-                        await ws.aclose(perr.close_code, perr.reason[:120])
+                        await ws.close(perr.close_code, perr.reason[:120])
                     raise
         except* _HandshakeClosed as eg:
             closed = leaf_exception(eg)
             assert isinstance(closed, _HandshakeClosed)
             failure = _refusal(url, closed.reason, closed.code, by_hub=True, gateway=gateway)
-        except* ConnectionClosed as eg:
-            reason = leaf_exception(eg).reason  # type: ignore[attr-defined]
+        except* WsClosed as eg:
+            reason = leaf_exception(eg)
+            assert isinstance(reason, WsClosed)
             kind = close_class(reason.code)
             if kind == "replan" and replan:
                 raise ReplanRequested(reason.reason or "the hub asks for a new plan") from None
             if kind == "permanent":  # raises TunnelRefused
                 _refusal(url, reason.reason or "", reason.code, by_hub=True, gateway=gateway)
             retry_later = kind == "retry"
-            failure = f"the session with {what} at {shown} ended: {reason.reason or 'no reason'} " \
+            side = " on this side" if reason.local else ""  # our keepalive found the hub silent, say
+            failure = f"the session with {what} at {shown} ended{side}: {reason.reason or 'no reason'} " \
                       f"(close code {reason.code})"
         except* RemoteProtocolError as eg:
             perr = leaf_exception(eg)
             assert isinstance(perr, RemoteProtocolError)
             failure = (f"the session with {what} at {shown} ended: {perr.reason} (close code {perr.close_code})"
                        if established else _refusal(url, perr.reason, perr.close_code, by_hub=False, gateway=gateway))
-        except* (OSError, HandshakeError, trio.TooSlowError, trio.BrokenResourceError) as eg:
+        except* (OSError, WsHandshakeError, trio.TooSlowError, trio.BrokenResourceError) as eg:
             failure, hint = _dial_failure(url, leaf_exception(eg), gateway=gateway)
         holder.ws = None
         if holder.closing:

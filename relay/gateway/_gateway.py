@@ -25,7 +25,18 @@ import ssl
 
 import trio
 
-from kvasir_rpc import CloseCode, RemoteProtocolError, TLSStream, address_key, get_logger, remote_host
+from kvasir_rpc import (
+    CloseCode,
+    Held,
+    MessageBudget,
+    RemoteProtocolError,
+    TLSStream,
+    WebSocket,
+    WsClosed,
+    address_key,
+    get_logger,
+    remote_host,
+)
 from kvasir_rpc.protocol import (
     GATEWAY_SUBPROTOCOL,
     HEALTH_PATH,
@@ -43,17 +54,7 @@ from relay._buckets import TokenBuckets
 from relay._heap_trim import Trimmer
 from relay._intake import Refusal, http_error_refusal, upgrade_refusal
 from relay._refusals import RefusalLog
-from relay._ws import (
-    Held,
-    HttpError,
-    HttpRequest,
-    MessageBudget,
-    WebSocket,
-    WsClosed,
-    read_request,
-    send_response,
-    upgrade,
-)
+from relay._ws import HttpError, HttpRequest, read_request, send_response, upgrade
 from relay.gateway._pairing import Pairing, Pairings
 
 __all__ = ["GatewayConfig", "GatewayStats", "serve_gateway"]

@@ -24,6 +24,7 @@ from kvasir_rpc import (
     CloseCode,
     HelloInfo,
     HubHandshake,
+    MessageBudget,
     ModelShape,
     RemoteProtocolError,
     SealedHeartbeat,
@@ -56,7 +57,7 @@ from kvasir_rpc.protocol import (
 from relay._heap_trim import Trimmer
 from relay._intake import Refusal, UpgradeIntake
 from relay._refusals import RefusalLog
-from relay._ws import HttpRequest, MessageBudget
+from relay._ws import HttpRequest
 from relay.hub._admission import SessionRate, Standing, WalletHistory, standing_of
 from relay.hub._plan import pick_mover, plan_slice
 from relay.hub._registry import SessionRegistry

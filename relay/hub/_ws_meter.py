@@ -6,7 +6,7 @@ bounds their sum over connections, how long a message may stay unfinished, or wh
 connection sends before its session is accepted. ``MeteredStream`` sits under it, between
 the socket and trio-websocket, and counts what the worker sends as it goes by, with
 ``FrameMeter`` (sans-IO: bytes in, frame boundaries out). It enforces, as the gateway's own
-WebSocket does (``relay._ws.MessageBudget``):
+WebSocket does (``kvasir_rpc.MessageBudget``):
 
 * bytes of unfinished messages over all connections within a shared budget (close 4208);
 * a deadline from a message's first byte to its last (close 4209);
@@ -26,9 +26,8 @@ from collections.abc import Callable
 
 import trio
 
-from kvasir_rpc import CloseCode
+from kvasir_rpc import CloseCode, MessageBudget
 from relay._refusals import RefusalLog
-from relay._ws import MessageBudget
 
 __all__ = ["FrameMeter", "MeteredStream"]
 
