@@ -135,11 +135,14 @@ class MessageBudget:
     """Bounds shared by every WebSocket given it: at most ``limit`` bytes of partially
     received messages in all, and at most ``deadline_s`` from a message's first fragment to
     its last. Single-threaded (trio): no lock. ``on_release`` is told of every byte given back
-    (a ``relay._heap_trim.Trimmer`` returns the heap's free pages after many)."""
+    (a ``relay._heap_trim.Trimmer`` returns the heap's free pages after many). ``holder``
+    names the process in the reason of a close 4208 ("the gateway holds too many...")."""
 
-    def __init__(self, limit: int, deadline_s: float, *, on_release: Callable[[int], None] | None = None) -> None:
+    def __init__(self, limit: int, deadline_s: float, *, on_release: Callable[[int], None] | None = None,
+                 holder: str = "this relay") -> None:
         if limit <= 0 or deadline_s <= 0:
             raise ValueError("a message budget needs a positive limit and deadline")
+        self.holder = holder
         self.limit = limit
         self.deadline_s = deadline_s
         self._buffered = 0
@@ -191,10 +194,9 @@ class _State(enum.Enum):
     CLOSED = "closed"  # the peer's close frame came
 
 
-# Before closing 1009, the rest of the oversized frame is read and dropped if this little is
-# left of it, for this long at most (see WebSocket._drain_frame).
-_DRAIN_BYTES = 256 << 10
-_DRAIN_S = 1.0
+# After closing a peer caught mid-message, what it still sends is read and dropped for this
+# long at most (see WebSocket._refuse).
+_LINGER_S = 2.0
 # A message up to this size is sent as one buffer (header and payload joined); a larger one
 # as two writes, without copying its payload.
 _JOIN_BYTES = 64 << 10
@@ -231,7 +233,7 @@ class WebSocket:
                  on_rtt: Callable[[float], None] | None = None) -> None:
         self._stream = stream
         self.client = client
-        self._on_rtt = on_rtt
+        self.on_rtt = on_rtt  # may be set later too (a hub sets it once the session is known)
         self.last_rtt_s: float | None = None  # the last keepalive ping's round trip
         self.subprotocol: str | None = None  # what the handshake settled on (open_websocket)
         receive_into = getattr(stream, "receive_into", None)
@@ -275,6 +277,16 @@ class WebSocket:
         self._relayed_control = 0
         self._broken = 0
         self._closed_locally = 0
+
+    @property
+    def max_message_bytes(self) -> int:
+        """The largest message this side takes (more: close 1009). A hub raises it once a
+        worker's hello is verified: before, one hello is all it may send."""
+        return self._max
+
+    @max_message_bytes.setter
+    def max_message_bytes(self, n: int) -> None:
+        self._max = n
 
     def statistics(self) -> WsStats:
         """A frozen snapshot of this WebSocket's counters."""
@@ -458,8 +470,11 @@ class WebSocket:
                 await self._handle(CloseConnection(code=exc.code, reason=str(exc)), relay)
             await self._receive_more()
 
-    async def _expire(self, code: int, reason: str) -> WsClosed:
-        await self.close(code, reason)
+    async def _expire(self, code: int, reason: str, *, mid_message: bool = False) -> WsClosed:
+        if mid_message:  # the peer may be sending still: its bytes are read before the stream closes
+            await self._refuse(code, reason)
+        else:
+            await self.close(code, reason)
         return WsClosed(code, reason, local=True)
 
     async def _read_into(self, view: memoryview) -> int:
@@ -480,7 +495,7 @@ class WebSocket:
                 assert budget is not None
                 budget.refused_deadline += 1
                 raise await self._expire(CloseCode.MESSAGE_TIMEOUT,
-                                         f"message not finished within {budget.deadline_s:g} s")
+                                         f"message not finished within {budget.deadline_s:g} s", mid_message=True)
             if now >= self._last_active + self._idle_timeout:
                 raise await self._expire(1001, "idle timeout")
             next_ping = max(self._last_heard, self._last_ping) + self._keepalive
@@ -509,27 +524,48 @@ class WebSocket:
         """``n`` more bytes of the message being received: closes 1009 past the largest."""
         self._size += n
         if self._size > self._max:
-            await self._drain_frame()
-            await self.close(1009, f"message larger than {self._max} bytes")
+            await self._refuse(1009, f"message larger than {self._max} bytes")
             raise WsClosed(1009, "message too big", local=True)
 
-    async def _drain_frame(self) -> None:
-        """Read and drop the rest of the frame being received, if little is left (at most
-        _DRAIN_BYTES, for at most _DRAIN_S): a peer still sending an oversized message then
-        reads our close frame, where closing a socket with unread bytes in it would reset
-        the connection and lose the close frame."""
-        left = self._reader.discard_frame()
-        with trio.move_on_after(_DRAIN_S):
-            while 0 < left <= _DRAIN_BYTES:
+    async def _refuse(self, code: int, reason: str) -> None:
+        """Close ``code`` for a peer caught mid-message (too big, over the budget, past its
+        deadline): our close frame, then what the peer still sends is read and dropped until
+        its close frame or its end, for _LINGER_S at most, and only then the stream closes.
+        Closing a socket with unread bytes in it resets the connection, and a reset can
+        destroy our close frame before the peer reads it. Only the receiving task calls it."""
+        if self._closed is None:
+            self._closed = WsClosed(code, reason, local=True)
+        self.forget_partial()  # its bytes go back to the budget now, not after the linger
+        if self._state is _State.OPEN:
+            self._state = _State.LOCAL_CLOSING
+            try:
+                await self._send_frame(CLOSE, close_payload(code, reason[:120]))
+            except WsClosed:
+                pass
+            else:
+                await self._linger()
+        await self._close_stream()
+
+    async def _linger(self) -> None:
+        reader = self._reader
+        with trio.move_on_after(_LINGER_S):
+            while True:
                 try:
-                    n = await self._read_into(self._reader.space())
+                    reader.discard_frame()
+                    while (event := reader.next_event()) is not None:
+                        if isinstance(event, CloseConnection):
+                            return
+                        reader.discard_frame()  # a data frame's bytes: dropped as they come
+                except FrameError:
+                    return
+                try:
+                    n = await self._read_into(reader.space())
                 except (trio.BrokenResourceError, trio.ClosedResourceError):
                     return
                 if not n:
                     return
-                self._reader.filled(n)
+                reader.filled(n)
                 self._wire_in += n
-                left = self._reader.discard_frame()
 
     async def _unfinished(self, n: int) -> None:
         """``n`` bytes of a message that is not finished yet arrived: bound its size, start
@@ -541,8 +577,8 @@ class WebSocket:
         if self._budget is not None:
             if not self._budget.take(n):
                 self._budget.refused_buffer += 1
-                await self.close(CloseCode.BUFFERS_FULL,
-                                 "the gateway holds too many unfinished messages; try again later")
+                await self._refuse(CloseCode.BUFFERS_FULL,
+                                   f"{self._budget.holder} holds too many unfinished messages; try again later")
                 raise WsClosed(CloseCode.BUFFERS_FULL, "message buffers full", local=True)
             self._charged += n
 
@@ -594,8 +630,8 @@ class WebSocket:
             if ours and self._ping_out:
                 self._ping_out = False
                 self.last_rtt_s = trio.current_time() - self._last_ping
-                if self._on_rtt is not None:
-                    self._on_rtt(self.last_rtt_s)
+                if self.on_rtt is not None:
+                    self.on_rtt(self.last_rtt_s)
             if not (ours and self._relaying):
                 # Answers to our pings prove only this hop: they count while we are the end.
                 self._last_active = trio.current_time()
@@ -675,6 +711,7 @@ async def _client_upgrade(stream: trio.abc.Stream, host: str, resource: str, sub
     await stream.send_all(conn.send(h11.Request(method="GET", target=resource, headers=headers))
                           + (conn.send(h11.EndOfMessage()) or b""))
     response: h11.Response | None = None
+    answered = False  # any byte came back
     body = bytearray()
     while True:
         try:
@@ -682,10 +719,13 @@ async def _client_upgrade(stream: trio.abc.Stream, host: str, resource: str, sub
         except h11.RemoteProtocolError as exc:
             if response is not None:  # a refusal whose body is cut short: the status is what counts
                 raise WsRejected(response.status_code, list(response.headers), bytes(body)) from None
-            raise WsHandshakeError(f"the server's answer to the upgrade is not HTTP/1.1: {exc}") from None
+            raise WsHandshakeError(f"the server answered in something other than HTTP/1.1 ({exc})") from None
         if event is h11.NEED_DATA:
             data = await stream.receive_some(MAX_RESPONSE_HEAD)
-            conn.receive_data(bytes(data) if data else b"")  # b"": the server closed
+            if not data and response is None and not answered:
+                raise WsHandshakeError("the server closed the connection without answering the upgrade")
+            answered = answered or bool(data)
+            conn.receive_data(bytes(data) if data else b"")  # b"": the server closed (a body read to its end)
             continue
         if isinstance(event, h11.InformationalResponse) and event.status_code == 101:
             got = list(event.headers)
@@ -711,8 +751,6 @@ async def _client_upgrade(stream: trio.abc.Stream, host: str, resource: str, sub
                 event = h11.EndOfMessage()
         if isinstance(event, h11.EndOfMessage | h11.ConnectionClosed) and response is not None:
             raise WsRejected(response.status_code, list(response.headers), bytes(body))
-        if isinstance(event, h11.ConnectionClosed):
-            raise WsHandshakeError("the server closed the connection before answering the upgrade")
 
 
 @contextlib.asynccontextmanager

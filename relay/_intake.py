@@ -2,12 +2,10 @@
 
 ``upgrade_refusal`` checks a parsed request against RFC 6455 4.1/4.2.1 and names the
 answer (status, headers, a sentence) for the first thing wrong; the gateway calls it in its
-router. ``UpgradeIntake`` is a listener for trio-websocket's ``WebSocketServer`` (the hub):
-it reads each connection's request head with ``relay._ws.read_request`` under a deadline,
-answers a bad one itself (one refusal through a ``RefusalLog``, then closes it) and hands on
-only good ones, their bytes replayed, so trio-websocket never sees a malformed upgrade (it
-would answer a bare 400, log nothing, and hold the connection's task until its connect
-timeout).
+router. ``UpgradeIntake`` is the hub's: it accepts TCP connections, reads each one's request
+head with ``relay._ws.read_request`` under a deadline, answers a bad one itself (one refusal
+through a ``RefusalLog``, then closes it) and hands each good one, with its parsed request,
+to the hub's handler (which answers the upgrade with ``relay._ws.upgrade``).
 """
 
 from __future__ import annotations
@@ -16,7 +14,7 @@ import base64
 import binascii
 import collections
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import trio
@@ -84,51 +82,6 @@ def http_error_refusal(exc: HttpError) -> Refusal | None:
     return Refusal(exc.reason, exc.status, str(exc))
 
 
-class _Replayed(trio.abc.Stream):
-    """A stream that gives back ``prefix`` (the bytes the intake read) before reading on."""
-
-    def __init__(self, inner: trio.abc.Stream, prefix: bytes, remote: str) -> None:
-        self._inner = inner
-        self._prefix = prefix
-        self._remote = remote
-
-    def __repr__(self) -> str:
-        # trio-websocket shows a stream it cannot place by its repr (WebSocketConnection.remote).
-        return self._remote
-
-    async def receive_some(self, max_bytes: int | None = None) -> bytes:
-        if self._prefix:
-            n = len(self._prefix) if max_bytes is None else max_bytes
-            data, self._prefix = self._prefix[:n], self._prefix[n:]
-            return data
-        return bytes(await self._inner.receive_some(max_bytes))
-
-    async def send_all(self, data: bytes | bytearray | memoryview) -> None:
-        await self._inner.send_all(data)
-
-    async def wait_send_all_might_not_block(self) -> None:
-        await self._inner.wait_send_all_might_not_block()
-
-    async def aclose(self) -> None:
-        await self._inner.aclose()
-
-
-class _Recording(trio.abc.ReceiveStream):
-    """Reads from ``inner`` and keeps a copy (at most a head's worth: read_request bounds it)."""
-
-    def __init__(self, inner: trio.abc.Stream) -> None:
-        self.inner = inner
-        self.seen = bytearray()
-
-    async def receive_some(self, max_bytes: int | None = None) -> bytes:
-        data = bytes(await self.inner.receive_some(max_bytes))
-        self.seen += data
-        return data
-
-    async def aclose(self) -> None:
-        await self.inner.aclose()
-
-
 def _remote(stream: trio.abc.Stream) -> str:
     sock = getattr(stream, "socket", None)
     try:
@@ -138,26 +91,30 @@ def _remote(stream: trio.abc.Stream) -> str:
     return f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else "unknown"
 
 
-class UpgradeIntake(trio.abc.Listener[trio.abc.Stream]):
-    """A listener over ``listeners`` that hands on only well-formed WebSocket upgrades.
+# What the intake hands a good upgrade to: the stream (its head read, the bytes after it in
+# the request's ``trailing``), the request, and the peer's address; it runs in the
+# connection's own task for the connection's life.
+Handler = Callable[[trio.abc.Stream, HttpRequest, str], Awaitable[None]]
 
-    ``serve`` (start it in a nursery before whoever calls ``accept``) accepts every
-    connection and screens each in its own task: its request head must arrive within
-    ``timeout_s`` and pass ``upgrade_refusal``. A refused connection gets its answer and
-    one (rate-limited) line in ``refusals``, and is closed; nothing of it reaches
-    ``accept``. ``accept`` returns the good ones with their bytes replayed from the start.
+
+class UpgradeIntake:
+    """Accepts on ``listeners`` and hands ``handle`` only well-formed WebSocket upgrades.
+
+    ``serve`` accepts every connection and screens each in its own task: its request head
+    must arrive within ``timeout_s`` and pass ``upgrade_refusal``. A refused connection gets
+    its answer and one (rate-limited) line in ``refusals``, and is closed; nothing of it
+    reaches ``handle``, which gets the good ones in the same task.
 
     At most ``max_screening`` connections are screened at once: one more closes the oldest
     (counted as ``crowded_out``), so a flood of silent connections holds a bounded number of
     tasks and descriptors and cannot keep out a client whose head comes in one round trip.
     ``admit`` (the server's own capacity) may refuse a good upgrade (a Refusal, answered
-    like the others); ``wrap(stream, remote, head_bytes)`` makes the stream handed on, whose
-    first ``head_bytes`` are the request head (both are called together, with
-    no checkpoint between, so a count checked in one and raised in the other is exact)."""
+    like the others); ``handle`` starts with no checkpoint after it, so a count checked in
+    one and raised in the other is exact."""
 
     def __init__(self, listeners: list[trio.SocketListener], refusals: RefusalLog, *, timeout_s: float,
-                 max_screening: int = 256, admit: Callable[[HttpRequest, str], Refusal | None] | None = None,
-                 wrap: Callable[[trio.abc.Stream, str, int], trio.abc.Stream] | None = None) -> None:
+                 handle: Handler, max_screening: int = 256,
+                 admit: Callable[[HttpRequest, str], Refusal | None] | None = None) -> None:
         if not listeners:
             raise ValueError("an intake needs at least one listener")
         if max_screening < 1:
@@ -167,10 +124,9 @@ class UpgradeIntake(trio.abc.Listener[trio.abc.Stream]):
         self._timeout = timeout_s
         self._max_screening = max_screening
         self._admit = admit
-        self._wrap = wrap
+        self._handle = handle
         # Connections being screened, oldest first (cancelling one's scope closes it).
         self._screening: collections.deque[trio.CancelScope] = collections.deque()
-        self._ready_send, self._ready = trio.open_memory_channel[trio.abc.Stream](0)
 
     @property
     def screening(self) -> int:
@@ -205,9 +161,10 @@ class UpgradeIntake(trio.abc.Listener[trio.abc.Stream]):
                 nursery.start_soon(self._screen_within, stream, _remote(stream), scope)
 
     async def _screen_within(self, stream: trio.abc.Stream, remote: str, scope: trio.CancelScope) -> None:
+        request: HttpRequest | None = None
         try:
             with scope:
-                await self.screen(stream, remote)
+                request = await self.screen(stream, remote)
         finally:
             if scope in self._screening:
                 self._screening.remove(scope)
@@ -216,15 +173,18 @@ class UpgradeIntake(trio.abc.Listener[trio.abc.Stream]):
                                    detail=f"closed for a newer connection ({self._max_screening} were sending their heads)")
             with trio.CancelScope(shield=True):
                 await stream.aclose()
+            return
+        if request is not None:
+            await self._handle(stream, request, remote)
 
-    async def screen(self, stream: trio.abc.Stream, remote: str) -> None:
-        """Read and check one connection's head; hand it on, or answer, log and close it."""
-        recording = _Recording(stream)
+    async def screen(self, stream: trio.abc.Stream, remote: str) -> HttpRequest | None:
+        """Read and check one connection's head: the request to hand on, or None when it was
+        answered, logged and closed here."""
         refusal: Refusal | None = None
         try:
             with trio.fail_after(self._timeout):
                 try:
-                    req = await read_request(recording)
+                    req = await read_request(stream)
                     refusal = upgrade_refusal(req)
                     if refusal is None and self._admit is not None:
                         refusal = self._admit(req, remote)
@@ -233,40 +193,20 @@ class UpgradeIntake(trio.abc.Listener[trio.abc.Stream]):
                     if refusal is None:  # gone before a whole head: no answer to give
                         self._refusals.refused(exc.reason, remote=remote, detail=str(exc))
                         await stream.aclose()
-                        return
+                        return None
                 if refusal is not None:
                     await send_response(stream, refusal.status, refusal.message + "\n", headers=list(refusal.headers))
         except trio.TooSlowError:
             self._refusals.refused("handshake_timeout", remote=remote,
                                    detail=f"no whole request head within {self._timeout:g} s")
             await stream.aclose()
-            return
+            return None
         except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
             self._refusals.refused("broken", remote=remote, detail=f"{type(exc).__name__}: {exc}")
             await stream.aclose()
-            return
+            return None
         if refusal is not None:
             self._refusals.refused(refusal.reason, remote=remote, status=refusal.status, detail=refusal.message)
             await stream.aclose()
-            return
-        handed: trio.abc.Stream = _Replayed(stream, bytes(recording.seen), remote)
-        if self._wrap is not None:
-            handed = self._wrap(handed, remote, len(recording.seen) - len(req.trailing))
-        try:
-            await self._ready_send.send(handed)
-        except (trio.ClosedResourceError, trio.BrokenResourceError):
-            await handed.aclose()  # the intake is closing
-        except BaseException:  # crowded out (cancelled) before trio-websocket took it
-            with trio.CancelScope(shield=True):
-                await handed.aclose()  # a wrapper's count ends with it
-            raise
-
-    async def accept(self) -> trio.abc.Stream:
-        return await self._ready.receive()
-
-    async def aclose(self) -> None:
-        await self._ready_send.aclose()
-        await self._ready.aclose()
-        for listener in self._listeners:
-            await listener.aclose()
-        await trio.lowlevel.checkpoint()
+            return None
+        return req

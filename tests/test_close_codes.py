@@ -24,7 +24,6 @@ import pytest
 import trio
 import trio.testing
 from helpers import ROOT
-from trio_websocket import ConnectionClosed, wrap_client_stream, wrap_server_stream
 
 from kvasir_rpc import (
     CloseCode,
@@ -123,22 +122,21 @@ async def _dial(hub, hs: WorkerHandshake | None, *, remote: str = REMOTE,  # typ
     with trio.fail_after(60):
         async with trio.open_nursery() as nursery:
             async def serve() -> None:
-                req = await wrap_server_stream(nursery, server)
-                await hub.serve_connection(await req.accept(subprotocol=TUNNEL_SUBPROTOCOL), remote)
+                ws = WebSocket(server, max_message_bytes=1 << 22, keepalive_s=15.0, idle_timeout_s=25.0)
+                await hub.serve_connection(ws, remote)
 
             nursery.start_soon(serve)
-            ws = await wrap_client_stream(nursery, client, "hub", "/", subprotocols=[TUNNEL_SUBPROTOCOL])  # type: ignore[arg-type]
+            ws = WebSocket(client, max_message_bytes=1 << 22, keepalive_s=15.0, idle_timeout_s=25.0, client=True)
             try:
-                challenge = await ws.get_message()
+                challenge = await ws.receive_message()
                 assert isinstance(challenge, bytes)
                 if hs is not None:
                     data = hs.receive_challenge(challenge)
                     await ws.send_message(hello(data) if hello else data)
-                got = await ws.get_message()
+                got = await ws.receive_message()
                 raise AssertionError(f"not refused: {got!r:.60}")
-            except ConnectionClosed as exc:
-                assert exc.reason is not None
-                return exc.reason.code, exc.reason.reason or ""
+            except WsClosed as exc:
+                return exc.code, exc.reason
             finally:
                 nursery.cancel_scope.cancel()
 

@@ -19,6 +19,7 @@ from wsmem import MemClient, open_client
 from wsproto.events import BytesMessage, CloseConnection, Event, Ping, Pong
 
 from kvasir_rpc import CloseCode
+from kvasir_rpc._ws import _LINGER_S
 from kvasir_rpc.protocol import (
     GATEWAY_SUBPROTOCOL,
     HUB_CONTROL_PATH,
@@ -545,7 +546,9 @@ def test_a_spliced_worker_trickling_a_message_is_cut_4209_at_the_deadline_and_th
             assert h.gateway.statistics().buffered_bytes == 5 * 4096
             got = await closed_with(worker)
             assert got.code == CloseCode.MESSAGE_TIMEOUT and "not finished within 7 s" in got.reason
-            assert trio.current_time() - start == pytest.approx(7.0)
+            # At the deadline; the connection's end waits out the linger for this test worker,
+            # which does not answer the close (kvasir_rpc._ws: WebSocket._refuse).
+            assert trio.current_time() - start in (pytest.approx(7.0), pytest.approx(7.0 + _LINGER_S))
             relayed = await closed_with(data)  # the hub hears why its session ended
             assert relayed.code == CloseCode.MESSAGE_TIMEOUT
             await hub.close()

@@ -1,5 +1,5 @@
-"""The sealed heartbeat over real WebSockets (trio-websocket on an in-memory stream, a fake
-clock): an encrypted session's liveness check, which the byte movers handle below the
+"""The sealed heartbeat over real WebSockets (the library's, both ends, on an in-memory
+stream, a fake clock): an encrypted session's liveness check, which the byte movers handle below the
 tunnel's control state machine.
 
 A peer that answers is kept however long the session lasts; one whose heartbeats stop
@@ -17,8 +17,8 @@ from collections.abc import AsyncIterator
 import pytest
 import trio
 import trio.testing
-from trio_websocket import WebSocketConnection, wrap_client_stream, wrap_server_stream
 
+from kvasir_rpc import WebSocket
 from kvasir_rpc._channel import Heartbeat, HeartbeatAck, TunnelCipher
 from kvasir_rpc._errors import CloseCode, LocalProtocolError, RemoteProtocolError
 from kvasir_rpc._tunnel import SealedHeartbeat, keepalive, receive_message, send_whole
@@ -35,29 +35,22 @@ def run(fn) -> None:  # type: ignore[no-untyped-def]
 
 
 @contextlib.asynccontextmanager
-async def ws_pair(nursery: trio.Nursery) -> AsyncIterator[tuple[WebSocketConnection, WebSocketConnection]]:
-    """(hub's WebSocket, worker's WebSocket), connected in memory."""
+async def ws_pair(nursery: trio.Nursery) -> AsyncIterator[tuple[WebSocket, WebSocket]]:
+    """(hub's WebSocket, worker's WebSocket), connected in memory, each with the keepalive of
+    its own the hub and the worker give it (a ping once the peer is silent INTERVAL_S, 1001
+    after TIMEOUT_S more)."""
     hub_stream, worker_stream = trio.testing.memory_stream_pair()
-    accepted: list[WebSocketConnection] = []
-
-    async def serve() -> None:
-        request = await wrap_server_stream(nursery, hub_stream)
-        accepted.append(await request.accept())
-
-    nursery.start_soon(serve)
-    worker_ws = await wrap_client_stream(nursery, worker_stream, "hub", "/")  # type: ignore[arg-type]
-    while not accepted:
-        await trio.sleep(0.01)
-    yield accepted[0], worker_ws
+    kw = {"max_message_bytes": 1 << 20, "keepalive_s": INTERVAL_S, "idle_timeout_s": INTERVAL_S + TIMEOUT_S}
+    yield WebSocket(hub_stream, **kw), WebSocket(worker_stream, client=True, **kw)  # type: ignore[arg-type]
 
 
-def sides(hub_checks: bool, hub_ws: WebSocketConnection, worker_ws: WebSocketConnection):  # type: ignore[no-untyped-def]
+def sides(hub_checks: bool, hub_ws: WebSocket, worker_ws: WebSocket):  # type: ignore[no-untyped-def]
     """(checker's ws, its cipher, peer's ws, its cipher)."""
     hub, worker = TunnelCipher.for_hub(KEYS), TunnelCipher.for_worker(KEYS)
     return (hub_ws, hub, worker_ws, worker) if hub_checks else (worker_ws, worker, hub_ws, hub)
 
 
-async def read_all(ws: WebSocketConnection, cipher: TunnelCipher, heartbeat: SealedHeartbeat | None,
+async def read_all(ws: WebSocket, cipher: TunnelCipher, heartbeat: SealedHeartbeat | None,
                    into: list[bytes | str]) -> None:
     while True:
         into.append(await receive_message(ws, cipher, heartbeat))
@@ -101,14 +94,16 @@ def test_a_silent_peer_behind_a_ping_answering_relay_is_dropped_with_1001(hub_ch
 
             async def swallow() -> None:
                 while True:
-                    await peer_ws.get_message()
+                    await peer_ws.receive_message()
 
             nursery.start_soon(swallow)
-            # WebSocket pings: answered by whatever holds the other end, so they pass.
-            with trio.move_on_after(5 * INTERVAL_S):
-                await keepalive(ws, INTERVAL_S, TIMEOUT_S)
             heartbeat = SealedHeartbeat(ws, cipher)
             nursery.start_soon(read_all, ws, cipher, heartbeat, [])
+            # WebSocket pings (the WebSocket's own keepalive): answered by whatever holds the
+            # other end, so they pass.
+            await trio.sleep(5 * INTERVAL_S)
+            stats = ws.statistics()
+            assert stats.pings_sent >= 4 and stats.pongs_received >= stats.pings_sent - 1  # the last may be on its way
             t0 = trio.current_time()
             with pytest.raises(RemoteProtocolError) as err:
                 await keepalive(ws, INTERVAL_S, TIMEOUT_S, heartbeat)
@@ -134,7 +129,7 @@ def test_an_ack_that_answers_nothing_waiting_ends_the_session_1008(hub_checks, a
                 await send_whole(peer_ws, HeartbeatAck(0), cipher=peer_cipher)
             else:
                 nursery.start_soon(heartbeat.check, TIMEOUT_S)
-                beat = peer_cipher.open(await peer_ws.get_message())
+                beat = peer_cipher.open(await peer_ws.receive_message())
                 assert beat == Heartbeat(0)
                 acks = [HeartbeatAck(1)] if answer == "wrong number" else [HeartbeatAck(0), HeartbeatAck(0)]
                 for ack in acks:

@@ -14,7 +14,7 @@ import trio
 import trustme
 
 import relay.hub._gateway_link as hub_gateway
-from kvasir_rpc import TLSStream, leaf_exception, open_websocket_url
+from kvasir_rpc import TLSStream, leaf_exception, open_websocket
 from relay.hub._gateway_link import GatewayLink, describe, tls_hint
 
 Handler = Callable[[trio.SocketStream], Awaitable[None]]
@@ -59,7 +59,7 @@ def _dial(handler: Handler, scheme: str = "ws") -> str:
             url = f"{scheme}://127.0.0.1:{listeners[0].socket.getsockname()[1]}"
             line = ""
             try:
-                async with open_websocket_url(f"{url}/v1/hub", connect_timeout=1, disconnect_timeout=1):
+                async with open_websocket(f"{url}/v1/hub", connect_timeout=1, disconnect_timeout=1):
                     pass
             except* hub_gateway._NETWORK_ERRORS as group:
                 failure = leaf_exception(group)
@@ -72,12 +72,12 @@ def _dial(handler: Handler, scheme: str = "ws") -> str:
 
 def test_a_tls_gateway_dialled_at_ws_is_named_with_its_wss_url() -> None:
     line = _dial(_tls_gateway)
-    assert line.startswith("no answer within") and HINT in line
+    assert line.startswith("closed the connection without answering the upgrade") and HINT in line
 
 
 def test_a_tls_alert_is_not_http_and_is_named_too() -> None:
     line = _dial(_alert)
-    assert line.startswith("answered in something other than HTTP") and HINT in line
+    assert line.startswith("answered in something other than HTTP/1.1") and HINT in line
 
 
 def test_no_hint_for_an_http_answer_a_refused_port_or_wss() -> None:

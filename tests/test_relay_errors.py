@@ -371,8 +371,7 @@ def test_state_files_default_under_dot_kvasir(tmp_path: pathlib.Path) -> None:
 
 def test_refusal_lines_for_certificates_name_the_fix() -> None:
     """The hub's classification of a failed gateway connection, without a network."""
-    from trio_websocket import ConnectionRejected, HandshakeError
-
+    from kvasir_rpc import WsHandshakeError, WsRejected
     from relay.hub._gateway_link import describe, refusal_line
 
     def verify_error(message: str) -> BaseException:
@@ -388,9 +387,9 @@ def test_refusal_lines_for_certificates_name_the_fix() -> None:
     assert untrusted is not None and "--ca-file" in untrusted and "(self-signed certificate)" in untrusted
     mismatch = refusal_line(url, verify_error("Hostname mismatch, certificate is not valid for 'gw.example'."))
     assert mismatch is not None and "kvasir certs --host gw.example" in mismatch
-    assert refusal_line(url, ConnectionRejected(401, (), b"")) is not None
-    refused = HandshakeError()
+    assert refusal_line(url, WsRejected(401, [], b"")) is not None
+    refused = WsHandshakeError("cannot connect to gw.example:8443: [Errno 111] Connection refused")
     refused.__cause__ = ConnectionRefusedError(111, "Connection refused")
     assert refusal_line(url, refused) is None and describe(refused) == "Connection refused"
-    assert refusal_line(url, ConnectionRejected(503, (), b"")) is None
-    assert describe(ConnectionRejected(503, (), b"")) == "HTTP 503"
+    assert refusal_line(url, WsRejected(503, [], b"")) is None
+    assert describe(WsRejected(503, [], b"")) == "HTTP 503"

@@ -135,7 +135,7 @@ class Gateway:
         # to the system soon after (see relay._heap_trim).
         self.trimmer = Trimmer()
         self._budget = MessageBudget(config.max_buffered_bytes, config.message_deadline_s,
-                                     on_release=self.trimmer.dropped)
+                                     on_release=self.trimmer.dropped, holder="the gateway")
         # Workers per source address (address_key), upgrading, waiting or spliced: an entry
         # lives while its count is above zero, so the table is bounded by the sessions.
         self._by_address: dict[str, int] = {}

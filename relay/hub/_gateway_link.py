@@ -18,18 +18,27 @@ import time
 import urllib.parse
 from collections.abc import Awaitable, Callable
 
-import h11
 import trio
-import wsproto.utilities
-from trio_websocket import ConnectionClosed, ConnectionRejected, ConnectionTimeout, HandshakeError, WebSocketConnection
 
-from kvasir_rpc import TLSStream, get_logger, hostport_text, leaf_exception, open_websocket_url
+from kvasir_rpc import (
+    TLSStream,
+    WebSocket,
+    WsClosed,
+    WsConnectTimeout,
+    WsHandshakeError,
+    WsRejected,
+    get_logger,
+    hostport_text,
+    leaf_exception,
+    open_websocket,
+)
 from kvasir_rpc.protocol import (
     GATEWAY_SUBPROTOCOL,
     HUB_CONTROL_PATH,
     HUB_DATA_PREFIX,
+    KEEPALIVE_S,
+    KEEPALIVE_TIMEOUT_S,
     MAX_MESSAGE_BYTES,
-    READ_BYTES,
     TUNNEL_SUBPROTOCOLS,
     RemoteProtocolError,
     decode_pair,
@@ -39,10 +48,9 @@ __all__ = ["GatewayLink", "GatewayLinkState", "GatewayRefused"]
 
 log = get_logger("relay.hub.gateway")
 # trio.BrokenResourceError: a TLS handshake that failed (TLSStream raises it, the SSLError chained).
-# h11's and wsproto's errors: an answer that is not HTTP (a TLS alert, say) breaks trio-websocket's
-# handshake with them; retried as the others are, never a crash of the hub.
-_HTTP_ERRORS = (h11.ProtocolError, wsproto.utilities.ProtocolError)
-_NETWORK_ERRORS = (ConnectionClosed, HandshakeError, OSError, trio.TooSlowError, trio.BrokenResourceError, *_HTTP_ERRORS)
+# WsHandshakeError: among others an answer that is not HTTP (a TLS alert, say); retried as the
+# others are, never a crash of the hub.
+_NETWORK_ERRORS = (WsClosed, WsHandshakeError, OSError, trio.TooSlowError, trio.BrokenResourceError)
 _CONNECT_TIMEOUT_S = 10.0
 # How long a ws:// gateway that failed is given to answer a TLS handshake (tls_hint).
 _TLS_PROBE_TIMEOUT_S = 3.0
@@ -75,7 +83,7 @@ def _chain(exc: BaseException) -> list[BaseException]:
 def refusal_line(gateway: str, exc: BaseException) -> str | None:
     """The operator's line when ``exc`` (a failed connection to ``gateway``) is one that
     retrying cannot mend; None when it is worth retrying."""
-    if isinstance(exc, ConnectionRejected) and exc.status_code in (401, 403):
+    if isinstance(exc, WsRejected) and exc.status_code in (401, 403):
         return (f"hub: the gateway at {gateway} refused this hub's token ({exc.status_code}): "
                 "--gateway-token-file must hold the token the gateway reads from its --hub-token-file")
     for link in _chain(exc):
@@ -92,17 +100,14 @@ def refusal_line(gateway: str, exc: BaseException) -> str | None:
 
 def describe(exc: BaseException) -> str:
     """What went wrong with a connection to the gateway, in words (not a repr)."""
-    if isinstance(exc, ConnectionRejected):
+    if isinstance(exc, WsRejected):
         return f"HTTP {exc.status_code}"
-    if isinstance(exc, ConnectionTimeout | trio.TooSlowError):
+    if isinstance(exc, WsConnectTimeout | trio.TooSlowError):
         return f"no answer within {_CONNECT_TIMEOUT_S:g} s"
-    if isinstance(exc, ConnectionClosed):
-        reason = exc.reason
-        if reason is None:
-            return "closed"
-        return f"closed ({reason.code}{' ' + reason.reason if reason.reason else ''})"
-    if isinstance(exc, _HTTP_ERRORS):
-        return "answered in something other than HTTP"
+    if isinstance(exc, WsClosed):
+        return f"closed ({exc.code}{' ' + exc.reason if exc.reason else ''})"
+    if isinstance(exc, WsHandshakeError) and not isinstance(exc.__cause__, OSError):
+        return str(exc).removeprefix("the server ")  # "answered in something other than HTTP/1.1 (...)"
     errors = [link for link in _chain(exc) if isinstance(link, OSError)]
     for link in errors:
         if link.strerror:  # "Connection refused", not "all attempts to connect to ... failed"
@@ -115,12 +120,12 @@ async def tls_hint(gateway: str, exc: BaseException, *, timeout_s: float = _TLS_
     ``gateway`` failed with ``exc`` and its port speaks TLS; else "".
 
     A TLS port takes the WebSocket request for a broken handshake and closes, or answers with
-    a TLS alert: trio-websocket then waits out its timeout, or fails on bytes that are not
-    HTTP, and no error it raises says TLS. So the port is asked, once per failed dial: a TLS
+    a TLS alert: the dial finds the connection closed without an answer, or bytes that are
+    not HTTP, and neither says TLS. So the port is asked, once per failed dial: a TLS
     handshake with it that completes, or that it answers with a TLS alert, is TLS. Nothing is
     asked of a refused connection or an unknown name, nor of a port that answered HTTP."""
     parts = urllib.parse.urlsplit(gateway)
-    if parts.scheme != "ws" or not parts.hostname or isinstance(exc, ConnectionRejected):
+    if parts.scheme != "ws" or not parts.hostname or isinstance(exc, WsRejected):
         return ""
     if any(isinstance(link, ConnectionRefusedError | socket.gaierror) for link in _chain(exc)):
         return ""
@@ -147,7 +152,7 @@ async def tls_hint(gateway: str, exc: BaseException, *, timeout_s: float = _TLS_
     return f" — the gateway may speak TLS: use wss://{hostport_text(host, port)}" if speaks else ""
 
 
-ServeConnection = Callable[[WebSocketConnection, str], Awaitable[None]]
+ServeConnection = Callable[[WebSocket, str], Awaitable[None]]
 
 
 @dataclasses.dataclass
@@ -182,8 +187,14 @@ class GatewayLink:
 
     def __init__(self, serve_connection: ServeConnection, gateway_url: str, token: str, *,
                  ssl_context: ssl.SSLContext | None = None, min_backoff_s: float = 0.25,
-                 max_backoff_s: float = 15.0) -> None:
+                 max_backoff_s: float = 15.0, keepalive_s: float = KEEPALIVE_S,
+                 keepalive_timeout_s: float = KEEPALIVE_TIMEOUT_S) -> None:
         self._serve = serve_connection
+        # Every WebSocket to the gateway pings once silent this long and ends (1001) when
+        # nothing comes within the timeout after: a data connection's pings go through the
+        # gateway to the worker and back (PROTOCOL.md section 6).
+        self._keepalive_s = keepalive_s
+        self._idle_timeout_s = keepalive_s + keepalive_timeout_s
         self.base = gateway_url.rstrip("/")
         self._headers = [(b"Authorization", f"Bearer {token}".encode())]
         self._ssl = ssl_context
@@ -220,9 +231,10 @@ class GatewayLink:
         connected = False
         error = "closed"
         try:
-            async with open_websocket_url(
+            async with open_websocket(
                 f"{self.base}{HUB_CONTROL_PATH}", ssl_context=self._ssl, subprotocols=[GATEWAY_SUBPROTOCOL],
                 extra_headers=self._headers, connect_timeout=_CONNECT_TIMEOUT_S, disconnect_timeout=5,
+                keepalive_s=self._keepalive_s, idle_timeout_s=self._idle_timeout_s,
             ) as ctrl:
                 connected = True
                 self.state.connects += 1
@@ -231,7 +243,7 @@ class GatewayLink:
                 self._started()
                 while True:
                     try:
-                        pair = decode_pair(await ctrl.get_message())
+                        pair = decode_pair(await ctrl.receive_message())
                     except RemoteProtocolError as exc:
                         log.warning("gateway sent a malformed control message; ignoring it", reason=exc.reason)
                         continue
@@ -249,10 +261,10 @@ class GatewayLink:
         self.state.pairs_live += 1
         self.state.pairs_served += 1
         try:
-            async with open_websocket_url(
+            async with open_websocket(
                 f"{self.base}{HUB_DATA_PREFIX}{pid}", ssl_context=self._ssl, subprotocols=list(TUNNEL_SUBPROTOCOLS),
-                extra_headers=self._headers, max_message_size=MAX_MESSAGE_BYTES, receive_buffer_size=READ_BYTES,
-                message_queue_size=4,
+                extra_headers=self._headers, max_message_bytes=MAX_MESSAGE_BYTES,
+                keepalive_s=self._keepalive_s, idle_timeout_s=self._idle_timeout_s,
                 connect_timeout=_CONNECT_TIMEOUT_S, disconnect_timeout=5,
             ) as ws:
                 await self._serve(ws, f"gateway:{remote}")

@@ -17,7 +17,6 @@ from concurrent import futures
 
 import grpc
 import trio
-from trio_websocket import ConnectionClosed, WebSocketConnection, WebSocketRequest, WebSocketServer
 
 from kvasir_rpc import (
     MIN_TOKEN_CHARS,
@@ -31,6 +30,8 @@ from kvasir_rpc import (
     TokenError,
     TunnelCipher,
     Wallet,
+    WebSocket,
+    WsClosed,
     address_key,
     check_bearer,
     get_logger,
@@ -57,7 +58,7 @@ from kvasir_rpc.protocol import (
 from relay._heap_trim import Trimmer
 from relay._intake import Refusal, UpgradeIntake
 from relay._refusals import RefusalLog
-from relay._ws import HttpRequest
+from relay._ws import HttpError, HttpRequest, send_response, upgrade
 from relay.hub._admission import SessionRate, Standing, WalletHistory, standing_of
 from relay.hub._plan import pick_mover, plan_slice
 from relay.hub._registry import SessionRegistry
@@ -65,7 +66,6 @@ from relay.hub._splice import Ended, Forward, Released, Splices
 from relay.hub._stream_limits import StreamLimits, StreamLimitsInterceptor
 from relay.hub._target_gate import Admitted, Refused, TargetGate, Verdict
 from relay.hub._work_desk import DeskError, WorkDesk
-from relay.hub._ws_meter import MeteredStream
 
 __all__ = ["HubConfig", "SessionServicer", "StreamLimits", "create_session_server", "serve_hub"]
 
@@ -92,7 +92,8 @@ class HubConfig:
     # Check each worker this often; a worker that does not answer within the timeout is gone
     # (frozen, or its network path silently broke) and its session is dropped (1001). On an
     # encrypted session the check is a sealed heartbeat, which no relay can answer for it;
-    # otherwise a WebSocket ping.
+    # otherwise the WebSocket's own keepalive (a ping once the worker is silent this long,
+    # 1001 when nothing comes within the timeout after).
     keepalive_s: float = KEEPALIVE_S
     keepalive_timeout_s: float = KEEPALIVE_TIMEOUT_S
     # Public gateways to keep a control connection to (wss://HOST:PORT; several hosts, or each
@@ -242,13 +243,13 @@ class _Session:
     worker's "eof" and lets it go on its "closed". A plain tunnel is a tunnel of one channel.
     """
 
-    def __init__(self, hub: _Hub, ws: WebSocketConnection, session_id: str,
+    def __init__(self, hub: _Hub, ws: WebSocket, session_id: str,
                  cipher: TunnelCipher | None = None, channels: int = 0) -> None:
         self.hub = hub
         self.ws = ws
         # Seals and opens every tunnel message of an encrypted session (None: in clear).
         self.cipher = cipher
-        # The encrypted session's liveness check (None: WebSocket pings).
+        # The encrypted session's liveness check (None: the WebSocket's own keepalive).
         self.heartbeat = SealedHeartbeat(ws, cipher) if cipher is not None else None
         self.session_id = session_id
         self.log = log.bind(session_id=session_id)
@@ -269,9 +270,13 @@ class _Session:
         async with listener, trio.open_nursery() as nursery:
             nursery.start_soon(self._read)
             # Each round trip goes to the registry: the status page and metrics show it.
-            nursery.start_soon(functools.partial(
-                keepalive, self.ws, self.hub.config.keepalive_s, self.hub.config.keepalive_timeout_s, self.heartbeat,
-                on_rtt=functools.partial(self.hub.registry.set_rtt, self.session_id)))
+            on_rtt = functools.partial(self.hub.registry.set_rtt, self.session_id)
+            if self.heartbeat is not None:
+                nursery.start_soon(functools.partial(
+                    keepalive, self.ws, self.hub.config.keepalive_s, self.hub.config.keepalive_timeout_s,
+                    self.heartbeat, on_rtt=on_rtt))
+            else:
+                self.ws.on_rtt = on_rtt
             task_status.started(f"{self.hub.config.grpc_host}:{port}")
             while True:
                 stream = await listener.accept()
@@ -430,10 +435,10 @@ class _Hub:
         self._sessions = 0
         # Direct connections handed on by the intake whose hello is not verified yet, by
         # remote (ip:port, unique among live connections), until verified or closed.
-        self._pending: dict[str, MeteredStream] = {}
+        self._pending: set[str] = set()
         self.trimmer = Trimmer()
         self.budget = MessageBudget(config.max_buffered_bytes, config.message_deadline_s,
-                                    on_release=self.trimmer.dropped)
+                                    on_release=self.trimmer.dropped, holder="the hub")
         # Refused worker connections (malformed upgrades, wrong subprotocol): counted and
         # logged one line each, rate-limited per reason.
         self.refusals = RefusalLog(log)
@@ -479,38 +484,49 @@ class _Hub:
                            (("retry-after", "5"),))
         return None
 
-    def wrap(self, stream: trio.abc.Stream, remote: str, head_bytes: int) -> MeteredStream:
-        """The stream trio-websocket gets for an admitted connection: metered (relay.hub._ws_meter)
-        and counted as pending until its hello is verified or it closes."""
-        def done() -> None:
-            self._pending.pop(remote, None)
-
-        metered = MeteredStream(stream, remote, self.budget, self.refusals, hello_limit=MAX_HELLO_BYTES,
-                                head_bytes=head_bytes, on_end=done)
-        self._pending[remote] = metered
-        return metered
-
     def new_session_id(self) -> str:
         return f"s{next(self._ids)}-{secrets.token_hex(6)}"
 
-    async def handle(self, request: WebSocketRequest) -> None:
-        subprotocol = choose_subprotocol(request.proposed_subprotocols)
-        if subprotocol is None:
-            message = f"the tunnel needs the WebSocket subprotocol {' or '.join(TUNNEL_SUBPROTOCOLS)}"
-            self.refusals.refused("subprotocol", remote=str(request.remote), status=400, detail=message)
-            await request.reject(400, body=f"{message}\n".encode())
-            return
-        ws = await request.accept(subprotocol=subprotocol)
-        peer = ws.remote
-        remote = peer if isinstance(peer, str) else f"{peer.address}:{peer.port}"
-        metered = self._pending.get(remote)
+    async def handle(self, stream: trio.abc.Stream, request: HttpRequest, remote: str) -> None:
+        """A direct worker connection the intake admitted (``admit``, with no checkpoint since):
+        answer its upgrade and serve it, counted as pending until its hello is verified. Before
+        that it may send one message of at most MAX_HELLO_BYTES (more: close 1009); unfinished
+        messages count in the hub's budget (4208) and have the message deadline (4209)."""
+        self._pending.add(remote)
         try:
-            await self.serve_connection(ws, remote, on_verified=metered.verified if metered else None)
-        except Exception:  # one session's failure must never stop the hub
-            log.exception("session handler failed", remote=remote)
-            await ws.aclose(CloseCode.INTERNAL_ERROR, "hub error")
+            async with stream:
+                subprotocol = choose_subprotocol(request.subprotocols)
+                if subprotocol is None:
+                    message = f"the tunnel needs the WebSocket subprotocol {' or '.join(TUNNEL_SUBPROTOCOLS)}"
+                    self.refusals.refused("subprotocol", remote=remote, status=400, detail=message)
+                    await send_response(stream, 400, message + "\n")
+                    return
+                cfg = self.config
+                try:
+                    ws = await upgrade(stream, request, subprotocol=subprotocol, max_message_bytes=MAX_HELLO_BYTES,
+                                       keepalive_s=cfg.keepalive_s,
+                                       idle_timeout_s=cfg.keepalive_s + cfg.keepalive_timeout_s, budget=self.budget)
+                except HttpError as exc:
+                    self.refusals.refused(exc.reason, remote=remote, status=400, detail=str(exc))
+                    await send_response(stream, 400, f"{exc}\n")
+                    return
+                except (trio.BrokenResourceError, trio.ClosedResourceError):
+                    return  # gone before our 101: nothing to answer
 
-    async def serve_connection(self, ws: WebSocketConnection, remote: str, *, via_gateway: bool = False,
+                def verified() -> None:
+                    self._pending.discard(remote)
+                    ws.max_message_bytes = MAX_MESSAGE_BYTES
+
+                try:
+                    await self.serve_connection(ws, remote, on_verified=verified)
+                except Exception:  # one session's failure must never stop the hub
+                    log.exception("session handler failed", remote=remote)
+                    with trio.move_on_after(2):
+                        await ws.close(CloseCode.INTERNAL_ERROR, "hub error")
+        finally:
+            self._pending.discard(remote)
+
+    async def serve_connection(self, ws: WebSocket, remote: str, *, via_gateway: bool = False,
                                on_verified: Callable[[], None] | None = None) -> None:
         """Run the handshake and then the session on one worker WebSocket, direct or (with
         ``via_gateway``, which decides the end-to-end encryption under --e2e auto) through a
@@ -527,7 +543,7 @@ class _Hub:
                     # a banned wallet is refused): its address pays for the liar too.
                     self.rate.penalize(address)
 
-    async def _handshake(self, ws: WebSocketConnection, remote: str, held: list[tuple[str, str]],
+    async def _handshake(self, ws: WebSocket, remote: str, held: list[tuple[str, str]],
                          via_gateway: bool, on_verified: Callable[[], None] | None = None,
                          ) -> tuple[HelloInfo, str, TunnelCipher | None] | None:
         """The verified hello, the new session id and the session's cipher (None in clear), or
@@ -539,7 +555,7 @@ class _Hub:
         try:
             with trio.fail_after(self.config.handshake_timeout_s):
                 await ws.send_message(hs.challenge())
-                data = await ws.get_message()
+                data = await ws.receive_message()
                 if isinstance(data, str):
                     raise RemoteProtocolError("handshake messages are binary", close_code=CloseCode.PROTOCOL_ERROR)
                 info = hs.receive_hello(data)
@@ -561,7 +577,7 @@ class _Hub:
                     # many times a second.
                     self.refusals.refused(f"session_rate_{throttled.limit}", remote=remote, wallet=info.wallet,
                                           standing=standing.value, retry_in_s=round(throttled.wait_s, 1))
-                    await ws.aclose(CloseCode.RATE_LIMITED, throttled.reason[:120])
+                    await ws.close(CloseCode.RATE_LIMITED, throttled.reason[:120])
                     return None
                 held.append((info.wallet, address))
                 if on_verified is not None:
@@ -574,14 +590,25 @@ class _Hub:
                 return info, session_id, hs.cipher
         except trio.TooSlowError:
             log.info("handshake timed out", remote=remote)
-            await ws.aclose(CloseCode.HANDSHAKE_TIMEOUT, "handshake timed out")
+            await ws.close(CloseCode.HANDSHAKE_TIMEOUT, "handshake timed out")
         except RemoteProtocolError as exc:
             code = self._first_table_code(hs.wallet, exc.close_code)
             log.info("handshake refused", remote=remote, reason=exc.reason, code=code)
-            await ws.aclose(code, exc.reason[:120])
-        except ConnectionClosed:
-            pass
+            await ws.close(code, exc.reason[:120])
+        except WsClosed as exc:
+            self._refused_by_websocket(exc, remote, "hello_too_big" if exc.code == CloseCode.MESSAGE_TOO_BIG else None)
         return None
+
+    def _refused_by_websocket(self, exc: WsClosed, remote: str, why: str | None = None) -> None:
+        """Count and log (rate-limited) a connection this side's WebSocket ended for breaking
+        a bound: a message over its size (1009; ``why``: the hello's), unfinished messages
+        past the budget (4208) or past their deadline (4209). Nothing for any other end."""
+        if not exc.local:
+            return
+        why = why or {CloseCode.MESSAGE_TOO_BIG: "message_too_big", CloseCode.BUFFERS_FULL: "buffer_full",
+                      CloseCode.MESSAGE_TIMEOUT: "message_deadline"}.get(exc.code)
+        if why is not None:
+            self.refusals.refused(why, remote=remote, code=exc.code, detail=exc.reason)
 
     def _first_table_code(self, wallet: str | None, code: int) -> int:
         """The code to refuse ``wallet``'s hello with, for ``code``. A worker that knows only
@@ -617,7 +644,7 @@ class _Hub:
                          session_id=sid)
                 self.registry.kick(sid, "plan again: the swarm needs other experts", CloseCode.REPLAN)
 
-    async def _plan(self, ws: WebSocketConnection, hs: HubHandshake, info: HelloInfo, session_id: str,
+    async def _plan(self, ws: WebSocket, hs: HubHandshake, info: HelloInfo, session_id: str,
                     remote: str) -> None:
         """Answer a planning hello (``--experts auto``): the slice this worker should hold, out of
         the experts its checkpoint has, given what the live sessions and the plans handed out
@@ -631,7 +658,7 @@ class _Hub:
         log.info("slice suggested", remote=remote, wallet=info.wallet, capacity=info.expert_capacity,
                  experts=sum(len(v) for v in suggested.values()), layers=len(suggested))
         with trio.move_on_after(2):
-            await ws.aclose(1000, "slice suggested: load it and dial again")
+            await ws.close(1000, "slice suggested: load it and dial again")
 
     async def _standing(self, wallet: str) -> Standing:
         """What ``wallet`` costs to admit, from what this hub remembers of it."""
@@ -640,7 +667,7 @@ class _Hub:
         history = await trio.to_thread.run_sync(self._history, wallet)
         return standing_of(history, time.time_ns() // 1_000_000)
 
-    async def _serve_connection(self, ws: WebSocketConnection, remote: str, held: list[tuple[str, str]],
+    async def _serve_connection(self, ws: WebSocket, remote: str, held: list[tuple[str, str]],
                                 via_gateway: bool, on_verified: Callable[[], None] | None = None) -> None:
         verified = await self._handshake(ws, remote, held, via_gateway, on_verified)
         if verified is None:
@@ -671,22 +698,31 @@ class _Hub:
                     self.planned.add(session_id)
                 slog.info("session open", target=target, device=info.device, layers=len(info.slices),
                           encrypted=cipher is not None, aead=AEAD_NAMES[cipher.aead] if cipher is not None else None)
-        except* ConnectionClosed as eg:
-            reason = leaf_exception(eg).reason  # type: ignore[attr-defined]
-            ended = "worker_closed"
-            slog.info("session closed by worker", code=reason.code, reason=reason.reason)
+        except* WsClosed as eg:
+            closed = leaf_exception(eg)
+            assert isinstance(closed, WsClosed)
+            if not closed.local:
+                ended = "worker_closed"
+                slog.info("session closed by worker", code=closed.code, reason=closed.reason)
+            elif closed.code == CloseCode.GOING_AWAY:  # the keepalive: nothing came for too long
+                ended = "keepalive"
+                slog.warning("session ended", reason=closed.reason)
+            else:  # a bound of the WebSocket's (a message too big, unfinished too long)
+                ended = "protocol_error"
+                self._refused_by_websocket(closed, remote)
+                slog.warning("session ended", reason=closed.reason, code=closed.code)
         except* RemoteProtocolError as eg:
             perr = leaf_exception(eg)
             assert isinstance(perr, RemoteProtocolError)
             ended = "keepalive" if perr.close_code == CloseCode.GOING_AWAY else "protocol_error"
             slog.warning("session ended", reason=perr.reason)
             with trio.move_on_after(2):  # the peer may be gone: do not wait on it
-                await ws.aclose(perr.close_code, perr.reason[:120])
+                await ws.close(perr.close_code, perr.reason[:120])
         except* trio.TooSlowError:
             ended = "close_timeout"
             slog.warning("worker did not acknowledge close in time")
             with trio.move_on_after(2):
-                await ws.aclose(CloseCode.POLICY_VIOLATION, "close not acknowledged")
+                await ws.close(CloseCode.POLICY_VIOLATION, "close not acknowledged")
         finally:
             if kicked:
                 ended = "kicked"
@@ -698,7 +734,7 @@ class _Hub:
         if kicked:
             slog.warning("session ended by the hub", reason=kicked[0][0], code=kicked[0][1])
             with trio.move_on_after(2):
-                await ws.aclose(kicked[0][1], kicked[0][0][:120])
+                await ws.close(kicked[0][1], kicked[0][0][:120])
 
 
 async def serve_hub(
@@ -719,33 +755,23 @@ async def serve_hub(
     if len(config.backbone_token) < MIN_TOKEN_CHARS:
         raise TokenError(f"the hub needs a backbone token of at least {MIN_TOKEN_CHARS} characters")
     hub = _Hub(config, key, registry, rate=rate, history=history)
-    # The intake answers malformed upgrades itself (trio-websocket would answer a bare 400,
-    # log nothing and hold each one's task for its connect timeout) and hands on the rest.
+    # The intake answers malformed upgrades itself and hands the rest to hub.handle.
     intake = UpgradeIntake(await trio.open_tcp_listeners(config.listen_port, host=config.listen_host),
                            hub.refusals, timeout_s=config.handshake_timeout_s, max_screening=config.max_screening,
-                           admit=hub.admit, wrap=hub.wrap)
-    server = WebSocketServer(
-        hub.handle,
-        [intake],  # type: ignore[list-item]  # any trio Listener serves; the type names two
-        max_message_size=MAX_MESSAGE_BYTES, receive_buffer_size=READ_BYTES,
-        message_queue_size=4,
-        connect_timeout=config.handshake_timeout_s,
-        disconnect_timeout=5,
-    )
+                           admit=hub.admit, handle=hub.handle)
     async with trio.open_nursery() as nursery:
         await nursery.start(intake.serve)
         nursery.start_soon(hub.refusals.run)
         nursery.start_soon(hub.trimmer.run)
         if config.move_check_s > 0:
             nursery.start_soon(hub.move_workers)
-        await nursery.start(server.run)
         if config.gateway_urls:
             from relay.hub._gateway_link import GatewayLink
 
             for url in dict.fromkeys(config.gateway_urls):  # a URL given twice: one link
                 link = GatewayLink(functools.partial(hub.serve_connection, via_gateway=True), url,
-                                   config.gateway_token,
-                                   ssl_context=config.gateway_ssl)
+                                   config.gateway_token, ssl_context=config.gateway_ssl,
+                                   keepalive_s=config.keepalive_s, keepalive_timeout_s=config.keepalive_timeout_s)
                 hub.registry.gateway_links.append(link.state)
                 await nursery.start(link.run)  # a refused token or certificate stops the hub here
         task_status.started(intake.port)
