@@ -178,10 +178,7 @@ if TYPE_CHECKING:  # the real names, for type checkers; at run time __getattr__ 
         ensure_state_dir,
         write_secret,
     )
-    from kvasir_rpc._tls import (
-        TLSStream,
-        open_websocket_url,
-    )
+    from kvasir_rpc._tls import TLSStream
     from kvasir_rpc._tolerance import TOLERANCE_FACTOR, AuditResult, audit_rows, error_scale
     from kvasir_rpc._tunnel import (
         SealedHeartbeat,
@@ -208,6 +205,14 @@ if TYPE_CHECKING:  # the real names, for type checkers; at run time __getattr__ 
         WsRejected,
         WsStats,
         open_websocket,
+    )
+    from kvasir_rpc._ws_http import (
+        MAX_HEADER_BYTES,
+        HttpError,
+        HttpRequest,
+        accept_websocket,
+        read_request,
+        send_response,
     )
 
 __version__ = "0.1.0"
@@ -368,7 +373,12 @@ _LAZY = {
     "receive_message": "kvasir_rpc._tunnel",
     "TunnelCipher": "kvasir_rpc._channel",
     "preferred_aeads": "kvasir_rpc._channel",
-    "open_websocket_url": "kvasir_rpc._tls",
+    "MAX_HEADER_BYTES": "kvasir_rpc._ws_http",
+    "HttpError": "kvasir_rpc._ws_http",
+    "HttpRequest": "kvasir_rpc._ws_http",
+    "accept_websocket": "kvasir_rpc._ws_http",
+    "read_request": "kvasir_rpc._ws_http",
+    "send_response": "kvasir_rpc._ws_http",
     "OWN_PING": "kvasir_rpc._ws",
     "SEND_TIMEOUT_S": "kvasir_rpc._ws",
     "BudgetStats": "kvasir_rpc._ws",

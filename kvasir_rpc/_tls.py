@@ -9,23 +9,21 @@ nothing more. Measured (one-way 1 MiB writes, loopback, 2 cores, MB/s read):
 ``SSLStream`` 205-258, ``SSLStream`` drained of its buffered records 399-484,
 :class:`TLSStream` 449-487.
 
-:func:`open_websocket_url` is trio-websocket's client over this stream, so the hub and the
-workers dial the gateway through it too.
+``kvasir_rpc.open_websocket`` dials ``wss://`` over this stream (:func:`open_tls_over_tcp`),
+so the hub and the workers reach the gateway through it too.
 """
 
 from __future__ import annotations
 
 import contextlib
 import ssl
-import urllib.parse
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import Callable
 
 import trio
-from trio_websocket import ConnectionTimeout, HandshakeError, WebSocketConnection, wrap_client_stream
 
 from kvasir_rpc.protocol import READ_BYTES
 
-__all__ = ["TLSStream", "open_tls_over_tcp", "open_websocket_url"]
+__all__ = ["TLSStream", "open_tls_over_tcp"]
 
 # send_all encrypts and sends this much at a time (16 TLS records).
 _WRITE_SLICE = 256 << 10
@@ -38,7 +36,7 @@ class TLSStream(trio.abc.Stream):
     trio's ``SSLStream`` returns one 16 KiB record per read and refills 64 KiB at a time
     through a general retry loop; on the relays' bulk path that loop, not the cipher, was
     the cost (see the module doc for the figures). One task receives at a time and one
-    sends at a time (as the relays and trio-websocket use it); bytes the TLS object wants
+    sends at a time (as the library's WebSocket uses it); bytes the TLS object wants
     to send in answer to a record it read (a TLS 1.3 key update) go out under the same
     lock as ordinary sends, so records never interleave. A transport EOF without
     close_notify reads as EOF: the WebSocket above has its own closing handshake.
@@ -221,63 +219,3 @@ async def open_tls_over_tcp(host: str, port: int, ssl_context: ssl.SSLContext) -
         await trio.aclose_forcefully(tcp)
         raise
     return stream
-
-
-@contextlib.asynccontextmanager
-async def open_websocket_url(
-    url: str,
-    ssl_context: ssl.SSLContext | None = None,
-    *,
-    subprotocols: Sequence[str] = (),
-    extra_headers: list[tuple[bytes, bytes]] | None = None,
-    max_message_size: int = 1 << 20,
-    receive_buffer_size: int | None = None,
-    message_queue_size: int = 1,
-    connect_timeout: float = 10.0,
-    disconnect_timeout: float = 5.0,
-) -> AsyncIterator[WebSocketConnection]:
-    """trio-websocket's ``open_websocket_url`` with the same errors (ConnectionTimeout,
-    HandshakeError, ConnectionRejected), whose ``wss://`` connections run over
-    :class:`TLSStream`. The WebSocket itself is trio-websocket's, over its public
-    ``wrap_client_stream``."""
-    parts = urllib.parse.urlsplit(url)
-    if parts.scheme not in ("ws", "wss") or not parts.hostname:
-        raise ValueError(f"not a ws:// or wss:// URL: {url!r}")
-    secure = parts.scheme == "wss"
-    host = parts.hostname
-    port = parts.port or (443 if secure else 80)
-    resource = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
-    shown = f"[{host}]" if ":" in host else host
-    host_header = shown if port in (80, 443) else f"{shown}:{port}"
-    try:
-        async with trio.open_nursery() as nursery:
-            try:
-                with trio.fail_after(connect_timeout):
-                    stream: trio.abc.Stream
-                    if secure:
-                        stream = await open_tls_over_tcp(host, port, ssl_context or ssl.create_default_context())
-                    else:
-                        stream = await trio.open_tcp_stream(host, port)
-                    ws = await wrap_client_stream(
-                        nursery, stream, host_header, resource,  # type: ignore[arg-type]  # any trio Stream works
-                        subprotocols=list(subprotocols), extra_headers=extra_headers,
-                        message_queue_size=message_queue_size, max_message_size=max_message_size,
-                        receive_buffer_size=receive_buffer_size)
-            except trio.TooSlowError:
-                raise ConnectionTimeout from None
-            except OSError as exc:
-                raise HandshakeError from exc
-            try:
-                yield ws
-            finally:
-                with trio.move_on_after(disconnect_timeout):
-                    await ws.aclose()
-    except BaseExceptionGroup as group:
-        # As trio-websocket does: one error (a rejection from the reader task, say) comes
-        # out as itself, not wrapped in the nursery's group, its cause kept (the
-        # SSLCertVerificationError behind a failed handshake, the OSError behind a refused
-        # connection: what to fix).
-        if len(group.exceptions) == 1:
-            only = group.exceptions[0]
-            raise only from only.__cause__
-        raise

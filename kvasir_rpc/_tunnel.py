@@ -3,8 +3,8 @@ carries, after the session handshake, the raw bytes of HTTP/2 connections betwee
 backbone (client, via the hub) and a worker's gRPC server.
 
 What may be sent when, and every wire constant, is in ``kvasir_rpc.protocol`` (sans-IO);
-this module only sends whole messages, pings (or, on an encrypted session, sealed
-heartbeats) and pumps bytes.
+this module only sends whole messages, checks an encrypted session's peer with sealed
+heartbeats (a clear session's liveness is the WebSocket's own keepalive) and pumps bytes.
 """
 
 from __future__ import annotations
@@ -12,20 +12,15 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import trio
-from trio_websocket import WebSocketConnection
 
 from kvasir_rpc._channel import Heartbeat, HeartbeatAck, HeartbeatMonitor, TunnelCipher
 from kvasir_rpc._errors import CloseCode, LocalProtocolError, RemoteProtocolError
 from kvasir_rpc._ws import SEND_TIMEOUT_S, WebSocket
 
-# The WebSockets these take: the library's (the worker's), or trio-websocket's (the hub's,
-# until it moves to the library's too; issue 32).
-AnyWebSocket = WebSocket | WebSocketConnection
-
 __all__ = ["SealedHeartbeat", "keepalive", "receive_message", "send_whole"]
 
 
-async def send_whole(ws: AnyWebSocket, message: bytes | str | Heartbeat | HeartbeatAck,
+async def send_whole(ws: WebSocket, message: bytes | str | Heartbeat | HeartbeatAck,
                      timeout_s: float = SEND_TIMEOUT_S, *,
                      cipher: TunnelCipher | None = None) -> None:
     """Send one message on the tunnel so that a cancellation cannot cut it in half.
@@ -63,7 +58,7 @@ class SealedHeartbeat:
     ``check`` sends one heartbeat and waits for its ack; ``receive_message`` hands the acks it
     opens to ``acknowledged``. The numbering and the checks are ``HeartbeatMonitor``'s."""
 
-    def __init__(self, ws: AnyWebSocket, cipher: TunnelCipher) -> None:
+    def __init__(self, ws: WebSocket, cipher: TunnelCipher) -> None:
         self._ws = ws
         self._cipher = cipher
         self.monitor = HeartbeatMonitor(peer=cipher.peer)
@@ -91,7 +86,7 @@ class SealedHeartbeat:
                                       "is gone or a relay is answering for it", close_code=CloseCode.GOING_AWAY)
 
 
-async def receive_message(ws: AnyWebSocket, cipher: TunnelCipher | None = None,
+async def receive_message(ws: WebSocket, cipher: TunnelCipher | None = None,
                           heartbeat: SealedHeartbeat | None = None) -> bytes | memoryview | str:
     """The next tunnel message, opened with ``cipher`` when the session is encrypted (which
     raises RemoteProtocolError, 1008, for anything not sealed by the peer in order).
@@ -100,8 +95,7 @@ async def receive_message(ws: AnyWebSocket, cipher: TunnelCipher | None = None,
     control state machine: a heartbeat is answered at once with its ack, and an ack goes to
     ``heartbeat`` (an ack that answers nothing waiting raises RemoteProtocolError, 1008)."""
     while True:
-        # The library's names it receive_message (a test's wrapper of it too), trio-websocket get_message.
-        message = await (ws.receive_message() if hasattr(ws, "receive_message") else ws.get_message())
+        message = await ws.receive_message()
         if cipher is None:
             return message
         opened = cipher.open(message)
@@ -116,32 +110,16 @@ async def receive_message(ws: AnyWebSocket, cipher: TunnelCipher | None = None,
             return opened
 
 
-async def keepalive(ws: AnyWebSocket, interval_s: float, timeout_s: float,
-                    heartbeat: SealedHeartbeat | None = None, *,
+async def keepalive(ws: WebSocket, interval_s: float, timeout_s: float, heartbeat: SealedHeartbeat, *,
                     on_rtt: Callable[[float], None] | None = None) -> None:
-    """Check the peer every ``interval_s``; raise RemoteProtocolError (close 1001) when it does
-    not answer within ``timeout_s``: the peer froze or its path silently broke, and nothing
-    else would notice while the tunnel is idle.
-
-    With ``heartbeat`` (an encrypted session) the check is a sealed heartbeat, answered by the
-    peer itself; without, a WebSocket ping, which any relay on the way could answer (so its
-    round trip may end at a relay): trio-websocket's only, as the library's WebSocket pings a
-    silent peer itself (its ``keepalive_s`` and ``idle_timeout_s``). ``on_rtt`` gets each
-    check's round trip in seconds."""
-    if heartbeat is None and isinstance(ws, WebSocket):
-        raise LocalProtocolError("the library's WebSocket keeps itself alive: give it keepalive_s and "
-                                 "idle_timeout_s, and run keepalive only with a sealed heartbeat")
+    """Check an encrypted session's peer every ``interval_s`` with a sealed heartbeat, which
+    only the peer itself can answer; raise RemoteProtocolError (close 1001) when it does not
+    answer within ``timeout_s``: the peer froze, its path silently broke, or a relay answers
+    WebSocket pings for a peer that is gone. A clear session's liveness is the WebSocket's
+    own (its ``keepalive_s`` and ``idle_timeout_s``). ``on_rtt`` gets each check's round trip
+    in seconds."""
     while True:
         await trio.sleep(interval_s)
-        sent = trio.current_time()
-        if heartbeat is not None:
-            await heartbeat.check(timeout_s)
-        else:
-            with trio.move_on_after(timeout_s) as scope:
-                await ws.ping()
-            if scope.cancelled_caught:
-                raise RemoteProtocolError(f"keepalive: no pong within {timeout_s:g} s",
-                                          close_code=CloseCode.GOING_AWAY)
-        if on_rtt is not None:
-            on_rtt(heartbeat.rtt_s if heartbeat is not None and heartbeat.rtt_s is not None
-                   else trio.current_time() - sent)
+        await heartbeat.check(timeout_s)
+        if on_rtt is not None and heartbeat.rtt_s is not None:
+            on_rtt(heartbeat.rtt_s)

@@ -1,6 +1,6 @@
 """The WebSocket of every Kvasir process, both ends: frames (``kvasir_rpc._ws_frames``, one
 buffer, unmasked in place), the keepalive, the idle timeout and the close handshake, written
-once; trio moves the bytes. A relay (the gateway, the hub) accepts with ``relay._ws.upgrade``;
+once; trio moves the bytes. A server (the gateway, the hub) accepts with ``accept_websocket`` (``kvasir_rpc._ws_http``);
 a worker, or a hub dialing its gateway, connects with :func:`open_websocket` (the client's
 HTTP/1.1 upgrade is h11's, here).
 
@@ -263,6 +263,7 @@ class WebSocket:
         self._last_heard = now  # any bytes at all: the keepalive's timer
         self._last_ping = now
         self._ping_out = False  # one of our keepalive pings awaits its pong
+        self._pong_waiter: trio.Event | None = None  # ping_and_wait's
         self.own_ping = OWN_PING + b"/" + os.urandom(4).hex().encode()
         self._closed: WsClosed | None = None
         self._messages_in = 0
@@ -412,6 +413,15 @@ class WebSocket:
             self._last_ping = trio.current_time()
             self._ping_out = payload == self.own_ping
             await self._send_frame(PING, payload)
+
+    async def ping_and_wait(self) -> float:
+        """Ping now and wait for the pong: its round trip in seconds. The pong is read by the
+        task receiving on this WebSocket (there must be one); bound the wait with a timeout."""
+        answered = self._pong_waiter = trio.Event()
+        await self.ping()
+        await answered.wait()
+        assert self.last_rtt_s is not None
+        return self.last_rtt_s
 
     async def close(self, code: int = 1000, reason: str = "") -> None:
         """Send a close frame (if still open) and close the stream. Idempotent."""
@@ -632,6 +642,9 @@ class WebSocket:
                 self.last_rtt_s = trio.current_time() - self._last_ping
                 if self.on_rtt is not None:
                     self.on_rtt(self.last_rtt_s)
+                if self._pong_waiter is not None:
+                    self._pong_waiter.set()
+                    self._pong_waiter = None
             if not (ours and self._relaying):
                 # Answers to our pings prove only this hop: they count while we are the end.
                 self._last_active = trio.current_time()

@@ -3,9 +3,9 @@
 ``upgrade_refusal`` checks a parsed request against RFC 6455 4.1/4.2.1 and names the
 answer (status, headers, a sentence) for the first thing wrong; the gateway calls it in its
 router. ``UpgradeIntake`` is the hub's: it accepts TCP connections, reads each one's request
-head with ``relay._ws.read_request`` under a deadline, answers a bad one itself (one refusal
+head with ``kvasir_rpc.read_request`` under a deadline, answers a bad one itself (one refusal
 through a ``RefusalLog``, then closes it) and hands each good one, with its parsed request,
-to the hub's handler (which answers the upgrade with ``relay._ws.upgrade``).
+to the hub's handler (which answers the upgrade with ``kvasir_rpc.accept_websocket``).
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ from typing import Any
 
 import trio
 
+from kvasir_rpc import HttpError, HttpRequest, read_request, send_response
 from relay._refusals import RefusalLog
-from relay._ws import HttpError, HttpRequest, read_request, send_response
 
 __all__ = ["Refusal", "UpgradeIntake", "upgrade_refusal"]
 

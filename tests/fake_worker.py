@@ -15,10 +15,18 @@ import sys
 
 import grpc
 import trio
-from trio_websocket import ConnectionClosed, open_websocket_url
 
-from kvasir_rpc import Wallet, WorkerHandshake, session_pb2, session_pb2_grpc, slices_from_proto
-from kvasir_rpc.protocol import TUNNEL_SUBPROTOCOL as SUBPROTOCOL, Control
+from kvasir_rpc import (
+    Wallet,
+    WorkerHandshake,
+    WsClosed,
+    open_websocket,
+    session_pb2,
+    session_pb2_grpc,
+    slices_from_proto,
+)
+from kvasir_rpc.protocol import TUNNEL_SUBPROTOCOL as SUBPROTOCOL
+from kvasir_rpc.protocol import Control
 
 SETTINGS = bytes([0, 0, 0, 4, 0, 0, 0, 0, 0])
 SETTINGS_ACK = bytes([0, 0, 0, 4, 1, 0, 0, 0, 0])
@@ -26,9 +34,9 @@ JUNK = (1 << 16).to_bytes(3, "big") + bytes([0xFA, 0, 0, 0, 0, 0]) + b"\x00" * (
 
 
 async def serve(url: str, hello: WorkerHandshake) -> None:
-    async with open_websocket_url(url, subprotocols=[SUBPROTOCOL]) as ws:
-        await ws.send_message(hello.receive_challenge(await ws.get_message()))  # type: ignore[arg-type]
-        print("fake session", hello.receive_accept(await ws.get_message()), flush=True)  # type: ignore[arg-type]
+    async with open_websocket(url, subprotocols=[SUBPROTOCOL]) as ws:
+        await ws.send_message(hello.receive_challenge(await ws.receive_message()))  # type: ignore[arg-type]
+        print("fake session", hello.receive_accept(await ws.receive_message()), flush=True)  # type: ignore[arg-type]
         async with trio.open_nursery() as nursery:
             scope: trio.CancelScope | None = None
 
@@ -39,8 +47,9 @@ async def serve(url: str, hello: WorkerHandshake) -> None:
                         await ws.send_message(JUNK)
                         await trio.sleep(0.02)
 
+            # The one task that receives: it also answers the hub's keepalive pings.
             while True:
-                msg = await ws.get_message()
+                msg = await ws.receive_message()
                 if msg == Control.OPEN.value:
                     scope = trio.CancelScope()
                     nursery.start_soon(junk, scope)
@@ -65,7 +74,7 @@ def main() -> int:
                             model_type=victim.model_type, worker_version="0.1.0")
     try:
         trio.run(serve, args.hub, hello)
-    except ConnectionClosed:
+    except* WsClosed:  # the hub ended the session: raised here, or by the sender, inside the nursery
         pass
     return 0
 

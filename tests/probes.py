@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from relay._ws import MAX_HEADER_BYTES
+from kvasir_rpc import MAX_HEADER_BYTES
 
 __all__ = ["GOOD", "KEY", "PROBES", "head"]
 

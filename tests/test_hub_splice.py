@@ -2,7 +2,7 @@
 
 The backbone's connections are ``memory_stream_pair``s gated by the real ``TargetGate`` (a
 keyed first request, as grpcio sends it); the worker's WebSocket is two memory channels of
-whole messages (what the session reads with ``get_message`` and writes with ``send_message``).
+whole messages (what the session reads with ``receive_message`` and writes with ``send_message``).
 The session's reader and its splices run as the hub runs them; the splice core is
 tests/test_splice_core.py, the real WebSocket and real processes tests/test_tunnel_mux.py,
 tests/test_many_backbones.py and tests/test_conformance.py.
@@ -63,8 +63,9 @@ class MemoryWebSocket:
     def __init__(self) -> None:
         self._to_hub_send, self._to_hub = trio.open_memory_channel[bytes | str](64)
         self._to_worker, self._to_worker_recv = trio.open_memory_channel[bytes | str](64)
+        self.on_rtt = None  # the session sets it (a clear session's keepalive is the WebSocket's)
 
-    async def get_message(self) -> bytes | str:
+    async def receive_message(self) -> bytes | str:
         return await self._to_hub.receive()
 
     async def send_message(self, message: bytes | str) -> None:

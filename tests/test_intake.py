@@ -18,9 +18,9 @@ from hypothesis import strategies as st
 from probes import GOOD, KEY, PROBES
 from structlog.testing import capture_logs
 
+from kvasir_rpc import HttpRequest
 from relay._intake import UpgradeIntake, upgrade_refusal
 from relay._refusals import RefusalLog
-from relay._ws import HttpRequest
 from relay.gateway._gateway import Gateway, GatewayConfig
 
 TOKEN = "s3cret-hub-token"

@@ -157,22 +157,21 @@ def test_deduplicated_rows_give_the_same_partials(swarm):
 
 def test_hub_refuses_bad_hello_and_keeps_serving(swarm):
     import trio
-    from trio_websocket import ConnectionClosed, open_websocket_url
 
-    from kvasir_rpc import HELLO_SIGNATURE_DOMAIN, Wallet, session_pb2
+    from kvasir_rpc import HELLO_SIGNATURE_DOMAIN, Wallet, WsClosed, open_websocket, session_pb2
     from kvasir_rpc.protocol import TUNNEL_SUBPROTOCOL as SUBPROTOCOL
 
     wallet, other = Wallet.generate(), Wallet.generate()
 
     async def attempt(make_hello) -> tuple[int, str]:
         with trio.fail_after(15):
-            async with open_websocket_url(swarm.hub_ws_url, subprotocols=[SUBPROTOCOL]) as ws:
-                ch = session_pb2.SessionChallenge.FromString(await ws.get_message())
+            async with open_websocket(swarm.hub_ws_url, subprotocols=[SUBPROTOCOL]) as ws:
+                ch = session_pb2.SessionChallenge.FromString(await ws.receive_message())  # type: ignore[arg-type]
                 await ws.send_message(make_hello(ch))
                 try:
-                    await ws.get_message()
-                except ConnectionClosed as exc:
-                    return exc.reason.code, exc.reason.reason or ""
+                    await ws.receive_message()
+                except WsClosed as exc:
+                    return exc.code, exc.reason
                 return 0, "accepted"
 
     def body(ch, nonce=None):

@@ -1,6 +1,6 @@
-"""The relays' TLS stream (kvasir_rpc._tls) and the WebSocket opener built on them, over real TLS
-on 127.0.0.1 with trustme certificates; and torch's thread setting carried into the
-threads that compute."""
+"""The relays' TLS stream (kvasir_rpc._tls) and the library's WebSocket opener over it
+(``kvasir_rpc.open_websocket``, whose wss:// runs over TLSStream), over real TLS on 127.0.0.1
+with trustme certificates; and torch's thread setting carried into the threads that compute."""
 
 from __future__ import annotations
 
@@ -14,9 +14,18 @@ import threading
 import pytest
 import trio
 import trustme
-from trio_websocket import ConnectionRejected, ConnectionTimeout, HandshakeError, serve_websocket
 
-from kvasir_rpc._tls import TLSStream, open_tls_over_tcp, open_websocket_url
+from kvasir_rpc import (
+    WsClosed,
+    WsConnectTimeout,
+    WsHandshakeError,
+    WsRejected,
+    accept_websocket,
+    open_websocket,
+    read_request,
+    send_response,
+)
+from kvasir_rpc._tls import TLSStream, open_tls_over_tcp
 
 # Integration: real TLS servers on 127.0.0.1.
 pytestmark = pytest.mark.integration
@@ -45,6 +54,29 @@ def _tls_handler(server_ctx: ssl.SSLContext, body):  # type: ignore[no-untyped-d
         stream = TLSStream(tcp, server_ctx, server_side=True)
         await stream.do_handshake()
         await body(stream, tcp)
+
+    return handler
+
+
+def _ws_server(server_ctx: ssl.SSLContext | None, body, max_message_bytes: int):  # type: ignore[no-untyped-def]
+    """A serve_tcp handler: a WebSocket server (over TLSStream with ``server_ctx``, else plain
+    TCP) that answers ``/no`` with 401 and any other upgrade with subprotocol t.v1 and
+    ``body(ws)``, then closes the WebSocket (1000)."""
+    async def handler(tcp: trio.SocketStream) -> None:
+        stream: trio.abc.Stream = tcp if server_ctx is None else TLSStream(tcp, server_ctx, server_side=True)
+        async with stream:
+            request = await read_request(stream)
+            if request.path == "/no":
+                await send_response(stream, 401, "go away")
+                return
+            ws = await accept_websocket(stream, request, subprotocol="t.v1", max_message_bytes=max_message_bytes,
+                                        keepalive_s=10.0, idle_timeout_s=30.0)
+            try:
+                await body(ws)
+            except WsClosed:
+                pass
+            finally:
+                await ws.close()
 
     return handler
 
@@ -182,45 +214,40 @@ def test_failed_handshakes_raise_broken_resource_on_both_sides(contexts) -> None
     assert len(server_errors) == 2
 
 
-def test_open_websocket_url_over_wss_carries_messages_and_reports_rejections(contexts) -> None:  # type: ignore[no-untyped-def]
+def test_open_websocket_over_wss_echoes_and_reports_refusals(contexts) -> None:  # type: ignore[no-untyped-def]
     server_ctx, client_ctx = contexts
-    echoed: list[bytes] = []
+    echoed: list[bytes | str] = []
 
-    async def handler(request) -> None:  # type: ignore[no-untyped-def]
-        if request.path == "/no":
-            await request.reject(401, body=b"go away")
-            return
-        ws = await request.accept(subprotocol="t.v1")
-        msg = await ws.get_message()
-        await ws.send_message(msg)
+    async def echo(ws) -> None:  # type: ignore[no-untyped-def]
+        await ws.send_message(await ws.receive_message())
 
     async def main() -> None:
         with trio.fail_after(30):
             async with trio.open_nursery() as nursery:
-                server = await nursery.start(lambda task_status: serve_websocket(
-                    handler, "127.0.0.1", 0, ssl_context=server_ctx, max_message_size=8 << 20, task_status=task_status))
-                base = f"wss://127.0.0.1:{server.port}"
+                port = await _listen(nursery, _ws_server(server_ctx, echo, 8 << 20))
+                base = f"wss://127.0.0.1:{port}"
                 big = os.urandom(3 << 20)
-                async with open_websocket_url(f"{base}/yes", client_ctx, subprotocols=["t.v1"],
-                                              max_message_size=8 << 20, receive_buffer_size=1 << 20) as ws:
+                async with open_websocket(f"{base}/yes", client_ctx, subprotocols=["t.v1"],
+                                          max_message_bytes=8 << 20) as ws:
                     assert ws.subprotocol == "t.v1"
                     await ws.send_message(big)
-                    echoed.append(await ws.get_message())  # type: ignore[arg-type]
+                    echoed.append(await ws.receive_message())
                 assert echoed == [big]
-                with pytest.raises(ConnectionRejected) as rejected:
-                    async with open_websocket_url(f"{base}/no", client_ctx):
+                with pytest.raises(WsRejected) as rejected:
+                    async with open_websocket(f"{base}/no", client_ctx):
                         pass
                 assert rejected.value.status_code == 401
-                # Nothing listening: a HandshakeError naming the OS error, not a bare OSError.
-                with pytest.raises(HandshakeError):
-                    async with open_websocket_url("wss://127.0.0.1:1/x", client_ctx, connect_timeout=5):
+                # Nothing listening: a WsHandshakeError naming the OS error, not a bare OSError.
+                with pytest.raises(WsHandshakeError) as failed:
+                    async with open_websocket("wss://127.0.0.1:1/x", client_ctx, connect_timeout=5):
                         pass
+                assert isinstance(failed.value.__cause__, OSError)
                 nursery.cancel_scope.cancel()
 
     trio.run(main)
 
 
-def test_open_websocket_url_times_out_on_a_silent_server(contexts) -> None:  # type: ignore[no-untyped-def]
+def test_open_websocket_times_out_on_a_silent_server(contexts) -> None:  # type: ignore[no-untyped-def]
     _, client_ctx = contexts
 
     async def main() -> None:
@@ -230,17 +257,17 @@ def test_open_websocket_url_times_out_on_a_silent_server(contexts) -> None:  # t
                     await trio.sleep(60)
 
                 port = await _listen(nursery, silent)
-                with pytest.raises(ConnectionTimeout):
-                    async with open_websocket_url(f"wss://127.0.0.1:{port}/x", client_ctx, connect_timeout=0.5):
+                with pytest.raises(WsConnectTimeout):
+                    async with open_websocket(f"wss://127.0.0.1:{port}/x", client_ctx, connect_timeout=0.5):
                         pass
                 nursery.cancel_scope.cancel()
 
     trio.run(main)
 
 
-def test_open_websocket_url_rejects_other_schemes() -> None:
+def test_open_websocket_rejects_other_schemes() -> None:
     async def main() -> None:
-        async with open_websocket_url("https://127.0.0.1/x"):
+        async with open_websocket("https://127.0.0.1/x"):
             pass
 
     with pytest.raises(ValueError, match="ws:// or wss://"):
@@ -326,19 +353,17 @@ def test_send_whole_survives_cancellation_mid_message() -> None:
     from kvasir_rpc._tunnel import send_whole
 
     big = os.urandom(24 << 20)  # more than loopback socket buffers hold
-    got: list[bytes] = []
+    got: list[bytes | str] = []
 
-    async def handler(request) -> None:  # type: ignore[no-untyped-def]
-        ws = await request.accept()
+    async def receive_two(ws) -> None:  # type: ignore[no-untyped-def]
         for _ in range(2):
-            got.append(await ws.get_message())  # type: ignore[arg-type]
+            got.append(await ws.receive_message())
 
     async def main() -> None:
         with trio.fail_after(60):
             async with trio.open_nursery() as nursery:
-                server = await nursery.start(lambda task_status: serve_websocket(
-                    handler, "127.0.0.1", 0, ssl_context=None, max_message_size=32 << 20, task_status=task_status))
-                async with open_websocket_url(f"ws://127.0.0.1:{server.port}/t") as ws:
+                port = await _listen(nursery, _ws_server(None, receive_two, 32 << 20))
+                async with open_websocket(f"ws://127.0.0.1:{port}/t", subprotocols=["t.v1"]) as ws:
                     with trio.CancelScope() as scope:
                         # Cancelled throughout: the send blocks on full socket buffers many
                         # times, and each of those checkpoints would end a plain send.

@@ -2,7 +2,7 @@
 from wsproto's own server parsed whole, byte by byte and in pieces; what the client sends
 masked with a fresh key and read back by wsproto's server; the keepalive's round trip on a
 fake clock; and ``open_websocket`` over real TCP on 127.0.0.1 against the relays' own
-upgrade (``relay._ws.upgrade``): messages both ways, the subprotocol, and each way a dial
+upgrade (``kvasir_rpc.accept_websocket``): messages both ways, the subprotocol, and each way a dial
 fails (refused, an HTTP refusal with its body, a wrong accept key, a server that says nothing)."""
 
 from __future__ import annotations
@@ -26,11 +26,13 @@ from kvasir_rpc import (
     WsConnectTimeout,
     WsHandshakeError,
     WsRejected,
+    accept_websocket,
     open_websocket,
+    read_request,
+    send_response,
 )
 from kvasir_rpc._ws import _masked_frame
 from kvasir_rpc._ws_frames import BINARY, TEXT, Data, FrameError, FrameReader, frame_header
-from relay._ws import read_request, send_response, upgrade
 
 SUB = "kvasir.tunnel.v1"
 
@@ -196,7 +198,7 @@ async def _serve(listeners: list[trio.SocketListener], answer) -> None:  # type:
 
 async def _echo(stream: trio.SocketStream) -> None:
     request = await read_request(stream)
-    ws = await upgrade(stream, request, subprotocol=SUB, max_message_bytes=1 << 20, keepalive_s=10.0,
+    ws = await accept_websocket(stream, request, subprotocol=SUB, max_message_bytes=1 << 20, keepalive_s=10.0,
                        idle_timeout_s=30.0)
     try:
         while True:
@@ -318,3 +320,24 @@ def test_a_workers_keepalive_passes_through_a_relay_that_pings_alike() -> None:
         assert isinstance(got, Pong) and got.payload == worker.own_ping
 
     trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+
+
+def test_ping_and_wait_gives_the_round_trip_the_receiving_task_reads() -> None:
+    async def main() -> None:
+        a_stream, b_stream = trio.testing.memory_stream_pair()
+        a = WebSocket(a_stream, max_message_bytes=1 << 20, keepalive_s=100.0, idle_timeout_s=300.0, client=True)
+        b = WebSocket(b_stream, max_message_bytes=1 << 20, keepalive_s=100.0, idle_timeout_s=300.0)
+        async with trio.open_nursery() as nursery:
+            async def receive(ws: WebSocket) -> None:
+                with pytest.raises(WsClosed):
+                    while True:
+                        await ws.receive_message()
+
+            nursery.start_soon(receive, a)
+            nursery.start_soon(receive, b)
+            with trio.fail_after(5):
+                rtt = await a.ping_and_wait()
+            assert rtt == a.last_rtt_s and rtt >= 0 and a.statistics().pongs_received == 1
+            await a.close()
+
+    trio.run(main, clock=_fake_clock())

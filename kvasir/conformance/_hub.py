@@ -25,9 +25,8 @@ from kvasir.conformance._results import FAIL, PASS, StepResult, _StepFailed
 
 if TYPE_CHECKING:
     import grpc
-    from trio_websocket import WebSocketConnection, WebSocketRequest
 
-    from kvasir_rpc import HelloInfo, SealedHeartbeat, TunnelCipher
+    from kvasir_rpc import HelloInfo, HttpRequest, SealedHeartbeat, TunnelCipher, WebSocket
 
 _MAX_CHANNEL_BYTES = 256 << 20
 
@@ -56,7 +55,7 @@ class _HubSide:
         self.url = ""
         self.proc: subprocess.Popen[bytes] | None = None
         self.hello: HelloInfo | None = None
-        self.ws: WebSocketConnection | None = None
+        self.ws: WebSocket | None = None
         self.cipher: TunnelCipher | None = None  # the worker's session is sealed end to end
         self.heartbeat: SealedHeartbeat | None = None  # and then its liveness is checked so
         self.tunnel = HubTunnel()
@@ -90,17 +89,11 @@ class _HubSide:
 
     async def serve(self, steps: Callable[[trio.Nursery], Awaitable[None]], say_url: Callable[[str], None]) -> None:
         """Serve the WebSocket, start the worker command if any, and run ``steps``."""
-        from trio_websocket import serve_websocket
-
-        from kvasir_rpc.protocol import MAX_MESSAGE_BYTES, READ_BYTES
-
         cfg = self.cfg
         async with trio.open_nursery() as nursery:
-            server = await nursery.start(functools.partial(
-                serve_websocket, self.handle, cfg.host, cfg.port, None, max_message_size=MAX_MESSAGE_BYTES,
-                receive_buffer_size=READ_BYTES, message_queue_size=4, disconnect_timeout=5))
+            listeners = await nursery.start(functools.partial(trio.serve_tcp, self.handle, cfg.port, host=cfg.host))
             host = f"[{cfg.host}]" if ":" in cfg.host else cfg.host
-            self.url = f"ws://{host}:{server.port}"
+            self.url = f"ws://{host}:{listeners[0].socket.getsockname()[1]}"
             say_url(self.url)
             if cfg.worker_cmd is not None:
                 argv = [a.replace("{url}", self.url) for a in shlex.split(cfg.worker_cmd)]
@@ -112,22 +105,50 @@ class _HubSide:
                 self.done.set()
                 nursery.cancel_scope.cancel()
 
-    async def handle(self, request: WebSocketRequest) -> None:
-        from kvasir_rpc.protocol import TUNNEL_SUBPROTOCOL, choose_subprotocol
+    async def handle(self, stream: trio.SocketStream) -> None:
+        """One TCP connection: the worker's upgrade, answered as a hub would (the library's
+        server WebSocket, with the hub's bounds and keepalive)."""
+        from kvasir_rpc import HttpError, read_request
+        from kvasir_rpc.protocol import HUB_HANDSHAKE_TIMEOUT_S
+
+        async with stream:
+            try:
+                with trio.fail_after(HUB_HANDSHAKE_TIMEOUT_S):
+                    request = await read_request(stream)
+            except (HttpError, trio.TooSlowError, trio.BrokenResourceError):
+                return  # not an upgrade at all: the upgrade step waits for one
+            await self._upgrade(stream, request)
+
+    async def _upgrade(self, stream: trio.SocketStream, request: HttpRequest) -> None:
+        from kvasir_rpc import HttpError, accept_websocket, send_response
+        from kvasir_rpc.protocol import (
+            KEEPALIVE_S,
+            KEEPALIVE_TIMEOUT_S,
+            MAX_MESSAGE_BYTES,
+            TUNNEL_SUBPROTOCOL,
+            choose_subprotocol,
+        )
 
         if self.dialled.is_set():
-            await request.reject(409, body=b"this conformance check serves one session\n")
+            await send_response(stream, 409, "this conformance check serves one session\n")
             return
-        offered = list(request.proposed_subprotocols)
+        offered = request.subprotocols
         chosen = choose_subprotocol(offered)
         if chosen is None:
-            await request.reject(400, body=f"the tunnel needs the WebSocket subprotocol {TUNNEL_SUBPROTOCOL}\n".encode())
+            await send_response(stream, 400, f"the tunnel needs the WebSocket subprotocol {TUNNEL_SUBPROTOCOL}\n")
             self.upgrade = StepResult("upgrade", FAIL, (
                 f"the worker offered subprotocols {offered or '(none)'}; it must offer {TUNNEL_SUBPROTOCOL} in "
                 "Sec-WebSocket-Protocol (a hub refuses the upgrade with HTTP 400)"))
             self.dialled.set()
             return
-        self.ws = await request.accept(subprotocol=chosen)
+        try:
+            self.ws = await accept_websocket(stream, request, subprotocol=chosen, max_message_bytes=MAX_MESSAGE_BYTES,
+                                             keepalive_s=KEEPALIVE_S, idle_timeout_s=KEEPALIVE_S + KEEPALIVE_TIMEOUT_S)
+        except HttpError as exc:
+            await send_response(stream, 400, f"{exc}\n")
+            self.upgrade = StepResult("upgrade", FAIL, f"not a valid WebSocket upgrade: {exc}")
+            self.dialled.set()
+            return
         self.upgrade = StepResult("upgrade", PASS, f"{request.path!r} upgraded with subprotocol {chosen}; "
                                                    f"offered {offered}")
         self.dialled.set()
@@ -141,7 +162,7 @@ class _HubSide:
             self.fatal_reported = self.scope is not None
         if close_code is not None and self.ws is not None:
             with trio.CancelScope(shield=True), trio.move_on_after(2):  # the worker may be gone
-                await self.ws.aclose(close_code, reason[:120])
+                await self.ws.close(close_code, reason[:120])
         if self.scope is not None:
             self.scope.cancel()
 
@@ -159,7 +180,7 @@ class _HubSide:
         try:
             with trio.fail_after(HUB_HANDSHAKE_TIMEOUT_S):
                 await self.ws.send_message(hs.challenge())
-                data = await self.ws.get_message()
+                data = await self.ws.receive_message()
                 if isinstance(data, str):
                     raise RemoteProtocolError(f"the SessionHello must be a binary message, got text {data[:40]!r}")
                 info = hs.receive_hello(data)
@@ -178,20 +199,16 @@ class _HubSide:
 
     async def read(self) -> None:
         """Feed every message of the worker to the hub's tunnel state machine."""
-        from trio_websocket import ConnectionClosed
-
-        from kvasir_rpc import receive_message
+        from kvasir_rpc import WsClosed, receive_message
         from kvasir_rpc.protocol import Closed, Data, Discarded, Eof, RemoteProtocolError
 
         assert self.ws is not None
         while True:
             try:
                 msg = await receive_message(self.ws, self.cipher, self.heartbeat)
-            except ConnectionClosed as exc:
+            except WsClosed as exc:
                 if not self.finishing:
-                    why = exc.reason
-                    await self.end("the worker closed the WebSocket" + ("" if why is None else
-                                   f": {why.code} {why.reason or ''}".rstrip()))
+                    await self.end(_closed_words(exc))
                 return
             except RemoteProtocolError as exc:  # a sealed message that does not open
                 await self.end(f"end-to-end channel: {exc.reason}; a hub closes {exc.close_code}", exc.close_code)
@@ -233,8 +250,7 @@ class _HubSide:
 
     async def serve_target(self, task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED) -> None:
         """The local gRPC target: each client connection in turn is spliced into the tunnel."""
-        from trio_websocket import ConnectionClosed
-
+        from kvasir_rpc import WsClosed
         from kvasir_rpc.protocol import RemoteProtocolError
 
         listener = (await trio.open_tcp_listeners(0, host="127.0.0.1"))[0]
@@ -247,7 +263,7 @@ class _HubSide:
                     continue
                 try:
                     await self._splice(stream)
-                except ConnectionClosed:
+                except WsClosed:
                     pass  # the reader reports it
                 except RemoteProtocolError as exc:  # a tunnel message could not be sent in time
                     await self.end(exc.reason, exc.close_code)
@@ -291,6 +307,14 @@ class _HubSide:
         if not self.closed.is_set():
             await self.end(f"the worker did not answer 'close' with 'closed' within {CLOSE_TIMEOUT_S:g} s (a hub "
                            "closes 1008 'close not acknowledged')", CloseCode.POLICY_VIOLATION)
+
+
+def _closed_words(exc: BaseException) -> str:
+    """How the session's WebSocket ended (``kvasir_rpc.WsClosed``), for a step's detail."""
+    code, reason, local = getattr(exc, "code", 1006), getattr(exc, "reason", ""), getattr(exc, "local", False)
+    if local:
+        return f"this hub closed the WebSocket: {code} {reason}".rstrip()
+    return f"the worker closed the WebSocket: {code} {reason}".rstrip()
 
 
 _HINTS = {

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 import trio
 
 from kvasir.conformance._calls import _Call, _make_call, plan_calls
-from kvasir.conformance._hub import _Config, _HubSide
+from kvasir.conformance._hub import _closed_words, _Config, _HubSide
 from kvasir.conformance._judge import judge_partials, judge_projections
 from kvasir.conformance._results import FAIL, PASS, SKIP, StepResult, _StepFailed
 
@@ -55,7 +55,7 @@ class _Run:
         """Run one step under its limit; a step raising _StepFailed, timing out or (a
         ``session`` step) cut short by the end of the session fails. A session step is skipped
         once the session is over; the first after an end no step saw fails with its reason."""
-        from trio_websocket import ConnectionClosed
+        from kvasir_rpc import WsClosed
 
         hub, name, limit_s = self.hub, step.name, step.limit()
         if step.session and hub.fatal is not None:
@@ -78,10 +78,8 @@ class _Run:
                 detail = str(exc)
             except trio.TooSlowError:
                 detail = f"not done within {limit_s:g} s"
-            except ConnectionClosed as exc:
-                why = exc.reason
-                await hub.end("the worker closed the WebSocket" + ("" if why is None else
-                              f": {why.code} {why.reason or ''}".rstrip()))
+            except WsClosed as exc:
+                await hub.end(_closed_words(exc))
                 detail = hub.fatal or ""
         hub.scope = None
         if scope.cancelled_caught:
@@ -426,13 +424,12 @@ async def _keepalive(run: _Run) -> tuple[str, list[str]]:
 
     hub = run.hub
     assert hub.ws is not None
-    t0 = time.monotonic()
     try:
         with trio.fail_after(KEEPALIVE_TIMEOUT_S):
-            await hub.ws.ping()
+            rtt_s = await hub.ws.ping_and_wait()
     except trio.TooSlowError:
         raise _StepFailed(f"no pong within {KEEPALIVE_TIMEOUT_S:g} s of a ping (a hub closes 1001)") from None
-    detail = f"pong after {(time.monotonic() - t0) * 1000:.1f} ms"
+    detail = f"pong after {rtt_s * 1000:.1f} ms"
     if hub.heartbeat is None:
         return detail, []
     try:

@@ -28,14 +28,19 @@ import trio
 from kvasir_rpc import (
     CloseCode,
     Held,
+    HttpError,
+    HttpRequest,
     MessageBudget,
     RemoteProtocolError,
     TLSStream,
     WebSocket,
     WsClosed,
+    accept_websocket,
     address_key,
     get_logger,
+    read_request,
     remote_host,
+    send_response,
 )
 from kvasir_rpc.protocol import (
     GATEWAY_SUBPROTOCOL,
@@ -54,7 +59,6 @@ from relay._buckets import TokenBuckets
 from relay._heap_trim import Trimmer
 from relay._intake import Refusal, http_error_refusal, upgrade_refusal
 from relay._refusals import RefusalLog
-from relay._ws import HttpError, HttpRequest, read_request, send_response, upgrade
 from relay.gateway._pairing import Pairing, Pairings
 
 __all__ = ["GatewayConfig", "GatewayStats", "serve_gateway"]
@@ -301,8 +305,9 @@ class Gateway:
             await refuse(refusal.reason, refusal.status, refusal.message + "\n", headers=refusal.headers)
 
         async def ws(sub: str) -> WebSocket:
-            return await upgrade(stream, req, subprotocol=sub, max_message_bytes=cfg.max_message_bytes,
-                                 keepalive_s=cfg.keepalive_s, idle_timeout_s=cfg.idle_timeout_s, budget=self._budget)
+            return await accept_websocket(stream, req, subprotocol=sub, max_message_bytes=cfg.max_message_bytes,
+                                          keepalive_s=cfg.keepalive_s, idle_timeout_s=cfg.idle_timeout_s,
+                                          budget=self._budget)
 
         path = req.path
         if path == HEALTH_PATH:

@@ -22,6 +22,8 @@ from kvasir_rpc import (
     MIN_TOKEN_CHARS,
     CloseCode,
     HelloInfo,
+    HttpError,
+    HttpRequest,
     HubHandshake,
     MessageBudget,
     ModelShape,
@@ -32,6 +34,7 @@ from kvasir_rpc import (
     Wallet,
     WebSocket,
     WsClosed,
+    accept_websocket,
     address_key,
     check_bearer,
     get_logger,
@@ -39,6 +42,7 @@ from kvasir_rpc import (
     leaf_exception,
     receive_message,
     remote_host,
+    send_response,
     send_whole,
     session_pb2,
     session_pb2_grpc,
@@ -58,7 +62,6 @@ from kvasir_rpc.protocol import (
 from relay._heap_trim import Trimmer
 from relay._intake import Refusal, UpgradeIntake
 from relay._refusals import RefusalLog
-from relay._ws import HttpError, HttpRequest, send_response, upgrade
 from relay.hub._admission import SessionRate, Standing, WalletHistory, standing_of
 from relay.hub._plan import pick_mover, plan_slice
 from relay.hub._registry import SessionRegistry
@@ -503,9 +506,10 @@ class _Hub:
                     return
                 cfg = self.config
                 try:
-                    ws = await upgrade(stream, request, subprotocol=subprotocol, max_message_bytes=MAX_HELLO_BYTES,
-                                       keepalive_s=cfg.keepalive_s,
-                                       idle_timeout_s=cfg.keepalive_s + cfg.keepalive_timeout_s, budget=self.budget)
+                    ws = await accept_websocket(stream, request, subprotocol=subprotocol,
+                                                max_message_bytes=MAX_HELLO_BYTES, keepalive_s=cfg.keepalive_s,
+                                                idle_timeout_s=cfg.keepalive_s + cfg.keepalive_timeout_s,
+                                                budget=self.budget)
                 except HttpError as exc:
                     self.refusals.refused(exc.reason, remote=remote, status=400, detail=str(exc))
                     await send_response(stream, 400, f"{exc}\n")

@@ -1,8 +1,8 @@
-"""The HTTP side of a server WebSocket, for the gateway and the hub: h11 reads the request
-head (so a relay can answer /healthz, 401, 404 and 426 itself), and ``upgrade`` answers the
-upgrade with wsproto and hands the stream to the library's WebSocket
-(``kvasir_rpc.WebSocket``: the frames, the keepalive and the close handshake, written once
-for every Kvasir process).
+"""The HTTP side of a server WebSocket (the gateway, the hub, ``kvasir conformance``'s hub):
+h11 reads the request head (so a server can answer /healthz, 401, 404 and 426 itself), and
+``accept_websocket`` answers the upgrade with wsproto and hands the stream to the library's
+WebSocket (``kvasir_rpc._ws``: the frames, the keepalive and the close handshake, written once
+for every Kvasir process; the client's side of the upgrade is ``open_websocket``'s).
 """
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ from wsproto import ConnectionType, WSConnection
 from wsproto.events import AcceptConnection, Request
 from wsproto.utilities import RemoteProtocolError as WsRemoteProtocolError
 
-from kvasir_rpc import SEND_TIMEOUT_S, MessageBudget, WebSocket
+from kvasir_rpc._ws import SEND_TIMEOUT_S, MessageBudget, WebSocket
 
-__all__ = ["HttpError", "HttpRequest", "MAX_HEADER_BYTES", "read_request", "send_response", "upgrade"]
+__all__ = ["HttpError", "HttpRequest", "MAX_HEADER_BYTES", "accept_websocket", "read_request", "send_response"]
 
 MAX_HEADER_BYTES = 16 << 10
 
@@ -135,7 +135,7 @@ async def send_response(stream: trio.abc.Stream, status: int, body: str, *, head
     # ClosedResourceError propagates: answering on a stream we closed is our bug.
 
 
-async def upgrade(
+async def accept_websocket(
     stream: trio.abc.Stream,
     request: HttpRequest,
     *,
