@@ -425,6 +425,9 @@ class WebSocket:
 
     async def close(self, code: int = 1000, reason: str = "") -> None:
         """Send a close frame (if still open) and close the stream. Idempotent."""
+        await self._close(code, reason, linger=False)
+
+    async def _close(self, code: int, reason: str, *, linger: bool) -> None:
         if self._closed is None:
             self._closed = WsClosed(code, reason, local=True)
         if self._state is _State.OPEN:
@@ -433,6 +436,9 @@ class WebSocket:
                 await self._send_frame(CLOSE, close_payload(code, reason[:120]))
             except WsClosed:
                 pass
+            else:
+                if linger:
+                    await self._linger()
         await self._close_stream()
 
     async def _close_stream(self) -> None:
@@ -543,18 +549,8 @@ class WebSocket:
         its close frame or its end, for _LINGER_S at most, and only then the stream closes.
         Closing a socket with unread bytes in it resets the connection, and a reset can
         destroy our close frame before the peer reads it. Only the receiving task calls it."""
-        if self._closed is None:
-            self._closed = WsClosed(code, reason, local=True)
         self.forget_partial()  # its bytes go back to the budget now, not after the linger
-        if self._state is _State.OPEN:
-            self._state = _State.LOCAL_CLOSING
-            try:
-                await self._send_frame(CLOSE, close_payload(code, reason[:120]))
-            except WsClosed:
-                pass
-            else:
-                await self._linger()
-        await self._close_stream()
+        await self._close(code, reason, linger=True)
 
     async def _linger(self) -> None:
         reader = self._reader
