@@ -264,6 +264,15 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         say("formats: one expert held in each served format, bytes and dequantizing against computing")
         print(json.dumps(run_formats_bench(quick=args.quick, say=say), indent=None if args.json else 2))
         return 0
+    if args.seed_table:
+        from kvasir.bench.seed_table import run_seed_table_bench
+
+        say("the seed's table: batching through the gateway, one remote MoE layer at 13 ms RTT, and through an edge")
+        seed = run_seed_table_bench(quick=args.quick, say=say)
+        say(str(seed["table"]))
+        print(json.dumps(seed if args.json else {k: seed[k] for k in ("ratios", "figures", "seconds")},
+                         indent=None if args.json else 2))
+        return 0
     if args.kv_cache:
         from kvasir.bench.kv_cache import run_kv_cache_bench
 
@@ -300,6 +309,14 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         say("checks: the remote decode at RTT 0 with row checks on and off, and audits on and off")
         checks = run_checks_bench(quick=args.quick, say=say)
         print(json.dumps(checks, indent=None if args.json else 2))
+        return 0
+    if args.decode:
+        from kvasir.bench import decode_ratios, run_decode_bench
+
+        say("decode: all experts local vs every MoE layer on workers through the gateway and its fabric-free ceiling, "
+            "RTT 0/13/50 ms")
+        decode = run_decode_bench(quick=args.quick, say=say)
+        print(json.dumps(decode if args.json else decode_ratios(decode), indent=None if args.json else 2))
         return 0
     if args.assist:
         from kvasir.bench import assist_keys, run_assist_bench
@@ -657,6 +674,11 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--json", action="store_true", help="print the whole result as one JSON object")
     bench.add_argument("--service", action="store_true",
                        help="only the backbone service: 1, 8 and 32 concurrent callers, local vs remote")
+    bench.add_argument("--seed-table", action="store_true",
+                       help="only the seed's reference figures beside ours: rows/s at batch 512 over batch 1 through "
+                            "the gateway, and what one remote MoE layer of many at 13 ms RTT costs a single stream, "
+                            "through the gateway and through nginx terminating TLS in front of it (needs nginx; "
+                            "a few minutes)")
     bench.add_argument("--kv-cache", action="store_true",
                        help="only the local decode: backbone serve against transformers' own generate, and "
                             "DynamicCache against the KV cache that grows in place (tokens/s, page faults per token)")
@@ -668,6 +690,10 @@ def build_parser() -> argparse.ArgumentParser:
                             "--processes 2, 4 workers and 4 callers")
     bench.add_argument("--assist", action="store_true",
                        help="only one stream's tokens/s at RTT 13 and 50 ms, plain vs --assist lookup")
+    bench.add_argument("--decode", action="store_true",
+                       help="only the decode: every expert local, every MoE layer on workers through the gateway, "
+                            "and the same placement's fabric-free ceiling, at RTT 0, 13 and 50 ms; with what checking "
+                            "costs it and the CPU per byte of each process")
     bench.add_argument("--checks", action="store_true",
                        help="only what checking workers costs: the remote decode with row checks on and off, and "
                             "audits on and off (tokens/s, the backbone's CPU per row, wire bytes per row)")

@@ -117,6 +117,7 @@ if TYPE_CHECKING:  # the real names, for type checkers; at run time __getattr__ 
         expert_forward,
         expert_forward_projections,
         plan_routes,
+        segment_order,
         threads_initializer,
         validate_dispatch,
     )
@@ -354,6 +355,7 @@ _LAZY = {
     "audit_rows": "kvasir_rpc._tolerance",
     "error_scale": "kvasir_rpc._tolerance",
     "expert_forward_projections": "kvasir_rpc._kernel",
+    "segment_order": "kvasir_rpc._kernel",
     "plan_routes": "kvasir_rpc._kernel",
     "Route": "kvasir_rpc._kernel",
     "get_activation": "kvasir_rpc._activation",

@@ -25,6 +25,7 @@ from kvasir_rpc import (
     expert_pb2,
     expert_pb2_grpc,
     get_logger,
+    segment_order,
     serialize_dispatch_response,
     slices_digest,
     slices_to_proto,
@@ -241,20 +242,8 @@ class ExpertServicer(expert_pb2_grpc.ExpertServiceServicer):
         self.turns = Turns()
 
     def _order(self, layer: int, experts: list[int]) -> list[int]:
-        """The order to compute a call's segments in (indices into ``experts``): when the call
-        before was of the same layer (the backbone's next micro-batch group), the experts it
-        computed last come first, most recent first, while their weights may still be in the
-        CPU's last-level cache; otherwise as sent. Same-layer calls so alternate their order.
-        Each segment's partials are the same bits in any order (they are placed by index);
-        only the memory traffic changes: an expert of Qwen3-30B-A3B's widths in float32 is 19
-        MB, and streaming the weights of every expert once per group is most of a decode's
-        expert time at 16 rows an expert. Two groups of 4 experts x 16 rows, one core: 78
-        against 69 ms a pair of calls."""
-        last_layer, last = self._last
-        if layer != last_layer or not last:
-            return list(range(len(experts)))
-        recency = {x: r for r, x in enumerate(reversed(last))}
-        return sorted(range(len(experts)), key=lambda i: (recency.get(experts[i], len(last)), i))
+        """The order to compute a call's segments in: ``kvasir_rpc.segment_order``."""
+        return segment_order(self._last, layer, experts)
 
     def drain(self, timeout: float) -> bool:
         """Stop taking calls; wait until none is being computed. True if drained in time."""

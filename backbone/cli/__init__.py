@@ -8,7 +8,7 @@ import argparse
 import pathlib
 
 from backbone.cli._generate import add_assist_args
-from backbone.cli._setup import add_experts_args
+from backbone.cli._setup import add_ceiling_args, add_experts_args
 from kvasir_rpc import HelpFormatter, configure_logging
 
 __all__ = ["build_parser", "main"]
@@ -41,6 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "step and a local one")
     g.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     add_assist_args(g)
+    add_ceiling_args(g)
     sv = sub.add_parser("serve", help="serve kvasir.v1.BackboneService (gRPC) and the OpenAI-compatible HTTP API",
                         formatter_class=HelpFormatter)
     add_experts_args(sv)

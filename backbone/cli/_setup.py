@@ -19,11 +19,12 @@ if TYPE_CHECKING:
     import torch
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+    from backbone.experts._ceiling import EmulatedSwarm
     from backbone.experts._dispatch import Dispatcher
     from backbone.experts._hub_reports import WorkReporter
     from backbone.experts._links import SessionWatcher
 
-__all__ = ["Setup", "add_experts_args", "build_setup"]
+__all__ = ["Setup", "add_ceiling_args", "add_experts_args", "build_setup"]
 
 log = get_logger("backbone")
 
@@ -78,6 +79,36 @@ def add_experts_args(g: argparse.ArgumentParser) -> None:
     add_log_level(g, "warning")
 
 
+def add_ceiling_args(g: argparse.ArgumentParser) -> None:
+    """The options that measure a placement's fabric-free ceiling (benchmarks only)."""
+    g.add_argument("--ceiling-worker", action="append", metavar="EXPERTS",
+                   help="benchmarks only, without --hub: the remote experts go to a worker emulated in this "
+                        "process that holds EXPERTS (a worker's --experts SPEC; repeat the option for more "
+                        "workers): a thread computing with the worker's kernel, reached without the fabric (no "
+                        "serialization, hub, gateway, TLS or worker process), everything else as with a hub's "
+                        "workers; kvasir bench's decode measures its placement's ceiling so")
+    g.add_argument("--ceiling-rtt", type=float, default=0.0, metavar="MS",
+                   help="with --ceiling-worker: the round trip emulated to each worker, half each way, as "
+                        "kvasir's latency proxy delays it")
+    g.add_argument("--ceiling-cpus", type=_cpu_list, metavar="CPUS",
+                   help="with --ceiling-worker: the CPUs the emulated workers compute on, e.g. 1 or 1-3,6 (Linux; "
+                        "default: the backbone's)")
+
+
+def _cpu_list(text: str) -> frozenset[int]:
+    """``1``, ``0-3`` or ``1,4-5`` (as taskset takes them) as a set of CPU numbers."""
+    cpus: set[int] = set()
+    try:
+        for item in text.split(","):
+            first, _, last = item.strip().partition("-")
+            cpus.update(range(int(first), int(last or first) + 1))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected CPU numbers such as 1 or 0-3,6, got {text!r}") from None
+    if not cpus or min(cpus) < 0:
+        raise argparse.ArgumentTypeError(f"expected CPU numbers such as 1 or 0-3,6, got {text!r}")
+    return frozenset(cpus)
+
+
 @dataclasses.dataclass
 class Setup:
     """The model and its experts path, as generate and serve build them from the options."""
@@ -91,10 +122,13 @@ class Setup:
     wire_dtype: torch.dtype | None  # None: activations travel in the model's dtype
     model_dtype: torch.dtype
     audit_rate: float
+    ceiling: EmulatedSwarm | None = None  # --ceiling-worker's workers, in place of a hub's
 
     def close(self, result: dict[str, object]) -> None:
         """Stop the experts path; the work reported to the hub goes into ``result``."""
         self.dispatcher.close()
+        if self.ceiling is not None:
+            self.ceiling.close()
         if self.watcher is not None:
             self.watcher.close()
         if self.reporter is not None:
@@ -116,6 +150,8 @@ def build_setup(parser: argparse.ArgumentParser, args: argparse.Namespace, *, co
         parser.error("--audit-rate is a fraction from 0 to 1")
     if args.wait_sessions < 0 or args.wait_timeout < 0:
         parser.error("--wait-sessions and --wait-timeout cannot be negative")
+    ceiling_specs: list[str] = getattr(args, "ceiling_worker", None) or []  # generate's options only
+    _check_ceiling(parser, args, ceiling_specs)
     try:
         stragglers = StragglerPolicy(factor=args.straggler_factor, floor_s=args.straggler_floor,
                                      cap_s=args.call_timeout)
@@ -153,7 +189,7 @@ def build_setup(parser: argparse.ArgumentParser, args: argparse.Namespace, *, co
     if args.threads:
         torch.set_num_threads(args.threads)
     on_demand = args.expert_weights == "on-demand" or (
-        args.expert_weights == "auto" and bool(args.hub) and not compare_local
+        args.expert_weights == "auto" and bool(args.hub or ceiling_specs) and not compare_local
     )
     if on_demand and compare_local:
         parser.error("--compare-local runs transformers' eager experts, which need every expert: use --expert-weights all")
@@ -166,6 +202,16 @@ def build_setup(parser: argparse.ArgumentParser, args: argparse.Namespace, *, co
     watcher = SessionWatcher(args.hub, token=hub_token) if args.hub else None
     if watcher is not None:
         _await_sessions(watcher, args)
+    ceiling = None
+    if ceiling_specs:
+        from backbone.experts._ceiling import EmulatedRoundTrip, EmulatedSwarm
+        from kvasir_rpc import SpecError
+
+        try:
+            ceiling = EmulatedSwarm.load(args.model, ceiling_specs, EmulatedRoundTrip(args.ceiling_rtt / 1000),
+                                         cpus=args.ceiling_cpus)
+        except SpecError as exc:
+            fail(f"backbone: --ceiling-worker: {exc}")
     wire_dtype = None if args.wire_dtype == "model" else getattr(torch, args.wire_dtype)
     model_dtype = next(model.parameters()).dtype
     if wire_dtype is not None and (model_dtype != torch.float32 or wire_dtype == model_dtype):
@@ -173,10 +219,34 @@ def build_setup(parser: argparse.ArgumentParser, args: argparse.Namespace, *, co
     source = ExpertIndex(args.model) if on_demand else None
     reporter = WorkReporter(args.hub, hub_token) if args.hub else None
     audit_rate = DEFAULT_AUDIT_RATE if args.audit_rate is None else args.audit_rate
-    dispatcher = Dispatcher(model, watcher, call_timeout_s=args.call_timeout, wire_dtype=wire_dtype,
-                            expert_source=source, audit_rate=audit_rate, reporter=reporter,
+    dispatcher = Dispatcher(model, watcher if watcher is not None else ceiling, call_timeout_s=args.call_timeout,
+                            wire_dtype=wire_dtype, expert_source=source, audit_rate=audit_rate, reporter=reporter,
                             stragglers=stragglers, row_checks=args.row_checks == "on", kind=kind)
-    return Setup(model, tokenizer, watcher, dispatcher, reporter, on_demand, wire_dtype, model_dtype, audit_rate)
+    return Setup(model, tokenizer, watcher, dispatcher, reporter, on_demand, wire_dtype, model_dtype, audit_rate,
+                 ceiling)
+
+
+def _check_ceiling(parser: argparse.ArgumentParser, args: argparse.Namespace, specs: list[str]) -> None:
+    """--ceiling-worker's options make sense together, and each SPEC parses against the model."""
+    if not specs:
+        if getattr(args, "ceiling_rtt", 0.0) or getattr(args, "ceiling_cpus", None) is not None:
+            parser.error("--ceiling-rtt and --ceiling-cpus are for --ceiling-worker")
+        return
+    if args.hub:
+        parser.error("--ceiling-worker emulates the workers in this process: give it without --hub")
+    if not args.ceiling_rtt >= 0:
+        parser.error("--ceiling-rtt cannot be negative")
+    from kvasir_rpc import CheckpointError, SpecError, parse_expert_spec, read_model_info
+
+    try:
+        info = read_model_info(args.model)
+    except (CheckpointError, OSError):
+        return  # the checkpoint's own check says what is wrong with it
+    for spec in specs:
+        try:
+            parse_expert_spec(spec, info.num_layers, info.num_experts)
+        except SpecError as exc:
+            parser.error(f"--ceiling-worker {spec}: {exc}")
 
 
 def _check_hub_address(hub: str) -> None:

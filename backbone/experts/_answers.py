@@ -22,7 +22,7 @@ from collections.abc import Iterator
 import torch
 
 from backbone.experts._audit import AuditRates, RowSampler
-from backbone.experts._links import CallRecord, WorkerLink
+from backbone.experts._links import Answer, CallRecord, ComputedPartials, Link
 from backbone.experts._weights import ExpertTensors, ExpertWeights
 from kvasir_rpc import (
     AuditResult,
@@ -34,7 +34,6 @@ from kvasir_rpc import (
     audit_rows,
     decode_tensor,
     expert_forward,
-    expert_pb2,
     session_pb2,
 )
 
@@ -50,7 +49,7 @@ class SentCall:
 
     record: CallRecord
     routes: list[Route]  # the call's segments, in order
-    link: WorkerLink
+    link: Link
     rows: torch.Tensor  # [distinct, H] as sent (wire dtype)
     weights: torch.Tensor  # [assignments] as sent
     index: torch.Tensor | None  # [assignments] row of `rows` per assignment, or None: the identity
@@ -146,8 +145,7 @@ class AnswerChecker:
             while len(self._earned) > _WALLETS_KEPT:
                 self._earned.popitem(last=False)
 
-    def check(self, layer: int, fn: ExpertFunction, sent: SentCall, msg: expert_pb2.ExpertPartials,
-              width: int) -> Checked:
+    def check(self, layer: int, fn: ExpertFunction, sent: SentCall, msg: Answer, width: int) -> Checked:
         """The answer's verdict: refused (with the evidence) if it fails its whole-answer
         checks or, when the call asked for projections, the row checks of any row; else
         accepted, with the rows to audit chosen here, after the answer arrived."""
@@ -156,14 +154,11 @@ class AnswerChecker:
         sent_dtype = sent.rows.dtype
         projections: torch.Tensor | None = None
         try:
-            out = decode_tensor(msg.partials)
+            out, projections = _tensors(msg, sent.projections)
             if out.shape != (rec.rows, width) or out.dtype != sent_dtype:
                 raise TensorCodecError(f"partials of shape {list(out.shape)} {out.dtype}, expected "
                                        f"[{rec.rows}, {width}] {sent_dtype}")
-            if sent.projections:
-                if not msg.HasField("projections"):
-                    raise TensorCodecError("no projections: the worker announced them and the call asked for them")
-                projections = decode_tensor(msg.projections)
+            if projections is not None:
                 inter = self._weights.intermediate_size(layer)
                 if projections.shape != (rec.rows, 2 * inter) or projections.dtype != sent_dtype:
                     raise TensorCodecError(f"projections of shape {list(projections.shape)} {projections.dtype}, "
@@ -261,3 +256,17 @@ class AnswerChecker:
             if not v.passed:
                 return dataclasses.replace(v, rows=rows, exact=exact)
         return AuditResult(True, rows, exact, int(s.picked[0]), 0.0, 0.0)
+
+
+def _tensors(msg: Answer, projections: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """An answer's partials and, when the call asked for them (``projections``), its
+    projections, as tensors. Raises TensorCodecError when they do not decode or the
+    projections are missing."""
+    if isinstance(msg, ComputedPartials):
+        got, proj = msg.partials, msg.projections
+    else:
+        got = decode_tensor(msg.partials)
+        proj = decode_tensor(msg.projections) if projections and msg.HasField("projections") else None
+    if projections and proj is None:
+        raise TensorCodecError("no projections: the worker announced them and the call asked for them")
+    return got, proj if projections else None

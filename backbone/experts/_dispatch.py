@@ -43,7 +43,7 @@ from backbone.experts._attempt import DecodeAttempt, ReplayNeeded, Untrusted, cu
 from backbone.experts._audit import DEFAULT_AUDIT_RATE, AuditRates
 from backbone.experts._deadlines import StragglerPolicy
 from backbone.experts._hub_reports import AuditGate, WorkReporter
-from backbone.experts._links import SessionWatcher, WorkerLink
+from backbone.experts._links import Answer, ComputedPartials, DispatchCall, Link, SessionSource
 from backbone.experts._placement import Placement
 from backbone.experts._shared_deferral import SharedDeferral
 from backbone.experts._weights import CheckpointWeights, ExpertWeights, HeldWeights, experts_modules
@@ -54,10 +54,8 @@ from kvasir_rpc import (
     Route,
     RowChecker,
     expert_forward,
-    expert_pb2,
     get_logger,
     plan_routes,
-    serialize_dispatch_request,
     session_pb2,
     threads_initializer,
 )
@@ -129,8 +127,8 @@ class RowTally:
 
 
 class Dispatcher:
-    """Runs the experts path of ``model``: remote experts on the sessions ``watcher`` lists,
-    the rest here.
+    """Runs the experts path of ``model``: remote experts on the sessions ``watcher`` lists
+    (a hub's ``SessionWatcher``, or emulated workers: ``_ceiling.py``), the rest here.
 
     ``watcher=None`` (or ``remote = False`` later) computes every expert here through the
     same kernel: the reference the remote run must equal bitwise. ``expert_source``: the
@@ -144,7 +142,7 @@ class Dispatcher:
     def __init__(
         self,
         model: torch.nn.Module,
-        watcher: SessionWatcher | None,
+        watcher: SessionSource | None,
         *,
         call_timeout_s: float = 30.0,
         wire_dtype: torch.dtype | None = None,
@@ -233,7 +231,7 @@ class Dispatcher:
         return _combine(hidden, routes, partials)
 
     def _place(self, layer: int, routes: list[Route], attempt: DecodeAttempt | None
-               ) -> tuple[dict[WorkerLink, list[Route]], list[Route]]:
+               ) -> tuple[dict[Link, list[Route]], list[Route]]:
         """``(routes by the link that serves them, routes computed here)``: here when there is
         no swarm, and for the experts the attempt keeps here after its replays."""
         if not self.remote or self.placement is None:
@@ -246,7 +244,7 @@ class Dispatcher:
         local.sort(key=lambda r: r.expert)
         return placed, local
 
-    def _send(self, link: WorkerLink, layer: int, routes: list[Route], hidden: torch.Tensor,
+    def _send(self, link: Link, layer: int, routes: list[Route], hidden: torch.Tensor,
               top_k_weights: torch.Tensor) -> SentCall:
         """One batched call to ``link`` for all of this layer's rows routed to its experts."""
         tokens = torch.cat([r.token_idx for r in routes])  # one per assignment, in segment order
@@ -260,9 +258,7 @@ class Dispatcher:
         segments = [(r.expert, len(r.token_idx)) for r in routes]
         row_index = index.tolist() if dedupe else ()
         projections = link.row_checked and self.checker.row_checks is not None
-        rec = link.submit(layer, len(tokens),
-                          lambda call_id: serialize_dispatch_request(call_id, layer, rows, weights, segments, row_index,
-                                                                     projections),
+        rec = link.submit(len(tokens), DispatchCall(layer, rows, weights, segments, row_index, projections),
                           self.policy)
         with self._lock:
             self.sent_bytes += rec.request_bytes
@@ -344,7 +340,7 @@ class Dispatcher:
                         misses=misses, srtt_s=srtt)
             self.placement.drop(link, TimeoutError(f"{misses} calls in a row past their deadlines"))
 
-    def _late_answer(self, fut: concurrent.futures.Future[expert_pb2.ExpertPartials]) -> None:
+    def _late_answer(self, fut: concurrent.futures.Future[Answer]) -> None:
         """The answer of a hedged call: never checked, never used, never paid."""
         if not fut.cancelled() and fut.exception() is None:
             with self._lock:
@@ -362,8 +358,9 @@ class Dispatcher:
             self.placement.drop(sent.link, exc)
             return Checked(None)
         answer = rec.future.result()
-        with self._lock:
-            self.received_bytes += answer.ByteSize()
+        if not isinstance(answer, ComputedPartials):  # computed in this process: nothing was received
+            with self._lock:
+                self.received_bytes += answer.ByteSize()
         return self.checker.check(layer, fn, sent, answer, width)
 
     def _accept(self, sent: SentCall, checked: Checked, dtype: torch.dtype, partials: dict[int, torch.Tensor]) -> None:
@@ -400,7 +397,7 @@ class Dispatcher:
             if attempt is not None:
                 attempt.audit_pending(audit)
 
-    def _audit(self, link: WorkerLink, sampled: SampledRows, number: int) -> bool:
+    def _audit(self, link: Link, sampled: SampledRows, number: int) -> bool:
         """On the audit thread: the sampled rows of an accepted call. If they pass, the
         session's calls that waited for this audit are paid; else nothing it has waiting is,
         it is quarantined and no longer trusted (decodes that used it replay at their next
@@ -412,7 +409,7 @@ class Dispatcher:
         self._refuse(link, evidence, audited=True)
         return False
 
-    def _refuse(self, link: WorkerLink, evidence: session_pb2.QuarantineRequest, *, audited: bool = False) -> None:
+    def _refuse(self, link: Link, evidence: session_pb2.QuarantineRequest, *, audited: bool = False) -> None:
         """Stop using a session that delivered wrong work, pay it nothing more, and report it
         with the evidence. None of its answers already used is trusted any more when an audit
         caught it (they had passed their checks) or when its rows are not checked; when its row

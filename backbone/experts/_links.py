@@ -1,5 +1,7 @@
 """Links from the backbone to the swarm: the hub's live session list (WatchSessions) and one
-Dispatch stream per worker session, with per-call bookkeeping in one place."""
+Dispatch stream per worker session, with per-call bookkeeping in one place (``Link``: the
+transport underneath is the subclass's; ``backbone/experts/_ceiling.py`` has one without a
+wire)."""
 
 from __future__ import annotations
 
@@ -10,8 +12,10 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
+from typing import Protocol, TypeAlias
 
 import grpc
+import torch
 
 from backbone.experts._deadlines import RttEstimator, StragglerPolicy
 from kvasir_rpc import (
@@ -19,13 +23,15 @@ from kvasir_rpc import (
     bearer,
     expert_pb2,
     get_logger,
+    serialize_dispatch_request,
     session_pb2,
     session_pb2_grpc,
     slices_from_proto,
     target_key,
 )
 
-__all__ = ["CallRecord", "SessionWatcher", "WorkerLink"]
+__all__ = ["Answer", "CallRecord", "ComputedPartials", "DispatchCall", "Link", "SessionSource", "SessionWatcher",
+           "WorkerLink"]
 
 log = get_logger("backbone.links")
 
@@ -35,6 +41,34 @@ _CHANNEL_OPTIONS = [
     # The tunnel carries one connection per session: never open a second one.
     ("grpc.use_local_subchannel_pool", 1),
 ]
+
+
+@dataclasses.dataclass(frozen=True)
+class DispatchCall:
+    """One call's inputs as the Dispatcher built them, before any wire: what a worker is asked
+    to compute. Assignment ``i`` of segment order is row ``row_index[i]`` of ``rows`` (row
+    ``i`` when ``row_index`` is empty: no row was routed twice)."""
+
+    layer: int
+    rows: torch.Tensor  # [distinct, H] in the wire dtype
+    weights: torch.Tensor  # [assignments] routing weights
+    segments: list[tuple[int, int]]  # (expert, rows), in order
+    row_index: list[int] | tuple[()]
+    projections: bool  # the answer carries the projections (row checks)
+
+
+@dataclasses.dataclass(frozen=True)
+class ComputedPartials:
+    """An answer computed in this process (an emulated worker's, ``_ceiling.py``): the partials
+    [assignments, H] and, when the call asked for them, the projections [assignments, 2I],
+    both in the wire dtype, as tensors: nothing was serialized."""
+
+    partials: torch.Tensor
+    projections: torch.Tensor | None
+
+
+# What a call's future resolves to: a worker's message, or partials computed in this process.
+Answer: TypeAlias = expert_pb2.ExpertPartials | ComputedPartials
 
 
 @dataclasses.dataclass
@@ -47,7 +81,7 @@ class CallRecord:
     layer: int
     rows: int
     sent_ns: int
-    future: Future[expert_pb2.ExpertPartials]
+    future: Future[Answer]
     # The serialized request as sent, call_id included: what the worker is paid for if the
     # answer is accepted.
     request_bytes: int = 0
@@ -59,28 +93,23 @@ def _as_sent(request: bytes) -> bytes:
     return request
 
 
-class WorkerLink:
-    """A long-lived ``Dispatch`` stream to one worker session through the hub.
+class Link:
+    """The backbone's side of one worker session, whatever carries its calls: the calls in
+    flight, their deadlines and round trips, the misses, and the error that ended it.
 
-    ``submit`` enqueues a request and returns at once; a reader thread resolves the call's
-    future when the answer arrives. When the stream fails every pending call fails with the
-    stream's RpcError and the link is dead for good (the caller recomputes and stops routing
-    here).
+    ``submit`` registers a call and hands it to the transport (``_transmit``, the subclass's)
+    and returns at once; the transport calls ``answered`` when an answer arrives, which
+    resolves the call's future, and ``fail`` when it breaks: every pending call fails with the
+    error and the link is dead for good (the caller recomputes and stops routing here).
 
     The link measures the round trip of every call answered in time (``RttEstimator``) and gives
     each call its deadline from it; ``misses`` counts late calls since the last one
     answered in time.
-
-    ``token`` is the backbone token shared with the hub: the stream presents the session's
-    target key (``kvasir_rpc.target_key``), without which the hub does not splice it.
     """
 
-    _SENTINEL = object()
-
-    def __init__(self, session: session_pb2.Session, *, token: str) -> None:
+    def __init__(self, session: session_pb2.Session) -> None:
         self.session_id = session.session_id
         self.wallet = session.wallet
-        self.target = session.target
         self.slices = slices_from_proto(session.slices)
         # Whether every answer row is checked before it is used (the worker returns what the
         # row checks need); otherwise only sampled audits stand behind its answers.
@@ -88,71 +117,47 @@ class WorkerLink:
         # Rows of this session's work earlier backbone runs accepted (the hub keeps the count):
         # it has earned its audits down for them (AuditRates).
         self.prior_rows = int(session.work_rows)
-        self._channel = grpc.insecure_channel(self.target, options=_CHANNEL_OPTIONS)
-        # Dispatch with requests serialized by the caller (serialize_dispatch_request): their
-        # bytes go out as they are.
-        self._dispatch = self._channel.stream_stream(
-            "/kvasir.v1.ExpertService/Dispatch", request_serializer=_as_sent,
-            response_deserializer=expert_pb2.DispatchResponse.FromString)
-        self._requests: queue.SimpleQueue[object] = queue.SimpleQueue()
         self._pending: dict[int, CallRecord] = {}
         self._lock = threading.Lock()
         self._ids = itertools.count(1)
         self.dead: BaseException | None = None
         self._rtt = RttEstimator()
         self.misses = 0
-        self._responses = self._dispatch(
-            self._iter_requests(), metadata=((TARGET_KEY_METADATA, target_key(token, self.session_id)),))
-        self._reader = threading.Thread(target=self._read, name=f"link-{self.session_id}", daemon=True)
-        self._reader.start()
 
-    def _iter_requests(self):  # type: ignore[no-untyped-def]
-        while True:
-            item = self._requests.get()
-            if item is self._SENTINEL:
-                return
-            yield item
-
-    def submit(self, layer: int, assignments: int, serialize: Callable[[int], bytes],
-               policy: StragglerPolicy) -> CallRecord:
-        """Send one call of ``assignments`` rows, serialized by ``serialize(call_id)``, with its
-        deadline from ``policy`` and this link's round trips; the record's future resolves to
-        ExpertPartials or an exception."""
-        fut: Future[expert_pb2.ExpertPartials] = Future()
+    def submit(self, assignments: int, call: DispatchCall, policy: StragglerPolicy) -> CallRecord:
+        """Send ``call`` (``assignments`` rows) with its deadline from ``policy`` and this
+        link's round trips; the record's future resolves to the answer or an exception."""
+        fut: Future[Answer] = Future()
         with self._lock:
             call_id = next(self._ids)
             sent_ns = time.perf_counter_ns()
-            rec = CallRecord(call_id, self.session_id, layer, assignments, sent_ns, fut,
+            rec = CallRecord(call_id, self.session_id, call.layer, assignments, sent_ns, fut,
                              deadline_ns=sent_ns + int(self._rtt.deadline_s(policy, assignments) * 1e9))
             if self.dead is not None:
                 fut.set_exception(self.dead)
                 return rec
             self._pending[call_id] = rec
-        request = serialize(call_id)
-        rec.request_bytes = len(request)
-        self._requests.put(request)
+        self._transmit(rec, call)
         return rec
 
-    def _read(self) -> None:
-        error: BaseException
-        try:
-            for resp in self._responses:
-                p = resp.partials
-                now = time.perf_counter_ns()
-                with self._lock:
-                    rec = self._pending.pop(p.call_id, None)
-                    if rec is not None:
-                        rec.answered_ns = now
-                        # Measured where it arrives, not where the decode gets to it. A late
-                        # answer is not: a stall must not teach the link to be waited on longer.
-                        if now <= rec.deadline_ns:
-                            self._rtt.observe((now - rec.sent_ns) / 1e9, rec.rows)
-                if rec is not None:
-                    rec.future.set_result(p)
-            error = ConnectionError(f"worker {self.session_id} ended its Dispatch stream")
-        except grpc.RpcError as exc:
-            error = exc
-        self.fail(error)
+    def _transmit(self, rec: CallRecord, call: DispatchCall) -> None:
+        """Carry ``call`` to the worker (setting ``rec.request_bytes`` to what was sent)."""
+        raise NotImplementedError
+
+    def answered(self, call_id: int, answer: Answer) -> None:
+        """The answer to call ``call_id`` arrived: resolve its future (an answer to no call
+        pending, one already failed, is dropped)."""
+        now = time.perf_counter_ns()
+        with self._lock:
+            rec = self._pending.pop(call_id, None)
+            if rec is not None:
+                rec.answered_ns = now
+                # Measured where it arrives, not where the decode gets to it. A late
+                # answer is not: a stall must not teach the link to be waited on longer.
+                if now <= rec.deadline_ns:
+                    self._rtt.observe((now - rec.sent_ns) / 1e9, rec.rows)
+        if rec is not None:
+            rec.future.set_result(answer)
 
     def note_miss(self) -> int:
         """A call of this link was late; the late calls in a row so far."""
@@ -181,10 +186,81 @@ class WorkerLink:
                 rec.future.set_exception(error)
 
     def close(self) -> None:
+        """Release the transport."""
+        raise NotImplementedError
+
+
+class WorkerLink(Link):
+    """A long-lived ``Dispatch`` stream to one worker session through the hub: each call
+    serialized (``serialize_dispatch_request``) and queued on the stream, a reader thread
+    handing each answer to ``answered``. When the stream fails the link fails with the
+    stream's RpcError.
+
+    ``token`` is the backbone token shared with the hub: the stream presents the session's
+    target key (``kvasir_rpc.target_key``), without which the hub does not splice it.
+    """
+
+    _SENTINEL = object()
+
+    def __init__(self, session: session_pb2.Session, *, token: str) -> None:
+        super().__init__(session)
+        self.target = session.target
+        self._channel = grpc.insecure_channel(self.target, options=_CHANNEL_OPTIONS)
+        # Dispatch with requests serialized here (serialize_dispatch_request): their bytes go
+        # out as they are.
+        self._dispatch = self._channel.stream_stream(
+            "/kvasir.v1.ExpertService/Dispatch", request_serializer=_as_sent,
+            response_deserializer=expert_pb2.DispatchResponse.FromString)
+        self._requests: queue.SimpleQueue[object] = queue.SimpleQueue()
+        self._responses = self._dispatch(
+            self._iter_requests(), metadata=((TARGET_KEY_METADATA, target_key(token, self.session_id)),))
+        self._reader = threading.Thread(target=self._read, name=f"link-{self.session_id}", daemon=True)
+        self._reader.start()
+
+    def _iter_requests(self):  # type: ignore[no-untyped-def]
+        while True:
+            item = self._requests.get()
+            if item is self._SENTINEL:
+                return
+            yield item
+
+    def _transmit(self, rec: CallRecord, call: DispatchCall) -> None:
+        request = serialize_dispatch_request(rec.call_id, call.layer, call.rows, call.weights, call.segments,
+                                             call.row_index, call.projections)
+        rec.request_bytes = len(request)
+        self._requests.put(request)
+
+    def _read(self) -> None:
+        error: BaseException
+        try:
+            for resp in self._responses:
+                self.answered(resp.partials.call_id, resp.partials)
+            error = ConnectionError(f"worker {self.session_id} ended its Dispatch stream")
+        except grpc.RpcError as exc:
+            error = exc
+        self.fail(error)
+
+    def close(self) -> None:
         self._requests.put(self._SENTINEL)
         self._responses.cancel()
         self._channel.close()
         self._reader.join(timeout=5)
+
+
+class SessionSource(Protocol):
+    """Where a ``Placement`` learns the sessions to route to and links to them: the hub's
+    (``SessionWatcher``), or emulated workers in this process (``_ceiling.py``)."""
+
+    @property
+    def version(self) -> int:
+        """Changes whenever the session set does."""
+        ...
+
+    def sessions(self) -> dict[str, session_pb2.Session]: ...
+
+    def connect(self, session: session_pb2.Session) -> Link:
+        """A link to ``session``."""
+        ...
 
 
 class SessionWatcher:
@@ -280,6 +356,10 @@ class SessionWatcher:
     def sessions(self) -> dict[str, session_pb2.Session]:
         with self._cond:
             return dict(self._sessions)
+
+    def connect(self, session: session_pb2.Session) -> WorkerLink:
+        """A Dispatch stream to ``session`` through the hub, made with this watcher's token."""
+        return WorkerLink(session, token=self.token)
 
     @property
     def refusal(self) -> str | None:

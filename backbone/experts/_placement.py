@@ -1,8 +1,9 @@
 """Placement: which worker link serves which (layer, expert).
 
-The hub's session list (followed by a ``SessionWatcher``) is the single source of who holds
-what. A session is routed to only if the digest it announces for its slices is the digest
-of this model's own weights for them; a session that announces other weights is rejected,
+The hub's session list (followed by a ``SessionWatcher``; any ``SessionSource``, such as the
+emulated workers of ``_ceiling.py``) is the single source of who holds what. A session is
+routed to only if the digest it announces for its slices is the digest of this model's own
+weights for them; a session that announces other weights is rejected,
 one caught delivering wrong work is quarantined, and neither is routed to again. The route
 table is rebuilt when the session list changes or a link is dropped.
 
@@ -20,7 +21,7 @@ from typing import TypeVar
 
 import grpc
 
-from backbone.experts._links import SessionWatcher, WorkerLink
+from backbone.experts._links import Link, SessionSource
 from backbone.experts._weights import ExpertWeights
 from kvasir_rpc import Route, announced_mismatch, get_logger, session_pb2, slices_digest
 
@@ -53,16 +54,16 @@ def spread(routes: Sequence[tuple[int, int]], holders: Mapping[int, Sequence[H]]
 class Placement:
     """Routes (layer, expert) to live worker links; thread-safe."""
 
-    def __init__(self, watcher: SessionWatcher, weights: ExpertWeights) -> None:
+    def __init__(self, watcher: SessionSource, weights: ExpertWeights) -> None:
         self.watcher = watcher
         self._weights = weights
         self._digests: dict[tuple[int, int], bytes] = {}
-        self._links: dict[str, WorkerLink] = {}
+        self._links: dict[str, Link] = {}
         self._rejected: set[str] = set()
         # Replaced, never mutated: decode threads read it without the lock.
         self.quarantined: frozenset[str] = frozenset()
         self._seen_version = -1
-        self._routes: dict[int, dict[int, list[WorkerLink]]] = {}  # layer -> expert -> holders
+        self._routes: dict[int, dict[int, list[Link]]] = {}  # layer -> expert -> holders
         self._lock = threading.Lock()
         # Sessions whose worker turned this backbone away because it served its maximum of
         # backbones (RESOURCE_EXHAUSTED from the hub): linked again after a backoff, not never.
@@ -73,7 +74,7 @@ class Placement:
         self._demand: dict[int, list[int]] = {}
         self._retry_at = float("inf")  # rebuild then even if the session list did not change
 
-    def split(self, layer: int, routes: list[Route]) -> tuple[dict[WorkerLink, list[Route]], list[Route]]:
+    def split(self, layer: int, routes: list[Route]) -> tuple[dict[Link, list[Route]], list[Route]]:
         """``(placed, local)``: the routes a live link serves, by link, and the rest."""
         with self._lock:
             self._refresh()
@@ -84,9 +85,9 @@ class Placement:
             for r in routes:
                 if r.expert < len(counts):
                     counts[r.expert] += len(r.token_idx)
-        placed: dict[WorkerLink, list[Route]] = {}
+        placed: dict[Link, list[Route]] = {}
         local: list[Route] = []
-        live: dict[int, list[WorkerLink]] = {}
+        live: dict[int, list[Link]] = {}
         died = False
         for r in routes:
             holders = table.get(r.expert, [])
@@ -105,7 +106,7 @@ class Placement:
     BUSY_RETRY_MIN_S = 2.0
     BUSY_RETRY_MAX_S = 30.0
 
-    def drop(self, link: WorkerLink, error: BaseException) -> None:
+    def drop(self, link: Link, error: BaseException) -> None:
         """A call on ``link`` was lost: the link is dead and routes are rebuilt without it. A
         worker that turned this backbone away because it serves its maximum of backbones (the
         hub's RESOURCE_EXHAUSTED) is said so in the log, counted, and linked again after a
@@ -116,11 +117,11 @@ class Placement:
             self._if_busy(link)
 
     @staticmethod
-    def _busy_error(link: WorkerLink) -> bool:
+    def _busy_error(link: Link) -> bool:
         error = link.dead
         return isinstance(error, grpc.RpcError) and error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
 
-    def _if_busy(self, link: WorkerLink) -> None:
+    def _if_busy(self, link: Link) -> None:
         """When ``link`` died of its worker being busy with other backbones: log it, count it,
         unlink it and set when to link again (lock held). A link can die so before any call is
         routed to it (its stream is refused at once), so the route rebuild checks too."""
@@ -142,7 +143,7 @@ class Placement:
         with self._lock:
             return {layer: list(rows) for layer, rows in self._demand.items()}
 
-    def quarantine(self, link: WorkerLink) -> bool:
+    def quarantine(self, link: Link) -> bool:
         """Never route to ``link``'s session again; True the first time it is quarantined."""
         sid = link.session_id
         with self._lock:
@@ -235,8 +236,8 @@ class Placement:
                             session_id=sid, wallet=s.wallet, detail=why)
                 self._rejected.add(sid)
                 continue
-            self._links[sid] = WorkerLink(s, token=self.watcher.token)
-        routes: dict[int, dict[int, list[WorkerLink]]] = {}
+            self._links[sid] = self.watcher.connect(s)
+        routes: dict[int, dict[int, list[Link]]] = {}
         for link in list(self._links.values()):
             if link.dead is not None:  # one refused as it was made (a busy worker) is seen here
                 self._if_busy(link)

@@ -17,6 +17,10 @@ import shutil
 DECODE_MODEL = {"hidden_size": 2048, "num_attention_heads": 16, "num_key_value_heads": 4, "head_dim": 128,
                 "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 768, "num_hidden_layers": 2}
 
+# The decode placement: each of the two workers holds half the experts of every MoE layer.
+_HALF = DECODE_MODEL["num_experts"] // 2
+DECODE_WORKERS = {"worker1": f"*:0-{_HALF - 1}", "worker2": f"*:{_HALF}-{DECODE_MODEL['num_experts'] - 1}"}
+
 
 def _core_split() -> tuple[frozenset[int], frozenset[int]] | None:
     """(backbone host, elsewhere): the backbone and its hub get one core, the gateway, the
@@ -34,10 +38,10 @@ def _core_split() -> tuple[frozenset[int], frozenset[int]] | None:
 def start_decode_swarm(sw, tmp: pathlib.Path, split: tuple[frozenset[int], frozenset[int]] | None,  # type: ignore[no-untyped-def]
                        backbones: tuple[str, ...]) -> tuple[pathlib.Path, pathlib.Path]:
     """The decode benches' swarm in ``sw``: the DECODE_MODEL checkpoint, a TLS gateway, a hub,
-    and two workers (half the experts each) that reach the gateway through a latency proxy
-    whose round trip is the number in the returned file (ms). With ``split``, the processes
-    named ``backbones`` and the hub get the first cores, the rest the others. Returns
-    ``(model, rtt_file)``."""
+    and two workers (``DECODE_WORKERS``: half the experts each) that reach the gateway through
+    a latency proxy whose round trip is the number in the returned file (ms). With ``split``,
+    the processes named ``backbones`` and the hub get the first cores, the rest the others.
+    Returns ``(model, rtt_file)``."""
     from kvasir.tiny import make_tiny_checkpoint
 
     if split is not None:
@@ -49,9 +53,8 @@ def start_decode_swarm(sw, tmp: pathlib.Path, split: tuple[frozenset[int], froze
     sw.start_gateway()
     sw.start_hub(gateway=True)
     proxy = sw.start_latency_proxy("latency", sw.gateway_port, rtt_file)
-    half = DECODE_MODEL["num_experts"] // 2
     url = f"wss://127.0.0.1:{proxy}"
-    sw.start_worker("worker1", model, f"*:0-{half - 1}", via="gateway", gateway_url=url)
-    sw.start_worker("worker2", model, f"*:{half}-{DECODE_MODEL['num_experts'] - 1}", via="gateway", gateway_url=url)
+    for name, experts in DECODE_WORKERS.items():
+        sw.start_worker(name, model, experts, via="gateway", gateway_url=url)
     sw.wait_sessions(2, watch=["gateway", "latency", "worker1", "worker2"])
     return model, rtt_file

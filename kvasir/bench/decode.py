@@ -1,7 +1,7 @@
 """The decode bench (``decode`` in the full ``kvasir bench``): aggregate tokens/s of many concurrent
 sequences, every expert local against every MoE layer on workers through the gateway at RTT
-0, 13 and 50 ms; what checking them costs (``checks``); and the CPU each process spent per byte
-(``decode_hops``).
+0, 13 and 50 ms, and against the same placement's fabric-free ceiling at each RTT; what checking
+them costs (``checks``); and the CPU each process spent per byte (``decode_hops``).
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import tempfile
 import time
 from collections.abc import Callable
 
-from kvasir.bench._decode_swarm import DECODE_MODEL, _core_split, start_decode_swarm
+from kvasir.bench._decode_swarm import DECODE_MODEL, DECODE_WORKERS, _core_split, start_decode_swarm
 from kvasir.bench.checks import _audit_cost, row_check_cost
 
 RTTS_MS = (0, 13, 50)
@@ -22,7 +22,12 @@ def run_decode_bench(*, quick: bool = False, say: Callable[[str], None] = print)
     layer's experts on two workers that reach the hub through the TLS gateway over a link
     with an emulated round trip (a latency proxy between the workers and the gateway).
     The remote runs pick their micro-batch groups from measured step times. Processes are
-    pinned by :func:`_core_split` where the machine allows it."""
+    pinned by :func:`_core_split` where the machine allows it.
+
+    At each RTT the placement's ceiling too (:func:`ceiling_args`): the same experts on
+    workers emulated in the backbone's process, threads on the workers' cores behind the same
+    emulated round trip, everything but the fabric as in the remote run; its tokens are
+    checked against a local decode of the same groups (``--compare-local``)."""
     from kvasir.swarm import LocalSwarm
 
     batch, tokens = (32, 6) if quick else (128, 16)
@@ -47,13 +52,21 @@ def run_decode_bench(*, quick: bool = False, say: Callable[[str], None] = print)
             # with the prefill are kept beside it.
             ratio = round(float(remote["decode_tokens_per_s"]) / float(local["decode_tokens_per_s"]), 3)  # type: ignore[arg-type]
             with_prefill = round(float(remote["tokens_per_s"]) / float(local["tokens_per_s"]), 3)  # type: ignore[arg-type]
-            out[f"rtt{rtt}"] = {"remote_tokens_per_s": remote["decode_tokens_per_s"], "remote_over_local": ratio,
-                                "remote_tokens_per_s_with_prefill": remote["tokens_per_s"],
-                                "remote_over_local_with_prefill": with_prefill,
-                                "groups": remote["groups"], "groups_reason": remote["groups_reason"],
-                                "remote_calls": remote["remote_calls"], "fallback_calls": remote["fallback_calls"]}
+            point: dict[str, object] = {
+                "remote_tokens_per_s": remote["decode_tokens_per_s"], "remote_over_local": ratio,
+                "remote_tokens_per_s_with_prefill": remote["tokens_per_s"],
+                "remote_over_local_with_prefill": with_prefill,
+                "groups": remote["groups"], "groups_reason": remote["groups_reason"],
+                "remote_calls": remote["remote_calls"], "fallback_calls": remote["fallback_calls"]}
             say(f"  rtt {rtt} ms: {remote['decode_tokens_per_s']} tokens/s decoding with {remote['groups']} groups "
                 f"({ratio} of local; {with_prefill} with the prefill)")
+            ceiling = sw.run_backbone(["--model", str(model), *args_common, "--groups", "auto",
+                                       *ceiling_args(rtt, split), "--compare-local"], hub=False)
+            point.update(ceiling_figures(ceiling, remote, local))
+            out[f"rtt{rtt}"] = point
+            say(f"  rtt {rtt} ms ceiling: {ceiling['decode_tokens_per_s']} tokens/s decoding with {ceiling['groups']} "
+                f"groups (remote {point['remote_over_ceiling']} of it; tokens identical to local: "
+                f"{ceiling['tokens_identical']})")
         out["hops"] = hops
         say("  CPU ns per byte the hub metered, RTT 0: " + ", ".join(
             f"{k} {v}" for k, v in hops["rtt0"]["ns_per_byte"].items())  # type: ignore[index]
@@ -64,6 +77,30 @@ def run_decode_bench(*, quick: bool = False, say: Callable[[str], None] = print)
         out["row_checks"] = row_check_cost(sw, model, args_common, groups=int(out["rtt0"]["groups"]),  # type: ignore[index]
                                            rtt_file=rtt_file, say=say)
     return out
+
+
+def ceiling_args(rtt_ms: int, split: tuple[frozenset[int], frozenset[int]] | None) -> list[str]:
+    """``backbone generate``'s options for the decode placement's fabric-free ceiling at
+    ``rtt_ms``: a worker emulated in the backbone's process for each of ``DECODE_WORKERS``,
+    holding its experts, on the cores :func:`_core_split` gives the workers."""
+    args = [a for experts in DECODE_WORKERS.values() for a in ("--ceiling-worker", experts)]
+    args += ["--ceiling-rtt", str(rtt_ms)]
+    if split is not None:
+        args += ["--ceiling-cpus", ",".join(str(c) for c in sorted(split[1]))]
+    return args
+
+
+def ceiling_figures(ceiling: dict[str, object], remote: dict[str, object],
+                    local: dict[str, object]) -> dict[str, object]:
+    """One RTT's ceiling figures: its decode rate (prefill excluded), the remote run's and the
+    local run's over it, its groups, and whether its tokens are a local decode's."""
+    rate = float(ceiling["decode_tokens_per_s"])  # type: ignore[arg-type]
+    return {"ceiling_tokens_per_s": ceiling["decode_tokens_per_s"],
+            "remote_over_ceiling": round(float(remote["decode_tokens_per_s"]) / rate, 3),  # type: ignore[arg-type]
+            "ceiling_over_local": round(rate / float(local["decode_tokens_per_s"]), 3),  # type: ignore[arg-type]
+            "ceiling_groups": ceiling["groups"], "ceiling_groups_reason": ceiling["groups_reason"],
+            "ceiling_fallback_calls": ceiling["fallback_calls"], "ceiling_hedged_calls": ceiling["hedged_calls"],
+            "ceiling_tokens_identical": ceiling["tokens_identical"], "ceiling_verdict": ceiling["verdict"]}
 
 
 DECODE_RELAYS = ("hub", "gateway", "latency", "worker1", "worker2")
@@ -110,6 +147,20 @@ def decode_hops(sw, args: list[str], *, hub: bool = True) -> tuple[dict[str, obj
                                   for k in ("hub", "gateway", "latency", "workers")}}
         hops["latency_proxy_cpu_share"] = round(cpu["latency"] / total, 4) if total > 0 else None
     return result, hops
+
+
+def decode_ratios(decode: dict[str, object]) -> dict[str, object]:
+    """Flat ratios of :func:`run_decode_bench`'s result at each RTT:
+    ``decode_remote_over_local_rtt{rtt}``, ``decode_remote_over_ceiling_rtt{rtt}`` (what the
+    fabric leaves of the placement's ceiling) and ``decode_ceiling_over_local_rtt{rtt}``."""
+    ratios: dict[str, object] = {}
+    for rtt in RTTS_MS:
+        point = decode[f"rtt{rtt}"]
+        assert isinstance(point, dict)
+        ratios[f"decode_remote_over_local_rtt{rtt}"] = point["remote_over_local"]
+        ratios[f"decode_remote_over_ceiling_rtt{rtt}"] = point["remote_over_ceiling"]
+        ratios[f"decode_ceiling_over_local_rtt{rtt}"] = point["ceiling_over_local"]
+    return ratios
 
 
 def decode_hop_figures(decode: dict[str, object]) -> dict[str, object]:

@@ -11,20 +11,72 @@ several calls in flight, relay MB/s, and metered bytes over tensor payload bytes
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import os
 import pathlib
 import tempfile
 import time
 from collections.abc import Callable
+from typing import Any
 
 from kvasir.bench._checkpoint import HIDDEN, make_bench_checkpoint
 from kvasir.bench._streams import _Stream, _summary
 from kvasir.bench.assist import ASSIST_RTTS_MS, assist_keys, run_assist_bench
-from kvasir.bench.decode import RTTS_MS, decode_hop_figures, run_decode_bench
+from kvasir.bench.decode import decode_hop_figures, decode_ratios, run_decode_bench
 from kvasir.bench.gateway_processes import run_gateway_processes_bench
 from kvasir.bench.hops import hop_figures, run_hop_bench
 
 BATCHES = (1, 8, 64, 512)
+# Calls timed one at a time at each batch (as many again with IN_FLIGHT in flight).
+DISPATCH_CALLS = {1: 300, 8: 200, 64: 100, 512: 30}
+DISPATCH_CALLS_QUICK = {1: 60, 8: 40, 64: 20, 512: 6}
+IN_FLIGHT = 4
+
+
+@dataclasses.dataclass(frozen=True)
+class DispatchPoint:
+    """One batch's Dispatch call to expert 0 of layer 0 of the bench checkpoint: its rows and
+    weights, the request carrying them, and the tensor payload of a call and its answer in
+    bytes (request rows and weights plus the partials)."""
+
+    hidden: Any  # torch.Tensor [batch, HIDDEN], float32
+    weights: Any  # torch.Tensor [batch], float32
+    request: Any  # expert_pb2.DispatchRequest
+    payload: int
+
+
+def dispatch_point(batch: int, g: Any) -> DispatchPoint:
+    """``batch`` random rows and weights from torch generator ``g``, as a :class:`DispatchPoint`."""
+    import torch
+
+    from kvasir_rpc import encode_tensor, expert_pb2
+
+    hidden = torch.randn(batch, HIDDEN, generator=g)
+    weights = torch.rand(batch, generator=g)
+    req = expert_pb2.DispatchRequest(call_id=1, layer=0, hidden=encode_tensor(hidden), weights=encode_tensor(weights),
+                                     segments=[expert_pb2.ExpertSegment(expert=0, rows=batch)])
+    return DispatchPoint(hidden, weights, req, (hidden.numel() + weights.numel() + hidden.numel()) * 4)
+
+
+def time_dispatch(stream: _Stream, req: object, *, batch: int, payload: int, n: int, in_flight: int = IN_FLIGHT,
+                  meter: Callable[[], int] | None = None) -> tuple[dict[str, float], float | None]:
+    """Time ``req`` on ``stream``: 3 calls to warm up the connection and the worker, ``n`` one
+    at a time, then ``n`` with ``in_flight`` in flight. Returns the calls' ``_summary`` (p50
+    and p90 ms, rows/s and MB/s one at a time, ``rows_s_in_flight``) and, given ``meter`` (the
+    bytes the hub metered so far for the stream's session), the bytes metered over the tensor
+    payload of the one-at-a-time calls (else None)."""
+    for _ in range(3):
+        stream.call(req)
+    before = meter() if meter is not None else 0
+    times = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        stream.call(req)
+        times.append(time.perf_counter() - t0)
+    wire = (meter() - before) / (payload * n) if meter is not None else None
+    secs = stream.burst(req, n, in_flight)
+    return _summary(times, batch, payload, in_flight_rows_s=batch * n / secs), wire
 
 
 def run_bench(*, quick: bool = False, say: Callable[[str], None] = print) -> dict[str, object]:
@@ -35,16 +87,13 @@ def run_bench(*, quick: bool = False, say: Callable[[str], None] = print) -> dic
     from kvasir_rpc import (
         TARGET_KEY_METADATA,
         ExpertIndex,
-        encode_tensor,
         expert_forward,
-        expert_pb2,
         get_activation,
         target_key,
     )
 
     torch.set_num_threads(1)
-    calls = {1: 60, 8: 40, 64: 20, 512: 6} if quick else {1: 300, 8: 200, 64: 100, 512: 30}
-    in_flight = 4
+    calls = DISPATCH_CALLS_QUICK if quick else DISPATCH_CALLS
     paths: dict[str, dict[str, object]] = {}
     wire: dict[str, dict[str, float]] = {}
     with tempfile.TemporaryDirectory(prefix="kvasir-bench-") as tmp, LocalSwarm(tmp) as sw, \
@@ -117,12 +166,8 @@ def run_bench(*, quick: bool = False, say: Callable[[str], None] = print) -> dic
 
         g = torch.Generator().manual_seed(1)
         for batch in BATCHES:
-            hidden = torch.randn(batch, HIDDEN, generator=g)
-            weights = torch.rand(batch, generator=g)
-            req = expert_pb2.DispatchRequest(call_id=1, layer=0, hidden=encode_tensor(hidden),
-                                             weights=encode_tensor(weights),
-                                             segments=[expert_pb2.ExpertSegment(expert=0, rows=batch)])
-            payload = (hidden.numel() + weights.numel() + hidden.numel()) * 4  # request tensors + partials
+            point = dispatch_point(batch, g)
+            hidden, weights, req, payload = point.hidden, point.weights, point.request, point.payload
             n = calls[batch]
             # In-process: the same kernel, no network.
             times = []
@@ -139,19 +184,11 @@ def run_bench(*, quick: bool = False, say: Callable[[str], None] = print) -> dic
                     target = targets[path] = renew(path)
                     stream = _Stream(target, key(path))
                 try:
-                    for _ in range(3):
-                        stream.call(req)  # warm up the connection and the worker
-                    before = metered(path) if path != "direct" else 0
-                    times = []
-                    for _ in range(n):
-                        t0 = time.perf_counter()
-                        stream.call(req)
-                        times.append(time.perf_counter() - t0)
-                    if path != "direct":
-                        wire.setdefault(path, {})[str(batch)] = round((metered(path) - before) / (payload * n), 4)
-                    secs = stream.burst(req, n, in_flight)
-                    paths.setdefault(path, {})[str(batch)] = _summary(times, batch, payload,
-                                                                      in_flight_rows_s=batch * n / secs)
+                    meter = None if path == "direct" else functools.partial(metered, path)
+                    summary, wire_ratio = time_dispatch(stream, req, batch=batch, payload=payload, n=n, meter=meter)
+                    if wire_ratio is not None:
+                        wire.setdefault(path, {})[str(batch)] = round(wire_ratio, 4)
+                    paths.setdefault(path, {})[str(batch)] = summary
                 finally:
                     stream.close()
             say(f"batch {batch}: " + ", ".join(f"{p} p50 {paths[p][str(batch)]['p50_ms']} ms" for p in paths))  # type: ignore[index]
@@ -187,10 +224,10 @@ def run_bench(*, quick: bool = False, say: Callable[[str], None] = print) -> dic
         "hub_mb_s_b512": paths["hub"]["512"]["mb_s"],  # type: ignore[index]
         "direct_mb_s_b512": paths["direct"]["512"]["mb_s"],  # type: ignore[index]
     }
-    say("decode: all experts local vs every MoE layer on workers through the gateway, RTT 0/13/50 ms")
+    say("decode: all experts local vs every MoE layer on workers through the gateway and its fabric-free ceiling, "
+        "RTT 0/13/50 ms")
     decode = run_decode_bench(quick=quick, say=say)
-    for rtt in RTTS_MS:
-        ratios[f"decode_remote_over_local_rtt{rtt}"] = decode[f"rtt{rtt}"]["remote_over_local"]  # type: ignore[index]
+    ratios.update(decode_ratios(decode))  # type: ignore[arg-type]
     ratios["decode_audits_on_over_off_rtt0"] = decode["audit"]["on_over_off"]  # type: ignore[index]
     ratios["decode_row_checks_on_over_off_rtt0"] = decode["row_checks"]["on_over_off"]  # type: ignore[index]
     ratios["row_checks_wire_bytes_on_over_off"] = decode["row_checks"]["wire_bytes_on_over_off"]  # type: ignore[index]
