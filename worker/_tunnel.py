@@ -4,6 +4,7 @@ exponential backoff; opens no listening TCP or UDP socket."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import re
@@ -54,6 +55,16 @@ __all__ = ["ReplanRequested", "TunnelHolder", "TunnelRefused", "request_plan", "
 log = get_logger("worker.tunnel")
 
 HANDSHAKE_TIMEOUT_S = WORKER_HANDSHAKE_TIMEOUT_S
+
+
+def _dial(url: str, ssl_context: ssl.SSLContext | None) -> contextlib.AbstractAsyncContextManager[WebSocket]:
+    """The worker's WebSocket to ``url``: the tunnel's subprotocols and largest message, and
+    its keepalive on a clear session (a ping once the hub is silent KEEPALIVE_S, 1001 when
+    nothing comes KEEPALIVE_TIMEOUT_S later: PROTOCOL.md section 6)."""
+    return open_websocket(url, ssl_context=ssl_context, subprotocols=list(TUNNEL_SUBPROTOCOLS),
+                          max_message_bytes=MAX_MESSAGE_BYTES, keepalive_s=KEEPALIVE_S,
+                          idle_timeout_s=KEEPALIVE_S + KEEPALIVE_TIMEOUT_S, connect_timeout=HANDSHAKE_TIMEOUT_S,
+                          disconnect_timeout=5)
 
 
 async def _read_answer(sock: trio.socket.SocketType, view: memoryview) -> int:
@@ -198,10 +209,7 @@ async def request_plan(url: str, make_handshake: Callable[[], WorkerHandshake], 
     for attempt in range(attempts):
         handshake = make_handshake()
         try:
-            async with open_websocket(url, ssl_context=ssl_context, subprotocols=list(TUNNEL_SUBPROTOCOLS),
-                                      max_message_bytes=MAX_MESSAGE_BYTES, connect_timeout=HANDSHAKE_TIMEOUT_S,
-                                      keepalive_s=KEEPALIVE_S, idle_timeout_s=KEEPALIVE_S + KEEPALIVE_TIMEOUT_S,
-                                      disconnect_timeout=5) as ws:
+            async with _dial(url, ssl_context) as ws:
                 if ws.subprotocol not in TUNNEL_SUBPROTOCOLS:
                     raise TunnelRefused(f"{_shown(url, gateway)} chose subprotocol {ws.subprotocol!r}: "
                                         "not a Kvasir hub")
@@ -394,15 +402,7 @@ async def run_tunnel(
         failure, hint = "", ""
         holder.state = "connecting"
         try:
-            async with open_websocket(
-                url,
-                ssl_context=ssl_context,
-                subprotocols=list(TUNNEL_SUBPROTOCOLS),
-                max_message_bytes=MAX_MESSAGE_BYTES,
-                keepalive_s=KEEPALIVE_S, idle_timeout_s=KEEPALIVE_S + KEEPALIVE_TIMEOUT_S,
-                connect_timeout=HANDSHAKE_TIMEOUT_S,
-                disconnect_timeout=5,
-            ) as ws:
+            async with _dial(url, ssl_context) as ws:
                 if ws.subprotocol not in TUNNEL_SUBPROTOCOLS:
                     raise RemoteProtocolError(f"hub chose subprotocol {ws.subprotocol!r}, "
                                               f"need one of {', '.join(TUNNEL_SUBPROTOCOLS)}")
