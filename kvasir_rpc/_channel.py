@@ -179,9 +179,11 @@ class TunnelCipher:
     def _nonce(counter: int) -> bytes:
         return counter.to_bytes(_NONCE_BYTES, "big")
 
-    def seal(self, message: bytes | bytearray | memoryview | str | Heartbeat | HeartbeatAck) -> bytes:
-        """One sealed binary message for ``message`` (data bytes or a view of them, a control
-        word, a heartbeat or a heartbeat ack); ``message`` is only read."""
+    def seal(self, message: bytes | bytearray | memoryview | str | tuple[bytes | bytearray | memoryview, ...]
+             | Heartbeat | HeartbeatAck) -> bytes:
+        """One sealed binary message for ``message`` (data bytes or a view of them, or a tuple
+        of such pieces, sealed as their concatenation; a control word, a heartbeat or a
+        heartbeat ack); ``message`` is only read."""
         if self.sent >= _MAX_COUNTER:
             raise LocalProtocolError("the tunnel's message counter is exhausted: reconnect for fresh keys")
         if isinstance(message, str):
@@ -193,7 +195,8 @@ class TunnelCipher:
             kind = SEALED_HEARTBEAT if isinstance(message, Heartbeat) else SEALED_HEARTBEAT_ACK
             plain = bytes([kind]) + message.seq.to_bytes(HEARTBEAT_SEQ_BYTES, "big")
         else:
-            plain = bytes([SEALED_DATA]) + message  # the one copy of the payload before the cipher's
+            pieces = message if isinstance(message, tuple) else (message,)
+            plain = b"".join((bytes([SEALED_DATA]), *pieces))  # the one copy of the payload before the cipher's
         sealed = self._send.encrypt(self._nonce(self.sent), plain, None)
         self.sent += 1
         return sealed

@@ -17,10 +17,11 @@ from __future__ import annotations
 
 import contextlib
 import ssl
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import trio
 
+from kvasir_rpc._sockio import write_parts
 from kvasir_rpc.protocol import READ_BYTES
 
 __all__ = ["TLSStream", "open_tls_over_tcp"]
@@ -71,7 +72,7 @@ class TLSStream(trio.abc.Stream):
         while self._outgoing.pending:
             data = self._outgoing.read()
             try:
-                await self.transport_stream.send_all(data)
+                await write_parts(self.transport_stream, (data,))
             except BaseException as exc:
                 self._broken = f"TLS stream unusable: a send was cut short ({type(exc).__name__})"
                 raise
@@ -177,21 +178,41 @@ class TLSStream(trio.abc.Stream):
         return size
 
     async def send_all(self, data: bytes | bytearray | memoryview) -> None:
+        await self.send_all_parts((data,))
+
+    async def send_all_parts(self, parts: Sequence[bytes | bytearray | memoryview]) -> None:
+        """``send_all`` of the parts one after the other (a WebSocket frame's header and
+        payload): encrypted together, so the header does not cost a send of its own."""
         if not self._handshake_done:
             await self.do_handshake()
-        async with self._send_lock:
+        lock = self._send_lock
+        try:
+            lock.acquire_nowait()  # no task switch when no other send is under way
+        except trio.WouldBlock:
+            await lock.acquire()
+        try:
             if self._broken is not None:
                 raise trio.BrokenResourceError(self._broken)
             # Encrypt under the lock, so the outgoing buffer holds our records only while
             # we send them (see _flush_if_free); a slice at a time, sent while the cache
             # still holds it, rather than the whole message encrypted into one more copy.
-            with memoryview(data) as view:
-                for at in range(0, len(view), _WRITE_SLICE):
-                    try:
-                        self._tls.write(view[at:at + _WRITE_SLICE])
-                    except ssl.SSLError as exc:
-                        raise trio.BrokenResourceError(f"TLS error: {exc}") from exc
-                    await self._send_pending()
+            queued = 0
+            for data in parts:
+                with memoryview(data) as view:
+                    for at in range(0, len(view), _WRITE_SLICE):
+                        piece = view[at:at + _WRITE_SLICE]
+                        try:
+                            self._tls.write(piece)
+                        except ssl.SSLError as exc:
+                            raise trio.BrokenResourceError(f"TLS error: {exc}") from exc
+                        queued += len(piece)
+                        piece.release()
+                        if queued >= _WRITE_SLICE:
+                            await self._send_pending()
+                            queued = 0
+            await self._send_pending()
+        finally:
+            lock.release()
 
     async def wait_send_all_might_not_block(self) -> None:
         await self.transport_stream.wait_send_all_might_not_block()

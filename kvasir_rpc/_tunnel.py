@@ -15,12 +15,12 @@ import trio
 
 from kvasir_rpc._channel import Heartbeat, HeartbeatAck, HeartbeatMonitor, TunnelCipher
 from kvasir_rpc._errors import CloseCode, LocalProtocolError, RemoteProtocolError
-from kvasir_rpc._ws import SEND_TIMEOUT_S, WebSocket
+from kvasir_rpc._ws import SEND_TIMEOUT_S, Parts, WebSocket
 
 __all__ = ["SealedHeartbeat", "keepalive", "receive_message", "send_whole"]
 
 
-async def send_whole(ws: WebSocket, message: bytes | str | Heartbeat | HeartbeatAck,
+async def send_whole(ws: WebSocket, message: bytes | memoryview | str | Parts | Heartbeat | HeartbeatAck,
                      timeout_s: float = SEND_TIMEOUT_S, *,
                      cipher: TunnelCipher | None = None) -> None:
     """Send one message on the tunnel so that a cancellation cannot cut it in half.
@@ -34,9 +34,12 @@ async def send_whole(ws: WebSocket, message: bytes | str | Heartbeat | Heartbeat
 
     With ``cipher`` (an encrypted session) the message is sealed first; sealing and the send
     are not separated by a checkpoint, so concurrent senders keep the counter's order. A
-    heartbeat (or its ack) exists only sealed: without ``cipher`` it raises LocalProtocolError."""
+    heartbeat (or its ack) exists only sealed: without ``cipher`` it raises LocalProtocolError.
+    A tuple of buffers is one message, their concatenation (a channel's prefix and its data):
+    sent as they are in clear, joined only into what is sealed."""
+    wire: bytes | memoryview | str | Parts
     if cipher is not None:
-        wire: bytes | str = cipher.seal(message)
+        wire = cipher.seal(message)
     elif isinstance(message, (Heartbeat, HeartbeatAck)):
         raise LocalProtocolError("a heartbeat is sent only sealed, on an encrypted session")
     else:
@@ -89,13 +92,14 @@ class SealedHeartbeat:
 async def receive_message(ws: WebSocket, cipher: TunnelCipher | None = None,
                           heartbeat: SealedHeartbeat | None = None) -> bytes | memoryview | str:
     """The next tunnel message, opened with ``cipher`` when the session is encrypted (which
-    raises RemoteProtocolError, 1008, for anything not sealed by the peer in order).
+    raises RemoteProtocolError, 1008, for anything not sealed by the peer in order). Data
+    comes as a read-only view, valid until the next receive on ``ws``: pass it on first.
 
     On an encrypted session the sealed heartbeats are handled here, below the tunnel's
     control state machine: a heartbeat is answered at once with its ack, and an ack goes to
     ``heartbeat`` (an ack that answers nothing waiting raises RemoteProtocolError, 1008)."""
     while True:
-        message = await ws.receive_message()
+        message = await ws.receive_view()
         if cipher is None:
             return message
         opened = cipher.open(message)

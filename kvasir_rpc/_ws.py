@@ -26,7 +26,7 @@ import hashlib
 import os
 import ssl
 import urllib.parse
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 
 import h11
 import trio
@@ -34,6 +34,7 @@ from wsproto.events import CloseConnection, Ping, Pong
 
 from kvasir_rpc._errors import CloseCode
 from kvasir_rpc._fastmask import xor_mask_into
+from kvasir_rpc._sockio import read_into, write_parts
 from kvasir_rpc._ws_frames import (
     BINARY,
     CLOSE,
@@ -198,8 +199,10 @@ class _State(enum.Enum):
 # long at most (see WebSocket._refuse).
 _LINGER_S = 2.0
 # A message up to this size is sent as one buffer (header and payload joined); a larger one
-# as two writes, without copying its payload.
-_JOIN_BYTES = 64 << 10
+# as its pieces, written together (``kvasir_rpc._sockio.write_parts``), without a copy.
+_JOIN_BYTES = 4 << 10
+# A binary message as pieces sent one after the other (a tunnel channel's prefix, then data).
+Parts = tuple[bytes | bytearray | memoryview, ...]
 
 
 class WebSocket:
@@ -220,8 +223,10 @@ class WebSocket:
 
     The frames are ``kvasir_rpc._ws_frames``': received into one buffer and unmasked there,
     a message is copied once, into a buffer with room for the header it is sent on with
-    (``receive_held``/``send_held``, the splice's path). A stream with ``receive_into``
-    (``kvasir_rpc.TLSStream``) decrypts straight into that buffer. A client masks what it
+    (``receive_held``/``send_held``, the splice's path), or read in place
+    (``receive_view``). A socket is read straight into that buffer, and a stream with
+    ``receive_into`` (``kvasir_rpc.TLSStream``) decrypts into it; a frame's header and
+    payload go out in one write (``kvasir_rpc._sockio``). A client masks what it
     sends as it copies it into the frame it writes (one pass), and a held message in place.
 
     ``on_rtt`` is told each keepalive ping's round trip (seconds), when its pong comes.
@@ -236,9 +241,6 @@ class WebSocket:
         self.on_rtt = on_rtt  # may be set later too (a hub sets it once the session is known)
         self.last_rtt_s: float | None = None  # the last keepalive ping's round trip
         self.subprotocol: str | None = None  # what the handshake settled on (open_websocket)
-        receive_into = getattr(stream, "receive_into", None)
-        self._receive_into: Callable[[memoryview], Awaitable[int]] | None = (
-            receive_into if callable(receive_into) else None)
         self._send_timeout = send_timeout_s
         self._cut: WsClosed | None = None
         self._reader = FrameReader(min_bytes=READ_BYTES, max_bytes=BULK_READ_BYTES, client=client)
@@ -326,17 +328,21 @@ class WebSocket:
         return self._closed
 
     async def _write(self, *parts: bytes | bytearray | memoryview) -> None:
-        """Send ``parts`` in order, nothing between them."""
+        """Send ``parts`` in order, nothing between them (one ``writev`` on a socket)."""
         size = sum(len(p) for p in parts)
         if not size:
             return
-        async with self._send_lock:
+        lock = self._send_lock
+        try:
+            lock.acquire_nowait()  # no task switch when no other send is under way
+        except trio.WouldBlock:
+            await lock.acquire()
+        try:
             if self._cut is not None:
                 raise self._cut  # an earlier send was cut off mid-frame: nothing usable follows
             with trio.move_on_after(self._send_timeout) as scope:
                 try:
-                    for part in parts:
-                        await self._stream.send_all(part)
+                    await write_parts(self._stream, parts)
                 except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
                     raise self._lost(exc).fresh() from exc
             if scope.cancelled_caught:
@@ -346,24 +352,31 @@ class WebSocket:
                 await self._close_stream()
                 raise self._cut.fresh()
             self._wire_out += size
+        finally:
+            lock.release()
 
-    async def send_message(self, message: bytes | bytearray | memoryview | str) -> None:
-        """Send one message, text for a str. Raises WsClosed."""
+    async def send_message(self, message: bytes | bytearray | memoryview | str | Parts) -> None:
+        """Send one message, text for a str; a tuple of buffers is one binary message, their
+        concatenation, sent without joining them. Raises WsClosed."""
         if self._closed is not None:
             raise self._closed.fresh()
-        payload = message.encode() if isinstance(message, str) else message
-        n = len(payload)
-        opcode = TEXT if isinstance(message, str) else BINARY
+        if isinstance(message, str):
+            parts: Parts = (message.encode(),)
+            opcode = TEXT
+        else:
+            parts = message if isinstance(message, tuple) else (message,)
+            opcode = BINARY
+        n = sum(len(p) for p in parts)
         self._messages_out += 1
         self._payload_out += n
         if self.client:
-            await self._write(_masked_frame(opcode, payload))
+            await self._write(_masked_frame(opcode, parts))
             return
         header = frame_header(opcode, n)
         if n <= _JOIN_BYTES:
-            await self._write(header + payload)
+            await self._write(b"".join((header, *parts)))
         else:
-            await self._write(header, payload)
+            await self._write(header, *parts)
 
     async def send_held(self, held: Held) -> None:
         """Send a binary message as ``receive_held`` gives it: its header goes into the room
@@ -381,7 +394,7 @@ class WebSocket:
                 payload = view[held.room:]
                 self._messages_out += 1
                 self._payload_out += n
-                await self._write(_masked_frame(BINARY, payload))
+                await self._write(_masked_frame(BINARY, (payload,)))
                 payload.release()
             return
         with memoryview(held.buf) as view:
@@ -394,7 +407,7 @@ class WebSocket:
 
     async def _send_frame(self, opcode: int, payload: bytes) -> None:
         if self.client:
-            await self._write(_masked_frame(opcode, payload))
+            await self._write(_masked_frame(opcode, (payload,)))
         else:
             await self._write(frame_header(opcode, len(payload)) + payload)
 
@@ -457,6 +470,15 @@ class WebSocket:
         assert isinstance(got, (Held, str))  # without relay, control frames never come out
         return got if isinstance(got, str) else bytes(got)
 
+    async def receive_view(self) -> memoryview | str:
+        """``receive_message`` without a copy: a binary message comes as a read-only view of
+        this WebSocket's buffer, valid until it receives again (pass it on before that)."""
+        got = await self._receive(relay=False)
+        if isinstance(got, str):
+            return got
+        assert isinstance(got, Held)  # without relay, control frames never come out
+        return memoryview(got.buf)[got.room:].toreadonly()
+
     async def receive_relayed(self) -> bytes | str | Ping | Pong:
         """The next whole message, or a ping or pong for the caller to relay to the other
         side of a splice (``send_control``); answers to our own pings stay here. From the
@@ -494,11 +516,7 @@ class WebSocket:
         return WsClosed(code, reason, local=True)
 
     async def _read_into(self, view: memoryview) -> int:
-        if self._receive_into is not None:
-            return await self._receive_into(view)
-        data = await self._stream.receive_some(len(view))
-        view[:len(data)] = data
-        return len(data)
+        return await read_into(self._stream, view)
 
     async def _receive_more(self) -> None:
         """Read once into the frame reader's buffer, keeping the timers (see the class doc)."""
@@ -662,13 +680,20 @@ class WebSocket:
         return None
 
 
-def _masked_frame(opcode: int, payload: bytes | bytearray | memoryview) -> bytearray:
-    """A client's frame: header, fresh mask key, and the payload masked as it is copied in."""
+def _masked_frame(opcode: int, parts: Parts) -> bytearray:
+    """A client's frame: header, fresh mask key, and the payload (``parts`` one after the
+    other) masked as it is copied in."""
     key = os.urandom(4)
-    header = frame_header(opcode, len(payload), key)
-    frame = bytearray(len(header) + len(payload))
-    frame[:len(header)] = header
-    xor_mask_into(payload, key, memoryview(frame)[len(header):])
+    header = frame_header(opcode, sum(len(p) for p in parts), key)
+    at = len(header)
+    frame = bytearray(at + sum(len(p) for p in parts))
+    frame[:at] = header
+    out = memoryview(frame)
+    for part in parts:
+        n = len(part)
+        shift = (at - len(header)) % 4  # the mask runs on across parts
+        xor_mask_into(part, key[shift:] + key[:shift], out[at:at + n])
+        at += n
     return frame
 
 

@@ -466,8 +466,13 @@ class _Mux:
 
     def send_data(self, channel: int, data: bytes | memoryview) -> bytes:
         """HTTP/2 bytes of ``channel``'s connection, as one binary message (a copy, prefixed)."""
+        return b"".join(self.send_parts(channel, data))
+
+    def send_parts(self, channel: int, data: bytes | memoryview) -> tuple[bytes, bytes | memoryview]:
+        """``send_data`` as the message's two pieces, the channel's prefix and ``data`` (not
+        copied), for a WebSocket that sends pieces as one message."""
         self.channels[channel].send_data(data)  # type: ignore[arg-type]
-        return b"".join((channel.to_bytes(CHANNEL_PREFIX_BYTES, "big"), data))
+        return channel.to_bytes(CHANNEL_PREFIX_BYTES, "big"), data
 
 
 class MuxHubTunnel(_Mux):

@@ -68,8 +68,12 @@ class MemoryWebSocket:
     async def receive_message(self) -> bytes | str:
         return await self._to_hub.receive()
 
-    async def send_message(self, message: bytes | str) -> None:
-        await self._to_worker.send(message)
+    async def receive_view(self) -> memoryview | str:
+        message = await self._to_hub.receive()
+        return message if isinstance(message, str) else memoryview(message).toreadonly()
+
+    async def send_message(self, message: bytes | str | tuple[bytes, ...]) -> None:
+        await self._to_worker.send(b"".join(message) if isinstance(message, tuple) else message)
 
     # -- the worker's end --
 

@@ -71,7 +71,7 @@ def _apply(s: Splices[str], event: str, channel: int = 0, now: float = 0.0) -> o
     if event == "claim":
         return s.claim("a newcomer")
     if event == "to worker":
-        return s.to_worker(channel, b"backbone bytes")
+        return b"".join(s.to_worker(channel, b"backbone bytes"))
     if event == "worker data":
         return s.from_worker(_data(b"worker bytes", s, channel))
     if event == "worker eof":
@@ -144,8 +144,9 @@ def test_a_plain_connection_from_claim_to_closed() -> None:
     assert len(s) == 1 and not s.multiplexed and s.free() == 0
     assert s.claim("conn") == (0, "open")
     assert s.busy and s.claim("another") is None
-    assert s.to_worker(0, b"req") == b"req"
-    assert s.to_worker(0, bytearray(b"copy")) == b"copy"  # a writable buffer is copied
+    assert s.to_worker(0, b"req") == (b"req",)
+    (sent,) = s.to_worker(0, bytearray(b"copy"))
+    assert sent == b"copy" and isinstance(sent, bytes)  # a writable buffer is copied
     assert s.from_worker(b"resp") == Forward(0, b"resp", "conn")
     closing = s.close(0, now=100.0, ended_by="backbone")
     assert (closing.message, closing.deadline, closing.ended_by) == ("close", 100.0 + CLOSE_S, "backbone")
@@ -163,7 +164,7 @@ def test_the_first_side_to_end_is_who_ended_it() -> None:
     s = _plain()
     s.claim("conn")
     assert s.from_worker("eof") == Ended(0, "conn")
-    assert s.to_worker(0, b"in flight") == b"in flight"  # read before the splice saw the end
+    assert s.to_worker(0, b"in flight") == (b"in flight",)  # read before the splice saw the end
     assert s.close(0, now=0.0, ended_by="backbone").ended_by == "worker"
     s.from_worker("closed")
     s.claim("conn 2")
@@ -203,7 +204,7 @@ def test_a_multiplexed_tunnel_claims_the_lowest_free_channel() -> None:
     s: Splices[str] = Splices(3, CLOSE_S)
     assert len(s) == 3 and s.multiplexed
     assert [s.claim(n) for n in "abcd"] == [(0, "open 0"), (1, "open 1"), (2, "open 2"), None]
-    assert s.to_worker(1, b"xy") == b"\x00\x01xy"
+    assert s.to_worker(1, b"xy") == (b"\x00\x01", b"xy")
     assert s.from_worker(b"\x00\x02pq") == Forward(2, b"pq", "c")
     s.close(1, now=5.0)
     assert s.claim("e") is None  # closing: not free until the worker's "closed"

@@ -85,12 +85,23 @@ def test_a_client_refuses_a_masked_frame_and_a_server_an_unmasked_one() -> None:
         server.next_event()
 
 
+def _pieces(data: bytes, cuts: list[int]) -> tuple[bytes, ...]:
+    """``data`` cut at ``cuts`` (any offsets; the mask must run on across the pieces)."""
+    at = sorted({min(c, len(data)) for c in cuts})
+    return tuple(data[a:b] for a, b in zip([0, *at], [*at, len(data)], strict=True))
+
+
 @settings(max_examples=60, deadline=None)
-@given(st.lists(st.one_of(st.binary(max_size=70000), st.text(max_size=300)), min_size=1, max_size=6))
-def test_what_a_client_sends_is_masked_afresh_and_wsproto_reads_it_back(messages: list[bytes | str]) -> None:
+@given(st.lists(st.tuples(st.one_of(st.binary(max_size=70000), st.text(max_size=300)),
+                          st.lists(st.integers(0, 70000), max_size=4)), min_size=1, max_size=6))
+def test_what_a_client_sends_is_masked_afresh_and_wsproto_reads_it_back(
+        sent: list[tuple[bytes | str, list[int]]]) -> None:
+    messages = [m for m, _ in sent]
     server = FrameProtocol(client=False, extensions=[])
+    # A binary message may go as pieces (a tunnel channel's prefix, then its data): one frame.
     wire = b"".join(bytes(_masked_frame(TEXT if isinstance(m, str) else BINARY,
-                                        m.encode() if isinstance(m, str) else m)) for m in messages)
+                                        (m.encode(),) if isinstance(m, str) else _pieces(m, cuts)))
+                    for m, cuts in sent)
     server.receive_bytes(wire)
     got: list[bytes | str] = []
     part: bytes | str | None = None
@@ -103,7 +114,7 @@ def test_what_a_client_sends_is_masked_afresh_and_wsproto_reads_it_back(messages
 
 
 def test_each_client_frame_has_its_own_mask_key() -> None:
-    keys = {bytes(_masked_frame(BINARY, b"same payload"))[2:6] for _ in range(50)}
+    keys = {bytes(_masked_frame(BINARY, (b"same payload",)))[2:6] for _ in range(50)}
     assert len(keys) > 45  # os.urandom: a repeat among 50 is a 1-in-15-million event
     assert frame_header(BINARY, 300, b"abcd") == bytes((0x82, 0x80 | 126, 1, 44)) + b"abcd"
 

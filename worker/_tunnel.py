@@ -32,6 +32,7 @@ from kvasir_rpc import (
     open_websocket,
     receive_message,
     send_whole,
+    write_parts,
 )
 from kvasir_rpc.protocol import (
     AEAD_NAMES,
@@ -120,15 +121,15 @@ async def serve_session(ws: WebSocket, uds_path: str, *, keepalive_s: float = KE
     server sees them apart, and ``ExpertServicer`` takes their calls in turn); without, the
     plain tunnel is the same loop on one channel (``_OneChannel``)."""
     tunnel: MuxWorkerTunnel | _OneChannel = (MuxWorkerTunnel(channels) if channels
-                                             else _OneChannel(sealed=cipher is not None))
+                                             else _OneChannel())
     conns: dict[int, _Conn] = {}
     heartbeat = SealedHeartbeat(ws, cipher) if cipher is not None else None
 
     async def pump(channel: int, c: _Conn) -> None:
         """The local gRPC server's bytes into the tunnel, then "eof" when it ends the connection."""
         try:
-            # One buffer per connection: a message is a copy of what it holds, made before
-            # send_whole's first checkpoint (sealed, or the channel's prefix joined, or bytes).
+            # One buffer per connection, read into again only once send_whole has sent what
+            # it held (sealed, or masked into the frame: a worker is a WebSocket client).
             view = memoryview(bytearray(READ_BYTES))
             with c.scope:
                 while True:
@@ -137,7 +138,7 @@ async def serve_session(ws: WebSocket, uds_path: str, *, keepalive_s: float = KE
                         break
                     if counts is not None:
                         counts.bytes_out += n
-                    await send_whole(ws, tunnel.send_data(channel, view[:n]), cipher=cipher)
+                    await send_whole(ws, tunnel.send_parts(channel, view[:n]), cipher=cipher)
                 await send_whole(ws, tunnel.eof(channel), cipher=cipher)
         finally:
             c.done.set()
@@ -160,8 +161,8 @@ async def serve_session(ws: WebSocket, uds_path: str, *, keepalive_s: float = KE
                 elif isinstance(event, Data):
                     if counts is not None:
                         counts.bytes_in += len(event.data)
-                    try:
-                        await conns[channel].stream.send_all(event.data)
+                    try:  # before the next receive: event.data is a view of the WebSocket's buffer
+                        await write_parts(conns[channel].stream, (event.data,))
                     except trio.BrokenResourceError:
                         pass  # the server ended the connection: the pump sees it too and sends "eof"
                 else:  # nothing else reaches a worker
@@ -174,17 +175,16 @@ async def serve_session(ws: WebSocket, uds_path: str, *, keepalive_s: float = KE
 
 class _OneChannel:
     """The plain tunnel (one connection at a time) as a tunnel of one channel, 0: what the
-    multiplexed one's loop needs of it. Clear data goes out as bytes; sealed, as the view."""
+    multiplexed one's loop needs of it. Data goes out as the view it was read into."""
 
-    def __init__(self, *, sealed: bool) -> None:
+    def __init__(self) -> None:
         self._tunnel = WorkerTunnel()
-        self._sealed = sealed
 
     def receive(self, msg: bytes | memoryview | str) -> tuple[int, Event]:
         return 0, self._tunnel.receive(msg)
 
-    def send_data(self, channel: int, data: memoryview) -> bytes:
-        return self._tunnel.send_data(data if self._sealed else bytes(data))  # type: ignore[arg-type]
+    def send_parts(self, channel: int, data: memoryview) -> tuple[bytes | memoryview]:
+        return (self._tunnel.send_data(data),)  # type: ignore[arg-type]
 
     def eof(self, channel: int) -> str:
         return self._tunnel.eof()

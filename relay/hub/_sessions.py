@@ -46,6 +46,7 @@ from kvasir_rpc import (
     send_whole,
     session_pb2,
     session_pb2_grpc,
+    write_parts,
 )
 from kvasir_rpc.protocol import (
     AEAD_NAMES,
@@ -371,7 +372,9 @@ class _Session:
             if isinstance(action, Forward):
                 reg.count_bytes(sid, from_worker=len(action.data))
                 try:
-                    await action.link.stream.send_all(action.data)
+                    # At once, while the view of the WebSocket's buffer is valid (no task
+                    # switch unless the backbone's socket is full).
+                    await write_parts(action.link.stream, (action.data,))
                 except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
                     # The backbone's side broke (or its splice closed it meanwhile): the splice ends.
                     splices.broke(action.channel, f"backbone connection broke ({exc!r})")

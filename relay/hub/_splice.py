@@ -131,7 +131,7 @@ class Framing(Protocol):
 
     def close(self, channel: int) -> str: ...
 
-    def send_data(self, channel: int, data: bytes) -> bytes: ...
+    def send_parts(self, channel: int, data: bytes) -> tuple[bytes, ...]: ...
 
     def receive(self, msg: bytes | memoryview | str) -> tuple[int, Event]: ...
 
@@ -149,8 +149,8 @@ class OneChannel:
     def close(self, channel: int) -> str:
         return self.channels[channel].close()
 
-    def send_data(self, channel: int, data: bytes) -> bytes:
-        return self.channels[channel].send_data(data)
+    def send_parts(self, channel: int, data: bytes) -> tuple[bytes, ...]:
+        return (self.channels[channel].send_data(data),)
 
     def receive(self, msg: bytes | memoryview | str) -> tuple[int, Event]:
         return 0, self.channels[0].receive(msg)
@@ -226,10 +226,11 @@ class Splices(Generic[L]):
         c.link, c.ended_by = link, ""
         return channel, opening
 
-    def to_worker(self, channel: int, data: bytes | bytearray) -> bytes:
-        """Backbone bytes as the tunnel message that carries them to the worker (bytes as they
+    def to_worker(self, channel: int, data: bytes | bytearray) -> tuple[bytes, ...]:
+        """Backbone bytes as the tunnel message that carries them to the worker, in pieces sent
+        as one message (a multiplexed tunnel's channel prefix, then the data: bytes as they
         are, what a socket gives; anything else copied, as its owner may reuse it)."""
-        message = self.framing.send_data(channel, data if isinstance(data, bytes) else bytes(data))
+        message = self.framing.send_parts(channel, data if isinstance(data, bytes) else bytes(data))
         self._step(channel, "to worker")
         return message
 

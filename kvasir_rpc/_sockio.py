@@ -1,0 +1,98 @@
+"""Moving bytes through a trio socket with as few copies and task switches as the kernel allows.
+
+``trio.SocketStream.send_all`` takes one buffer and yields to the scheduler after every
+``send``; ``receive_some`` returns a fresh ``bytes`` that the WebSocket then copies into its
+frame buffer. On the relays' bulk path each of those is paid per message, twice per hop:
+:func:`write_parts` writes a frame's header and payload (and a tunnel channel's prefix)
+with one ``writev``, straight away while the socket has room, and waits (and so yields)
+only when it has none; :func:`read_into` receives into the caller's buffer. Errors read as
+trio's streams raise them: ``BrokenResourceError`` for a peer or network that broke the
+connection, ``ClosedResourceError`` for a socket this side closed.
+
+Any other stream (TLS, memory streams in tests) goes through its own ``send_all`` and
+``receive_some``: nothing changes for it but the number of calls.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+from collections.abc import Sequence
+
+import trio
+
+__all__ = ["read_into", "write_parts"]
+
+Buffer = bytes | bytearray | memoryview
+
+# What a closed socket's calls fail with (as trio's SocketStream reads them).
+_CLOSED = frozenset((errno.EBADF, errno.ENOTSOCK))
+# os.writev's limit on buffers per call (IOV_MAX is 1024 on Linux): a message has a few.
+_MAX_PARTS = 64
+
+
+def _translate(exc: OSError) -> trio.BrokenResourceError | trio.ClosedResourceError:
+    if exc.errno in _CLOSED:
+        return trio.ClosedResourceError("this socket was already closed")
+    return trio.BrokenResourceError(f"socket connection broken: {exc}")
+
+
+async def write_parts(stream: trio.abc.SendStream, parts: Sequence[Buffer]) -> None:
+    """Send ``parts`` in order, nothing between them (one caller at a time: the caller holds
+    its own send lock). On a ``trio.SocketStream`` one ``writev`` per try, without a task
+    switch while the socket takes everything; on a stream with ``send_all_parts``
+    (``TLSStream``) that; otherwise ``send_all`` per part."""
+    if not isinstance(stream, trio.SocketStream) or len(parts) > _MAX_PARTS:
+        send_all_parts = getattr(stream, "send_all_parts", None)
+        if send_all_parts is not None:  # TLSStream: encrypted together, sent as one
+            await send_all_parts(parts)
+            return
+        for part in parts:
+            await stream.send_all(part)
+        return
+    await trio.lowlevel.checkpoint_if_cancelled()
+    sock = stream.socket
+    views = [memoryview(p).cast("B") for p in parts if len(p)]
+    try:
+        while views:
+            fd = sock.fileno()
+            if fd < 0:
+                raise trio.ClosedResourceError("this socket was already closed")
+            try:
+                n = os.writev(fd, views)
+            except BlockingIOError:
+                # Full: wait for room. (After a partial write the peer is usually draining
+                # already: the next try goes at once, as trio's own send loop does.)
+                await trio.lowlevel.wait_writable(sock)
+                continue
+            except OSError as exc:
+                raise _translate(exc) from exc
+            while n:  # drop what went out, from the front
+                first = views[0]
+                if n >= len(first):
+                    n -= len(first)
+                    views.pop(0)
+                else:
+                    views[0] = first[n:]
+                    n = 0
+    finally:
+        for v in views:
+            v.release()
+
+
+async def read_into(stream: trio.abc.ReceiveStream, view: memoryview) -> int:
+    """Receive into ``view``: how many bytes (0 at EOF). Into the buffer itself on a
+    ``trio.SocketStream`` (and on a stream with ``receive_into``, such as ``TLSStream``);
+    otherwise a ``receive_some`` copied in."""
+    if isinstance(stream, trio.SocketStream):
+        try:
+            return await stream.socket.recv_into(view)
+        except OSError as exc:
+            raise _translate(exc) from exc
+    receive_into = getattr(stream, "receive_into", None)
+    if receive_into is not None:
+        n: int = await receive_into(view)
+        return n
+    data = await stream.receive_some(len(view))
+    view[:len(data)] = data
+    return len(data)
