@@ -78,7 +78,7 @@ def test_hop_figures_and_table_of_a_result():
     assert figures["fabric_ns_per_byte_gateway_b512"] == 3.0 and figures["fabric_mb_s_b512"] == 90.0
     assert figures["fabric_ns_per_byte_total_b512"] == 10.0 and figures["fabric_p50_ms_b1"] == 3.0
     table = hop_table(hops).splitlines()
-    assert table[2].split() == ["fabric", "1.0", "2.0", "3.0", "4.0", "10.0", "90.0"]
+    assert table[3].split() == ["fabric", "1.0", "2.0", "3.0", "4.0", "10.0", "90.0"]
     remote = {"ns_per_byte": {"hub": 2.5, "latency": 0.5}, "latency_proxy_cpu_share": 0.01,
               "backbone_decode_cpu_ms_per_token": 3.0}
     decode = {"hops": {"local": {"backbone_decode_cpu_ms_per_token": 4.0}, "rtt0": remote, "rtt13": remote,
@@ -102,10 +102,15 @@ def test_each_hops_floor_adds_up_what_it_must_do_to_a_byte():
     assert f["hub"]["hub"] == pytest.approx(0.52) and f["hub"]["client"] == pytest.approx(0.25)
     assert hop_floors(p, aead="chacha20_poly1305")["gateway"]["hub"] == pytest.approx(0.5 + 0.5 + 0.4 + 0.02)
     point = {"ns_per_byte": {"client": 0.5, "hub": 2.0, "gateway": 3.0, "worker": 4.0}, "ns_per_byte_total": 9.5,
-             "mb_s": 90.0, "floor_ns_per_byte": {"client": 0.25, "hub": 1.14, "gateway": 1.54, "worker": 1.09}}
+             "mb_s": 90.0, "floor_ns_per_byte": {"client": 0.25, "hub": 1.14, "gateway": 1.54, "worker": 1.09},
+             "over_floor": {"client": 2.0, "hub": 1.75, "gateway": 1.95, "worker": 3.67}}
     hops = {"batch": 512, "calls": 4, "fabric": point}
     assert hop_figures(hops)["fabric_floor_ns_per_byte_gateway_b512"] == 1.54
-    assert hop_table(hops).splitlines()[3].split() == ["floor", "0.25", "1.14", "1.54", "1.09"]
+    assert hop_figures(hops)["fabric_over_floor_worker_b512"] == 3.67
+    assert hop_table(hops).splitlines()[4].split() == ["floor", "0.25", "1.14", "1.54", "1.09"]
+    assert hop_table(hops).splitlines()[5].split() == ["/floor", "2.0", "1.75", "1.95", "3.67"]
+    # The direct path: the client and the worker, and grpcio's floor (the kernel's copy) for both.
+    assert hop_floors(p)["direct"] == {"client": pytest.approx(0.25), "worker": pytest.approx(0.25)}
 
 
 def test_the_primitives_are_measured_here():

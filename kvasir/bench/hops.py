@@ -14,9 +14,11 @@ from kvasir.bench._checkpoint import HIDDEN, make_bench_checkpoint
 from kvasir.bench._streams import _pct, _Stream
 
 HOP_BATCH = 512
-# The processes a Dispatch call crosses on each path, from the backbone's side.
+# The processes a Dispatch call crosses on each path, from the backbone's side. ``direct``: the
+# same call straight to the hub path's worker's own gRPC port (``--direct-grpc``), no tunnel:
+# what grpcio and the servicer cost the client and the worker alone.
 HOP_PATHS = {"hub": ("client", "hub", "worker"), "gateway": ("client", "hub", "gateway", "worker"),
-             "fabric": ("client", "hub", "gateway", "worker")}
+             "fabric": ("client", "hub", "gateway", "worker"), "direct": ("client", "worker")}
 
 
 def run_hop_bench(*, quick: bool = False, say: Callable[[str], None] = print) -> dict[str, object]:
@@ -24,7 +26,8 @@ def run_hop_bench(*, quick: bool = False, say: Callable[[str], None] = print) ->
 
     One swarm: a TLS gateway, a hub, a worker that dials the hub (path ``hub``, plain ws), one
     that dials the gateway (``gateway``, sealed end to end) and one that dials the gateway with
-    ``--echo-experts`` (``fabric``: the relays without compute). This process is the
+    ``--echo-experts`` (``fabric``: the relays without compute); the hub's worker also
+    serves its gRPC port directly (``direct``: no tunnel, no relay). This process is the
     backbone's client side (a grpcio stream, as the backbone's). Each hop's CPU time over the
     same calls (every thread, from /proc) is divided by the same byte count: the tensor
     payload of those calls, request rows and weights plus the partials. On the ``hub`` and
@@ -33,7 +36,7 @@ def run_hop_bench(*, quick: bool = False, say: Callable[[str], None] = print) ->
     import torch
 
     from kvasir.bench.cpu import CpuMeter, ns_per_byte
-    from kvasir.swarm import LocalSwarm
+    from kvasir.swarm import LocalSwarm, free_port
     from kvasir_rpc import (
         TARGET_KEY_METADATA,
         ExpertIndex,
@@ -57,7 +60,8 @@ def run_hop_bench(*, quick: bool = False, say: Callable[[str], None] = print) ->
         sw.start_gateway()
         sw.start_hub(gateway=True)
         # The echo worker holds expert 1, the others expert 0: their sessions are told apart so.
-        sw.start_worker("worker_hub", ckpt, "0:0", via="hub")
+        direct_port = free_port()
+        sw.start_worker("worker_hub", ckpt, "0:0", via="hub", extra=["--direct-grpc", f"127.0.0.1:{direct_port}"])
         sw.start_worker("worker_gateway", ckpt, "0:0", via="gateway")
         sw.start_worker("worker_echo", ckpt, "0:1", via="gateway", extra=["--echo-experts"])
         sessions = sw.wait_sessions(3, watch=["gateway", "worker_hub", "worker_gateway", "worker_echo"])
@@ -66,10 +70,12 @@ def run_hop_bench(*, quick: bool = False, say: Callable[[str], None] = print) ->
             through_gateway = s.remote_address.startswith("gateway:")
             path = "fabric" if s.slices[0].experts[0] == 1 else ("gateway" if through_gateway else "hub")
             by_path[path] = s
-        worker_of = {"hub": "worker_hub", "gateway": "worker_gateway", "fabric": "worker_echo"}
+        worker_of = {"hub": "worker_hub", "gateway": "worker_gateway", "fabric": "worker_echo", "direct": "worker_hub"}
         token = sw.backbone_token
 
         def metered(path: str) -> int:
+            if path == "direct":
+                return 0  # no session: nothing metered
             return sum(int(s.bytes_to_worker + s.bytes_from_worker) for s in sw.list_sessions()
                        if s.session_id == by_path[path].session_id)
 
@@ -84,12 +90,15 @@ def run_hop_bench(*, quick: bool = False, say: Callable[[str], None] = print) ->
                 for _ in range(n):
                     expert_forward(hidden, gate_up, down, act, weights)
                 compute_s = time.process_time() - c0
-            for path in (("fabric", "gateway", "hub") if batch == HOP_BATCH else ("fabric",)):
+            for path in (("fabric", "gateway", "hub", "direct") if batch == HOP_BATCH else ("fabric",)):
                 req = expert_pb2.DispatchRequest(
                     call_id=1, layer=0, hidden=encode_tensor(hidden), weights=encode_tensor(weights),
                     segments=[expert_pb2.ExpertSegment(expert=1 if path == "fabric" else 0, rows=batch)])
-                meta = ((TARGET_KEY_METADATA, target_key(token, by_path[path].session_id)),)
-                stream = _Stream(by_path[path].target, meta)
+                if path == "direct":
+                    stream = _Stream(f"127.0.0.1:{direct_port}", ())
+                else:
+                    meta = ((TARGET_KEY_METADATA, target_key(token, by_path[path].session_id)),)
+                    stream = _Stream(by_path[path].target, meta)
                 try:
                     for _ in range(3):
                         stream.call(req)  # warm up the connection and the worker
@@ -126,6 +135,16 @@ def run_hop_bench(*, quick: bool = False, say: Callable[[str], None] = print) ->
                 out[path] = point
                 say(f"  {path}: " + ", ".join(f"{h} {v} ns/B" for h, v in point["ns_per_byte"].items())  # type: ignore[attr-defined]
                     + f"; {point['mb_s']} MB/s")
+    direct = out.get("direct")
+    if isinstance(direct, dict):
+        # What the tunnel and the relays add to each end over grpcio alone (the direct call).
+        for path in ("hub", "gateway", "fabric"):
+            measured = out.get(path)
+            if isinstance(measured, dict):
+                ours, alone = measured["ns_per_byte"], direct["ns_per_byte"]
+                measured["ends_over_direct_ns_per_byte"] = {
+                    h: round(ours[h] - alone[h], 3) for h in ("client", "worker")
+                    if ours.get(h) is not None and alone.get(h) is not None}
     add_floors(out, say=say)
     return out
 
@@ -143,7 +162,7 @@ def add_floors(hops: dict[str, object], *, say: Callable[[str], None] = print) -
     for path, point in hops.items():
         if path not in HOP_PATHS or not isinstance(point, dict):
             continue
-        floor = floors["hub" if path == "hub" else "gateway"]
+        floor = floors[path if path in ("hub", "direct") else "gateway"]
         point["floor_ns_per_byte"] = {h: round(floor[h], 3) for h in point["ns_per_byte"]}
         point["over_floor"] = {h: round(v / floor[h], 2) if v is not None else None
                                for h, v in point["ns_per_byte"].items()}
@@ -160,6 +179,8 @@ def hop_figures(hops: dict[str, object]) -> dict[str, object]:
             figures[f"{path}_ns_per_byte_total_b512"] = point["ns_per_byte_total"]
             for hop, v in point.get("floor_ns_per_byte", {}).items():
                 figures[f"{path}_floor_ns_per_byte_{hop}_b512"] = v
+            for hop, v in point.get("over_floor", {}).items():
+                figures[f"{path}_over_floor_{hop}_b512"] = v
     if isinstance(hops.get("fabric"), dict):
         figures["fabric_mb_s_b512"] = hops["fabric"]["mb_s"]  # type: ignore[index]
     if isinstance(hops.get("fabric_b1"), dict):
@@ -172,6 +193,7 @@ def hop_table(hops: dict[str, object]) -> str:
     cols = ("client", "hub", "gateway", "worker")
     lines = [f"CPU ns per byte of tensor payload, batch {hops['batch']}, {hops['calls']} calls (floor: what the hop's "
              "socket copies, TLS, end-to-end AEAD and masking alone cost here)",
+             "direct: the same call to the worker's own gRPC port, no tunnel (grpcio and the servicer alone)",
              f"{'path':<10}" + "".join(f"{c:>10}" for c in cols) + f"{'total':>10}{'MB/s':>10}"]
     for path in HOP_PATHS:
         point = hops.get(path)
@@ -182,6 +204,9 @@ def hop_table(hops: dict[str, object]) -> str:
         if "floor_ns_per_byte" in point:
             floor = "".join(f"{point['floor_ns_per_byte'].get(c, '-')!s:>10}" for c in cols)
             lines.append(f"{'  floor':<10}{floor}")
+        if "over_floor" in point:
+            over = "".join(f"{point['over_floor'].get(c, '-')!s:>10}" for c in cols)
+            lines.append(f"{'  /floor':<10}{over}")
     if isinstance(hops.get("fabric_b1"), dict):
         lines.append(f"fabric p50 at batch 1: {hops['fabric_b1']['p50_ms']} ms")  # type: ignore[index]
     return "\n".join(lines)
