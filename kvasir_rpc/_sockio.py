@@ -21,7 +21,7 @@ from collections.abc import Sequence
 
 import trio
 
-__all__ = ["read_into", "write_parts"]
+__all__ = ["read_into", "write_now", "write_parts", "write_rest"]
 
 Buffer = bytes | bytearray | memoryview
 
@@ -37,47 +37,68 @@ def _translate(exc: OSError) -> trio.BrokenResourceError | trio.ClosedResourceEr
     return trio.BrokenResourceError(f"socket connection broken: {exc}")
 
 
+def _advance(views: list[memoryview], n: int) -> None:
+    """Drop the first ``n`` bytes of ``views`` (what went out), from the front."""
+    while n:
+        first = views[0]
+        if n >= len(first):
+            n -= len(first)
+            views.pop(0)
+        else:
+            views[0] = first[n:]
+            n = 0
+
+
+def write_now(stream: trio.abc.SendStream, parts: Sequence[Buffer]) -> list[memoryview]:
+    """Write what a ``trio.SocketStream`` takes of ``parts`` right now, without waiting:
+    the views of what is left (empty: everything went out), for :func:`write_rest`. Any
+    other stream is not written to: everything is left. Raises as trio's streams do."""
+    views = [memoryview(p).cast("B") for p in parts if len(p)]
+    if not isinstance(stream, trio.SocketStream) or len(views) > _MAX_PARTS:
+        return views
+    sock = stream.socket
+    while views:
+        fd = sock.fileno()
+        if fd < 0:
+            raise trio.ClosedResourceError("this socket was already closed")
+        try:
+            n = os.writev(fd, views)
+        except BlockingIOError:
+            break  # full: the rest waits for room
+        except OSError as exc:
+            raise _translate(exc) from exc
+        # After a partial write the peer is usually draining already: the next try goes at
+        # once, as trio's own send loop does.
+        _advance(views, n)
+    return views
+
+
+async def write_rest(stream: trio.abc.SendStream, views: list[memoryview]) -> None:
+    """Send what :func:`write_now` left: on a socket, waiting for room each time it is full
+    (``views`` keeps what is still to go); on a stream with ``send_all_parts``
+    (``TLSStream``) that; otherwise ``send_all`` per piece."""
+    if not views:
+        return
+    if not isinstance(stream, trio.SocketStream) or len(views) > _MAX_PARTS:
+        send_all_parts = getattr(stream, "send_all_parts", None)
+        if send_all_parts is not None:  # TLSStream: encrypted together, sent as one
+            await send_all_parts(views)
+            return
+        for view in views:
+            await stream.send_all(view)
+        return
+    while views:
+        await trio.lowlevel.wait_writable(stream.socket)
+        views[:] = write_now(stream, views)  # in place: a caller cut short sees what is left
+
+
 async def write_parts(stream: trio.abc.SendStream, parts: Sequence[Buffer]) -> None:
     """Send ``parts`` in order, nothing between them (one caller at a time: the caller holds
     its own send lock). On a ``trio.SocketStream`` one ``writev`` per try, without a task
     switch while the socket takes everything; on a stream with ``send_all_parts``
     (``TLSStream``) that; otherwise ``send_all`` per part."""
-    if not isinstance(stream, trio.SocketStream) or len(parts) > _MAX_PARTS:
-        send_all_parts = getattr(stream, "send_all_parts", None)
-        if send_all_parts is not None:  # TLSStream: encrypted together, sent as one
-            await send_all_parts(parts)
-            return
-        for part in parts:
-            await stream.send_all(part)
-        return
     await trio.lowlevel.checkpoint_if_cancelled()
-    sock = stream.socket
-    views = [memoryview(p).cast("B") for p in parts if len(p)]
-    try:
-        while views:
-            fd = sock.fileno()
-            if fd < 0:
-                raise trio.ClosedResourceError("this socket was already closed")
-            try:
-                n = os.writev(fd, views)
-            except BlockingIOError:
-                # Full: wait for room. (After a partial write the peer is usually draining
-                # already: the next try goes at once, as trio's own send loop does.)
-                await trio.lowlevel.wait_writable(sock)
-                continue
-            except OSError as exc:
-                raise _translate(exc) from exc
-            while n:  # drop what went out, from the front
-                first = views[0]
-                if n >= len(first):
-                    n -= len(first)
-                    views.pop(0)
-                else:
-                    views[0] = first[n:]
-                    n = 0
-    finally:
-        for v in views:
-            v.release()
+    await write_rest(stream, write_now(stream, parts))
 
 
 async def read_into(stream: trio.abc.ReceiveStream, view: memoryview) -> int:

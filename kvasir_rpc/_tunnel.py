@@ -44,10 +44,9 @@ async def send_whole(ws: WebSocket, message: bytes | memoryview | str | Parts | 
         raise LocalProtocolError("a heartbeat is sent only sealed, on an encrypted session")
     else:
         wire = message
-    with trio.CancelScope(shield=True) as scope:
-        scope.deadline = trio.current_time() + timeout_s
-        await ws.send_message(wire)
-    if scope.cancelled_caught:
+    # Shielded inside the WebSocket, and only where it waits: a message the socket takes at
+    # once costs no cancel scope.
+    if not await ws.send_message(wire, shielded_for=timeout_s):
         raise RemoteProtocolError(f"a tunnel message could not be sent within {timeout_s:g} s",
                                   close_code=CloseCode.GOING_AWAY)
     await trio.lowlevel.checkpoint_if_cancelled()

@@ -34,7 +34,7 @@ from wsproto.events import CloseConnection, Ping, Pong
 
 from kvasir_rpc._errors import CloseCode
 from kvasir_rpc._fastmask import xor_mask_into
-from kvasir_rpc._sockio import read_into, write_parts
+from kvasir_rpc._sockio import read_into, write_now, write_rest
 from kvasir_rpc._ws_frames import (
     BINARY,
     CLOSE,
@@ -327,37 +327,81 @@ class WebSocket:
             self._closed = self._closed or WsClosed(1006, "the stream was closed on this side", local=True)
         return self._closed
 
-    async def _write(self, *parts: bytes | bytearray | memoryview) -> None:
-        """Send ``parts`` in order, nothing between them (one ``writev`` on a socket)."""
+    async def _write(self, *parts: bytes | bytearray | memoryview, shielded_for: float | None = None) -> bool:
+        """Send ``parts`` in order, nothing between them (one ``writev`` on a socket). What
+        the socket takes at once goes out with no timer or scope to set up (the common
+        case); a wait (for another send, or for room) is bounded by the send timeout.
+
+        ``shielded_for``: the caller's cancellation cannot stop the message once this is
+        called: the waits are shielded, for that many seconds at most. Returns False when
+        that ran out first (the frame may be cut: the WebSocket is unusable), else True."""
         size = sum(len(p) for p in parts)
         if not size:
-            return
+            return True
         lock = self._send_lock
+        left: list[memoryview] | None = None
         try:
-            lock.acquire_nowait()  # no task switch when no other send is under way
+            lock.acquire_nowait()
         except trio.WouldBlock:
-            await lock.acquire()
-        try:
-            if self._cut is not None:
-                raise self._cut  # an earlier send was cut off mid-frame: nothing usable follows
-            with trio.move_on_after(self._send_timeout) as scope:
+            pass
+        else:
+            try:
+                if self._cut is not None:
+                    raise self._cut  # an earlier send was cut off mid-frame: nothing usable follows
                 try:
-                    await write_parts(self._stream, parts)
+                    left = write_now(self._stream, parts)
                 except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
                     raise self._lost(exc).fresh() from exc
-            if scope.cancelled_caught:
-                self._cut = WsClosed(1001, f"send timed out: the peer read nothing for {self._send_timeout:g} s",
-                                     local=True)
-                self._closed = self._closed or self._cut
-                await self._close_stream()
-                raise self._cut.fresh()
-            self._wire_out += size
-        finally:
-            lock.release()
+            except BaseException:
+                lock.release()
+                raise
+            if not left:
+                self._wire_out += size
+                lock.release()
+                return True
+        with trio.CancelScope(shield=shielded_for is not None) as guard:
+            if shielded_for is not None:
+                guard.deadline = trio.current_time() + shielded_for
+            if left is None:
+                await lock.acquire()
+            try:
+                if left is None:
+                    if self._cut is not None:
+                        raise self._cut
+                    left = [memoryview(p).cast("B") for p in parts if len(p)]
+                with trio.move_on_after(self._send_timeout) as scope:
+                    try:
+                        await write_rest(self._stream, left)
+                    except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
+                        raise self._lost(exc).fresh() from exc
+                    except BaseException:
+                        # Cancelled (unshielded) with part of the frame out: what follows
+                        # would be read as its rest, so nothing more may be sent.
+                        if sum(len(v) for v in left) < size:
+                            self._cut = self._cut or WsClosed(1006, "a send was cut off mid-frame", local=True)
+                        raise
+                if scope.cancelled_caught:
+                    self._cut = WsClosed(1001, "send timed out: the peer read nothing for "
+                                         f"{self._send_timeout:g} s", local=True)
+                    self._closed = self._closed or self._cut
+                    await self._close_stream()
+                    raise self._cut.fresh()
+                self._wire_out += size
+            finally:
+                lock.release()
+        if guard.cancelled_caught:
+            self._cut = WsClosed(1001, f"a message could not be sent within {shielded_for:g} s", local=True)
+            return False
+        return True
 
-    async def send_message(self, message: bytes | bytearray | memoryview | str | Parts) -> None:
+    async def send_message(self, message: bytes | bytearray | memoryview | str | Parts, *,
+                           shielded_for: float | None = None) -> bool:
         """Send one message, text for a str; a tuple of buffers is one binary message, their
-        concatenation, sent without joining them. Raises WsClosed."""
+        concatenation, sent without joining them. Raises WsClosed.
+
+        ``shielded_for``: once called, the caller's cancellation cannot cut the message nor
+        stop it: it goes out whole, or, past that many seconds, False is returned and the
+        WebSocket is unusable (a frame may be cut). Otherwise True."""
         if self._closed is not None:
             raise self._closed.fresh()
         if isinstance(message, str):
@@ -370,13 +414,11 @@ class WebSocket:
         self._messages_out += 1
         self._payload_out += n
         if self.client:
-            await self._write(_masked_frame(opcode, parts))
-            return
+            return await self._write(_masked_frame(opcode, parts), shielded_for=shielded_for)
         header = frame_header(opcode, n)
         if n <= _JOIN_BYTES:
-            await self._write(b"".join((header, *parts)))
-        else:
-            await self._write(header, *parts)
+            return await self._write(b"".join((header, *parts)), shielded_for=shielded_for)
+        return await self._write(header, *parts, shielded_for=shielded_for)
 
     async def send_held(self, held: Held) -> None:
         """Send a binary message as ``receive_held`` gives it: its header goes into the room

@@ -48,9 +48,11 @@ class _FaultyWebSocket:
                 await self._ws.send_message("eof")
         return msg  # type: ignore[no-any-return]
 
-    async def send_message(self, message: bytes | str) -> None:
+    async def send_message(self, message: bytes | str | tuple[bytes | memoryview, ...], **kwargs: Any) -> bool:
         if self._fault == "no-closed" and message == "closed":
-            return
+            return True
+        if isinstance(message, tuple):  # a message in pieces (a channel's prefix, then its data)
+            message = b"".join(message)
         if self._fault.startswith("mux-") and isinstance(message, bytes) and self._binary_received >= 2:
             self._data_sent += 1  # past the handshake: tunnel data, channel-prefixed
             if self._data_sent > MUX_AFTER:
@@ -59,7 +61,7 @@ class _FaultyWebSocket:
                 else:
                     channel = int.from_bytes(message[:CHANNEL_PREFIX_BYTES], "big") + 1
                     message = channel.to_bytes(CHANNEL_PREFIX_BYTES, "big") + message[CHANNEL_PREFIX_BYTES:]
-        await self._ws.send_message(message)
+        return await self._ws.send_message(message, **kwargs)  # type: ignore[no-any-return]
 
 
 def main() -> int:

@@ -72,8 +72,10 @@ class MemoryWebSocket:
         message = await self._to_hub.receive()
         return message if isinstance(message, str) else memoryview(message).toreadonly()
 
-    async def send_message(self, message: bytes | str | tuple[bytes, ...]) -> None:
+    async def send_message(self, message: bytes | str | tuple[bytes, ...], *,
+                           shielded_for: float | None = None) -> bool:
         await self._to_worker.send(b"".join(message) if isinstance(message, tuple) else message)
+        return True
 
     # -- the worker's end --
 

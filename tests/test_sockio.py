@@ -142,3 +142,38 @@ async def test_a_message_sent_as_pieces_is_one_frame_to_wsproto() -> None:
     frames = list(client.received_frames())
     assert len(frames) == 1 and frames[0].message_finished
     assert frames[0].payload == b"".join(pieces)
+
+
+@trio_test
+async def test_a_send_cancelled_mid_frame_leaves_the_websocket_unusable_not_corrupt() -> None:
+    from kvasir_rpc import WsClosed
+
+    a, b = _pair()
+    async with b:
+        ws = WebSocket(a, max_message_bytes=64 << 20, keepalive_s=60, idle_timeout_s=60)
+        with trio.move_on_after(0.3) as scope:  # nobody reads: part of the frame goes, then it waits
+            await ws.send_message(bytes(16 << 20))
+        assert scope.cancelled_caught
+        with pytest.raises(WsClosed, match="mid-frame"), trio.fail_after(BUDGET_S):
+            await ws.send_message(b"next")  # would be read as the rest of the cut frame
+        await ws.close()
+
+
+@trio_test
+async def test_a_shielded_send_outlives_its_callers_cancellation_and_is_bounded() -> None:
+    from kvasir_rpc import WsClosed
+
+    a, b = _pair()
+    async with b:
+        ws = WebSocket(a, max_message_bytes=64 << 20, keepalive_s=60, idle_timeout_s=60)
+        with trio.fail_after(BUDGET_S):
+            with trio.CancelScope() as scope:
+                scope.cancel()  # cancelled before it starts: the message still goes out whole
+                sent = await ws.send_message(b"whole", shielded_for=5)
+            assert sent and not scope.cancelled_caught  # the send itself never checkpoints here
+            assert await _read_all(b, 2 + 5) == b"\x82\x05whole"
+            # Nobody reads 16 MiB: past shielded_for it gives up, and the WebSocket is unusable.
+            assert await ws.send_message(bytes(16 << 20), shielded_for=0.3) is False
+            with pytest.raises(WsClosed, match="could not be sent within"):
+                await ws.send_message(b"next")
+        await ws.close()
