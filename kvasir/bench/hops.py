@@ -14,6 +14,8 @@ from kvasir.bench._checkpoint import HIDDEN, make_bench_checkpoint
 from kvasir.bench._streams import _pct, _Stream
 
 HOP_BATCH = 512
+# Each path measured this many times, in alternating order, and the CPU summed.
+HOP_ROUNDS = 3
 # The processes a Dispatch call crosses on each path, from the backbone's side. ``direct``: the
 # same call straight to the hub path's worker's own gRPC port (``--direct-grpc``), no tunnel:
 # what grpcio and the servicer cost the client and the worker alone.
@@ -32,7 +34,10 @@ def run_hop_bench(*, quick: bool = False, say: Callable[[str], None] = print) ->
     same calls (every thread, from /proc) is divided by the same byte count: the tensor
     payload of those calls, request rows and weights plus the partials. On the ``hub`` and
     ``gateway`` paths the worker's figure has the in-process compute time of the same calls
-    subtracted (the fabric path's worker computes nothing). Also the fabric path's latency at batch 1."""
+    subtracted (the fabric path's worker computes nothing). Every path is measured in
+    ``HOP_ROUNDS`` rounds (the order reversed every other round) and its CPU summed over
+    them, so that the machine's drift during the run falls on every path alike. Also the
+    fabric path's latency at batch 1."""
     import torch
 
     from kvasir.bench.cpu import CpuMeter, ns_per_byte
@@ -48,8 +53,10 @@ def run_hop_bench(*, quick: bool = False, say: Callable[[str], None] = print) ->
     )
 
     torch.set_num_threads(1)
-    n = 10 if quick else 25
-    out: dict[str, object] = {"batch": HOP_BATCH, "calls": n, "hidden": HIDDEN, "dtype": "float32",
+    n = 10 if quick else 25  # calls per path and round
+    rounds = 1 if quick else HOP_ROUNDS
+    out: dict[str, object] = {"batch": HOP_BATCH, "calls": n * rounds, "rounds": rounds, "hidden": HIDDEN,
+                              "dtype": "float32",
                               "bytes": "tensor payload: request hidden + weights + response partials",
                               "client": "this process (grpcio stream), time.process_time()"}
     with tempfile.TemporaryDirectory(prefix="kvasir-bench-hops-") as tmp, LocalSwarm(tmp) as sw:
@@ -84,37 +91,48 @@ def run_hop_bench(*, quick: bool = False, say: Callable[[str], None] = print) ->
             hidden = torch.randn(batch, HIDDEN, generator=g)
             weights = torch.rand(batch, generator=g)
             payload = (2 * hidden.numel() + weights.numel()) * 4
+            paths = ("fabric", "gateway", "hub", "direct") if batch == HOP_BATCH else ("fabric",)
+            # Each path's calls in rounds, the order reversed every other round, summed: the
+            # machine's drift over the run falls on every path alike.
+            acc: dict[str, dict[str, object]] = {p: {"cpu": {}, "times": [], "wire": 0, "wall": 0.0} for p in paths}
             compute_s = 0.0
-            if batch == HOP_BATCH:
-                c0 = time.process_time()
-                for _ in range(n):
-                    expert_forward(hidden, gate_up, down, act, weights)
-                compute_s = time.process_time() - c0
-            for path in (("fabric", "gateway", "hub", "direct") if batch == HOP_BATCH else ("fabric",)):
-                req = expert_pb2.DispatchRequest(
-                    call_id=1, layer=0, hidden=encode_tensor(hidden), weights=encode_tensor(weights),
-                    segments=[expert_pb2.ExpertSegment(expert=1 if path == "fabric" else 0, rows=batch)])
-                if path == "direct":
-                    stream = _Stream(f"127.0.0.1:{direct_port}", ())
-                else:
-                    meta = ((TARGET_KEY_METADATA, target_key(token, by_path[path].session_id)),)
-                    stream = _Stream(by_path[path].target, meta)
-                try:
-                    for _ in range(3):
-                        stream.call(req)  # warm up the connection and the worker
-                    pids: dict[str, int | None] = {"client": None, "worker": sw.pid(worker_of[path]),
-                                                   "hub": sw.pid("hub"), "gateway": sw.pid("gateway")}
-                    before = metered(path)
-                    times = []
-                    with CpuMeter(pids) as meter:
-                        for _ in range(n):
-                            t0 = time.perf_counter()
-                            stream.call(req)
-                            times.append(time.perf_counter() - t0)
-                    wire = metered(path) - before
-                finally:
-                    stream.close()
-                cpu = meter.reading.cpu_s
+            for r in range(rounds if batch == HOP_BATCH else 1):
+                if batch == HOP_BATCH:
+                    c0 = time.process_time()
+                    for _ in range(n):
+                        expert_forward(hidden, gate_up, down, act, weights)
+                    compute_s += time.process_time() - c0
+                for path in (paths if r % 2 == 0 else paths[::-1]):
+                    req = expert_pb2.DispatchRequest(
+                        call_id=1, layer=0, hidden=encode_tensor(hidden), weights=encode_tensor(weights),
+                        segments=[expert_pb2.ExpertSegment(expert=1 if path == "fabric" else 0, rows=batch)])
+                    if path == "direct":
+                        stream = _Stream(f"127.0.0.1:{direct_port}", ())
+                    else:
+                        meta = ((TARGET_KEY_METADATA, target_key(token, by_path[path].session_id)),)
+                        stream = _Stream(by_path[path].target, meta)
+                    a = acc[path]
+                    try:
+                        for _ in range(3):
+                            stream.call(req)  # warm up the connection and the worker
+                        pids: dict[str, int | None] = {"client": None, "worker": sw.pid(worker_of[path]),
+                                                       "hub": sw.pid("hub"), "gateway": sw.pid("gateway")}
+                        before = metered(path)
+                        with CpuMeter(pids) as meter:
+                            for _ in range(n):
+                                t0 = time.perf_counter()
+                                stream.call(req)
+                                a["times"].append(time.perf_counter() - t0)  # type: ignore[attr-defined]
+                        a["wire"] = int(a["wire"]) + metered(path) - before  # type: ignore[call-overload]
+                    finally:
+                        stream.close()
+                    for k, v in meter.reading.cpu_s.items():
+                        a["cpu"][k] = a["cpu"].get(k, 0.0) + v  # type: ignore[attr-defined, index]
+                    a["wall"] = float(a["wall"]) + meter.reading.wall_s  # type: ignore[arg-type]
+            for path in paths:
+                a = acc[path]
+                times: list[float] = a["times"]  # type: ignore[assignment]
+                cpu: dict[str, float] = a["cpu"]  # type: ignore[assignment]
                 med = statistics.median(times)
                 if batch == 1:
                     out["fabric_b1"] = {"p50_ms": round(med * 1000, 3), "p90_ms": round(_pct(times, 0.9) * 1000, 3)}
@@ -122,9 +140,9 @@ def run_hop_bench(*, quick: bool = False, say: Callable[[str], None] = print) ->
                 hops = HOP_PATHS[path]
                 if path != "fabric":
                     cpu = {**cpu, "worker_with_compute": cpu["worker"], "worker": cpu["worker"] - compute_s}
-                total = payload * n
+                total = payload * len(times)
                 point: dict[str, object] = {
-                    "bytes": total, "metered_bytes": wire, "wall_s": round(meter.reading.wall_s, 3),
+                    "bytes": total, "metered_bytes": a["wire"], "wall_s": round(float(a["wall"]), 3),  # type: ignore[arg-type]
                     "p50_ms": round(med * 1000, 3), "mb_s": round(payload / med / 1e6, 1),
                     "cpu_s": {k: round(v, 4) for k, v in cpu.items() if k in hops or k == "worker_with_compute"},
                     "ns_per_byte": {h: ns_per_byte(cpu[h], total) for h in hops},
@@ -156,7 +174,7 @@ def add_floors(hops: dict[str, object], *, say: Callable[[str], None] = print) -
     from kvasir.bench.floors import hop_floors, measure_primitives
 
     say("hops: the primitives' CPU ns per byte (sockets, TLS, AEADs, mask), for each hop's floor")
-    primitives = measure_primitives()
+    primitives = measure_primitives(runs=5)  # the median of 5: a floor that holds still from run to run
     hops["primitives"] = primitives
     floors = hop_floors(primitives)
     for path, point in hops.items():
