@@ -179,7 +179,7 @@ if TYPE_CHECKING:  # the real names, for type checkers; at run time __getattr__ 
         ensure_state_dir,
         write_secret,
     )
-    from kvasir_rpc._sockio import read_into, write_parts
+    from kvasir_rpc._sockio import ReadBuffer, read_into, write_parts
     from kvasir_rpc._tls import TLSStream
     from kvasir_rpc._tolerance import TOLERANCE_FACTOR, AuditResult, audit_rows, error_scale
     from kvasir_rpc._tunnel import (
@@ -370,6 +370,7 @@ _LAZY = {
     "all_finite": "kvasir_rpc._kernel",
     "threads_initializer": "kvasir_rpc._kernel",
     "TLSStream": "kvasir_rpc._tls",
+    "ReadBuffer": "kvasir_rpc._sockio",
     "read_into": "kvasir_rpc._sockio",
     "write_parts": "kvasir_rpc._sockio",
     "keepalive": "kvasir_rpc._tunnel",

@@ -21,7 +21,7 @@ from collections.abc import Callable, Sequence
 
 import trio
 
-from kvasir_rpc._sockio import write_parts
+from kvasir_rpc._sockio import ReadBuffer, write_parts
 from kvasir_rpc.protocol import READ_BYTES
 
 __all__ = ["TLSStream", "open_tls_over_tcp"]
@@ -51,6 +51,8 @@ class TLSStream(trio.abc.Stream):
         self._tls = ssl_context.wrap_bio(self._incoming, self._outgoing, server_side=server_side,
                                          server_hostname=server_hostname)
         self._send_lock = trio.Lock()
+        # What the socket gives, up to READ_BYTES a read, before the TLS object takes a copy.
+        self._reads = ReadBuffer(max_bytes=READ_BYTES)
         self._handshake_done = False
         self._handshake_lock = trio.Lock()
         self._transport_eof = False
@@ -97,7 +99,7 @@ class TLSStream(trio.abc.Stream):
         """Read once from the socket into the TLS object; False at the transport's EOF."""
         if self._transport_eof:
             return False
-        data = await self.transport_stream.receive_some(READ_BYTES)
+        data = await self._reads.receive(self.transport_stream)
         if not data:
             self._transport_eof = True
             self._incoming.write_eof()

@@ -177,3 +177,29 @@ async def test_a_shielded_send_outlives_its_callers_cancellation_and_is_bounded(
             with pytest.raises(WsClosed, match="could not be sent within"):
                 await ws.send_message(b"next")
         await ws.close()
+
+
+@trio_test
+async def test_a_read_buffer_grows_while_reads_fill_it_and_falls_back_after_small_ones() -> None:
+    from kvasir_rpc import ReadBuffer
+
+    a, b = _pair()
+    reads = ReadBuffer(min_bytes=1024, max_bytes=8192)
+    with trio.fail_after(BUDGET_S):
+        async with a, b:
+            sizes = []
+            await a.send_all(os.urandom(64 << 10))  # in bulk: 1 KiB, 2, 4, then 8 KiB reads at most
+            for _ in range(5):
+                got = await reads.receive(b)
+                assert got.readonly
+                sizes.append(len(got))
+            assert sizes[:4] == [1024, 2048, 4096, 8192] and sizes[4] == 8192
+            while len(await reads.receive(b)) == 8192:
+                pass  # the rest of the 64 KiB
+            await a.send_all(b"x" * 10)  # a small read into the big buffer: back to 1 KiB after it
+            assert bytes(await reads.receive(b)) == b"x" * 10
+            await a.send_all(os.urandom(5000))
+            assert len(await reads.receive(b)) == 1024
+            await a.aclose()
+            while len(await reads.receive(b)):
+                pass  # the rest, then EOF: an empty view

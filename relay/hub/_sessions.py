@@ -27,6 +27,7 @@ from kvasir_rpc import (
     HubHandshake,
     MessageBudget,
     ModelShape,
+    ReadBuffer,
     RemoteProtocolError,
     SealedHeartbeat,
     TokenError,
@@ -401,11 +402,13 @@ class _Session:
                     await send_whole(self.ws, opening, cipher=cipher)
                     await send_whole(self.ws, splices.to_worker(channel, first), cipher=cipher)
                     reg.count_bytes(sid, to_worker=len(first))
+                    # Each read is sent on before the next (send_whole returns once it is out).
+                    reads = ReadBuffer(max_bytes=READ_BYTES)
                     while True:
                         try:
-                            data = await stream.receive_some(READ_BYTES)
+                            data = await reads.receive(stream)
                         except trio.BrokenResourceError as exc:
-                            ended_by, data = f"backbone connection broke ({exc!r})", b""
+                            ended_by, data = f"backbone connection broke ({exc!r})", memoryview(b"")
                         if not data:
                             break
                         await send_whole(self.ws, splices.to_worker(channel, data), cipher=cipher)

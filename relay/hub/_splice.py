@@ -226,11 +226,13 @@ class Splices(Generic[L]):
         c.link, c.ended_by = link, ""
         return channel, opening
 
-    def to_worker(self, channel: int, data: bytes | bytearray) -> tuple[bytes, ...]:
+    def to_worker(self, channel: int, data: bytes | bytearray | memoryview) -> tuple[bytes | memoryview, ...]:
         """Backbone bytes as the tunnel message that carries them to the worker, in pieces sent
-        as one message (a multiplexed tunnel's channel prefix, then the data: bytes as they
-        are, what a socket gives; anything else copied, as its owner may reuse it)."""
-        message = self.framing.send_parts(channel, data if isinstance(data, bytes) else bytes(data))
+        as one message (a multiplexed tunnel's channel prefix, then the data: bytes and
+        read-only views as they are, for the caller to send before it reads into that buffer
+        again; anything writable copied, as its owner may reuse it at any time)."""
+        kept = data if isinstance(data, bytes) or (isinstance(data, memoryview) and data.readonly) else bytes(data)
+        message = self.framing.send_parts(channel, kept)  # type: ignore[arg-type]
         self._step(channel, "to worker")
         return message
 
