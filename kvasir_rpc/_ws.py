@@ -339,19 +339,14 @@ class WebSocket:
         if not size:
             return True
         lock = self._send_lock
-        left: list[memoryview] | None = None
+        left: list[memoryview] | None = None  # what the first try left, once made
         try:
             lock.acquire_nowait()
         except trio.WouldBlock:
             pass
         else:
             try:
-                if self._cut is not None:
-                    raise self._cut  # an earlier send was cut off mid-frame: nothing usable follows
-                try:
-                    left = write_now(self._stream, parts)
-                except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
-                    raise self._lost(exc).fresh() from exc
+                left = self._write_now(parts)
             except BaseException:
                 lock.release()
                 raise
@@ -365,10 +360,8 @@ class WebSocket:
             if left is None:
                 await lock.acquire()
             try:
-                if left is None:
-                    if self._cut is not None:
-                        raise self._cut
-                    left = [memoryview(p).cast("B") for p in parts if len(p)]
+                if left is None:  # another send was under way: the first try is now
+                    left = self._write_now(parts)
                 with trio.move_on_after(self._send_timeout) as scope:
                     try:
                         await write_rest(self._stream, left)
@@ -393,6 +386,16 @@ class WebSocket:
             self._cut = WsClosed(1001, f"a message could not be sent within {shielded_for:g} s", local=True)
             return False
         return True
+
+    def _write_now(self, parts: Parts) -> list[memoryview]:
+        """With the send lock held: write what the stream takes of ``parts`` right now
+        (``kvasir_rpc._sockio.write_now``); what is left."""
+        if self._cut is not None:
+            raise self._cut  # an earlier send was cut off mid-frame: nothing usable follows
+        try:
+            return write_now(self._stream, parts)
+        except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
+            raise self._lost(exc).fresh() from exc
 
     async def send_message(self, message: bytes | bytearray | memoryview | str | Parts, *,
                            shielded_for: float | None = None) -> bool:
