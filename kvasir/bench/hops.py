@@ -4,6 +4,7 @@ per byte of each process a Dispatch call crosses, and each hop's floor.
 
 from __future__ import annotations
 
+import dataclasses
 import pathlib
 import statistics
 import tempfile
@@ -21,6 +22,17 @@ HOP_ROUNDS = 3
 # what grpcio and the servicer cost the client and the worker alone.
 HOP_PATHS = {"hub": ("client", "hub", "worker"), "gateway": ("client", "hub", "gateway", "worker"),
              "fabric": ("client", "hub", "gateway", "worker"), "direct": ("client", "worker")}
+
+
+@dataclasses.dataclass
+class _Tally:
+    """One path's calls summed over the rounds: CPU seconds by process, each call's wall time,
+    the bytes the hub metered, the wall time measured."""
+
+    cpu: dict[str, float] = dataclasses.field(default_factory=dict)
+    times: list[float] = dataclasses.field(default_factory=list)
+    wire: int = 0
+    wall: float = 0.0
 
 
 def run_hop_bench(*, quick: bool = False, say: Callable[[str], None] = print) -> dict[str, object]:
@@ -94,7 +106,7 @@ def run_hop_bench(*, quick: bool = False, say: Callable[[str], None] = print) ->
             paths = ("fabric", "gateway", "hub", "direct") if batch == HOP_BATCH else ("fabric",)
             # Each path's calls in rounds, the order reversed every other round, summed: the
             # machine's drift over the run falls on every path alike.
-            acc: dict[str, dict[str, object]] = {p: {"cpu": {}, "times": [], "wire": 0, "wall": 0.0} for p in paths}
+            acc = {p: _Tally() for p in paths}
             compute_s = 0.0
             for r in range(rounds if batch == HOP_BATCH else 1):
                 if batch == HOP_BATCH:
@@ -122,17 +134,16 @@ def run_hop_bench(*, quick: bool = False, say: Callable[[str], None] = print) ->
                             for _ in range(n):
                                 t0 = time.perf_counter()
                                 stream.call(req)
-                                a["times"].append(time.perf_counter() - t0)  # type: ignore[attr-defined]
-                        a["wire"] = int(a["wire"]) + metered(path) - before  # type: ignore[call-overload]
+                                a.times.append(time.perf_counter() - t0)
+                        a.wire += metered(path) - before
                     finally:
                         stream.close()
                     for k, v in meter.reading.cpu_s.items():
-                        a["cpu"][k] = a["cpu"].get(k, 0.0) + v  # type: ignore[attr-defined, index]
-                    a["wall"] = float(a["wall"]) + meter.reading.wall_s  # type: ignore[arg-type]
+                        a.cpu[k] = a.cpu.get(k, 0.0) + v
+                    a.wall += meter.reading.wall_s
             for path in paths:
                 a = acc[path]
-                times: list[float] = a["times"]  # type: ignore[assignment]
-                cpu: dict[str, float] = a["cpu"]  # type: ignore[assignment]
+                times, cpu = a.times, a.cpu
                 med = statistics.median(times)
                 if batch == 1:
                     out["fabric_b1"] = {"p50_ms": round(med * 1000, 3), "p90_ms": round(_pct(times, 0.9) * 1000, 3)}
@@ -142,7 +153,7 @@ def run_hop_bench(*, quick: bool = False, say: Callable[[str], None] = print) ->
                     cpu = {**cpu, "worker_with_compute": cpu["worker"], "worker": cpu["worker"] - compute_s}
                 total = payload * len(times)
                 point: dict[str, object] = {
-                    "bytes": total, "metered_bytes": a["wire"], "wall_s": round(float(a["wall"]), 3),  # type: ignore[arg-type]
+                    "bytes": total, "metered_bytes": a.wire, "wall_s": round(a.wall, 3),
                     "p50_ms": round(med * 1000, 3), "mb_s": round(payload / med / 1e6, 1),
                     "cpu_s": {k: round(v, 4) for k, v in cpu.items() if k in hops or k == "worker_with_compute"},
                     "ns_per_byte": {h: ns_per_byte(cpu[h], total) for h in hops},
