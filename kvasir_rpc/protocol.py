@@ -35,6 +35,7 @@ __all__ = [
     "MAX_TUNNEL_CHANNELS",
     "MuxHubTunnel",
     "MuxWorkerTunnel",
+    "kept",
     "ACCEPT_SIGNATURE_DOMAIN",
     "AEAD_AES_256_GCM",
     "AEAD_CHACHA20_POLY1305",
@@ -294,9 +295,9 @@ WORKER_TRANSITIONS: dict[tuple[TunnelState, str], TunnelState] = {
 }
 
 
-def _kept(msg: bytes | bytearray | memoryview) -> bytes | memoryview:
-    """Data as received: bytes and read-only views as they are, anything writable copied
-    (its owner may reuse it)."""
+def kept(msg: bytes | bytearray | memoryview) -> bytes | memoryview:
+    """Data as received (or about to be sent on): bytes and read-only views as they are,
+    anything writable copied (its owner may reuse it)."""
     if isinstance(msg, bytes) or (isinstance(msg, memoryview) and msg.readonly):
         return msg
     return bytes(msg)
@@ -365,7 +366,7 @@ class HubTunnel(_Side):
     def receive(self, msg: bytes | memoryview | str) -> Event:
         step = self._receive(msg)
         if step == "OPEN data":
-            return Data(_kept(msg))  # type: ignore[arg-type]
+            return Data(kept(msg))  # type: ignore[arg-type]
         if step == "OPEN eof":
             return Eof()
         if step == "CLOSING data":
@@ -388,7 +389,7 @@ class WorkerTunnel(_Side):
             return Open()
         if step.endswith(" close"):
             return Close()
-        return Data(_kept(msg))  # type: ignore[arg-type]
+        return Data(kept(msg))  # type: ignore[arg-type]
 
     def eof(self) -> str:
         """The local gRPC server ended the connection."""

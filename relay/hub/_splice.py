@@ -30,7 +30,7 @@ import enum
 from typing import Generic, Protocol, TypeVar
 
 from kvasir_rpc import LocalProtocolError
-from kvasir_rpc.protocol import Closed, Data, Discarded, Eof, Event, HubTunnel, MuxHubTunnel, TunnelState
+from kvasir_rpc.protocol import Closed, Data, Discarded, Eof, Event, HubTunnel, MuxHubTunnel, TunnelState, kept
 
 __all__ = ["SPLICE_EVENTS", "SPLICE_TRANSITIONS", "Closing", "Dropped", "Ended", "Forward", "OneChannel", "Released",
            "SplicePhase", "Splices"]
@@ -231,8 +231,7 @@ class Splices(Generic[L]):
         as one message (a multiplexed tunnel's channel prefix, then the data: bytes and
         read-only views as they are, for the caller to send before it reads into that buffer
         again; anything writable copied, as its owner may reuse it at any time)."""
-        kept = data if isinstance(data, bytes) or (isinstance(data, memoryview) and data.readonly) else bytes(data)
-        message = self.framing.send_parts(channel, kept)  # type: ignore[arg-type]
+        message = self.framing.send_parts(channel, kept(data))  # type: ignore[arg-type]
         self._step(channel, "to worker")
         return message
 
