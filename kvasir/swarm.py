@@ -504,6 +504,14 @@ http {{
                            "--rtt-file", str(rtt_file), "--ready-file", str(ready)])
         return int(self._wait_ready(name, ready, timeout)["port"])  # type: ignore[call-overload]
 
+    def start_trio_relay(self, name: str, upstream_port: int, timeout: float = 30.0) -> int:
+        """The bare trio relay to 127.0.0.1:upstream_port (``kvasir.bench.trio_relay``): its port."""
+        ready = self.workdir / f"{name}.ready.json"
+        ready.unlink(missing_ok=True)
+        self._spawn(name, ["-m", "kvasir.bench.trio_relay", "--upstream", f"127.0.0.1:{upstream_port}",
+                           "--ready-file", str(ready)])
+        return int(self._wait_ready(name, ready, timeout)["port"])  # type: ignore[call-overload]
+
     def start_backbone(self, args: Sequence[str], *, hub: bool = True) -> subprocess.Popen[bytes]:
         """Start ``python -m backbone generate --hub <ours> ARGS --json`` (without ``--hub``:
         every expert local); see backbone_result."""

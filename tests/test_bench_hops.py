@@ -17,6 +17,7 @@ from helpers import wait_until
 from kvasir.bench import decode_hop_figures, hop_figures, hop_table
 from kvasir.bench.cpu import CpuMeter, ProcessGoneError, cpu_seconds, ns_per_byte
 from kvasir.bench.floors import hop_floors, measure_primitives
+from kvasir.bench.hops import add_trio_bounds
 from kvasir.swarm import LocalSwarm, SwarmError
 from kvasir_rpc import (
     TARGET_KEY_METADATA,
@@ -78,7 +79,7 @@ def test_hop_figures_and_table_of_a_result():
     assert figures["fabric_ns_per_byte_gateway_b512"] == 3.0 and figures["fabric_mb_s_b512"] == 90.0
     assert figures["fabric_ns_per_byte_total_b512"] == 10.0 and figures["fabric_p50_ms_b1"] == 3.0
     table = hop_table(hops).splitlines()
-    assert table[3].split() == ["fabric", "1.0", "2.0", "3.0", "4.0", "10.0", "90.0"]
+    assert table[3].split() == ["fabric", "1.0", "2.0", "3.0", "-", "4.0", "10.0", "90.0"]
     remote = {"ns_per_byte": {"hub": 2.5, "latency": 0.5}, "latency_proxy_cpu_share": 0.01,
               "backbone_decode_cpu_ms_per_token": 3.0}
     decode = {"hops": {"local": {"backbone_decode_cpu_ms_per_token": 4.0}, "rtt0": remote, "rtt13": remote,
@@ -107,10 +108,34 @@ def test_each_hops_floor_adds_up_what_it_must_do_to_a_byte():
     hops = {"batch": 512, "calls": 4, "fabric": point}
     assert hop_figures(hops)["fabric_floor_ns_per_byte_gateway_b512"] == 1.54
     assert hop_figures(hops)["fabric_over_floor_worker_b512"] == 3.67
-    assert hop_table(hops).splitlines()[4].split() == ["floor", "0.25", "1.14", "1.54", "1.09"]
-    assert hop_table(hops).splitlines()[5].split() == ["/floor", "2.0", "1.75", "1.95", "3.67"]
+    assert hop_table(hops).splitlines()[4].split() == ["floor", "0.25", "1.14", "1.54", "-", "1.09"]
+    assert hop_table(hops).splitlines()[5].split() == ["/floor", "2.0", "1.75", "1.95", "-", "3.67"]
     # The direct path: the client and the worker, and grpcio's floor (the kernel's copy) for both.
     assert hop_floors(p)["direct"] == {"client": pytest.approx(0.25), "worker": pytest.approx(0.25)}
+    assert hop_floors(p)["relay"]["relay"] == pytest.approx(0.5)
+
+
+def test_a_relay_hops_trio_bound_is_the_bare_relay_plus_its_own_floors_extra_work():
+    """The bare trio relay measured 0.9 ns/B against its floor's 0.5: the hub on the hub path
+    may cost that plus its mask (0.02), the gateway that plus TLS and its mask (1.04)."""
+    p = {"tcp_send": 0.2, "tcp_receive": 0.3, "unix_send": 0.1, "unix_receive": 0.1, "tls_encrypt": 0.6,
+         "tls_decrypt": 0.4, "aes_256_gcm_seal": 0.14, "aes_256_gcm_open": 0.1, "chacha20_poly1305_seal": 0.5,
+         "chacha20_poly1305_open": 0.3, "mask": 0.04}
+    hops: dict[str, object] = {
+        "batch": 512, "calls": 4,
+        "relay": {"ns_per_byte": {"client": 0.5, "relay": 0.9, "worker": 1.0}, "ns_per_byte_total": 2.4, "mb_s": 1.0},
+        "hub": {"ns_per_byte": {"client": 0.5, "hub": 1.84, "worker": 1.0}, "ns_per_byte_total": 3.3, "mb_s": 1.0},
+        "fabric": {"ns_per_byte": {"client": 0.5, "hub": 2.0, "gateway": 3.88, "worker": 1.0},
+                   "ns_per_byte_total": 7.4, "mb_s": 1.0}}
+    add_trio_bounds(hops, hop_floors(p))
+    assert hops["hub"]["trio_bound_ns_per_byte"] == {"hub": 0.92}  # type: ignore[index]
+    assert hops["hub"]["over_trio_bound"] == {"hub": 2.0}  # type: ignore[index]
+    assert hops["fabric"]["trio_bound_ns_per_byte"]["gateway"] == pytest.approx(1.94)  # type: ignore[index]
+    assert hops["fabric"]["over_trio_bound"]["gateway"] == 2.0  # type: ignore[index]
+    assert hop_figures(hops)["hub_over_trio_bound_hub_b512"] == 2.0
+    assert [line.split() for line in hop_table(hops).splitlines() if line.startswith("  /trio")] == [
+        ["/trio", "-", "2.0", "-", "-", "-"], ["/trio", "-", "1.3", "2.0", "-", "-"]]
+    add_trio_bounds({"hub": hops["hub"]}, hop_floors(p))  # no relay measured: nothing to add, no error
 
 
 def test_the_primitives_are_measured_here():
@@ -119,6 +144,41 @@ def test_the_primitives_are_measured_here():
              "chacha20_poly1305_seal", "chacha20_poly1305_open", "aes_256_gcm_seal", "aes_256_gcm_open", "mask")
     assert all(isinstance(got[n], float) and got[n] > 0 for n in names), got
     assert str(got["tls_cipher"]).startswith("TLS_") and "OpenSSL" in str(got["openssl"])
+
+
+@pytest.mark.integration
+def test_the_bare_trio_relay_carries_every_byte_both_ways_and_the_end(tmp_path):
+    """The hop bench's bound is a real relay: 3 MB each way through it, in order, and the
+    upstream's end of stream reaches the client."""
+    import socket
+    import threading
+
+    data = os.urandom(3 << 20)
+    with socket.create_server(("127.0.0.1", 0)) as ls:
+        def upstream() -> None:
+            conn, _ = ls.accept()
+            with conn:
+                conn.settimeout(30)
+                got = bytearray()
+                while len(got) < len(data):
+                    chunk = conn.recv(1 << 20)
+                    if not chunk:
+                        break
+                    got += chunk
+                conn.sendall(bytes(reversed(got)))
+                conn.shutdown(socket.SHUT_WR)
+
+        th = threading.Thread(target=upstream, daemon=True)
+        th.start()
+        with LocalSwarm(tmp_path) as sw:
+            port = sw.start_trio_relay("relay", ls.getsockname()[1])
+            with socket.create_connection(("127.0.0.1", port), timeout=30) as c:
+                c.sendall(data)
+                back = bytearray()
+                while chunk := c.recv(1 << 20):
+                    back += chunk
+            th.join(timeout=30)
+    assert bytes(back) == data[::-1]
 
 
 def test_swarm_pid_of_an_unknown_process(tmp_path):

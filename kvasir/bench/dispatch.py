@@ -111,8 +111,11 @@ def run_bench(*, quick: bool = False, say: Callable[[str], None] = print) -> dic
         sw.start_worker("worker_gateway", ckpt, "0:0", via="gateway")
         sessions = sw.wait_sessions(2, watch=["gateway", "worker_hub", "worker_gateway"])
         by_path = {("gateway" if s.remote_address.startswith("gateway:") else "hub"): s for s in sessions}
-        targets = {"direct": f"127.0.0.1:{direct_port}", "hub": by_path["hub"].target,
-                   "gateway": by_path["gateway"].target}
+        # The direct call through the bare trio relay: what one relay on trio adds to a call's
+        # latency (two crossings: the request's and the answer's), the bound of the relays' hops.
+        relay_port = sw.start_trio_relay("relay", direct_port)
+        targets = {"direct": f"127.0.0.1:{direct_port}", "relay": f"127.0.0.1:{relay_port}",
+                   "hub": by_path["hub"].target, "gateway": by_path["gateway"].target}
         swarm_of = {"hub": sw, "gateway": sw}
         # The gateway path with the end-to-end channel off: a hub with --e2e off (a swarm of its own).
         say("e2e off: a second gateway and hub (--e2e off), worker with --e2e auto")
@@ -154,7 +157,7 @@ def run_bench(*, quick: bool = False, say: Callable[[str], None] = print) -> dic
 
         def key(path: str) -> tuple[tuple[str, str], ...]:
             """The hub splices a target only for a call that presents the session's key."""
-            if path == "direct":
+            if path in ("direct", "relay"):
                 return ()
             return ((TARGET_KEY_METADATA, target_key(swarm_of[path].backbone_token, by_path[path].session_id)),)
 
@@ -184,7 +187,7 @@ def run_bench(*, quick: bool = False, say: Callable[[str], None] = print) -> dic
                     target = targets[path] = renew(path)
                     stream = _Stream(target, key(path))
                 try:
-                    meter = None if path == "direct" else functools.partial(metered, path)
+                    meter = None if path in ("direct", "relay") else functools.partial(metered, path)
                     summary, wire_ratio = time_dispatch(stream, req, batch=batch, payload=payload, n=n, meter=meter)
                     if wire_ratio is not None:
                         wire.setdefault(path, {})[str(batch)] = round(wire_ratio, 4)
@@ -199,11 +202,19 @@ def run_bench(*, quick: bool = False, say: Callable[[str], None] = print) -> dic
     def rows(path: str, b: int, key: str = "rows_s") -> float:
         return float(paths[path][str(b)][key])  # type: ignore[index]
 
+    def trio_bound_b1(relays: int) -> float:
+        """The p50 at batch 1 of the direct call through ``relays`` bare trio relays."""
+        return p50("direct", 1) + relays * (p50("relay", 1) - p50("direct", 1))
+
     # "The faster of the two gateway paths" for the throughput ratio.
     fast = max((p for p in ("gateway", "edge") if p in paths), key=lambda p: rows(p, 512, "rows_s_in_flight"))
     ratios = {
         "gateway_over_direct_p50_b1": round(p50("gateway", 1) / p50("direct", 1), 3),
         "hub_over_direct_p50_b1": round(p50("hub", 1) / p50("direct", 1), 3),
+        # The gateway path crosses three relays (hub, gateway, the worker's tunnel to its gRPC
+        # server), each at least what the bare trio relay adds to the direct call.
+        "gateway_over_trio_bound_p50_b1": round(p50("gateway", 1) / trio_bound_b1(3), 3),
+        "trio_bound_over_direct_p50_b1": round(trio_bound_b1(3) / p50("direct", 1), 3),
         "gateway_over_inprocess_rows_b512": round(rows(fast, 512, "rows_s_in_flight") / rows("inprocess", 512), 3),
         "direct_over_inprocess_rows_b512": round(rows("direct", 512) / rows("inprocess", 512), 3),
         "wire_over_payload_b64": wire["gateway"]["64"],
@@ -214,6 +225,7 @@ def run_bench(*, quick: bool = False, say: Callable[[str], None] = print) -> dic
     figures = {
         "gateway_added_ms_b1": round(p50("gateway", 1) - p50("direct", 1), 3),
         "hub_added_ms_b1": round(p50("hub", 1) - p50("direct", 1), 3),
+        "trio_relay_added_ms_b1": round(p50("relay", 1) - p50("direct", 1), 3),
         "gateway_tls_mb_s_b512": paths["gateway"]["512"]["mb_s"],  # type: ignore[index]
         "gateway_e2e_on_p50_ms_b1": p50("gateway", 1),
         "gateway_e2e_off_p50_ms_b1": p50("gateway_e2e_off", 1),

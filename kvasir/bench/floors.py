@@ -198,6 +198,8 @@ def hop_floors(p: dict[str, object], *, aead: str = "aes_256_gcm") -> dict[str, 
     return {
         # No tunnel: the client's gRPC call straight to the worker's port.
         "direct": {"client": client, "worker": tcp / 2},
+        # The same call through the bare trio relay: a byte in and out of it, nothing else.
+        "relay": {"client": client, "relay": tcp, "worker": tcp / 2},
         # The hub path: in clear, the worker dials the hub (its frames to the hub masked).
         "hub": {"client": client, "hub": tcp + f["mask"] / 2, "worker": tcp / 2 + unix + f["mask"] / 2},
         # The gateway paths: TLS on both of the gateway's legs, sealed end to end.

@@ -19,9 +19,12 @@ HOP_BATCH = 512
 HOP_ROUNDS = 3
 # The processes a Dispatch call crosses on each path, from the backbone's side. ``direct``: the
 # same call straight to the hub path's worker's own gRPC port (``--direct-grpc``), no tunnel:
-# what grpcio and the servicer cost the client and the worker alone.
+# what grpcio and the servicer cost the client and the worker alone. ``relay``: the direct call
+# through the bare trio relay (``kvasir.bench.trio_relay``): what any trio relay pays for these
+# bytes, the hub's and the gateway's work taken out.
 HOP_PATHS = {"hub": ("client", "hub", "worker"), "gateway": ("client", "hub", "gateway", "worker"),
-             "fabric": ("client", "hub", "gateway", "worker"), "direct": ("client", "worker")}
+             "fabric": ("client", "hub", "gateway", "worker"), "direct": ("client", "worker"),
+             "relay": ("client", "relay", "worker")}
 
 
 @dataclasses.dataclass
@@ -41,7 +44,9 @@ def run_hop_bench(*, quick: bool = False, say: Callable[[str], None] = print) ->
     One swarm: a TLS gateway, a hub, a worker that dials the hub (path ``hub``, plain ws), one
     that dials the gateway (``gateway``, sealed end to end) and one that dials the gateway with
     ``--echo-experts`` (``fabric``: the relays without compute); the hub's worker also
-    serves its gRPC port directly (``direct``: no tunnel, no relay). This process is the
+    serves its gRPC port directly (``direct``: no tunnel, no relay), and through the bare trio
+    relay (``relay``: the cheapest relay on trio, as a bound on the hub's and the gateway's
+    figures, ``{hub,gateway}_over_relay`` under ``relay``). This process is the
     backbone's client side (a grpcio stream, as the backbone's). Each hop's CPU time over the
     same calls (every thread, from /proc) is divided by the same byte count: the tensor
     payload of those calls, request rows and weights plus the partials. On the ``hub`` and
@@ -83,17 +88,19 @@ def run_hop_bench(*, quick: bool = False, say: Callable[[str], None] = print) ->
         sw.start_worker("worker_hub", ckpt, "0:0", via="hub", extra=["--direct-grpc", f"127.0.0.1:{direct_port}"])
         sw.start_worker("worker_gateway", ckpt, "0:0", via="gateway")
         sw.start_worker("worker_echo", ckpt, "0:1", via="gateway", extra=["--echo-experts"])
+        relay_port = sw.start_trio_relay("relay", direct_port)
         sessions = sw.wait_sessions(3, watch=["gateway", "worker_hub", "worker_gateway", "worker_echo"])
         by_path = {}
         for s in sessions:
             through_gateway = s.remote_address.startswith("gateway:")
             path = "fabric" if s.slices[0].experts[0] == 1 else ("gateway" if through_gateway else "hub")
             by_path[path] = s
-        worker_of = {"hub": "worker_hub", "gateway": "worker_gateway", "fabric": "worker_echo", "direct": "worker_hub"}
+        worker_of = {"hub": "worker_hub", "gateway": "worker_gateway", "fabric": "worker_echo", "direct": "worker_hub",
+                     "relay": "worker_hub"}
         token = sw.backbone_token
 
         def metered(path: str) -> int:
-            if path == "direct":
+            if path in ("direct", "relay"):
                 return 0  # no session: nothing metered
             return sum(int(s.bytes_to_worker + s.bytes_from_worker) for s in sw.list_sessions()
                        if s.session_id == by_path[path].session_id)
@@ -103,7 +110,7 @@ def run_hop_bench(*, quick: bool = False, say: Callable[[str], None] = print) ->
             hidden = torch.randn(batch, HIDDEN, generator=g)
             weights = torch.rand(batch, generator=g)
             payload = (2 * hidden.numel() + weights.numel()) * 4
-            paths = ("fabric", "gateway", "hub", "direct") if batch == HOP_BATCH else ("fabric",)
+            paths = ("fabric", "gateway", "hub", "direct", "relay") if batch == HOP_BATCH else ("fabric",)
             # Each path's calls in rounds, the order reversed every other round, summed: the
             # machine's drift over the run falls on every path alike.
             acc = {p: _Tally() for p in paths}
@@ -118,8 +125,8 @@ def run_hop_bench(*, quick: bool = False, say: Callable[[str], None] = print) ->
                     req = expert_pb2.DispatchRequest(
                         call_id=1, layer=0, hidden=encode_tensor(hidden), weights=encode_tensor(weights),
                         segments=[expert_pb2.ExpertSegment(expert=1 if path == "fabric" else 0, rows=batch)])
-                    if path == "direct":
-                        stream = _Stream(f"127.0.0.1:{direct_port}", ())
+                    if path in ("direct", "relay"):
+                        stream = _Stream(f"127.0.0.1:{direct_port if path == 'direct' else relay_port}", ())
                     else:
                         meta = ((TARGET_KEY_METADATA, target_key(token, by_path[path].session_id)),)
                         stream = _Stream(by_path[path].target, meta)
@@ -128,7 +135,8 @@ def run_hop_bench(*, quick: bool = False, say: Callable[[str], None] = print) ->
                         for _ in range(3):
                             stream.call(req)  # warm up the connection and the worker
                         pids: dict[str, int | None] = {"client": None, "worker": sw.pid(worker_of[path]),
-                                                       "hub": sw.pid("hub"), "gateway": sw.pid("gateway")}
+                                                       "hub": sw.pid("hub"), "gateway": sw.pid("gateway"),
+                                                       "relay": sw.pid("relay")}
                         before = metered(path)
                         with CpuMeter(pids) as meter:
                             for _ in range(n):
@@ -191,10 +199,30 @@ def add_floors(hops: dict[str, object], *, say: Callable[[str], None] = print) -
     for path, point in hops.items():
         if path not in HOP_PATHS or not isinstance(point, dict):
             continue
-        floor = floors[path if path in ("hub", "direct") else "gateway"]
+        floor = floors[path if path in ("hub", "direct", "relay") else "gateway"]
         point["floor_ns_per_byte"] = {h: round(floor[h], 3) for h in point["ns_per_byte"]}
         point["over_floor"] = {h: round(v / floor[h], 2) if v is not None else None
                                for h, v in point["ns_per_byte"].items()}
+    add_trio_bounds(hops, floors)
+
+
+def add_trio_bounds(hops: dict[str, object], floors: dict[str, dict[str, float]]) -> None:
+    """Per path, each relay hop's (hub, gateway) bound on trio: what the bare trio relay
+    measured per byte, plus what the hop's floor holds beyond the relay's (its mask, TLS and
+    AEAD work), as ``trio_bound_ns_per_byte``, and the hop's figure over it as
+    ``over_trio_bound``: how far the hop is from the cheapest relay trio allows."""
+    relay = hops.get("relay")
+    if not isinstance(relay, dict) or relay["ns_per_byte"].get("relay") is None:
+        return
+    bare, bare_floor = relay["ns_per_byte"]["relay"], floors["relay"]["relay"]
+    for path, point in hops.items():
+        if path not in ("hub", "gateway", "fabric") or not isinstance(point, dict):
+            continue
+        floor = floors[path if path == "hub" else "gateway"]
+        bound = {h: bare + floor[h] - bare_floor for h in ("hub", "gateway") if h in point["ns_per_byte"]}
+        point["trio_bound_ns_per_byte"] = {h: round(v, 3) for h, v in bound.items()}
+        point["over_trio_bound"] = {h: round(point["ns_per_byte"][h] / v, 2) for h, v in bound.items()
+                                    if point["ns_per_byte"][h] is not None}
 
 
 def hop_figures(hops: dict[str, object]) -> dict[str, object]:
@@ -210,6 +238,8 @@ def hop_figures(hops: dict[str, object]) -> dict[str, object]:
                 figures[f"{path}_floor_ns_per_byte_{hop}_b512"] = v
             for hop, v in point.get("over_floor", {}).items():
                 figures[f"{path}_over_floor_{hop}_b512"] = v
+            for hop, v in point.get("over_trio_bound", {}).items():
+                figures[f"{path}_over_trio_bound_{hop}_b512"] = v
     if isinstance(hops.get("fabric"), dict):
         figures["fabric_mb_s_b512"] = hops["fabric"]["mb_s"]  # type: ignore[index]
     if isinstance(hops.get("fabric_b1"), dict):
@@ -219,10 +249,12 @@ def hop_figures(hops: dict[str, object]) -> dict[str, object]:
 
 def hop_table(hops: dict[str, object]) -> str:
     """The hop bench as a text table: ns of CPU per byte, a row per path, a column per hop."""
-    cols = ("client", "hub", "gateway", "worker")
+    cols = ("client", "hub", "gateway", "relay", "worker")
     lines = [f"CPU ns per byte of tensor payload, batch {hops['batch']}, {hops['calls']} calls (floor: what the hop's "
              "socket copies, TLS, end-to-end AEAD and masking alone cost here)",
-             "direct: the same call to the worker's own gRPC port, no tunnel (grpcio and the servicer alone)",
+             "direct: the same call to the worker's own gRPC port, no tunnel (grpcio and the servicer alone); "
+             "relay: the same through the bare trio relay; /trio: the hop over that relay's figure plus its "
+             "floor's mask, TLS and AEAD",
              f"{'path':<10}" + "".join(f"{c:>10}" for c in cols) + f"{'total':>10}{'MB/s':>10}"]
     for path in HOP_PATHS:
         point = hops.get(path)
@@ -236,6 +268,9 @@ def hop_table(hops: dict[str, object]) -> str:
         if "over_floor" in point:
             over = "".join(f"{point['over_floor'].get(c, '-')!s:>10}" for c in cols)
             lines.append(f"{'  /floor':<10}{over}")
+        if "over_trio_bound" in point:
+            over = "".join(f"{point['over_trio_bound'].get(c, '-')!s:>10}" for c in cols)
+            lines.append(f"{'  /trio':<10}{over}")
     if isinstance(hops.get("fabric_b1"), dict):
         lines.append(f"fabric p50 at batch 1: {hops['fabric_b1']['p50_ms']} ms")  # type: ignore[index]
     return "\n".join(lines)
