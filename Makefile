@@ -3,6 +3,7 @@
 # make test-fast - the tests without real processes, servers or models (seconds)
 # make test-other-cpu - the same with MKL and ATen forced down other kernels (make test runs it)
 # make fuzz  - the fuzz tier with FUZZ_EXAMPLES random examples per target (make test runs it short)
+# make venv-numpy - the torch-free worker's own venv (.venv-numpy, from packaging/worker; make test uses it)
 # make proto - regenerate the Python (kvasir_rpc/_gen) and TypeScript (clients/ts/src/gen) code
 # make soak  - 32 worker sessions through one gateway and hub for SOAK_SECONDS (make test runs it short)
 PYTHON ?= python3
@@ -11,6 +12,11 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 TS := clients/ts
 NODE_STAMP := $(TS)/node_modules/.installed
+# The worker in a web page (clients/web): its one JS module, bundled by esbuild from clients/web/src
+# and the Node-free modules of clients/ts/src it imports, and kernel.wasm beside it (dist/, ignored).
+WEB_BUNDLE := clients/web/dist/kvasir-web-worker.js
+WEB_SOURCES := $(shell find clients/web/src $(TS)/src/worker $(TS)/src/h2 $(TS)/src/wasm $(TS)/src/gen -name '*.ts') \
+	$(TS)/src/wasm/kernel.wasm
 
 .PHONY: demo test test-fast test-other-cpu fuzz soak bench profile profile-decode proto lint venv clean system-deps bench-deps node-deps bytecode
 
@@ -29,6 +35,25 @@ $(STAMP): pyproject.toml constraints.txt
 	@touch $(STAMP)
 	@echo "$(VENV) is ready"
 
+# The worker without torch, installed as a user installs it (pip install packaging/worker, from the
+# registry, constraints.txt's versions) into a venv of its own: tests/test_numpy_worker.py runs it
+# there, where torch cannot be imported. Its packages are copies of kvasir_rpc and worker: a change
+# to them installs it again (only the worker itself: --no-deps).
+NUMPY_VENV := .venv-numpy
+NUMPY_STAMP := $(NUMPY_VENV)/.installed
+NUMPY_SOURCES := $(shell find kvasir_rpc worker -name '*.py' -o -name '*.pyi' -o -name py.typed)
+.PHONY: venv-numpy
+venv-numpy: $(NUMPY_STAMP)
+
+$(NUMPY_STAMP): packaging/worker/pyproject.toml constraints.txt $(NUMPY_SOURCES)
+	@echo "setting up $(NUMPY_VENV): the worker without torch (packaging/worker)..."
+	@test -x $(NUMPY_VENV)/bin/python || $(PYTHON) -m venv $(NUMPY_VENV)
+	@$(NUMPY_VENV)/bin/python -m pip install --quiet --upgrade pip
+	@$(NUMPY_VENV)/bin/python -m pip install --quiet -c constraints.txt ./packaging/worker
+	@$(NUMPY_VENV)/bin/python -m pip install --quiet --no-deps --force-reinstall ./packaging/worker
+	@rm -rf packaging/worker/build kvasir_worker.egg-info
+	@touch $(NUMPY_STAMP)
+
 demo: $(STAMP) bytecode
 	$(VENV)/bin/kvasir demo
 
@@ -43,7 +68,7 @@ bytecode: $(STAMP)
 # real-process tier one test at a time: its tests time deadlines and heartbeats, and each
 # already keeps both cores busy.
 TEST_PROCS ?= 2
-test: $(STAMP) system-deps node-deps lint bytecode
+test: $(STAMP) $(NUMPY_STAMP) system-deps node-deps lint bytecode
 	$(PY) -m pytest -q -n $(TEST_PROCS) -m "not integration and not soak" --durations=10
 	$(MAKE) --no-print-directory test-other-cpu
 	$(PY) -m pytest -q -m "integration or soak" --durations=25
@@ -120,7 +145,7 @@ proto: $(STAMP) node-deps
 # The TypeScript clients' packages (protoc-gen-es, Connect, tsx for the Node tests), exactly as
 # clients/ts/package-lock.json pins them; again only when the lock file changes. No install
 # scripts run: the only one (esbuild's, under tsx) checks a binary npm already installed.
-node-deps: $(NODE_STAMP)
+node-deps: $(NODE_STAMP) $(WEB_BUNDLE)
 
 $(NODE_STAMP): $(TS)/package-lock.json $(TS)/package.json
 	@command -v npm >/dev/null 2>&1 || { \
@@ -131,5 +156,8 @@ $(NODE_STAMP): $(TS)/package-lock.json $(TS)/package.json
 	npm ci --prefix $(TS) --no-audit --no-fund --ignore-scripts
 	touch $(NODE_STAMP)
 
+$(WEB_BUNDLE): $(NODE_STAMP) $(WEB_SOURCES)
+	npm run --prefix $(TS) --silent build:web
+
 clean:
-	rm -rf $(VENV) .kvasir $(TS)/node_modules
+	rm -rf $(VENV) $(NUMPY_VENV) .kvasir $(TS)/node_modules clients/web/dist

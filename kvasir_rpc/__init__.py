@@ -61,7 +61,6 @@ if TYPE_CHECKING:  # the real names, for type checkers; at run time __getattr__ 
     )
     from kvasir_rpc._codec import (
         DTYPE_TO_WIRE,
-        TensorCodecError,
         decode_tensor,
         encode_tensor,
         encode_tensor_into,
@@ -111,13 +110,11 @@ if TYPE_CHECKING:  # the real names, for type checkers; at run time __getattr__ 
     )
     from kvasir_rpc._interceptor import NeverUnknown
     from kvasir_rpc._kernel import (
-        DispatchInputError,
         Route,
         all_finite,
         expert_forward,
         expert_forward_projections,
         plan_routes,
-        segment_order,
         threads_initializer,
         validate_dispatch,
     )
@@ -142,6 +139,23 @@ if TYPE_CHECKING:  # the real names, for type checkers; at run time __getattr__ 
         gauge_family,
         latency_histogram,
         serve_metrics,
+    )
+    from kvasir_rpc._np_checkpoint import (
+        NpExpert,
+        NpExpertReader,
+        dequantize_block_fp8_np,
+        dequantize_mxfp4_np,
+        fp8_e4m3_values,
+        numpy_refusal,
+        round_to_dtype,
+    )
+    from kvasir_rpc._np_kernel import (
+        NP_ACTIVATIONS,
+        check_function_np,
+        expert_forward_np,
+        set_blas_threads,
+        torch_installed,
+        validate_dispatch_np,
     )
     from kvasir_rpc._quant import (
         CT_COMPANIONS,
@@ -174,6 +188,7 @@ if TYPE_CHECKING:  # the real names, for type checkers; at run time __getattr__ 
     )
     from kvasir_rpc._reflection import enable_reflection, start_with_health
     from kvasir_rpc._row_checks import NARROW_Z, ROW_CHECK_FACTOR, RowChecker, RowVerdict
+    from kvasir_rpc._segments import DispatchInputError, segment_order
     from kvasir_rpc._secrets import (
         check_secret_mode,
         ensure_state_dir,
@@ -193,6 +208,13 @@ if TYPE_CHECKING:  # the real names, for type checkers; at run time __getattr__ 
         WalletError,
         is_address,
         verify_signature,
+    )
+    from kvasir_rpc._wire import (
+        WIRE_DTYPE_NAMES,
+        TensorCodecError,
+        bfloat16_bits,
+        decode_array,
+        serialize_array_response,
     )
     from kvasir_rpc._ws import (
         OWN_PING,
@@ -302,7 +324,11 @@ _LAZY = {
     "xor_mask_into": "kvasir_rpc._fastmask",
     "lazy_getattr": "kvasir_rpc._lazy",
     "DTYPE_TO_WIRE": "kvasir_rpc._codec",
-    "TensorCodecError": "kvasir_rpc._codec",
+    "TensorCodecError": "kvasir_rpc._wire",
+    "WIRE_DTYPE_NAMES": "kvasir_rpc._wire",
+    "bfloat16_bits": "kvasir_rpc._wire",
+    "decode_array": "kvasir_rpc._wire",
+    "serialize_array_response": "kvasir_rpc._wire",
     "encode_tensor": "kvasir_rpc._codec",
     "encode_tensor_into": "kvasir_rpc._codec",
     "serialize_dispatch_request": "kvasir_rpc._codec",
@@ -356,11 +382,11 @@ _LAZY = {
     "audit_rows": "kvasir_rpc._tolerance",
     "error_scale": "kvasir_rpc._tolerance",
     "expert_forward_projections": "kvasir_rpc._kernel",
-    "segment_order": "kvasir_rpc._kernel",
+    "segment_order": "kvasir_rpc._segments",
     "plan_routes": "kvasir_rpc._kernel",
     "Route": "kvasir_rpc._kernel",
     "get_activation": "kvasir_rpc._activation",
-    "DispatchInputError": "kvasir_rpc._kernel",
+    "DispatchInputError": "kvasir_rpc._segments",
     "validate_dispatch": "kvasir_rpc._kernel",
     "Activation": "kvasir_rpc._activation",
     "ExpertFunction": "kvasir_rpc._function",
@@ -368,6 +394,19 @@ _LAZY = {
     "as_function": "kvasir_rpc._function",
     "function_of_module": "kvasir_rpc._function",
     "all_finite": "kvasir_rpc._kernel",
+    "NP_ACTIVATIONS": "kvasir_rpc._np_kernel",
+    "check_function_np": "kvasir_rpc._np_kernel",
+    "expert_forward_np": "kvasir_rpc._np_kernel",
+    "set_blas_threads": "kvasir_rpc._np_kernel",
+    "torch_installed": "kvasir_rpc._np_kernel",
+    "validate_dispatch_np": "kvasir_rpc._np_kernel",
+    "NpExpert": "kvasir_rpc._np_checkpoint",
+    "NpExpertReader": "kvasir_rpc._np_checkpoint",
+    "dequantize_block_fp8_np": "kvasir_rpc._np_checkpoint",
+    "dequantize_mxfp4_np": "kvasir_rpc._np_checkpoint",
+    "fp8_e4m3_values": "kvasir_rpc._np_checkpoint",
+    "numpy_refusal": "kvasir_rpc._np_checkpoint",
+    "round_to_dtype": "kvasir_rpc._np_checkpoint",
     "threads_initializer": "kvasir_rpc._kernel",
     "TLSStream": "kvasir_rpc._tls",
     "ReadBuffer": "kvasir_rpc._sockio",

@@ -97,7 +97,14 @@ class ModelInfo:
     hidden_size: int
     intermediate_size: int
     hidden_act: str
-    dtype: torch.dtype
+    dtype_name: str  # torch's name for the config's dtype: "float32", "bfloat16"...
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The config's dtype as torch's (imported here: a worker without torch reads ``dtype_name``)."""
+        import torch
+
+        return getattr(torch, self.dtype_name)  # type: ignore[no-any-return]
 
 
 def _text_config(cfg: dict) -> dict:  # type: ignore[type-arg]
@@ -173,11 +180,9 @@ def read_model_info(model_dir: str | os.PathLike[str]) -> ModelInfo:
     a Mixture-of-Experts model's."""
     path = pathlib.Path(model_dir) / "config.json"
     cfg, text, num_experts, inter = _moe_config(path)
-    import torch  # here, not at import: a command checks its --model before torch loads
-
     dtype_name = text.get("dtype") or text.get("torch_dtype") or cfg.get("dtype") or cfg.get("torch_dtype") or "float32"
-    dtype = getattr(torch, str(dtype_name).replace("torch.", ""), None)
-    if not isinstance(dtype, torch.dtype):
+    name = str(dtype_name).replace("torch.", "")
+    if not _is_dtype(name):
         raise CheckpointError(f"{path}: unknown dtype {dtype_name!r}")
     try:
         return ModelInfo(
@@ -187,10 +192,28 @@ def read_model_info(model_dir: str | os.PathLike[str]) -> ModelInfo:
             hidden_size=int(text["hidden_size"]),
             intermediate_size=int(inter),
             hidden_act=str(text.get("hidden_act", "silu")),
-            dtype=dtype,
+            dtype_name=name,
         )
     except (TypeError, ValueError) as exc:
         raise CheckpointError(f"{path}: a size is not a number: {exc}") from exc
+
+
+# torch's dtypes by name, for where torch is not installed (a worker that computes with numpy).
+_DTYPE_NAMES = frozenset({"float32", "float", "float16", "half", "bfloat16", "float64", "double", "float8_e4m3fn",
+                          "float8_e5m2", "uint8", "int8", "int16", "int32", "int64"})
+
+
+def _is_dtype(name: str) -> bool:
+    """Whether ``name`` is one of torch's dtypes: asked of torch where it is installed (as
+    always), else of the names above; torch is imported here, not at import: a command checks
+    its --model before torch loads."""
+    from kvasir_rpc._np_kernel import torch_installed
+
+    if not torch_installed():
+        return name in _DTYPE_NAMES
+    import torch
+
+    return isinstance(getattr(torch, name, None), torch.dtype)
 
 
 #: What to do about a folder check_checkpoint refuses; callers put their flag's name before it.
@@ -440,7 +463,7 @@ class ExpertIndex:
         if not files:
             raise CheckpointError(f"{self.model_dir}: no *.safetensors files")
         for f in files:
-            with safe_open(str(f), framework="pt") as h:
+            with safe_open(str(f), framework="numpy") as h:  # keys only: no torch needed
                 yield f, sorted(h.keys())
 
     @property
@@ -469,7 +492,7 @@ class ExpertIndex:
         """The whole stored tensor's shape at ``loc`` (a fused one's [E, ...]), from its file's
         header alone; None where the header does not say."""
         try:
-            with safe_open(str(loc.file), framework="pt") as h:
+            with safe_open(str(loc.file), framework="numpy") as h:  # the header only: no torch needed
                 return list(h.get_slice(loc.key).get_shape())
         except (OSError, SafetensorError):  # a missing or damaged file: the reads say what is wrong
             return None

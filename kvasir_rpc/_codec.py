@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import math
-import sys
 from collections.abc import Sequence
 
 import torch
 
 from kvasir_rpc._gen.kvasir.v1 import expert_pb2, tensor_pb2
+# Shared with the numpy worker's codec, which must not import torch.
+from kvasir_rpc._wire import MAX_ELEMENTS, TensorCodecError, _join, _uint_field, _varint
 
 __all__ = ["TensorCodecError", "decode_tensor", "encode_tensor", "encode_tensor_into", "serialize_dispatch_request",
            "serialize_dispatch_response", "DTYPE_TO_WIRE", "WIRE_TO_DTYPE"]
@@ -21,16 +22,6 @@ DTYPE_TO_WIRE: dict[torch.dtype, tensor_pb2.DType] = {
     torch.int64: tensor_pb2.D_TYPE_INT64,
 }
 WIRE_TO_DTYPE: dict[int, torch.dtype] = {v: k for k, v in DTYPE_TO_WIRE.items()}
-
-# A decoded tensor must fit in memory we are willing to allocate for one call.
-MAX_ELEMENTS = 1 << 31
-
-if sys.byteorder != "little":  # pragma: no cover - every platform we ship on is little-endian
-    raise ImportError("kvasir_rpc's tensor codec needs a little-endian host")
-
-
-class TensorCodecError(ValueError):
-    """A wire tensor is malformed: unknown dtype, bad shape, or byte length that does not match."""
 
 
 def encode_tensor(tensor: torch.Tensor) -> tensor_pb2.Tensor:
@@ -73,20 +64,6 @@ def encode_tensor_into(tensor: torch.Tensor, msg: tensor_pb2.Tensor) -> tensor_p
     return msg
 
 
-def _varint(n: int) -> bytes:
-    out = bytearray()
-    while n > 0x7F:
-        out.append((n & 0x7F) | 0x80)
-        n >>= 7
-    out.append(n)
-    return bytes(out)
-
-
-def _uint_field(tag: int, value: int) -> bytes:
-    """A proto3 uint64/enum field: absent when 0."""
-    return bytes([tag]) + _varint(value) if value else b""
-
-
 def _tensor_field(tag: int, tensor: torch.Tensor) -> tuple[bytes, memoryview | None]:
     """A Tensor message as a field ``tag`` of the message it is in: (the bytes before its
     payload, its payload as a view of the tensor's memory or None when it has none).
@@ -102,10 +79,6 @@ def _tensor_field(tag: int, tensor: torch.Tensor) -> tuple[bytes, memoryview | N
         return bytes([tag]) + _varint(len(head)) + head, None
     head += b"\x1a" + _varint(nbytes)  # Tensor.data
     return bytes([tag]) + _varint(len(head) + nbytes) + head, t.reshape(-1).view(torch.uint8).numpy().data
-
-
-def _join(parts: list[bytes | memoryview | None]) -> bytes:
-    return b"".join(p for p in parts if p is not None)
 
 
 def serialize_dispatch_response(call_id: int, partials: torch.Tensor, compute_micros: int,

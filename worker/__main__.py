@@ -1,6 +1,6 @@
 """python -m worker (--hub ws://HOST:PORT | --gateway wss://HOST:PORT) --model DIR|URL [--experts SPEC]
 [--hf-token-file FILE] [--cache-dir DIR] [--wallet PATH] [--hub-key HEX] [--e2e auto|require]
-[--device auto|cpu|cuda|mps] [--sessions N] [--ledger HOST:PORT]"""
+[--device auto|cpu|cuda|mps] [--compute auto|torch|numpy] [--sessions N] [--ledger HOST:PORT]"""
 
 from __future__ import annotations
 
@@ -63,8 +63,12 @@ if TYPE_CHECKING:
 
     from kvasir_rpc import FetchProgress
     from worker._console import StatusView
-    from worker._service import ExpertServicer, LoadedExperts
+    from worker._numpy import NumpyExperts
+    from worker._service import LoadedExperts
+    from worker._serving import ServicerBase
     from worker._tunnel import TunnelHolder
+
+    HeldExperts = LoadedExperts | NumpyExperts
 
 log = get_logger("worker")
 
@@ -107,8 +111,13 @@ def _parser() -> argparse.ArgumentParser:
                    help="Ed25519 wallet file that is paid for the work (created, mode 0600, if missing)")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda", "mps"],
                    help="where the experts compute (auto: CUDA, then MPS, then the CPU)")
+    p.add_argument("--compute", default="auto", choices=["auto", "torch", "numpy"],
+                   help="what computes the experts: torch (bitwise the backbone's kernel), or numpy in float32 on "
+                        "the CPU (no torch needed; within the audit bound, tokens identical); auto: torch where it "
+                        "is installed, else numpy")
     p.add_argument("--threads", type=int, default=int(os.environ.get("KVASIR_THREADS", "0")) or None,
-                   help="torch intra-op threads; without it, $KVASIR_THREADS, else torch's choice")
+                   help="torch intra-op threads (with --compute numpy: numpy's BLAS threads); without it, "
+                        "$KVASIR_THREADS, else the library's choice")
     p.add_argument("--sessions", type=int, default=1,
                    help="hold N sessions from this one process (one tunnel each, one gRPC server behind them), "
                         "the slices of --experts split among them in order so each announces its own share; "
@@ -294,6 +303,7 @@ def main(argv: list[str] | None = None) -> int:
             fail(exc.line("worker", "--direct-grpc"))
     if args.max_expert_memory is not None and args.experts != "auto":
         p.error("--max-expert-memory sizes --experts auto's slice; with a slice given, drop it")
+    args.compute = _compute_choice(p, args)
     console = _console()
     if is_model_url(args.model) and args.experts == "auto":
         p.error("--experts auto plans from a local checkpoint's experts; with --model URL, give the slice "
@@ -304,6 +314,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.hf_token_file is not None:
             p.error("--hf-token-file is for --model URL (a checkpoint fetched over HTTP)")
         args.model = pathlib.Path(args.model)
+    if args.compute == "numpy":
+        _check_numpy_model(args)
     index = _open_checkpoint(args)
     try:
         ensure_state_dir(args.wallet.parent)  # 0700: the wallet's key is the owner's alone
@@ -314,13 +326,17 @@ def main(argv: list[str] | None = None) -> int:
 
     install_fast_masking()
 
-    import torch
+    if args.compute == "numpy":
+        from kvasir_rpc import set_blas_threads
 
-    from worker._console import LoadReporter
-    from worker._load import load_experts, pick_device
+        if args.threads and not set_blas_threads(args.threads):
+            log.warning("--threads: numpy's BLAS is not the OpenBLAS its wheels bundle; set its own variable "
+                        "(e.g. OMP_NUM_THREADS) instead")
+    else:
+        import torch
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
+        if args.threads:
+            torch.set_num_threads(args.threads)
     planned = args.experts == "auto"
     while True:  # with --experts auto, again each time the hub asks this worker to plan again
         if planned:
@@ -342,14 +358,21 @@ def _load_and_serve(args: argparse.Namespace, index: ExpertIndex, wallet: Wallet
                     replan: bool) -> int:
     """Load ``args.experts`` and serve them (``_serve``); its status (REPLAN: plan again)."""
     from worker._console import LoadReporter
-    from worker._load import load_experts, pick_device
 
-    log.info("loading experts", model=str(args.model), experts=args.experts, device=str(pick_device(args.device)),
+    experts: HeldExperts
+    log.info("loading experts", model=str(args.model), experts=args.experts, device=_device_name(args),
              wallet=wallet.address)
     reporter = LoadReporter(console)
     try:
-        experts = load_experts(index, args.experts, args.device, progress=reporter,
-                               dequantized_cache_bytes=int(args.dequantized_cache_mb * (1 << 20)))
+        if args.compute == "numpy":
+            from worker._numpy import load_experts_np
+
+            experts = load_experts_np(index, args.experts, progress=reporter)
+        else:
+            from worker._load import load_experts
+
+            experts = load_experts(index, args.experts, args.device, progress=reporter,
+                                   dequantized_cache_bytes=int(args.dequantized_cache_mb * (1 << 20)))
         shares = experts.shares(args.sessions)
     except (CheckpointError, SpecError, ValueError, OSError) as exc:
         print(f"worker: {exc}", file=sys.stderr)
@@ -377,9 +400,53 @@ def _handshake(args: argparse.Namespace, wallet: Wallet, require_e2e: bool, **he
                            require_encryption=require_e2e, aeads=preferred_aeads(), **hello)
 
 
-def _expert_bytes(index: ExpertIndex) -> int:
-    """The bytes one expert takes in this worker's memory: as the checkpoint stores it when the
-    worker keeps it so (FP8, MXFP4, compressed-tensors), else gate, up and down in its dtype."""
+def _compute_choice(p: argparse.ArgumentParser, args: argparse.Namespace) -> str:
+    """--compute as torch or numpy (auto: torch where it is installed), checked against --device."""
+    from kvasir_rpc import torch_installed
+
+    choice = str(args.compute)
+    if choice == "auto":
+        choice = "torch" if torch_installed() else "numpy"
+    elif choice == "torch" and not torch_installed():
+        fail("worker: --compute torch: torch is not installed here (pip install kvasir-rpc installs it); "
+             "without it the worker computes with numpy (--compute numpy)")
+    if choice == "numpy" and args.device not in ("auto", "cpu"):
+        p.error(f"--device {args.device} needs torch: the worker computes with numpy on the CPU"
+                + (" (torch is not installed)" if args.compute == "auto" else " (--compute numpy)"))
+    return choice
+
+
+def _check_numpy_model(args: argparse.Namespace) -> None:
+    """fail() now, in one line, when the numpy worker cannot compute --model's experts (the
+    local folder, or the one its fetch filled), before the checkpoint is opened."""
+    from kvasir_rpc import numpy_refusal
+
+    try:
+        why = numpy_refusal(args.model)
+    except (CheckpointError, OSError, ValueError):
+        return  # not a checkpoint: _open_checkpoint says so, naming the flag
+    if why:
+        fail(f"worker: --model {args.model}: {why}")
+
+
+def _device_name(args: argparse.Namespace) -> str:
+    """Where the experts compute, as the hello announces it."""
+    if args.compute == "numpy":
+        from worker._numpy import DEVICE
+
+        return DEVICE
+    from worker._load import pick_device
+
+    return str(pick_device(args.device))
+
+
+def _expert_bytes(index: ExpertIndex, compute: str = "torch") -> int:
+    """The bytes one expert takes in this worker's memory: with numpy, gate, up and down in
+    float32; with torch, as the checkpoint stores it when the worker keeps it so (FP8, MXFP4,
+    compressed-tensors), else gate, up and down in its dtype."""
+    if compute == "numpy":
+        info = index.info
+        return 3 * info.intermediate_size * info.hidden_size * 4
     if index.quantized:
         layer, experts = next(iter(index.slices.items()))
         return int(index.load_quantized(layer, experts[0]).nbytes)
@@ -390,9 +457,9 @@ def _expert_bytes(index: ExpertIndex) -> int:
 def _free_memory(device: str) -> int:
     """Bytes free now where the experts will live: the GPU's free memory, else the machine's
     available memory."""
-    import torch
-
     if device.startswith("cuda"):
+        import torch
+
         return int(torch.cuda.mem_get_info()[0])
     import psutil
 
@@ -405,11 +472,10 @@ def _plan(args: argparse.Namespace, index: ExpertIndex, wallet: Wallet, url: str
     --max-expert-memory (default 80% of the free memory) takes; the slice as an --experts spec."""
     import hashlib
 
-    from worker._load import pick_device
     from worker._tunnel import TunnelRefused, request_plan
 
-    per_expert = _expert_bytes(index)
-    device = str(pick_device(args.device))
+    per_expert = _expert_bytes(index, args.compute)
+    device = _device_name(args)
     budget = args.max_expert_memory if args.max_expert_memory is not None else int(_free_memory(device) * 0.8)
     capacity = min(budget // per_expert, sum(len(v) for v in index.slices.values()))
     if capacity < 1:
@@ -433,13 +499,12 @@ def _plan(args: argparse.Namespace, index: ExpertIndex, wallet: Wallet, url: str
 
 
 def _serve(args: argparse.Namespace, *, url: str, ssl_context: ssl.SSLContext | None, wallet: Wallet,
-           experts: LoadedExperts, shares: list[tuple[dict[int, tuple[int, ...]], bytes]], console: Console | None,
+           experts: HeldExperts, shares: list[tuple[dict[int, tuple[int, ...]], bytes]], console: Console | None,
            require_e2e: bool, replan: bool = False) -> int:
     """Serve the loaded experts through one tunnel per share until a signal (SIGTERM: 0,
     SIGINT: 130, both after draining), a refusal that retrying cannot change (fail()), or, with
     ``replan``, the hub asking this planned worker to plan again (REPLAN)."""
     from worker._console import Balance, StatusView, earnings_line, log_serving, poll_balance
-    from worker._service import ExpertServicer
     from worker._tunnel import ReplanRequested, TunnelHolder, TunnelRefused, run_tunnel
 
     if args.gateway and args.hub_key is None:
@@ -449,7 +514,7 @@ def _serve(args: argparse.Namespace, *, url: str, ssl_context: ssl.SSLContext | 
     sock_dir = tempfile.mkdtemp(prefix="kvasir-worker-")
     os.chmod(sock_dir, 0o700)
     uds_path = os.path.join(sock_dir, "expert.sock")
-    servicer = ExpertServicer(experts, wallet.address, echo=args.echo_experts)
+    servicer = _servicer(experts, wallet.address, echo=args.echo_experts)
     if args.echo_experts:
         log.warning("--echo-experts: answering every call with its input rows, uncomputed; benchmarks only")
     try:
@@ -522,10 +587,21 @@ def _serve(args: argparse.Namespace, *, url: str, ssl_context: ssl.SSLContext | 
     return 0
 
 
-def _grpc_server(servicer: ExpertServicer, args: argparse.Namespace, uds_path: str) -> grpc.Server:
+def _servicer(experts: HeldExperts, wallet: str, *, echo: bool) -> ServicerBase[Any]:
+    """The ExpertService of ``experts``: computed with numpy or with torch, as they were loaded."""
+    from worker._numpy import NumpyExperts, NumpyServicer
+
+    if isinstance(experts, NumpyExperts):
+        return NumpyServicer(experts, wallet, echo=echo)
+    from worker._service import ExpertServicer
+
+    return ExpertServicer(experts, wallet, echo=echo)
+
+
+def _grpc_server(servicer: ServicerBase[Any], args: argparse.Namespace, uds_path: str) -> grpc.Server:
     """The started gRPC server of ``servicer`` on ``uds_path`` (and --direct-grpc); raises
     ListenError."""
-    from worker._service import serve_experts
+    from worker._serving import serve_experts
 
     addresses = [f"unix:{uds_path}"]
     if args.direct_grpc:
@@ -534,7 +610,7 @@ def _grpc_server(servicer: ExpertServicer, args: argparse.Namespace, uds_path: s
     return serve_experts(servicer, addresses, sessions=args.sessions)
 
 
-async def _drain(servicer: ExpertServicer, server: grpc.Server, holders: list[TunnelHolder], signum: int,
+async def _drain(servicer: ServicerBase[Any], server: grpc.Server, holders: list[TunnelHolder], signum: int,
                  timeout_s: float) -> None:
     """Finish the calls being computed (refusing new ones), let their answers out, stop the
     gRPC server and close every tunnel with 1001."""

@@ -20,12 +20,11 @@ from kvasir_rpc import get_logger
 
 
 if TYPE_CHECKING:
-    from worker._load import LoadProgress
+    from worker._serving import LoadProgress, ServicerBase
     from worker._tunnel import TunnelHolder
     from rich.console import Console, RenderableType
     from rich.progress import Progress, TaskID
 
-    from worker._service import ExpertServicer
 
 __all__ = ["Balance", "LoadReporter", "StatusView", "earnings_line", "log_serving", "poll_balance", "serving_record"]
 
@@ -107,7 +106,7 @@ def earnings_line(wallet: str, ledger: str | None) -> str:
             "says otherwise), and what the ledger credited is what becomes payable. See it: " + see)
 
 
-def serving_record(servicer: ExpertServicer, holders: Sequence[TunnelHolder],
+def serving_record(servicer: ServicerBase[Any], holders: Sequence[TunnelHolder],
                    balance: Balance | None) -> dict[str, Any]:
     """The counts the "serving" line and the panel show."""
     record: dict[str, Any] = {
@@ -123,7 +122,7 @@ def serving_record(servicer: ExpertServicer, holders: Sequence[TunnelHolder],
     return record
 
 
-async def log_serving(servicer: ExpertServicer, holders: Sequence[TunnelHolder], balance: Balance | None,
+async def log_serving(servicer: ServicerBase[Any], holders: Sequence[TunnelHolder], balance: Balance | None,
                       interval_s: float) -> None:
     """Log a "serving" line whenever the counts changed, at most every ``interval_s``."""
     last: dict[str, Any] = {}
@@ -178,7 +177,7 @@ class StatusView:
     """The live panel (rich calls ``__rich__`` at each refresh, from its own thread; it only
     reads counters)."""
 
-    def __init__(self, *, servicer: ExpertServicer, holders: Sequence[TunnelHolder], balance: Balance | None,
+    def __init__(self, *, servicer: ServicerBase[Any], holders: Sequence[TunnelHolder], balance: Balance | None,
                  wallet: str, slices: str, device: str) -> None:
         self.servicer = servicer
         self.holders = holders

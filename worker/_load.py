@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import pathlib
 from collections.abc import Callable
 
@@ -10,20 +9,9 @@ import torch
 
 from kvasir_rpc import ExpertIndex, QuantizedWeights, SpecError, expert_digest, parse_expert_spec, slices_digest
 from worker._service import DEFAULT_DEQUANTIZED_CACHE_BYTES, LoadedExperts
+from worker._serving import LoadProgress  # re-exported: here before it was shared
 
 __all__ = ["LoadProgress", "load_experts", "pick_device"]
-
-
-@dataclasses.dataclass(frozen=True)
-class LoadProgress:
-    """How far ``load_experts`` is: experts and bytes read so far, of the totals. The total
-    bytes are the config's (gate, up and down of ``intermediate × hidden`` each), known
-    before the first read; the done bytes are those of the tensors actually read."""
-
-    experts_done: int
-    experts_total: int
-    bytes_done: int
-    bytes_total: int
 
 
 def pick_device(name: str) -> torch.device:
