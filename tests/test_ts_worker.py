@@ -139,3 +139,61 @@ def test_ts_worker_deepseek_v4_function(deepseek_v4, tmp_path):
     assert steps["digest"]["status"] == PASS, steps["digest"]
     log = (tmp_path / "worker.log").read_text(errors="replace")
     assert "clamped GLU with silu (limit 10)" in log, log
+
+
+def test_ts_wasm_kernel_unit_tests():
+    """The WASM-SIMD kernel (clients/ts/src/wasm) against the JS kernel and the vectors, kernel.wasm
+    against its source, and the kernel in a page of headless Chromium (clients/ts/test/wasm*.test.ts)."""
+    node = _node()
+    tests = ["test/wasm.test.ts", "test/wasm_browser.test.ts"]
+    try:
+        out = subprocess.run([node, "--import", "tsx", "--test", *tests], cwd=TS, capture_output=True,
+                             text=True, timeout=RUN_TIMEOUT_S, stdin=subprocess.DEVNULL)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"node --test {' '.join(tests)} did not finish within {RUN_TIMEOUT_S} s")
+    assert out.returncode == 0, out.stdout[-6000:] + out.stderr[-3000:]
+
+
+@pytest.mark.parametrize("model", ["qwen3_moe", "bf16_mixtral", "gpt_oss", "deepseek_v4"])
+def test_ts_worker_wasm_kernel(model, tiny_models, request, tmp_path):
+    """The worker computing with the WebAssembly SIMD kernel (--kernel wasm) passes conformance on
+    every expert function: float32 GLU, bfloat16 GLU, gpt-oss's clamped SwiGLU, the clamped GLU."""
+    folder = tiny_models("qwen3_moe") if model == "qwen3_moe" else request.getfixturevalue(model)
+    steps = _conformance(folder, tmp_path, "--kernel", "wasm")
+    assert "its projections pass the row checks" in steps["dispatch"]["detail"], steps["dispatch"]
+    log = (tmp_path / "worker.log").read_text(errors="replace")
+    assert "kernel: WebAssembly SIMD" in log, log
+
+
+def test_ts_h2_unit_and_interop_tests():
+    """clients/ts/src/h2 (the sans-IO HTTP/2, HPACK and gRPC server): HPACK against RFC 7541
+    Appendix C, the connection fed frames built by hand, a node:http2 client calling it, and a
+    recorded client played into it in headless Chromium (skipped there without Chromium)."""
+    node = _node()
+    files = ["test/h2hpack.test.ts", "test/h2connection.test.ts", "test/h2grpc.test.ts", "test/h2browser.test.ts"]
+    try:
+        out = subprocess.run([node, "--import", "tsx", "--test", *files], cwd=TS, capture_output=True, text=True,
+                             timeout=RUN_TIMEOUT_S, stdin=subprocess.DEVNULL)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"node --test {' '.join(files)} did not finish within {RUN_TIMEOUT_S} s")
+    assert out.returncode == 0, out.stdout[-6000:] + out.stderr[-3000:]
+
+
+@pytest.mark.parametrize("case", ["float32-clear", "float32-chacha20", "bfloat16-aes"])
+def test_ts_worker_sans_io_http2(case, tiny_models, request, tmp_path):
+    """The worker serving ExpertService with the sans-IO HTTP/2 + gRPC server of clients/ts/src/h2
+    (--http2 sans-io, what a web page would run) instead of node:http2: grpcio, the backbone's
+    client, drives the same conformance through the tunnel, clear and sealed end to end."""
+    args = {"float32-clear": (), "float32-chacha20": ("--e2e", "require", "--aead", "chacha20-poly1305"),
+            "bfloat16-aes": ("--e2e", "require", "--aead", "aes-256-gcm")}[case]
+    folder = request.getfixturevalue("bf16_mixtral") if case.startswith("bfloat16") else tiny_models("qwen3_moe")
+    steps = _conformance(folder, tmp_path, "--http2", "sans-io", *args)
+    assert "its projections pass the row checks" in steps["dispatch"]["detail"], steps["dispatch"]
+    assert "INVALID_ARGUMENT" in steps["errors"]["detail"] and "FAILED_PRECONDITION" in steps["errors"]["detail"]
+    log = (tmp_path / "worker.log").read_text(errors="replace")
+    assert "sans-IO HTTP/2 server" in log, log
+    if case.startswith("bfloat16"):
+        assert "torch.bfloat16" in steps["describe"]["detail"], steps["describe"]
+        assert "encrypted end to end (AES-256-GCM)" in log, log
+    elif "chacha20" in case:
+        assert "encrypted end to end (ChaCha20-Poly1305)" in log, log

@@ -1,5 +1,6 @@
 // The end-to-end channel (PROTOCOL.md 4.5): X25519, HKDF-SHA256, ChaCha20-Poly1305 or
-// AES-256-GCM, all from node:crypto; and the sealed heartbeat's bookkeeping.
+// AES-256-GCM, all from node:crypto; the rest (names, nonces, kinds, the sealed heartbeat's
+// bookkeeping) is channel_core.ts's, shared with the browser worker.
 
 import {
   createCipheriv,
@@ -12,20 +13,24 @@ import {
   type KeyObject,
 } from "node:crypto";
 
-import { ascii, asBuffer, CloseCode, equalBytes, LocalProtocolError, ProtocolError, utf8 } from "./bytes.js";
+import { ascii, asBuffer, CloseCode, equalBytes, ProtocolError, utf8 } from "./bytes.js";
+import {
+  AEAD_NAMES,
+  heartbeatPayload,
+  interpretOpened,
+  sealNonce,
+  SEALED_CONTROL,
+  SEALED_DATA,
+  SEALED_HEARTBEAT,
+  SEALED_HEARTBEAT_ACK,
+  TAG_BYTES,
+  tagFailure,
+  tunnelKeysInfo,
+  unopenable,
+  type Opened,
+} from "./channel_core.js";
 
-/** TunnelAead wire values (session.proto). */
-export const AEAD_CHACHA20_POLY1305 = 0;
-export const AEAD_AES_256_GCM = 1;
-export const AEAD_NAMES: Record<number, string> = { 0: "chacha20-poly1305", 1: "aes-256-gcm" };
-
-export const TUNNEL_KEYS_INFO = "kvasir.v1.tunnel keys";
-export const SEALED_DATA = 0;
-export const SEALED_CONTROL = 1;
-export const SEALED_HEARTBEAT = 2;
-export const SEALED_HEARTBEAT_ACK = 3;
-export const SEAL_OVERHEAD = 17;
-const TAG_BYTES = 16;
+export * from "./channel_core.js";
 
 const X25519_PKCS8_PREFIX = Buffer.from("302e020100300506032b656e04220420", "hex");
 const X25519_SPKI_PREFIX = Buffer.from("302a300506032b656e032100", "hex");
@@ -64,23 +69,13 @@ export class KeyExchange {
 
 /** [hub -> worker key, worker -> hub key] from the X25519 secret and the transcript hash, for `aead`. */
 export function deriveTunnelKeys(shared: Uint8Array, transcript: Uint8Array, aead: number): [Uint8Array, Uint8Array] {
-  const info = aead === AEAD_CHACHA20_POLY1305 ? TUNNEL_KEYS_INFO : `${TUNNEL_KEYS_INFO} ${AEAD_NAMES[aead]}`;
-  const okm = new Uint8Array(hkdfSync("sha256", shared, transcript, ascii(info), 64));
+  const okm = new Uint8Array(hkdfSync("sha256", shared, transcript, ascii(tunnelKeysInfo(aead)), 64));
   return [okm.slice(0, 32), okm.slice(32, 64)];
 }
 
 function nonce(counter: bigint): Buffer {
-  const b = Buffer.alloc(12);
-  b.writeBigUInt64BE(counter, 4);
-  return b;
+  return asBuffer(sealNonce(counter));
 }
-
-/** What a sealed message opened to. */
-export type Opened =
-  | { kind: "data"; data: Uint8Array }
-  | { kind: "control"; word: string }
-  | { kind: "heartbeat"; seq: bigint }
-  | { kind: "ack"; seq: bigint };
 
 /** Seals what this side sends and opens what it receives; each direction has its own key and counter. */
 export class TunnelCipher {
@@ -126,9 +121,7 @@ export class TunnelCipher {
   }
 
   sealHeartbeat(seq: bigint, ack: boolean): Uint8Array {
-    const b = Buffer.alloc(8);
-    b.writeBigUInt64BE(seq);
-    return this.sealRaw(ack ? SEALED_HEARTBEAT_ACK : SEALED_HEARTBEAT, b);
+    return this.sealRaw(ack ? SEALED_HEARTBEAT_ACK : SEALED_HEARTBEAT, heartbeatPayload(seq));
   }
 
   private fail(why: string): ProtocolError {
@@ -139,67 +132,19 @@ export class TunnelCipher {
   /** Open one received message (`string` for a text message); ProtocolError 1008 when it does not open. */
   open(message: Uint8Array | string): Opened {
     if (this.broken) throw this.fail("the end-to-end channel already failed");
-    if (typeof message === "string") throw this.fail(`a text message on an encrypted tunnel: the ${this.peer} or a relay sent clear text`);
-    if (message.byteLength < SEAL_OVERHEAD) throw this.fail(`a sealed message of ${message.byteLength} bytes is shorter than its ${SEAL_OVERHEAD} bytes of overhead`);
+    const why = unopenable(message, this.peer);
+    if (why !== undefined) throw this.fail(why);
+    const sealed = message as Uint8Array;
     let plain: Buffer;
     try {
       const d = createDecipheriv(this.algo as "chacha20-poly1305", asBuffer(this.receiveKey), nonce(this.received), { authTagLength: TAG_BYTES });
-      const buf = asBuffer(message);
+      const buf = asBuffer(sealed);
       d.setAuthTag(buf.subarray(buf.length - TAG_BYTES));
       plain = Buffer.concat([d.update(buf.subarray(0, buf.length - TAG_BYTES)), d.final()]);
     } catch {
-      throw this.fail(`message ${this.received} from the ${this.peer} failed its authentication tag: altered, replayed, reordered or dropped on the way`);
+      throw this.fail(tagFailure(this.received, this.peer));
     }
     this.received += 1n;
-    const kind = plain[0];
-    const payload = new Uint8Array(plain.buffer, plain.byteOffset + 1, plain.byteLength - 1);
-    switch (kind) {
-      case SEALED_DATA:
-        return { kind: "data", data: payload };
-      case SEALED_CONTROL: {
-        let word: string;
-        try {
-          word = new TextDecoder("utf-8", { fatal: true }).decode(payload);
-        } catch {
-          throw this.fail("a sealed control message is not UTF-8");
-        }
-        return { kind: "control", word };
-      }
-      case SEALED_HEARTBEAT:
-      case SEALED_HEARTBEAT_ACK: {
-        const name = kind === SEALED_HEARTBEAT ? "heartbeat" : "heartbeat ack";
-        if (payload.byteLength !== 8) throw this.fail(`a sealed ${name} carries ${payload.byteLength} bytes, not its 8-byte sequence number`);
-        const seq = Buffer.from(payload).readBigUInt64BE(0);
-        return kind === SEALED_HEARTBEAT ? { kind: "heartbeat", seq } : { kind: "ack", seq };
-      }
-      default:
-        throw this.fail(`a sealed message of unknown kind ${kind} (0: data, 1: control, 2: heartbeat, 3: heartbeat ack)`);
-    }
+    return interpretOpened(new Uint8Array(plain.buffer, plain.byteOffset, plain.byteLength), (why) => this.fail(why));
   }
 }
-
-/** The sending side of the sealed heartbeat: numbers heartbeats 0, 1, 2, ... and checks each ack. */
-export class HeartbeatMonitor {
-  private next = 0n;
-  waiting: bigint | undefined;
-
-  /** The next heartbeat's number; LocalProtocolError while the last is unanswered. */
-  beat(): bigint {
-    if (this.waiting !== undefined) throw new LocalProtocolError(`heartbeat ${this.waiting} is still waiting for its answer`);
-    this.waiting = this.next;
-    this.next += 1n;
-    return this.waiting;
-  }
-
-  /** An ack from the peer; ProtocolError 1008 unless it answers the heartbeat waiting. */
-  receiveAck(seq: bigint): void {
-    if (this.waiting === undefined) {
-      throw new ProtocolError(CloseCode.POLICY_VIOLATION, `the hub acknowledged heartbeat ${seq}, but no heartbeat is waiting for an answer`);
-    }
-    if (seq !== this.waiting) {
-      throw new ProtocolError(CloseCode.POLICY_VIOLATION, `the hub acknowledged heartbeat ${seq}, but heartbeat ${this.waiting} is the one waiting`);
-    }
-    this.waiting = undefined;
-  }
-}
-

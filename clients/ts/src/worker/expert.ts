@@ -188,11 +188,33 @@ export interface ExpertResult {
   proj: Float32Array;
 }
 
+/** A kernel computing experts: jsExpertForward below, or the WASM-SIMD one (src/wasm/kernel.ts). */
+export type ExpertKernel = typeof jsExpertForward;
+
+let kernel: ExpertKernel = jsExpertForward;
+
+/** Make expertForward compute with `k` (the worker's `--kernel wasm`); none: this module's JS kernel. */
+export function useExpertKernel(k?: ExpertKernel): void {
+  kernel = k ?? jsExpertForward;
+}
+
+/** One expert over `n` rows, by the kernel in use (useExpertKernel; jsExpertForward unless set). */
+export function expertForward(
+  fn: ExpertFunction,
+  dtype: FloatDType,
+  m: ExpertMatrices,
+  rows: Float32Array,
+  weights: ArrayLike<number>,
+  weightsDType: FloatDType,
+): ExpertResult {
+  return kernel(fn, dtype, m, rows, weights, weightsDType);
+}
+
 /**
  * One expert over `n` rows: `rows` [n, H] (values of the compute dtype, already widened from
  * a narrow wire), `weights` [n] (values of `weightsDType`).
  */
-export function expertForward(
+export function jsExpertForward(
   fn: ExpertFunction,
   dtype: FloatDType,
   m: ExpertMatrices,

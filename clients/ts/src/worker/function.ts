@@ -5,7 +5,7 @@ import { create } from "@bufbuild/protobuf";
 
 import { ExpertFunctionSchema, ExpertGate, type ExpertFunction as ExpertFunctionMsg } from "../gen/kvasir/v1/function_pb.js";
 import type { HelloBody } from "../gen/kvasir/v1/session_pb.js";
-import { CheckpointError, type ExpertIndex } from "./checkpoint.js";
+import { CheckpointError, type ExpertIndexCore } from "./checkpoint_core.js";
 import type { ExpertFunction } from "./expert.js";
 
 /** The function of a config (its text_config) and the expert tensors' traits (11.2): with
@@ -28,7 +28,7 @@ export function functionFromConfig(text: Record<string, unknown>, traits: { tran
 }
 
 /** The expert function of the checkpoint `index` reads. */
-export function functionOfCheckpoint(index: ExpertIndex): ExpertFunction {
+export function functionOfCheckpoint(index: ExpertIndexCore): ExpertFunction {
   return functionFromConfig(index.info.text, { transposed: index.transposed, bias: index.hasBias });
 }
 

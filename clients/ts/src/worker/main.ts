@@ -2,6 +2,7 @@
 //
 //   node --import tsx src/worker/main.ts --hub ws://HOST:PORT --model DIR [--wallet FILE]
 //       [--experts SPEC] [--hub-key HEX] [--e2e auto|require] [--aead auto|aes-256-gcm|chacha20-poly1305]
+//       [--http2 node|sans-io]
 //   node --import tsx src/worker/main.ts --gateway wss://HOST[:PORT] --model DIR ...
 //
 // It dials out (never listens), proves its wallet, and serves kvasir.v1.ExpertService over
@@ -15,11 +16,12 @@ import { closeClass, toHex } from "./bytes.js";
 import { AEAD_AES_256_GCM } from "./channel.js";
 import { CheckpointError, ExpertIndex } from "./checkpoint.js";
 import { isLittleEndian } from "./dtype.js";
-import { describeFunction } from "./expert.js";
+import { describeFunction, useExpertKernel } from "./expert.js";
 import { functionOfCheckpoint, helloFunction } from "./function.js";
 import { isAddress, Wallet } from "./handshake.js";
 import { ExpertServer, loadExperts } from "./service.js";
 import { Session, type SessionEnd } from "./session.js";
+import { WasmKernel, WasmMemoryError, wasmExpertForward } from "../wasm/kernel.js";
 
 export const WORKER_VERSION = "kvasir-ts-worker 0.1.0";
 const DEFAULT_WALLET = ".kvasir/wallet.key";
@@ -27,7 +29,8 @@ const EXIT_REFUSED = 2;
 
 const USAGE = `usage: main.ts (--hub ws://HOST:PORT | --gateway wss://HOST[:PORT]) --model DIR [--wallet FILE]
                [--experts SPEC] [--hub-key HEX] [--e2e auto|require] [--aead auto|aes-256-gcm|chacha20-poly1305]
-               [--ca-file PEM] [--drain-timeout SECONDS]
+               [--ca-file PEM] [--drain-timeout SECONDS] [--kernel js|wasm]
+               [--http2 node|sans-io]
 
   --hub URL          a hub's address (ws://, or wss:// behind TLS); dialled as given (a hub ignores the path)
   --gateway URL      a public gateway: /v1/worker is appended when the URL has no path; --e2e require by default
@@ -38,7 +41,10 @@ const USAGE = `usage: main.ts (--hub ws://HOST:PORT | --gateway wss://HOST[:PORT
   --e2e MODE         require: refuse a session not encrypted end to end; auto: take what the hub decides
   --aead NAME        the AEAD to offer besides the default ChaCha20-Poly1305 (auto: AES-256-GCM)
   --ca-file PEM      extra CA certificates to verify a wss:// gateway
-  --drain-timeout S  seconds to finish in-flight calls on SIGTERM (default 10)`;
+  --drain-timeout S  seconds to finish in-flight calls on SIGTERM (default 10)
+  --kernel NAME      js: compute in JavaScript (default); wasm: the WebAssembly SIMD kernel (src/wasm/)
+  --http2 IMPL       the HTTP/2 server of the tunnel's connections: node (node:http2, default) or sans-io
+                     (src/h2: HTTP/2, HPACK and gRPC in plain TypeScript, as a web page would run them)`;
 
 function log(line: string): void {
   process.stderr.write(`${new Date().toISOString()} worker: ${line}\n`);
@@ -78,6 +84,8 @@ async function main(): Promise<void> {
       aead: { type: "string", default: "auto" },
       "ca-file": { type: "string" },
       "drain-timeout": { type: "string", default: "10" },
+      http2: { type: "string", default: "node" },
+      kernel: { type: "string", default: "js" },
       help: { type: "boolean", short: "h" },
     },
     strict: true,
@@ -99,6 +107,10 @@ async function main(): Promise<void> {
   const drainMs = Number(values["drain-timeout"]) * 1000;
   if (!(drainMs >= 0)) die(`--drain-timeout ${values["drain-timeout"]}: a number of seconds`);
   const ca = values["ca-file"] ? readFileSync(values["ca-file"]) : undefined;
+  const http2 = values.http2;
+  if (http2 !== "node" && http2 !== "sans-io") die(`--http2 ${http2}: node or sans-io`);
+  if (http2 === "sans-io") log("serving gRPC with the sans-IO HTTP/2 server (src/h2)");
+  if (values.kernel !== "js" && values.kernel !== "wasm") die(`--kernel ${values.kernel}: js or wasm`);
 
   let wallet: Wallet;
   try {
@@ -113,6 +125,13 @@ async function main(): Promise<void> {
     const index = new ExpertIndex(values.model);
     const fn = functionOfCheckpoint(index);
     const experts = loadExperts(index, values.experts, fn);
+    if (values.kernel === "wasm") {
+      // Every expert's weights into the kernel's memory now: one the device cannot hold stops the start.
+      const k = await WasmKernel.load(readFileSync(new URL("../wasm/kernel.wasm", import.meta.url)));
+      for (const [layer, ids] of experts.slices) for (const id of ids) k.place(experts.get(layer, id)!);
+      useExpertKernel(wasmExpertForward(k));
+      log(`kernel: WebAssembly SIMD, ${(k.placedBytes / 2 ** 20).toFixed(1)} MiB of weights placed`);
+    }
     server = new ExpertServer(experts, { wallet: wallet.address, device: "cpu" });
     log(
       `loaded ${experts.count} experts of ${index.info.modelType} (${experts.dtype}, ${describeFunction(fn)}) in ${Date.now() - t0} ms; ` +
@@ -120,6 +139,7 @@ async function main(): Promise<void> {
     );
   } catch (exc) {
     if (exc instanceof CheckpointError) die(`--model ${values.model}: ${exc.message}`);
+    if (exc instanceof WasmMemoryError) die(`--kernel wasm: ${exc.message}`);
     throw exc;
   }
 
@@ -158,6 +178,7 @@ async function main(): Promise<void> {
       handshake: { expectedHubKey: hubKey, requireEncryption: e2e === "require", aeads },
       ca,
       log,
+      http2,
     });
     const end: SessionEnd = await current.run();
     if (stopping) break;

@@ -1,11 +1,12 @@
 // One session: the WebSocket (PROTOCOL.md 2, 3), the handshake (4), the end-to-end channel
-// (4.5), tunnel control (5) with each "open" spliced into the local HTTP/2 server, keepalive
-// (6) and close codes (7).
+// (4.5), tunnel control (5) with each "open" spliced into the local HTTP/2 server (node:http2,
+// or the sans-IO one of src/h2), keepalive (6) and close codes (7).
 
 import { Duplex } from "node:stream";
 
 import WebSocket from "ws";
 
+import type { GrpcServer, GrpcServerConnection } from "../h2/grpc.js";
 import { CloseCode, closeClass, LocalProtocolError, ProtocolError } from "./bytes.js";
 import { HeartbeatMonitor, type Opened, type TunnelCipher } from "./channel.js";
 import { WorkerHandshake, type HandshakeOptions, type HelloInfo } from "./handshake.js";
@@ -31,6 +32,8 @@ export interface SessionOptions {
   ca?: Buffer | undefined;
   log: (line: string) => void;
   keepaliveMs?: number;
+  /** The HTTP/2 server of the tunnel's connections: node:http2 (default), or src/h2's sans-IO one. */
+  http2?: "node" | "sans-io";
 }
 
 export interface SessionEnd {
@@ -51,14 +54,28 @@ function closeReason(reason: string): string {
   return r;
 }
 
-/** The local end of one tunnel connection: what the HTTP/2 server reads and writes. */
-class TunnelConnection extends Duplex {
+/** The local end of one tunnel connection, whichever HTTP/2 server serves it. */
+interface LocalConnection {
   /** Still the tunnel's current connection (no "close" yet). */
+  active: boolean;
+  eofSent: boolean;
+  readonly destroyed: boolean;
+  /** Bytes that came through the tunnel. */
+  deliver(data: Uint8Array): void;
+  destroy(): void;
+}
+
+/** The local end of one tunnel connection as a stream: what node:http2's server reads and writes. */
+class TunnelConnection extends Duplex implements LocalConnection {
   active = true;
   eofSent = false;
 
   constructor(private readonly session: Session) {
     super({ allowHalfOpen: true });
+  }
+
+  deliver(data: Uint8Array): void {
+    this.push(Buffer.from(data));
   }
 
   override _read(): void {}
@@ -78,6 +95,31 @@ class TunnelConnection extends Duplex {
   }
 }
 
+/** One tunnel connection served by the sans-IO HTTP/2 + gRPC server (src/h2): bytes in, bytes out. */
+class SansIoConnection implements LocalConnection {
+  active = true;
+  eofSent = false;
+  destroyed = false;
+  private readonly grpc: GrpcServerConnection;
+
+  constructor(session: Session, server: GrpcServer) {
+    this.grpc = server.connect({
+      write: (bytes) => session.localData(this, bytes, () => undefined),
+      close: () => session.localEof(this),
+    });
+  }
+
+  deliver(data: Uint8Array): void {
+    this.grpc.receive(data.slice()); // the connection keeps views of what it is given
+  }
+
+  destroy(): void {
+    if (this.destroyed) return;
+    this.destroyed = true;
+    this.grpc.close();
+  }
+}
+
 type Phase = "connecting" | "challenge" | "accept" | "live" | "over";
 
 export class Session {
@@ -86,7 +128,7 @@ export class Session {
   private hs: WorkerHandshake;
   private cipher: TunnelCipher | undefined;
   private readonly tunnel = new WorkerTunnel();
-  private conn: TunnelConnection | undefined;
+  private conn: LocalConnection | undefined;
   private readonly monitor = new HeartbeatMonitor();
   private timers = new Set<NodeJS.Timeout>();
   private keepalive: NodeJS.Timeout | undefined;
@@ -244,13 +286,17 @@ export class Session {
     const ev = this.tunnel.receive(msg);
     switch (ev.kind) {
       case "open": {
-        const conn = new TunnelConnection(this);
-        this.conn = conn;
-        this.opts.server.http2.emit("connection", conn);
+        if (this.opts.http2 === "sans-io") {
+          this.conn = new SansIoConnection(this, this.opts.server.grpc);
+        } else {
+          const conn = new TunnelConnection(this);
+          this.conn = conn;
+          this.opts.server.http2.emit("connection", conn);
+        }
         return;
       }
       case "data":
-        if (!ev.drop && this.conn && !this.conn.destroyed) this.conn.push(Buffer.from(ev.data));
+        if (!ev.drop && this.conn && !this.conn.destroyed) this.conn.deliver(ev.data);
         return;
       case "close": {
         const conn = this.conn;
@@ -272,7 +318,7 @@ export class Session {
   }
 
   /** Bytes the local HTTP/2 server wrote on `conn`. */
-  localData(conn: TunnelConnection, chunk: Buffer, cb: (err?: Error | null) => void): void {
+  localData(conn: LocalConnection, chunk: Uint8Array, cb: (err?: Error | null) => void): void {
     const ws = this.ws;
     if (chunk.length === 0 || !conn.active || this.phase !== "live" || !ws || !this.tunnel.canSendData() || conn.eofSent) {
       cb(); // the connection is over: its late bytes go nowhere (5.4)
@@ -296,7 +342,7 @@ export class Session {
   }
 
   /** The local HTTP/2 server ended `conn` (end of its writes, or the stream destroyed). */
-  localEof(conn: TunnelConnection): void {
+  localEof(conn: LocalConnection): void {
     if (conn.eofSent) return;
     conn.eofSent = true;
     if (conn.active && this.phase === "live" && this.tunnel.state === "OPEN") this.sendControl(this.tunnel.eof());

@@ -1,6 +1,6 @@
 // Tunnel control (PROTOCOL.md 5): the worker's side of the state machine, without I/O.
 
-import { CloseCode, LocalProtocolError, ProtocolError } from "./bytes.js";
+import { CloseCode, LocalProtocolError, ProtocolError } from "./bytes_core.js";
 
 export type TunnelState = "IDLE" | "OPEN" | "EOF" | "CLOSING";
 export const CONTROL_WORDS = ["open", "eof", "close", "closed"] as const;

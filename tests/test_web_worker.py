@@ -1,0 +1,299 @@
+"""The worker in a web page (clients/web) in headless Chromium, against real processes.
+
+The page's bundle is built first with esbuild (``npm run --prefix clients/ts build:web``, as
+``make node-deps`` builds it), and a static server (tests/web_static.py) serves the page and the
+tiny checkpoint from one origin, answering Range requests as a checkpoint host does. Then:
+
+* the page's WebCrypto handshake and channel give the bytes of tests/vectors (handshake, channel);
+* ``kvasir conformance`` starts Chromium itself as the worker (``--worker-cmd``): the page
+  fetches its slice by the byte, joins the check's hub and passes every step, in a clear session
+  and in one sealed end to end;
+* a live swarm (ledger, TLS gateway, hub, a Python worker holding half the experts): the page,
+  loaded through the DevTools protocol with the gateway's wss:// URL and the model's URL as
+  query parameters, joins through the gateway (sealed end to end with AES-256-GCM) and serves the
+  other half; ``python -m backbone generate --compare-local`` gives the local run's tokens with
+  every answer's row checks and audits passed, the ledger credits the page's wallet every byte
+  the hub counted, and a screenshot of the page is kept (its path printed).
+
+Node, clients/ts's node_modules (``make node-deps``) and Debian's chromium are needed."""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import shlex
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.parse
+
+import pytest
+
+from kvasir.conformance import PASS, STEPS
+
+pytestmark = pytest.mark.integration
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+TS = ROOT / "clients" / "ts"
+WEB = ROOT / "clients" / "web"
+BUNDLE = WEB / "dist" / "kvasir-web-worker.js"
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser") or "/usr/bin/chromium"
+BUILD_TIMEOUT_S = 120
+RUN_TIMEOUT_S = 120
+DEADLINE_S = 120.0
+# Chromium's own flags for a test machine: no sandbox (containers), no GPU, no first-run UI.
+CHROMIUM_FLAGS = ("--headless=new", "--no-sandbox", "--disable-gpu", "--no-first-run", "--disable-dev-shm-usage",
+                  "--enable-logging=stderr", "--v=0")
+
+needs_chromium = pytest.mark.skipif(not os.path.exists(CHROMIUM), reason="needs chromium (make system-deps)")
+
+
+@pytest.fixture(scope="module")
+def bundle() -> pathlib.Path:
+    """The page's bundle, built now from the sources (never a stale one)."""
+    if shutil.which("npm") is None:
+        pytest.skip("npm is not on PATH: the web worker is built with esbuild from clients/ts's node_modules")
+    if not (TS / "node_modules" / ".bin" / "esbuild").exists():
+        pytest.fail("clients/ts/node_modules is missing: run `make node-deps` (npm ci in clients/ts)")
+    out = subprocess.run(["npm", "run", "--prefix", str(TS), "--silent", "build:web"], capture_output=True, text=True,
+                         timeout=BUILD_TIMEOUT_S, cwd=ROOT, stdin=subprocess.DEVNULL)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert BUNDLE.exists() and (WEB / "dist" / "kernel.wasm").exists()
+    return BUNDLE
+
+
+@pytest.fixture(scope="module")
+def static(tiny_models, bundle):  # type: ignore[no-untyped-def]
+    from web_static import StaticServer
+
+    model = tiny_models("qwen3_moe")
+    server = StaticServer({"web": WEB, "model": model.parent})
+    server.model = model  # type: ignore[attr-defined]
+    server.model_url = f"{server.base}/model/{model.name}/"  # type: ignore[attr-defined]
+    yield server
+    server.close()
+
+
+def _page_url(static, **params: str) -> str:  # type: ignore[no-untyped-def]
+    q = urllib.parse.urlencode({**params, "model": static.model_url}, safe=":/{}")
+    return f"{static.base}/web/index.html?{q}"
+
+
+def test_the_page_bundle_builds_and_typechecks(bundle):
+    """The bundle is one ES module; the page's sources typecheck for the browser (DOM, no Node types)."""
+    out = subprocess.run(["npx", "--prefix", str(TS), "tsc", "--noEmit", "-p", str(TS / "tsconfig.web.json")],
+                         capture_output=True, text=True, timeout=BUILD_TIMEOUT_S, cwd=TS, stdin=subprocess.DEVNULL)
+    assert out.returncode == 0, out.stdout + out.stderr
+    text = bundle.read_text()
+    # No Node API may reach the page: the shared modules are the pure *_core.ts ones.
+    for node_only in ("node:crypto", "node:fs", "node:http2", "require(\"ws\")"):
+        assert node_only not in text, node_only
+    print(f"\npage weight: index.html {(WEB / 'index.html').stat().st_size} B, bundle {bundle.stat().st_size} B, "
+          f"kernel.wasm {(WEB / 'dist' / 'kernel.wasm').stat().st_size} B")
+
+
+@needs_chromium
+@pytest.mark.parametrize("e2e", ["auto", "require"])
+def test_the_page_passes_kvasir_conformance(static, tmp_path, e2e):
+    """Chromium is the worker: kvasir conformance starts it on the page with its hub's URL, in a
+    clear session (e2e auto: the hub's choice) and one sealed end to end with AES-256-GCM (the
+    sealed heartbeat checked too). The page is given 1 MiB for weights: it takes the experts that
+    fit, in order, and no more."""
+    page = _page_url(static, hub="{url}", memory="1", e2e=e2e)
+    cmd = shlex.join([CHROMIUM, *CHROMIUM_FLAGS, f"--user-data-dir={tmp_path / 'profile'}", page])
+    log = tmp_path / "chromium.log"
+    try:
+        out = subprocess.run([sys.executable, "-m", "kvasir", "conformance", "--model", str(static.model), "--json",
+                              "--timeout", "60", "--worker-cmd", cmd, "--worker-log", str(log)],
+                             capture_output=True, text=True, timeout=RUN_TIMEOUT_S, cwd=ROOT, stdin=subprocess.DEVNULL)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"kvasir conformance did not finish within {RUN_TIMEOUT_S} s; the page's log:\n"
+                    f"{_console(log)}")
+    assert out.stdout.strip(), f"no report (exit {out.returncode}):\n{out.stderr}\n--- page:\n{_console(log)}"
+    report = json.loads(out.stdout.splitlines()[-1])
+    failed = [(s["step"], s["status"], s["detail"]) for s in report["steps"] if s["status"] != PASS]
+    assert out.returncode == 0 and report["passed"] is True and not failed, (
+        f"exit {out.returncode}; not passed: {failed}\n{out.stderr}\n--- page:\n{_console(log)}")
+    assert [(s["step"], s["status"]) for s in report["steps"]] == [(name, PASS) for name in STEPS]
+    assert report["worker"]["worker_version"].startswith("kvasir-web-worker")
+    assert report["worker"]["device"] == "browser"
+    if e2e == "require":
+        assert "sealed heartbeat" in report["steps"][-1]["detail"], report["steps"][-1]
+    cfg = json.loads((static.model / "config.json").read_text())
+    per_expert = 3 * cfg["hidden_size"] * cfg["moe_intermediate_size"] * 4 * 2  # float32, and the WASM copy
+    held = sum(len(e) for e in report["worker"]["slices"].values())
+    assert held == min((1 << 20) // per_expert, cfg["num_hidden_layers"] * cfg["num_experts"]), report["worker"]
+    # The page fetched the header and only expert tensors' bytes by Range, never a whole shard.
+    shards = [(p, r) for p, r in static.requests if p.endswith(".safetensors")]
+    assert shards and all(r.startswith("bytes=") for _, r in shards), shards
+
+
+@needs_chromium
+def test_the_page_crypto_against_the_vectors(static, tmp_path):
+    """The page's WebCrypto handshake and channel (clients/web/test/vectors.ts, bundled now) give the
+    bytes of tests/vectors/handshake.json and channel.json in Chromium: the wallet's address and key
+    file, X25519, the hello's bytes and Ed25519 signature, HKDF's keys, every AES-256-GCM message each
+    way; a ChaCha20-Poly1305 accept is refused 4103, a flipped bit or a replay 1008. Then, with no
+    hub at its URL, the page says it is not connected and why, and dials again after a backoff."""
+    from test_status_page import _Chromium
+
+    out_dir = tmp_path / "bundle"
+    esbuild = TS / "node_modules" / ".bin" / "esbuild"
+    # The test module imports @bufbuild/protobuf from clients/web/test: resolved in clients/ts/node_modules.
+    env = {**os.environ, "NODE_PATH": str(TS / "node_modules")}
+    out = subprocess.run([str(esbuild), str(WEB / "test" / "vectors.ts"), "--bundle", "--format=esm",
+                          f"--outfile={out_dir / 'vectors.js'}", "--log-level=warning"], capture_output=True,
+                         text=True, timeout=BUILD_TIMEOUT_S, cwd=TS, env=env, stdin=subprocess.DEVNULL)
+    assert out.returncode == 0, out.stdout + out.stderr
+    static.mounts["webtest"] = out_dir.resolve()
+    vectors = {name: json.loads((ROOT / "tests" / "vectors" / f"{name}.json").read_text())
+               for name in ("handshake", "channel")}
+    browser = _Chromium(tmp_path, 800, 600)
+    try:
+        browser.goto(_page_url(static, autostart="0"))
+        failed = browser.eval(f"import('/webtest/vectors.js').then(m => m.run({json.dumps(vectors)}))", timeout=60)
+        assert failed == [], failed
+        # No hub at the URL: the page says why it is not connected, and dials again after a backoff.
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            dead = s.getsockname()[1]
+        browser.goto(_page_url(static, hub=f"ws://127.0.0.1:{dead}"))
+        deadline = time.monotonic() + DEADLINE_S
+        while True:
+            state = browser.eval("window.kvasirWorker && window.kvasirWorker.state()") or {}
+            if state.get("phase") == "waiting":
+                break
+            assert time.monotonic() < deadline, state
+            time.sleep(0.1)
+        assert "could not connect" in state["detail"] and "dialling again" in state["detail"], state
+        assert "not connected" in browser.eval("document.getElementById('status').textContent")
+        browser.eval("window.kvasirWorker.stop()")
+    finally:
+        browser.close()
+
+
+def _console(log: pathlib.Path) -> str:
+    """The page's console lines (and Chromium's errors) from its log."""
+    if not log.exists():
+        return "(no log)"
+    lines = [ln for ln in log.read_text(errors="replace").splitlines() if "CONSOLE" in ln or "dbus" not in ln]
+    return "\n".join(lines[-80:])
+
+
+@needs_chromium
+def test_a_page_joins_a_live_swarm_through_the_gateway_and_is_credited(static, tmp_path):
+    """The page serves half the experts through the TLS gateway; the backbone's decode is the
+    local one's, every answer passes its checks, the ledger credits the page's wallet."""
+    from test_status_page import _Chromium
+
+    from kvasir.swarm import LocalSwarm
+
+    model = static.model
+    with LocalSwarm(tmp_path / "swarm") as sw:
+        sw.start_ledger()
+        sw.start_gateway()
+        sw.start_hub(gateway=True, receipt_interval=0.5)
+        sw.start_worker("python", model, "*:4-7")
+        sw.wait_sessions(1, watch=["python"])
+        browser = _Chromium(tmp_path, 1100, 1300)
+        try:
+            # The gateway's certificate is the swarm's dev CA's, which this profile does not know.
+            browser.send("Security.setIgnoreCertificateErrors", ignore=True)
+            url = _page_url(static, gateway=sw.gateway_url, experts="*:0-3", ledger=sw.ledger_address)
+            t0 = time.monotonic()
+            browser.goto(url)
+            deadline = time.monotonic() + DEADLINE_S
+            state: dict = {}
+            while time.monotonic() < deadline:
+                state = browser.eval("window.kvasirWorker && window.kvasirWorker.state()") or {}
+                if state.get("phase") in ("connected", "refused", "failed"):
+                    break
+                time.sleep(0.2)
+            assert state.get("phase") == "connected", json.dumps(state, indent=1)
+            joined_s = time.monotonic() - t0
+            assert state["encrypted"] is True and state["experts"] == 16, state
+            address = browser.eval("window.kvasirWorker.address()")
+            sessions = sw.wait_sessions(2, watch=["python"])
+            page_session = next(s for s in sessions if s.wallet == address)
+            assert page_session.device == "browser" and page_session.encrypted, page_session
+
+            result = sw.run_backbone(["--model", str(model), "--prompt", "a worker in a web page", "--batch", "2",
+                                      "--max-new-tokens", "12", "--compare-local", "--wait-sessions", "2", "--json"],
+                                     timeout=300)
+            decode_s = float(result["seconds"])  # type: ignore[arg-type]
+            assert result["backbone_exit_code"] == 0, result
+            assert result["tokens_identical"] is True, result
+            assert result["verdict"] in ("within the audit bound, tokens identical", "bitwise equal"), result
+            assert result["local_rows"] == 0 and result["fallback_calls"] == 0 and result["remote_rows"] > 0, result
+            assert result["sessions_quarantined"] == [] and result["row_check_refusals"] == 0, result
+            work = result["work"]
+            assert isinstance(work, dict) and work[page_session.session_id]["rows"] > 0, work
+
+            state = browser.eval("window.kvasirWorker.state()")
+            assert state["calls"] > 0 and state["rows"] > 0 and state["phase"] == "connected", state
+            sessions = sw.list_sessions()
+            credited = sw.wait_credited(sessions)
+            page_now = next(s for s in sessions if s.wallet == address)
+            assert credited[page_now.session_id] == page_now.work_bytes > 0, credited
+            credits = sw.ledger_credits(address)
+            assert sum(c.bytes for c in credits) >= credited[page_now.session_id] > 0, credits
+            balance = sw.ledger_balance(address)
+            assert int(balance.pending_nano_kvr) > 0, balance
+
+            shot = tmp_path / "web-worker-page.png"
+            browser.eval("window.scrollTo(0, 0)")
+            time.sleep(0.6)  # one render of the page's counters (every 0.5 s)
+            browser.screenshot(shot, full=True)
+            text = browser.eval("document.body.innerText")
+            assert "connected" in text and address in text and f"kvasir balance --wallet {address}" in text, text
+            print(f"\nscreenshot of the page: {shot}")
+            print(f"page joined (loaded, fetched, connected through the gateway) {joined_s:.2f} s after navigation; "
+                  f"first call {state['firstCallMs']} ms after start; {state['calls']} calls, {state['rows']} rows "
+                  f"in a decode of {decode_s:.2f} s ({state['rows'] / decode_s:.0f} rows/s of decode); "
+                  f"{static.weight_bytes()} B of weights fetched in all tests; credited "
+                  f"{credited[page_now.session_id]} B = {int(balance.pending_nano_kvr)} nano-KVR")
+
+            # Stop: the page closes its session and says so; the hub drops it.
+            browser.eval("window.kvasirWorker.stop()")
+            state = browser.eval("window.kvasirWorker.state()")
+            assert state["phase"] == "stopped", state
+            deadline = time.monotonic() + 30
+            while any(s.wallet == address for s in sw.list_sessions()):
+                assert time.monotonic() < deadline, "the hub still lists the stopped page's session"
+                time.sleep(0.2)
+            _check_wallet_file(browser, static, tmp_path, address)
+        finally:
+            browser.close()
+
+
+def _page_address(browser, timeout: float = 30.0) -> str:  # type: ignore[no-untyped-def]
+    """The page's wallet address, once its script has set it up."""
+    deadline = time.monotonic() + timeout
+    while True:
+        got = browser.eval("window.kvasirWorker ? window.kvasirWorker.address() : null")
+        if got:
+            return str(got)
+        assert time.monotonic() < deadline, "the page did not set up its wallet"
+        time.sleep(0.1)
+
+
+def _check_wallet_file(browser, static, tmp_path: pathlib.Path, address: str) -> None:  # type: ignore[no-untyped-def]
+    """The page's exported key file is the Python worker's wallet file of the same address; the
+    wallet outlives a reload; a Python worker's key file imported makes the page that wallet."""
+    from kvasir_rpc import Wallet
+
+    exported = tmp_path / "page.key"
+    exported.write_text(browser.eval("window.kvasirWorker.keyFile()"))
+    exported.chmod(0o600)
+    assert Wallet.load(exported).address == address
+    browser.goto(_page_url(static, autostart="0"))
+    assert _page_address(browser) == address
+    theirs = Wallet.load_or_create(tmp_path / "python.key")
+    text = (tmp_path / "python.key").read_text()
+    assert browser.eval(f"window.kvasirWorker.importKey({json.dumps(text)})") is True
+    assert browser.eval("window.kvasirWorker.address()") == theirs.address
+    browser.goto(_page_url(static, autostart="0"))
+    assert _page_address(browser) == theirs.address
