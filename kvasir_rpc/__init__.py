@@ -188,7 +188,7 @@ if TYPE_CHECKING:  # the real names, for type checkers; at run time __getattr__ 
     )
     from kvasir_rpc._reflection import enable_reflection, start_with_health
     from kvasir_rpc._row_checks import NARROW_Z, ROW_CHECK_FACTOR, RowChecker, RowVerdict
-    from kvasir_rpc._segments import DispatchInputError, segment_order
+    from kvasir_rpc._segments import DispatchInputError, segment_order, segment_starts
     from kvasir_rpc._secrets import (
         check_secret_mode,
         ensure_state_dir,
@@ -383,6 +383,7 @@ _LAZY = {
     "error_scale": "kvasir_rpc._tolerance",
     "expert_forward_projections": "kvasir_rpc._kernel",
     "segment_order": "kvasir_rpc._segments",
+    "segment_starts": "kvasir_rpc._segments",
     "plan_routes": "kvasir_rpc._kernel",
     "Route": "kvasir_rpc._kernel",
     "get_activation": "kvasir_rpc._activation",

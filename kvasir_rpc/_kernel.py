@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from kvasir_rpc._activation import Activation, get_activation
 from kvasir_rpc._function import ExpertFunction
 # Torch-free, shared with the numpy worker; re-exported here as before.
-from kvasir_rpc._segments import DispatchInputError, segment_order
+from kvasir_rpc._segments import DispatchInputError, check_call_rows, segment_order
 
 __all__ = [
     "WIRE_DTYPES",
@@ -167,24 +167,12 @@ def validate_dispatch(
     if hidden.dtype != dtype and not (dtype == torch.float32 and hidden.dtype in WIRE_DTYPES):
         narrow = f" (or {' / '.join(map(str, WIRE_DTYPES))} on a narrow wire)" if dtype == torch.float32 else ""
         raise DispatchInputError(f"hidden must be {dtype}{narrow}, got {hidden.dtype}")
-    rows = hidden.shape[0]
-    covered = sum(n for _, n in segments)
-    if max(rows, covered) > max_rows:
-        raise DispatchInputError(f"{max(rows, covered)} rows in one call, at most {max_rows}")
-    if row_index is None:
-        if covered != rows:
-            raise DispatchInputError(f"segments cover {covered} rows, hidden has {rows}")
-    else:
-        if row_index.numel() != covered:
-            raise DispatchInputError(f"row_index has {row_index.numel()} entries, segments cover {covered} rows")
-        if covered and int(row_index.max()) >= rows:
-            raise DispatchInputError(f"row_index names row {int(row_index.max())}, hidden has {rows} rows")
-    if weights.dim() != 1 or weights.shape[0] != covered:
-        raise DispatchInputError(f"weights must have shape [{covered}], got {list(weights.shape)}")
+    indexed = row_index is not None and row_index.numel() > 0
+    check_call_rows(rows=hidden.shape[0], segments=segments, max_rows=max_rows, weights_shape=list(weights.shape),
+                    index_size=None if row_index is None else row_index.numel(),
+                    index_max=int(row_index.max()) if indexed else None)  # type: ignore[union-attr]
     if not weights.is_floating_point():
         raise DispatchInputError(f"weights must be floating point, got {weights.dtype}")
-    if any(n == 0 for _, n in segments):
-        raise DispatchInputError("a segment has zero rows")
     if not all_finite(hidden) or not all_finite(weights):
         raise DispatchInputError("hidden or weights hold NaN or Inf")
 

@@ -19,7 +19,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from kvasir_rpc._function import CLAMPED_GLU, CLAMPED_SWIGLU, GLU, ExpertFunction
-from kvasir_rpc._segments import DispatchInputError
+from kvasir_rpc._segments import DispatchInputError, check_call_rows
 
 __all__ = ["NP_ACTIVATIONS", "check_function_np", "expert_forward_np", "set_blas_threads", "torch_installed",
            "validate_dispatch_np"]
@@ -162,24 +162,11 @@ def validate_dispatch_np(
     if hidden_dtype != dtype and not (dtype == "float32" and hidden_dtype in _NARROW):
         narrow = " (or torch.bfloat16 / torch.float16 on a narrow wire)" if dtype == "float32" else ""
         raise DispatchInputError(f"hidden must be torch.{dtype}{narrow}, got torch.{hidden_dtype}")
-    rows = hidden.shape[0]
-    covered = sum(n for _, n in segments)
-    if max(rows, covered) > max_rows:
-        raise DispatchInputError(f"{max(rows, covered)} rows in one call, at most {max_rows}")
-    if row_index is None:
-        if covered != rows:
-            raise DispatchInputError(f"segments cover {covered} rows, hidden has {rows}")
-    else:
-        if row_index.size != covered:
-            raise DispatchInputError(f"row_index has {row_index.size} entries, segments cover {covered} rows")
-        if covered and int(row_index.max()) >= rows:
-            raise DispatchInputError(f"row_index names row {int(row_index.max())}, hidden has {rows} rows")
-    if weights.ndim != 1 or weights.shape[0] != covered:
-        raise DispatchInputError(f"weights must have shape [{covered}], got {list(weights.shape)}")
+    check_call_rows(rows=hidden.shape[0], segments=segments, max_rows=max_rows, weights_shape=list(weights.shape),
+                    index_size=None if row_index is None else row_index.size,
+                    index_max=int(row_index.max()) if row_index is not None and row_index.size else None)
     if weights_dtype not in ("float32", "float16", "bfloat16"):
         raise DispatchInputError(f"weights must be floating point, got torch.{weights_dtype}")
-    if any(n == 0 for _, n in segments):
-        raise DispatchInputError("a segment has zero rows")
     if not _all_finite(hidden) or not _all_finite(weights):
         raise DispatchInputError("hidden or weights hold NaN or Inf")
 

@@ -3,7 +3,9 @@ worker computes them in, and the error of a call that does not fit the worker.""
 
 from __future__ import annotations
 
-__all__ = ["DispatchInputError", "segment_order"]
+from collections.abc import Sequence
+
+__all__ = ["DispatchInputError", "check_call_rows", "segment_order", "segment_starts"]
 
 
 def segment_order(last: tuple[int, list[int]], layer: int, experts: list[int]) -> list[int]:
@@ -23,6 +25,40 @@ def segment_order(last: tuple[int, list[int]], layer: int, experts: list[int]) -
         return list(range(len(experts)))
     recency = {x: r for r, x in enumerate(reversed(done))}
     return sorted(range(len(experts)), key=lambda i: (recency.get(experts[i], len(done)), i))
+
+
+def segment_starts(segments: Sequence[tuple[int, int]]) -> list[int]:
+    """Each segment's first assignment: the running sum of the rows before it."""
+    starts, start = [], 0
+    for _, rows in segments:
+        starts.append(start)
+        start += rows
+    return starts
+
+
+def check_call_rows(*, rows: int, segments: Sequence[tuple[int, int]], max_rows: int, weights_shape: Sequence[int],
+                    index_size: int | None = None, index_max: int | None = None) -> int:
+    """The checks of a call's rows that do not depend on the array library (the torch and the
+    numpy worker's ``validate_dispatch`` share them): ``rows`` hidden rows, the segments'
+    assignments (``index_size`` entries of ``row_index`` naming rows up to ``index_max``, when
+    the call sends each distinct row once), the weights' shape. The rows the segments cover;
+    raises DispatchInputError."""
+    covered = sum(n for _, n in segments)
+    if max(rows, covered) > max_rows:
+        raise DispatchInputError(f"{max(rows, covered)} rows in one call, at most {max_rows}")
+    if index_size is None:
+        if covered != rows:
+            raise DispatchInputError(f"segments cover {covered} rows, hidden has {rows}")
+    else:
+        if index_size != covered:
+            raise DispatchInputError(f"row_index has {index_size} entries, segments cover {covered} rows")
+        if covered and index_max is not None and index_max >= rows:
+            raise DispatchInputError(f"row_index names row {index_max}, hidden has {rows} rows")
+    if len(weights_shape) != 1 or weights_shape[0] != covered:
+        raise DispatchInputError(f"weights must have shape [{covered}], got {list(weights_shape)}")
+    if any(n == 0 for _, n in segments):
+        raise DispatchInputError("a segment has zero rows")
+    return covered
 
 
 class DispatchInputError(ValueError):

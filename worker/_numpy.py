@@ -24,6 +24,7 @@ from kvasir_rpc import (
     expert_forward_np,
     expert_pb2,
     parse_expert_spec,
+    segment_starts,
     serialize_array_response,
     slices_digest,
     slices_to_proto,
@@ -135,11 +136,7 @@ class NumpyServicer(ServicerBase[NpAnswer]):
             self.rows += index.size if index is not None else hidden.shape[0]
             echoed = hidden if index is None else hidden[index]
             return NpAnswer(echoed, echoed[:, :0], hidden_dtype)
-        starts = []
-        start = 0
-        for _, rows in segments:
-            starts.append(start)
-            start += rows
+        starts = segment_starts(segments)
         experts = [x for x, _ in segments]
         order = self._order(req.layer, experts)
         out: list[np.ndarray] = [hidden] * len(segments)  # each replaced by its segment's partials
@@ -157,6 +154,6 @@ class NumpyServicer(ServicerBase[NpAnswer]):
             partials = np.concatenate(out) if len(out) > 1 else out[0]
             projections = (np.concatenate(proj) if len(proj) > 1 else proj[0]) if req.projections else proj[0][:0]
         self.calls += 1
-        self.rows += start
+        self.rows += sum(rows for _, rows in segments)
         return NpAnswer(partials, projections, hidden_dtype)
 

@@ -17,6 +17,7 @@ from kvasir_rpc import (
     expert_forward_projections,
     expert_pb2,
     get_logger,
+    segment_starts,
     serialize_dispatch_response,
     slices_to_proto,
     threads_initializer,
@@ -166,11 +167,7 @@ class ExpertServicer(ServicerBase[tuple[torch.Tensor, torch.Tensor]]):
         # Activations sent narrower than the model are widened here; partials go back narrow.
         hidden = hidden.to(device=e.device, dtype=e.dtype)
         weights = weights.to(e.device)
-        starts = []
-        start = 0
-        for _, rows in segments:
-            starts.append(start)
-            start += rows
+        starts = segment_starts(segments)
         experts = [x for x, _ in segments]
         order = self._order(req.layer, experts)
         out: list[torch.Tensor] = [hidden] * len(segments)  # each replaced by its segment's partials
@@ -192,5 +189,5 @@ class ExpertServicer(ServicerBase[tuple[torch.Tensor, torch.Tensor]]):
                 partials = partials.to(wire_dtype)
                 projections = projections.to(wire_dtype)
         self.calls += 1
-        self.rows += start
+        self.rows += sum(rows for _, rows in segments)
         return partials, projections
