@@ -13,7 +13,14 @@ tiny checkpoint from one origin, answering Range requests as a checkpoint host d
   query parameters, joins through the gateway (sealed end to end with AES-256-GCM) and serves the
   other half; ``python -m backbone generate --compare-local`` gives the local run's tokens with
   every answer's row checks and audits passed, the ledger credits the page's wallet every byte
-  the hub counted, and a screenshot of the page is kept (its path printed).
+  the hub counted, and a screenshot of the page is kept (its path printed);
+* every family the swarm serves (tests/test_families.py, bfloat16 as released), one Chromium and
+  one static server for all: the tab is sent to the page with each ``kvasir conformance`` hub
+  (run_check, in this process) and passes every step; FP8, MXFP4 and compressed-tensors releases
+  are refused in the page's status from config.json alone;
+* the page's Chromium killed (SIGKILL) mid-decode, once a receipt of its work was credited: the
+  backbone computes its experts itself, the tokens are still the local run's, and the ledger
+  credits its session every byte the hub counted (never less than before the kill).
 
 Node, clients/ts's node_modules (``make node-deps``) and Debian's chromium are needed."""
 
@@ -297,3 +304,238 @@ def _check_wallet_file(browser, static, tmp_path: pathlib.Path, address: str) ->
     assert browser.eval("window.kvasirWorker.address()") == theirs.address
     browser.goto(_page_url(static, autostart="0"))
     assert _page_address(browser) == theirs.address
+
+
+# -- every family the swarm serves, one Chromium and one static server for all of them ----------------------------
+
+# Releases in a format the page does not decode (it has no FP8, MXFP4 or compressed-tensors
+# dequantization): it must refuse them in its status, not serve them. (model_type, quant)
+UNSERVED_RELEASES = [("qwen3_moe", "fp8"), ("deepseek_v3", "fp8"), ("gpt_oss", "mxfp4"), ("qwen3_moe", "ct-fp8")]
+
+
+def _served_families() -> list[str]:
+    from test_families import NOW_SERVED, SERVED_BEFORE, WALK_SERVED
+
+    return SERVED_BEFORE + NOW_SERVED + WALK_SERVED
+
+
+def _wait_phase(browser, phases: tuple[str, ...], timeout: float = DEADLINE_S) -> dict:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout
+    while True:
+        state = browser.eval("window.kvasirWorker ? window.kvasirWorker.state() : null") or {}
+        if state.get("phase") in phases:
+            return state
+        assert time.monotonic() < deadline, f"the page is not {'/'.join(phases)} within {timeout:g} s: {state}"
+        time.sleep(0.1)
+
+
+def _page_conformance(browser, static, name: str, model: pathlib.Path,  # type: ignore[no-untyped-def]
+                      log: pathlib.Path, **params: str) -> tuple[dict, dict]:
+    """``kvasir conformance`` (run_check, its hub in this process) with the shared Chromium's tab
+    as the worker: once the check's hub listens, the tab is sent to the page with the hub's URL
+    and the model ``/NAME/``'s URL; when the check ends, the tab goes to about:blank (the page's
+    worker ends with it). Returns the steps by name and what the worker said of itself."""
+    import threading
+
+    from kvasir.conformance import run_check
+
+    static.mounts[name] = model.resolve()
+    navigated: list[BaseException | None] = []
+
+    def navigate(url: str) -> None:
+        q = urllib.parse.urlencode({"hub": url, "model": f"{static.base}/{name}/", **params}, safe=":/")
+        try:
+            browser.goto(f"{static.base}/web/index.html?{q}")
+            navigated.append(None)
+        except BaseException as exc:  # noqa: BLE001 (reported below, after the check)
+            navigated.append(exc)
+
+    threads: list[threading.Thread] = []
+
+    def say_url(url: str) -> None:
+        threads.append(threading.Thread(target=navigate, args=(url,), daemon=True))
+        threads[-1].start()
+
+    try:
+        results, worker = run_check(model, worker_log=log, timeout_s=60, say_url=say_url)
+    finally:
+        for t in threads:
+            t.join(60)
+        state = browser.eval("window.kvasirWorker ? window.kvasirWorker.state() : null")
+        browser.goto("about:blank")
+    assert navigated == [None], navigated
+    steps = {r.step: r for r in results}
+    failed = {s: (r.status, r.detail) for s, r in steps.items() if r.status != PASS}
+    assert [r.step for r in results] == list(STEPS) and not failed, (name, failed, state)
+    return steps, worker
+
+
+@needs_chromium
+def test_the_page_passes_conformance_on_every_served_family_and_refuses_what_it_cannot_serve(
+        static, tmp_path_factory, tmp_path):
+    """One Chromium and one static server for every family the swarm serves (tests/test_families.py:
+    bfloat16, sharded, as released): the tab is sent to the page with each check's hub and each
+    model in turn and passes every step of ``kvasir conformance``; then, for each FP8, MXFP4 and
+    compressed-tensors release, the page says in its status that it cannot serve it and does not
+    dial (it has no dequantization of those formats)."""
+    from test_status_page import _Chromium
+
+    from kvasir.families import make_family_checkpoint
+
+    models = tmp_path_factory.mktemp("web-families")
+    browser = _Chromium(tmp_path, 800, 600)
+    timings: dict[str, float] = {}
+    try:
+        for model_type in _served_families():
+            model = make_family_checkpoint(models / model_type, model_type, dtype="bfloat16", shard="100KB")
+            t0 = time.monotonic()
+            steps, worker = _page_conformance(browser, static, f"fam-{model_type}", model,
+                                              tmp_path / f"{model_type}.log", e2e="auto")
+            timings[model_type] = time.monotonic() - t0
+            assert str(worker["worker_version"]).startswith("kvasir-web-worker") and worker["device"] == "browser"
+            assert "its projections pass the row checks" in steps["dispatch"].detail, (model_type, steps["dispatch"])
+            assert any(v in steps["dispatch"].detail for v in ("every row within the audit bound",
+                                                               "every row bitwise equal")), steps["dispatch"]
+        for model_type, quant in UNSERVED_RELEASES:
+            name = f"{model_type}-{quant}"
+            model = make_family_checkpoint(models / name, model_type, dtype="bfloat16", shard="100KB", quant=quant)
+            static.mounts[name] = model.resolve()
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                dead = s.getsockname()[1]
+            q = urllib.parse.urlencode({"hub": f"ws://127.0.0.1:{dead}", "model": f"{static.base}/{name}/"},
+                                       safe=":/")
+            browser.goto(f"{static.base}/web/index.html?{q}")
+            state = _wait_phase(browser, ("failed", "refused", "connected", "waiting"))
+            method = {"fp8": "fp8", "mxfp4": "mxfp4", "ct-fp8": "compressed-tensors"}[quant]
+            assert state["phase"] == "failed" and f"a quantized release (quant_method {method})" in state["detail"] \
+                and "serve it with the Python worker" in state["detail"], (name, state)
+            assert "not connected" in browser.eval("document.getElementById('status').textContent")
+            assert state["experts"] == 0 and state["calls"] == 0, state
+            # Refused from config.json alone: not one byte of the release's weights was fetched.
+            assert not [p for p, _ in static.requests if p.startswith(f"/{name}/") and p.endswith(".safetensors")]
+            browser.goto("about:blank")
+    finally:
+        browser.close()
+    print("\nconformance per family (s): " + ", ".join(f"{k} {v:.1f}" for k, v in timings.items()))
+
+
+# -- the page's tab killed mid-decode ---------------------------------------------------------------------------------
+
+
+def _descendants(pid: int) -> list[int]:
+    """The pids of ``pid``'s children, theirs, and so on (from /proc), children first."""
+    parents: dict[int, list[int]] = {}
+    for stat in pathlib.Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        parents.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    out: list[int] = []
+    todo = [pid]
+    while todo:
+        for child in parents.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out
+
+
+def _hub_counted(contrib_db: pathlib.Path, session_id: str) -> int:
+    """The bytes of work the hub counted for a session (its contribution store, read-only)."""
+    import sqlite3
+
+    db = sqlite3.connect(f"file:{contrib_db}?mode=ro", uri=True, timeout=10)
+    try:
+        row = db.execute("SELECT COALESCE(SUM(cumulative_bytes), 0) FROM work WHERE session_id = ?",
+                         (session_id,)).fetchone()
+    finally:
+        db.close()
+    return int(row[0])
+
+
+@needs_chromium
+def test_killing_the_page_mid_decode_changes_no_token_and_loses_no_receipted_credit(static, tmp_path):
+    """A live swarm (ledger, TLS gateway, a hub receipting every 0.5 s, a Python worker on experts
+    4-7, the page on 0-3 through the gateway) and a long decode: once the page has served calls
+    and the ledger has credited a receipt for its session, Chromium is killed (SIGKILL, the
+    browser and every process of it). The decode goes on: the backbone computes the page's
+    experts itself, and its tokens are still the local run's; the page's wallet keeps every
+    credit it had and, once the hub's receipts settle, is credited exactly the bytes the hub
+    counted for its session (what the backbone accepted from it before the kill)."""
+    import signal
+
+    from test_status_page import _Chromium
+
+    from kvasir.swarm import LocalSwarm
+
+    model = static.model
+    with LocalSwarm(tmp_path / "swarm") as sw:
+        sw.start_ledger()
+        sw.start_gateway()
+        sw.start_hub(gateway=True, receipt_interval=0.5)
+        sw.start_worker("python", model, "*:4-7")
+        sw.wait_sessions(1, watch=["python"])
+        browser = _Chromium(tmp_path, 800, 600)
+        backbone = None
+        try:
+            browser.send("Security.setIgnoreCertificateErrors", ignore=True)
+            browser.goto(_page_url(static, gateway=sw.gateway_url, experts="*:0-3"))
+            state = _wait_phase(browser, ("connected", "refused", "failed"))
+            assert state["phase"] == "connected" and state["experts"] == 16, state
+            address = browser.eval("window.kvasirWorker.address()")
+            page = next(s for s in sw.wait_sessions(2, watch=["python"]) if s.wallet == address)
+
+            backbone = sw.start_backbone(["--model", str(model), "--prompt", "a tab closed mid-decode", "--batch", "2",
+                                          "--max-new-tokens", "400", "--compare-local", "--wait-sessions", "2"])
+            # Served calls, and a receipt of them credited, while the decode still runs.
+            deadline = time.monotonic() + DEADLINE_S
+            while True:
+                assert backbone.poll() is None, "the decode ended before the page's work was credited: make it longer"
+                calls = browser.eval("window.kvasirWorker.state().calls")
+                before = sum(int(c.bytes) for c in sw.ledger_credits(address) if c.session_id == page.session_id)
+                if calls > 0 and before > 0:
+                    break
+                assert time.monotonic() < deadline, (calls, before)
+                time.sleep(0.1)
+            chromium = browser.proc.pid
+            for pid in [chromium, *_descendants(chromium)]:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            browser.proc.wait(10)
+            killed_while_decoding = backbone.poll() is None
+            result = sw.backbone_result(backbone, timeout=300)
+            backbone = None
+        finally:
+            if backbone is not None and backbone.poll() is None:
+                backbone.kill()
+                backbone.wait(10)
+            browser.close()
+        assert killed_while_decoding, "the decode ended before the kill: make it longer"
+        assert result["backbone_exit_code"] == 0, result
+        assert result["tokens_identical"] is True, result
+        assert result["verdict"] in ("within the audit bound, tokens identical", "bitwise equal"), result
+        # The page's experts after the kill: computed by the backbone itself.
+        assert result["local_rows"] > 0 or result["fallback_calls"] > 0, result
+        assert result["sessions_quarantined"] == [] and result["row_check_refusals"] == 0, result
+        work = result["work"]
+        assert isinstance(work, dict) and work[page.session_id]["rows"] > 0, work
+
+        # No credit lost: once the hub's receipts settle, the ledger holds, for the page's
+        # session, every byte the hub counted for it (and never less than before the kill).
+        contrib = tmp_path / "swarm" / "hub-contrib.sqlite"
+        deadline = time.monotonic() + 60
+        while True:
+            counted = _hub_counted(contrib, page.session_id)
+            credited = sum(int(c.bytes) for c in sw.ledger_credits(address) if c.session_id == page.session_id)
+            if credited == counted:
+                break
+            assert time.monotonic() < deadline, f"ledger credited {credited} of the {counted} B the hub counted"
+            time.sleep(0.2)
+        assert credited == counted == work[page.session_id]["bytes"] >= before > 0, (credited, counted, before, work)
+        print(f"\nkilled the page after {before} B credited; decode: {result['seconds']} s (stopped early on eos: "
+              f"{result.get('stopped_early')}), local rows "
+              f"{result['local_rows']}, fallback calls {result['fallback_calls']}; the page's session credited "
+              f"{credited} B = the hub's count")

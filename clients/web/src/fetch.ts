@@ -100,6 +100,22 @@ class SpanCache {
   }
 }
 
+/** A quantized release (FP8, MXFP4, compressed-tensors: config.json's quantization_config) is
+ *  refused before any weight is fetched: the page has no dequantization; the Python worker
+ *  serves those releases. */
+function refuseQuantized(base: string, cfg: Record<string, unknown>): void {
+  const text = cfg["text_config"];
+  for (const c of [cfg, typeof text === "object" && text !== null ? (text as Record<string, unknown>) : {}]) {
+    const q = c["quantization_config"];
+    if (typeof q !== "object" || q === null) continue;
+    const method = String((q as Record<string, unknown>)["quant_method"] ?? "unknown");
+    throw new CheckpointError(
+      `${base}: a quantized release (quant_method ${method}): this page serves float32, bfloat16 and ` +
+        `float16 weights only; serve it with the Python worker (python -m worker --model URL)`,
+    );
+  }
+}
+
 /** A checkpoint at a URL: its headers read, ready to fetch experts' bytes. */
 export class RemoteCheckpoint {
   readonly index: ExpertIndexCore;
@@ -124,6 +140,7 @@ export class RemoteCheckpoint {
     } catch (exc) {
       throw new CheckpointError(`${base}config.json: ${String(exc)}`);
     }
+    refuseQuantized(base, cfg);
     const indexText = await getText(`${base}model.safetensors.index.json`, true);
     const files = indexText !== undefined ? indexedFiles(indexText) : ["model.safetensors"];
     const tensors = new Map<string, TensorEntry>();
