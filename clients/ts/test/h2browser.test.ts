@@ -218,6 +218,9 @@ test("src/h2 in headless Chromium writes the bytes it writes under Node", { skip
       await within(new Promise<void>((r) => web.close(() => r())), 5000, "close");
     }
   } finally {
-    rmSync(dir, { recursive: true, force: true });
+    // Chromium's helpers may still write into its profile for a moment after it is killed.
+    try {
+      rmSync(dir, { recursive: true, force: true, maxRetries: 10, retryDelay: 200 });
+    } catch {}
   }
 });
