@@ -38,6 +38,7 @@ import time
 import urllib.parse
 
 import pytest
+from helpers import wait_until
 
 from kvasir.conformance import PASS, STEPS
 
@@ -168,13 +169,7 @@ def test_the_page_crypto_against_the_vectors(static, tmp_path):
             s.bind(("127.0.0.1", 0))
             dead = s.getsockname()[1]
         browser.goto(_page_url(static, hub=f"ws://127.0.0.1:{dead}"))
-        deadline = time.monotonic() + DEADLINE_S
-        while True:
-            state = browser.eval("window.kvasirWorker && window.kvasirWorker.state()") or {}
-            if state.get("phase") == "waiting":
-                break
-            assert time.monotonic() < deadline, state
-            time.sleep(0.1)
+        state = _wait_phase(browser, ("waiting",))
         assert "could not connect" in state["detail"] and "dialling again" in state["detail"], state
         assert "not connected" in browser.eval("document.getElementById('status').textContent")
         browser.eval("window.kvasirWorker.stop()")
@@ -212,13 +207,7 @@ def test_a_page_joins_a_live_swarm_through_the_gateway_and_is_credited(static, t
             url = _page_url(static, gateway=sw.gateway_url, experts="*:0-3", ledger=sw.ledger_address)
             t0 = time.monotonic()
             browser.goto(url)
-            deadline = time.monotonic() + DEADLINE_S
-            state: dict = {}
-            while time.monotonic() < deadline:
-                state = browser.eval("window.kvasirWorker && window.kvasirWorker.state()") or {}
-                if state.get("phase") in ("connected", "refused", "failed"):
-                    break
-                time.sleep(0.2)
+            state = _wait_phase(browser, ("connected", "refused", "failed"))
             assert state.get("phase") == "connected", json.dumps(state, indent=1)
             joined_s = time.monotonic() - t0
             assert state["encrypted"] is True and state["experts"] == 16, state
@@ -252,10 +241,13 @@ def test_a_page_joins_a_live_swarm_through_the_gateway_and_is_credited(static, t
 
             shot = tmp_path / "web-worker-page.png"
             browser.eval("window.scrollTo(0, 0)")
-            time.sleep(0.6)  # one render of the page's counters (every 0.5 s)
+            # The page renders its counters every 0.5 s: the screenshot waits for a render that shows them.
+            want = ("connected", address, f"kvasir balance --wallet {address}")
+            wait_until(lambda: all(w in browser.eval("document.body.innerText") for w in want), DEADLINE_S,
+                       "the page's status to show the session, its wallet and the balance command")
             browser.screenshot(shot, full=True)
             text = browser.eval("document.body.innerText")
-            assert "connected" in text and address in text and f"kvasir balance --wallet {address}" in text, text
+            assert all(w in text for w in want), text
             print(f"\nscreenshot of the page: {shot}")
             print(f"page joined (loaded, fetched, connected through the gateway) {joined_s:.2f} s after navigation; "
                   f"first call {state['firstCallMs']} ms after start; {state['calls']} calls, {state['rows']} rows "
