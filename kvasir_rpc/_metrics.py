@@ -13,6 +13,7 @@ record); ``StatsCollector`` turns that record into metric families only when scr
 from __future__ import annotations
 
 import socket
+import sys
 import socketserver
 import threading
 from collections.abc import Callable, Iterable, Mapping
@@ -40,6 +41,9 @@ METRICS_PATH = "/metrics"
 LATENCY_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 # A scraper that connects and sends nothing (or reads nothing) holds one thread this long at most.
 _CLIENT_TIMEOUT_S = 10.0
+#: Connections served at once (a thread each); one more is closed unanswered at once, so a client
+#: that opens many and sends nothing holds at most this many threads, each for _CLIENT_TIMEOUT_S.
+MAX_HTTP_CONNECTIONS = 64
 
 
 def latency_histogram(name: str, documentation: str, registry: CollectorRegistry,
@@ -97,6 +101,39 @@ class StatsCollector(Collector):
 class _Server(ThreadingMixIn, WSGIServer):
     daemon_threads = True
     allow_reuse_address = False
+    max_connections = MAX_HTTP_CONNECTIONS
+    # The listen backlog: at socketserver's 5, a burst of connections past it waits for the
+    # kernel's SYN-ACK retries (seconds) before this server even sees it.
+    request_queue_size = 128
+
+    def __init__(self, *args: Any, **kw: Any) -> None:
+        self._slots = threading.BoundedSemaphore(self.max_connections)
+        self.refused = 0
+        super().__init__(*args, **kw)
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        # Before a thread is made: past the cap the connection is closed unanswered.
+        if not self._slots.acquire(blocking=False):
+            self.refused += 1
+            self.shutdown_request(request)
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self._slots.release()
+            raise
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        # A client that went quiet past the timeout, or went away, is not a traceback on stderr.
+        if isinstance(sys.exc_info()[1], (TimeoutError, ConnectionError)):
+            return
+        super().handle_error(request, client_address)
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()
 
     def server_bind(self) -> None:
         # HTTPServer's own looks the host's name up (socket.getfqdn): a DNS wait for nothing.
@@ -117,24 +154,36 @@ class _QuietHandler(WSGIRequestHandler):
         pass  # a scrape every few seconds is not news
 
 
-def _only_metrics(app: Any) -> Any:
+def _routed(app: Any, routes: Mapping[str, Any]) -> Any:
+    where = ", ".join([METRICS_PATH, *(f"{prefix}..." for prefix in routes)])
+
     def route(environ: dict[str, Any], start_response: Any) -> Any:
-        if environ.get("PATH_INFO") != METRICS_PATH:
-            start_response("404 Not Found", [("Content-Type", "text/plain; charset=utf-8")])
-            return [f"not found; metrics are at {METRICS_PATH}\n".encode()]
-        return app(environ, start_response)
+        path = environ.get("PATH_INFO") or ""
+        if path == METRICS_PATH:
+            return app(environ, start_response)
+        for prefix, other in routes.items():
+            if path.startswith(prefix):
+                return other(environ, start_response)
+        start_response("404 Not Found", [("Content-Type", "text/plain; charset=utf-8")])
+        return [f"not found; this server answers {where}\n".encode()]
 
     return route
 
 
-def serve_metrics(registry: CollectorRegistry, host: str, port: int) -> tuple[Callable[[], None], int]:
-    """Serve ``registry`` at ``http://HOST:PORT/metrics`` (Prometheus text format; other paths
-    answer 404) from a daemon thread; port 0 picks a free port. Returns ``(stop, bound
-    port)``: ``stop()`` closes the listening socket and waits for the thread (idempotent).
-    Raises OSError when the address cannot be bound."""
+def serve_metrics(registry: CollectorRegistry, host: str, port: int, *,
+                  routes: Mapping[str, Any] | None = None) -> tuple[Callable[[], None], int]:
+    """Serve ``registry`` at ``http://HOST:PORT/metrics`` (Prometheus text format), and each
+    WSGI app of ``routes`` at the paths starting with its key (``"/v1/balance/"``); other paths
+    answer 404. From a daemon thread, a thread per connection, at most MAX_HTTP_CONNECTIONS at
+    once; port 0 picks a free port. Returns ``(stop, bound port)``: ``stop()`` closes the
+    listening socket and waits for the thread (idempotent). Raises OSError when the address
+    cannot be bound."""
+    for prefix in routes or {}:
+        if not prefix.startswith("/") or prefix.startswith(METRICS_PATH):
+            raise ValueError(f"a route's prefix starts with / and is not under {METRICS_PATH}, got {prefix!r}")
     server_class = _Server6 if ":" in host else _Server
-    httpd = make_server(host, port, _only_metrics(make_wsgi_app(registry)), server_class=server_class,
-                        handler_class=_QuietHandler)
+    httpd = make_server(host, port, _routed(make_wsgi_app(registry), dict(routes or {})),
+                        server_class=server_class, handler_class=_QuietHandler)
     bound = int(httpd.server_address[1])
     thread = threading.Thread(target=httpd.serve_forever, kwargs={"poll_interval": 0.5},
                               name=f"metrics-{bound}", daemon=True)

@@ -84,11 +84,13 @@ def run_serve(args: argparse.Namespace) -> int:
         metrics = stop_metrics = http_port = None
         if args.http is not None:
             from kvasir_rpc import as_listen_error, serve_metrics
+            from ledger._http import BALANCE_PREFIX, balance_app
             from ledger._metrics import LedgerMetrics
 
             metrics = LedgerMetrics(store)
             try:
-                stop_metrics, http_port = serve_metrics(metrics.registry, *args.http)
+                stop_metrics, http_port = serve_metrics(metrics.registry, *args.http,
+                                                        routes={BALANCE_PREFIX: balance_app(store)})
             except OSError as exc:  # taken since check_listen
                 err = as_listen_error(hostport_text(*args.http), exc)
                 fail(err.line("ledger", "--http") if err is not None else f"ledger: --http: {exc}")
@@ -149,8 +151,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="a hub's Ed25519 public key (64 hex) whose receipts count; repeat for more hubs")
     serve.add_argument("--rate-nano-per-byte", type=int, default=7, help="nano-KVR per byte (7 = 0.007 KVR per 10^6 bytes)")
     serve.add_argument("--http", type=hostport(), metavar="HOST:PORT",
-                       help="serve Prometheus metrics at http://HOST:PORT/metrics (port 0: any free port, written "
-                            "to --ready-file as http_port); off without it. Totals only, no wallet addresses")
+                       help="serve Prometheus metrics at http://HOST:PORT/metrics (totals only, no wallet addresses) "
+                            "and a wallet's balance as JSON at /v1/balance/WALLET, readable by a web page on any "
+                            "origin (port 0: any free port, written to --ready-file as http_port); off without it")
     serve.add_argument("--ready-file", type=pathlib.Path,
                        help="write {port, http_port} here (atomically) once listening")
     serve.add_argument("--workers", type=int, default=8, help="concurrent calls, and database connections")

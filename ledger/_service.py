@@ -23,12 +23,13 @@ from kvasir_rpc import (
     ledger_pb2_grpc,
     start_with_health,
 )
-from ledger._store import MAX_RATE_NANO_PER_BYTE, LedgerStore, StoreError, StoreUnavailable
+from ledger._store import MAX_RATE_NANO_PER_BYTE, Balance, LedgerStore, StoreError, StoreUnavailable
 
 if TYPE_CHECKING:
     from ledger._metrics import LedgerMetrics
 
-__all__ = ["DEFAULT_PAGE_SIZE", "MAX_BATCH", "MAX_PAGE_SIZE", "LedgerServicer", "create_server", "serve_ledger"]
+__all__ = ["DEFAULT_PAGE_SIZE", "MAX_BATCH", "MAX_PAGE_SIZE", "LedgerServicer", "balance_response", "create_server",
+           "serve_ledger"]
 
 log = get_logger("ledger.service")
 
@@ -42,6 +43,14 @@ _TOKEN_PREFIX = "c1:"
 def _abort(context: grpc.ServicerContext, code: grpc.StatusCode, message: str) -> NoReturn:
     context.abort(code, message)
     raise AssertionError("context.abort returned")  # it raises; this tells type checkers
+
+
+def balance_response(b: Balance) -> ledger_pb2.GetBalanceResponse:
+    """A wallet's balance as GetBalance answers it (and the HTTP read, ledger/_http.py)."""
+    return ledger_pb2.GetBalanceResponse(
+        wallet=b.wallet, pending_nano_kvr=b.pending_nano_kvr, pending_kvr=format_kvr(b.pending_nano_kvr),
+        bytes_credited=b.bytes_credited, units=format_units(b.bytes_credited), credit_count=b.credit_count,
+    )
 
 
 def _check_wallet(context: grpc.ServicerContext, wallet: str) -> None:
@@ -119,11 +128,7 @@ class LedgerServicer(ledger_pb2_grpc.LedgerServiceServicer):
         self, request: ledger_pb2.GetBalanceRequest, context: grpc.ServicerContext
     ) -> ledger_pb2.GetBalanceResponse:
         _check_wallet(context, request.wallet)
-        b = self._store_call(context, "GetBalance", self._store.balance, request.wallet)
-        return ledger_pb2.GetBalanceResponse(
-            wallet=b.wallet, pending_nano_kvr=b.pending_nano_kvr, pending_kvr=format_kvr(b.pending_nano_kvr),
-            bytes_credited=b.bytes_credited, units=format_units(b.bytes_credited), credit_count=b.credit_count,
-        )
+        return balance_response(self._store_call(context, "GetBalance", self._store.balance, request.wallet))
 
     def ListCredits(
         self, request: ledger_pb2.ListCreditsRequest, context: grpc.ServicerContext
