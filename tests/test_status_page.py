@@ -246,7 +246,8 @@ class _Chromium:
     it reads commands on fd 3 and writes answers and events on fd 4, NUL-terminated JSON), one
     page attached. Enough of the protocol for a test: commands, awaited events, evaluation."""
 
-    def __init__(self, tmp_path: pathlib.Path, width: int, height: int) -> None:
+    def __init__(self, tmp_path: pathlib.Path, width: int, height: int, flags: tuple[str, ...] = ()) -> None:
+        """``flags``: more of Chromium's flags (``--enable-unsafe-webgpu`` gives a page WebGPU)."""
         import fcntl
 
         profile = tmp_path / "chromium-cdp-profile"
@@ -260,7 +261,7 @@ class _Chromium:
         self._log = (tmp_path / "chromium-cdp.log").open("wb")
         args = ["--headless", "--no-sandbox", "--disable-gpu", "--no-first-run", "--disable-dev-shm-usage",
                 f"--user-data-dir={profile}", "--remote-debugging-pipe", f"--window-size={width},{height}",
-                "--hide-scrollbars", "about:blank"]
+                "--hide-scrollbars", *flags, "about:blank"]
         self.proc = subprocess.Popen(["bash", "-c", f'exec "$0" "$@" 3<&{ins} 4>&{outs} {ins}<&- {outs}>&-',
                                       CHROMIUM, *args], pass_fds=(ins, outs), stdin=subprocess.DEVNULL,
                                      stdout=self._log, stderr=subprocess.STDOUT)

@@ -17,12 +17,9 @@ import {
   encodeTensor,
   floatValues,
   rounder,
-  unitRoundoff,
-  wider,
   type FloatDType,
 } from "../src/worker/dtype.js";
 import {
-  activation,
   ACTIVATION_NAMES,
   defaultFunction,
   jsExpertForward,
@@ -33,6 +30,7 @@ import {
   type ExpertResult,
 } from "../src/worker/expert.js";
 import { functionFromProto } from "../src/worker/function.js";
+import { kernelTolerance, worst } from "./kernel_bounds.js";
 import { computeDispatch, ServedExperts } from "../src/worker/service.js";
 import { WASM_ACTIVATIONS, WasmKernel, WasmMemoryError, wasmExpertForward } from "../src/wasm/kernel.js";
 
@@ -148,110 +146,13 @@ function randomExpert(c: Case, H: number, I: number, n: number, seed: number): E
 // -- the tolerance ---------------------------------------------------------------------------
 
 /**
- * The most |WASM - JS| of each projection and each output element, from a first-order error
- * analysis of the two kernels on the same inputs (JS: float64 sums rounded once; WASM: float32
- * sums; every later step the same float32 operations, so the two differ only by what the sums'
- * difference carries through and by roundings it can tip the other way):
- *
- * - a sum over K (padded to K8) in the WASM kernel goes through at most K8/8 + 4 float32
- *   roundings per term (the product, the pair, K8/8 accumulations, two in the lanes' sum):
- *   |err| <= (K8/8 + 5) u_a S, S = sum |a_k x_k|, u_a = 2^-24 (float32 accumulation); the float64
- *   sum's error is below u_a S / 2^29 and is in the +1;
- * - each rounding to a dtype of unit roundoff u may land one unit either side on the two
- *   kernels: 2 u |v| (plus the dtype's smallest spacing near zero) for each rounded value v;
- * - the gate h = A(g) B(u) is 1.25-Lipschitz in g (silu, gelu and gpt-oss's g sigmoid(1.702 g)
- *   slope at most 1.1; relu 1) and 1-Lipschitz in u (clamps too), and each of its rounded
- *   operations adds its own 2 u |v|; the transcendental functions (exp, tanh, erf: V8's against
- *   AssemblyScript's, each within an ulp of float64) add 4 u_a (|A| + |g|);
- * - y = D h adds |D| (the h differences) to the sum's own error; out = y w multiplies by |w|.
- *
- * The test allows twice this (second-order terms), element by element.
+ * The most |WASM - JS| of each projection and each output element (test/kernel_bounds.ts): a
+ * sum over K (padded to K8) in the WASM kernel goes through at most K8/8 + 4 float32 roundings
+ * per term (the product, the pair, K8/8 accumulations, two in the lanes' sum), so K8/8 + 5 with
+ * the float64 sum's error.
  */
 function tolerance(c: Case, e: Expert, js: ExpertResult): { proj: Float64Array; out: Float64Array } {
-  const { fn, dtype } = c;
-  const { H, I, GU, D } = e.m;
-  const n = e.weights.length;
-  const ua = 2 ** -24;
-  const uc = unitRoundoff(dtype);
-  const uo = unitRoundoff(wider(dtype, c.weightsDType));
-  const tiny = dtype === "float16" ? 2 ** -24 : dtype === "bfloat16" ? 2 ** -133 : 2 ** -149;
-  const flip = (v: number): number => 2 * uc * Math.abs(v) + tiny;
-  const accH = (Math.ceil(H / 8) + 5) * ua;
-  const accI = (Math.ceil(I / 8) + 5) * ua;
-  const act = fn.gate === "clamped_swiglu" ? undefined : activation(fn.activation)!;
-  const alpha = Math.fround(fn.alpha);
-  const limit = Math.fround(fn.limit);
-  const proj = new Float64Array(n * 2 * I);
-  const out = new Float64Array(n * H);
-  const dh = new Float64Array(I);
-  const hAbs = new Float64Array(I);
-  for (let r = 0; r < n; r++) {
-    const x = e.rows.subarray(r * H, r * H + H);
-    const p = js.proj.subarray(r * 2 * I, (r + 1) * 2 * I);
-    for (let j = 0; j < 2 * I; j++) {
-      let S = 0;
-      for (let k = 0; k < H; k++) S += Math.abs(GU[j * H + k]! * x[k]!);
-      const b = e.m.biasGU?.[j] ?? 0;
-      proj[r * 2 * I + j] = accH * S + flip(Math.abs(p[j]!) + Math.abs(b)) + (e.m.biasGU ? flip(p[j]!) : 0);
-    }
-    for (let j = 0; j < I; j++) {
-      const g = p[j]!;
-      const u = p[I + j]!;
-      const dg = proj[r * 2 * I + j]!;
-      const du = proj[r * 2 * I + I + j]!;
-      let A: number, B: number, dA: number;
-      if (fn.gate === "clamped_swiglu") {
-        const gc = Math.min(g, limit);
-        const t = gc * alpha;
-        const sig = 1 / (1 + Math.exp(-t));
-        A = gc * sig;
-        B = Math.max(-limit, Math.min(u, limit)) + 1;
-        // t, sigmoid (its slope relative to t: t (1 - sig)) and g' sig each rounded
-        dA = 1.25 * dg + Math.abs(gc) * (flip(sig) + sig * (1 - sig) * flip(t)) + flip(A);
-        dA += 4 * ua * (Math.abs(A) + Math.abs(gc));
-      } else {
-        const gc = fn.gate === "clamped_glu" ? Math.min(g, limit) : g;
-        A = act!(gc);
-        B = fn.gate === "clamped_glu" ? Math.max(-limit, Math.min(u, limit)) : u;
-        dA = 1.25 * dg + flip(A) + 4 * ua * (Math.abs(A) + Math.abs(gc));
-      }
-      const dB = du + (fn.gate === "clamped_swiglu" ? flip(B) : 0);
-      hAbs[j] = Math.abs(A * B);
-      dh[j] = Math.abs(B) * dA + Math.abs(A) * dB + flip(A * B);
-    }
-    const w = Math.abs(e.weights[r]!);
-    for (let i = 0; i < H; i++) {
-      let S = 0;
-      let carried = 0;
-      for (let j = 0; j < I; j++) {
-        S += Math.abs(D[i * I + j]!) * hAbs[j]!;
-        carried += Math.abs(D[i * I + j]!) * dh[j]!;
-      }
-      const y = w > 0 ? Math.abs(js.out[r * H + i]!) / w : 0;
-      const b = e.m.biasD?.[i] ?? 0;
-      const dy = carried + accI * S + flip(y + Math.abs(b)) + (e.m.biasD ? flip(y) : 0);
-      out[r * H + i] = w * dy + 2 * uo * Math.abs(js.out[r * H + i]!) + tiny;
-    }
-  }
-  for (let i = 0; i < proj.length; i++) proj[i]! *= 2;
-  for (let i = 0; i < out.length; i++) out[i]! *= 2;
-  return { proj, out };
-}
-
-/** The largest |got - want| / bound (<= 1 passes), and where. */
-type Values = ArrayLike<number>;
-function worst(got: Values, want: Values, bound: Values): { ratio: number; at: number } {
-  let ratio = 0;
-  let at = -1;
-  for (let i = 0; i < want.length; i++) {
-    const d = Math.abs(got[i]! - want[i]!);
-    const q = d === 0 ? 0 : d / bound[i]!;
-    if (!(q <= ratio)) {
-      ratio = q;
-      at = i;
-    }
-  }
-  return { ratio, at };
+  return kernelTolerance(c.fn, c.dtype, c.weightsDType, e, js, (K) => Math.ceil(K / 8) + 5);
 }
 
 test("WASM kernel agrees with the JS kernel: every function, dtype, odd widths, 1, 3, 17, 128 rows", async (t) => {
@@ -413,7 +314,7 @@ test("expert_compute 'dispatch' vectors: Dispatch computed by the WASM kernel (-
   useExpertKernel(wasmExpertForward(k));
   try {
     for (const c of v.dispatch) {
-      const resp = computeDispatch(served, fromBinary(DispatchRequestSchema, fromHex(c.dispatch_request_hex)));
+      const resp = await computeDispatch(served, fromBinary(DispatchRequestSchema, fromHex(c.dispatch_request_hex)));
       const p = resp.partials!;
       assert.equal(p.callId, BigInt(c.call_id), c.name);
       const got = decodeTensor(p.partials);

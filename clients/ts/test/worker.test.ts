@@ -7,7 +7,7 @@ import { join } from "node:path";
 import { test } from "node:test";
 
 import { create, fromBinary, toBinary } from "@bufbuild/protobuf";
-import { Code } from "@connectrpc/connect";
+import { Code, ConnectError } from "@connectrpc/connect";
 
 import { DispatchRequestSchema, ExpertSegmentSchema, type DispatchRequest } from "../src/gen/kvasir/v1/expert_pb.js";
 import { SessionAcceptSchema, SessionHelloSchema } from "../src/gen/kvasir/v1/session_pb.js";
@@ -29,9 +29,17 @@ import {
   TensorCodecError,
   type FloatDType,
 } from "../src/worker/dtype.js";
-import { defaultFunction, erf, expertForward, matricesFromStored, type ExpertFunction } from "../src/worker/expert.js";
+import {
+  defaultFunction,
+  erf,
+  expertForward,
+  jsExpertForward,
+  matricesFromStored,
+  useExpertKernel,
+  type ExpertFunction,
+} from "../src/worker/expert.js";
 import { acceptSignedMessage, transcriptHash, verifySignature, Wallet, WorkerHandshake } from "../src/worker/handshake.js";
-import { computeDispatch, DispatchError, loadExperts, ServedExperts } from "../src/worker/service.js";
+import { computeDispatch, DispatchError, ExpertServiceCore, loadExperts, ServedExperts } from "../src/worker/service.js";
 import { WorkerTunnel } from "../src/worker/tunnel.js";
 
 const VECTORS = join(import.meta.dirname, "..", "..", "..", "tests", "vectors");
@@ -315,19 +323,19 @@ function close(got: number, want: number, ulps: number, dtype: FloatDType): bool
   return Math.abs(got - want) <= ulps * u * Math.max(Math.abs(want), 2 ** -10);
 }
 
-test("expert_compute 'single': one expert over three rows", () => {
+test("expert_compute 'single': one expert over three rows", async () => {
   const v = vectors("expert_compute");
   const s = v.single;
   const [n, H] = s.hidden.shape as [number, number];
   const I = s.down.shape[1] as number;
   const m = matricesFromStored(defaultFunction(s.activation), H, I, values(s.gate_up), values(s.down));
-  const res = expertForward(defaultFunction(s.activation), "float32", m, values(s.hidden), values(s.routing_weights), "float32");
+  const res = await expertForward(defaultFunction(s.activation), "float32", m, values(s.hidden), values(s.routing_weights), "float32");
   assert.equal(res.out.length, n * H);
   const want = values(s.output);
   for (let i = 0; i < want.length; i++) assert.ok(close(res.out[i]!, want[i]!, 2, "float32"), `element ${i}: ${res.out[i]} vs ${want[i]}`);
 });
 
-test("expert_compute 'functions': each expert function's announcement, projections (exact) and partials", () => {
+test("expert_compute 'functions': each expert function's announcement, projections (exact) and partials", async () => {
   for (const c of vectors("expert_compute").functions) {
     const f = c.function;
     const fn = functionFromProto(fromBinary(ExpertFunctionSchema, fromHex(c.function_proto_hex)), "silu");
@@ -341,7 +349,7 @@ test("expert_compute 'functions': each expert function's announcement, projectio
     const I = (c.projections.shape[1] as number) / 2;
     const biases = fn.bias ? { gateUp: values(c.gate_up_bias), down: values(c.down_bias) } : undefined;
     const m = matricesFromStored(fn, H, I, values(c.gate_up), values(c.down), biases);
-    const res = expertForward(fn, dtype, m, values(c.hidden), values(c.routing_weights), c.routing_weights.dtype);
+    const res = await expertForward(fn, dtype, m, values(c.hidden), values(c.routing_weights), c.routing_weights.dtype);
     assert.equal(toHex(encodeTensor(dtype, [n, 2 * I], res.proj).data), c.projections.data_hex, `${c.name}: projections`);
     const got = floatValues(decodeTensor(encodeTensor(dtype, [n, H], res.out)));
     const want = values(c.output);
@@ -373,11 +381,11 @@ function vectorExperts(v: Json, fn: ExpertFunction = defaultFunction(v.model.hid
   return new ServedExperts(weights, fn, v.model.dtype, H, I, "qwen3_moe", new Map([[0, experts]]), new Uint8Array(32));
 }
 
-test("expert_compute 'dispatch': partials (within a few ulps) and projections (exact bytes) of each call", () => {
+test("expert_compute 'dispatch': partials (within a few ulps) and projections (exact bytes) of each call", async () => {
   const v = vectorExperts(vectors("expert_compute"));
   for (const c of vectors("expert_compute").dispatch) {
     const req = fromBinary(DispatchRequestSchema, fromHex(c.dispatch_request_hex));
-    const resp = computeDispatch(v, req);
+    const resp = await computeDispatch(v, req);
     const p = resp.partials!;
     assert.equal(p.callId, BigInt(c.call_id), c.name);
     const got = decodeTensor(p.partials);
@@ -394,7 +402,60 @@ test("expert_compute 'dispatch': partials (within a few ulps) and projections (e
   }
 });
 
-test("Dispatch refuses bad calls with the status of PROTOCOL.md 9.3", () => {
+test("Dispatch with an asynchronous kernel (WebGPU's): each segment awaited; computing, calls, rows and drain follow it", async () => {
+  const v = vectorExperts(vectors("expert_compute"));
+  const c = vectors("expert_compute").dispatch[0];
+  const req = fromBinary(DispatchRequestSchema, fromHex(c.dispatch_request_hex));
+  const want = await computeDispatch(v, req); // by the JS kernel
+  const core = new ExpertServiceCore(v, { wallet: "0x00", device: "test" });
+  // A kernel whose results come later, when the test releases them: jsExpertForward's, deferred.
+  const pending: (() => void)[] = [];
+  let started = 0;
+  useExpertKernel((...args) => {
+    started++;
+    return new Promise((resolve) => pending.push(() => resolve(jsExpertForward(...args))));
+  });
+  const settle = async (what: string, done: () => boolean): Promise<void> => {
+    for (let i = 0; i < 1000 && !done(); i++) await new Promise((r) => setImmediate(r));
+    assert.ok(done(), what);
+  };
+  try {
+    // Two calls on one stream: the second arrives once the worker drains.
+    const answers = core.dispatch((async function* () {
+      yield req;
+      yield req;
+    })())[Symbol.asyncIterator]();
+    const first = answers.next();
+    await settle("the first segment started", () => started === 1);
+    assert.equal(core.computing, 1);
+    assert.equal(core.calls, 0);
+    let drained: boolean | undefined;
+    void core.drain(30_000).then((ok) => (drained = ok));
+    assert.ok(req.segments.length >= 1);
+    for (let segment = 1; segment <= req.segments.length; segment++) {
+      await settle(`segment ${segment} started`, () => started === segment && pending.length === 1);
+      assert.equal(drained, undefined, "drain waits for the call being computed");
+      assert.equal(core.computing, 1);
+      pending.shift()!();
+    }
+    const answer = await first;
+    assert.equal(answer.done, false);
+    assert.equal(core.computing, 0);
+    assert.equal(core.calls, 1);
+    assert.equal(core.rows, req.segments.reduce((a, s) => a + s.rows, 0));
+    await settle("drain resolved once idle", () => drained === true);
+    const got = answer.value!.partials!;
+    assert.deepEqual(got.partials, want.partials!.partials, "the partials of the synchronous JS kernel");
+    assert.deepEqual(got.projections, want.partials!.projections);
+    // Draining: the next call is refused (UNAVAILABLE), and computed by no kernel.
+    await assert.rejects(answers.next(), (e: unknown) => e instanceof ConnectError && e.code === Code.Unavailable);
+    assert.equal(started, req.segments.length);
+  } finally {
+    useExpertKernel();
+  }
+});
+
+test("Dispatch refuses bad calls with the status of PROTOCOL.md 9.3", async () => {
   const v = vectorExperts(vectors("expert_compute"));
   const good = fromBinary(DispatchRequestSchema, fromHex(vectors("expert_compute").dispatch[0].dispatch_request_hex));
   const variant = (change: (r: DispatchRequest) => void): DispatchRequest => {
@@ -418,7 +479,7 @@ test("Dispatch refuses bad calls with the status of PROTOCOL.md 9.3", () => {
     ["a layer not held", variant((r) => (r.layer = 3)), Code.FailedPrecondition],
   ];
   for (const [name, req, code] of cases) {
-    assert.throws(() => computeDispatch(v, req), (e: unknown) => e instanceof DispatchError && e.code === code, name);
+    await assert.rejects(computeDispatch(v, req), (e: unknown) => e instanceof DispatchError && e.code === code, name);
   }
   // A call of no assignments is valid: [0, H] partials.
   const empty = variant((r) => {
@@ -429,7 +490,7 @@ test("Dispatch refuses bad calls with the status of PROTOCOL.md 9.3", () => {
     r.segments = [];
     r.rowIndex = [];
   });
-  assert.deepEqual(decodeTensor(computeDispatch(v, empty).partials!.partials).shape, [0, 4]);
+  assert.deepEqual(decodeTensor((await computeDispatch(v, empty)).partials!.partials).shape, [0, 4]);
 });
 
 // -- the checkpoint ------------------------------------------------------------------------------------
@@ -451,7 +512,7 @@ function writeSafetensors(path: string, tensors: Record<string, { shape: number[
   writeFileSync(path, concat(len, json, ...blobs));
 }
 
-test("a checkpoint's per-expert and fused forms give the same experts, digest and partials", () => {
+test("a checkpoint's per-expert and fused forms give the same experts, digest and partials", async () => {
   const dir = mkdtempSync(join(tmpdir(), "kvasir-ts-worker-"));
   try {
     const H = 4;
@@ -490,8 +551,8 @@ test("a checkpoint's per-expert and fused forms give the same experts, digest an
     assert.deepEqual([...only.slices], [[1, [1]]]);
     const x = Float32Array.from(val(9, H));
     for (const e of [0, 1]) {
-      const ra = expertForward(a.fn, "float32", a.get(1, e)!, x, [0.5], "float32");
-      const rb = expertForward(b.fn, "float32", b.get(1, e)!, x, [0.5], "float32");
+      const ra = await expertForward(a.fn, "float32", a.get(1, e)!, x, [0.5], "float32");
+      const rb = await expertForward(b.fn, "float32", b.get(1, e)!, x, [0.5], "float32");
       assert.deepEqual([...ra.out], [...rb.out]);
     }
   } finally {

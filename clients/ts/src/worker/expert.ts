@@ -188,8 +188,16 @@ export interface ExpertResult {
   proj: Float32Array;
 }
 
-/** A kernel computing experts: jsExpertForward below, or the WASM-SIMD one (src/wasm/kernel.ts). */
-export type ExpertKernel = typeof jsExpertForward;
+/** A kernel computing experts: jsExpertForward below, the WASM-SIMD one (src/wasm/kernel.ts),
+ * or the WebGPU one (src/webgpu/kernel.ts), whose results come back asynchronously. */
+export type ExpertKernel = (
+  fn: ExpertFunction,
+  dtype: FloatDType,
+  m: ExpertMatrices,
+  rows: Float32Array,
+  weights: ArrayLike<number>,
+  weightsDType: FloatDType,
+) => ExpertResult | Promise<ExpertResult>;
 
 let kernel: ExpertKernel = jsExpertForward;
 
@@ -198,7 +206,8 @@ export function useExpertKernel(k?: ExpertKernel): void {
   kernel = k ?? jsExpertForward;
 }
 
-/** One expert over `n` rows, by the kernel in use (useExpertKernel; jsExpertForward unless set). */
+/** One expert over `n` rows, by the kernel in use (useExpertKernel; jsExpertForward unless set):
+ * the result, or a promise of it from an asynchronous kernel (WebGPU's). */
 export function expertForward(
   fn: ExpertFunction,
   dtype: FloatDType,
@@ -206,8 +215,77 @@ export function expertForward(
   rows: Float32Array,
   weights: ArrayLike<number>,
   weightsDType: FloatDType,
-): ExpertResult {
+): ExpertResult | Promise<ExpertResult> {
   return kernel(fn, dtype, m, rows, weights, weightsDType);
+}
+
+/**
+ * The elementwise steps of one expert, around its two matrix products: what jsExpertForward
+ * does with each sum, and what a kernel that computes only the sums (src/webgpu/kernel.ts) does
+ * with its own, so the two differ only by the sums' summation order (PROTOCOL.md 11, "Precision").
+ */
+export interface ExpertSteps {
+  /** The dtype of `out`: the wider of the compute dtype and the routing weights'. */
+  readonly outDType: FloatDType;
+  /** Projection j ([g | u], j < 2I) from its sum over H: rounded once to the compute dtype, then its bias added. */
+  proj(s: number, j: number): number;
+  /** h [I] of one row into `h` at `o`, from its projections `proj` [g | u] at `p`, each step rounded. */
+  gate(proj: Float32Array, p: number, h: Float32Array, o: number): void;
+  /** Output i (< H) from its sum over I and the row's routing weight `w`: rounded to the compute
+   * dtype, its bias added, the product with `w` rounded to `outDType`. */
+  out(s: number, i: number, w: number): number;
+}
+
+/** The elementwise steps of `fn` in `dtype` for `m` (throws what unsupported() says for a function it cannot compute). */
+export function expertSteps(fn: ExpertFunction, dtype: FloatDType, m: ExpertMatrices, weightsDType: FloatDType): ExpertSteps {
+  const I = m.I;
+  const rc = rounder(dtype);
+  const outDType = wider(dtype, weightsDType);
+  const rw = rounder(outDType);
+  const act = fn.gate === "clamped_swiglu" ? undefined : ACTIVATIONS[fn.activation];
+  if (fn.gate !== "clamped_swiglu" && !act) throw new Error(unsupported(fn));
+  // The clamped SwiGLU's scalars meet the tensor in float32 (torch's opmath for these dtypes).
+  const alpha = fr(fn.alpha);
+  const limit = fr(fn.limit);
+  const biasGU = m.biasGU;
+  const biasD = m.biasD;
+  let gate: ExpertSteps["gate"];
+  if (act && fn.gate === "glu") {
+    gate = (proj, p, h, o) => {
+      for (let j = 0; j < I; j++) h[o + j] = rc(rc(act(proj[p + j]!)) * proj[p + I + j]!);
+    };
+  } else if (act) {
+    // the clamped GLU: h = act(min(g, limit)) * clamp(u, -limit, limit)
+    gate = (proj, p, h, o) => {
+      for (let j = 0; j < I; j++) {
+        const g = proj[p + j]!;
+        const u = proj[p + I + j]!;
+        const gc = g > limit ? limit : g;
+        const uc = u > limit ? limit : u < -limit ? -limit : u;
+        h[o + j] = rc(rc(act(gc)) * uc);
+      }
+    };
+  } else {
+    // gpt-oss: g' = min(g, limit), u' = clamp(u, -limit, limit), h = (u' + 1) * (g' * sigmoid(g' * alpha))
+    gate = (proj, p, h, o) => {
+      for (let j = 0; j < I; j++) {
+        const g = proj[p + j]!;
+        const u = proj[p + I + j]!;
+        const gc = g > limit ? limit : g;
+        const uc = u > limit ? limit : u < -limit ? -limit : u;
+        const t = rc(gc * alpha);
+        const sig = rc(fr(1 / fr(1 + fr(Math.exp(-t)))));
+        const glu = rc(gc * sig);
+        h[o + j] = rc(rc(uc + 1) * glu);
+      }
+    };
+  }
+  return {
+    outDType,
+    proj: biasGU ? (s, j) => rc(rc(s) + biasGU[j]!) : (s) => rc(s),
+    gate,
+    out: biasD ? (s, i, w) => rw(rc(rc(s) + biasD[i]!) * w) : (s, _i, w) => rw(rc(s) * w),
+  };
 }
 
 /**
@@ -225,17 +303,11 @@ export function jsExpertForward(
   const { H, I, GU, D } = m;
   const n = weights.length;
   if (rows.length !== n * H) throw new Error(`expertForward: ${rows.length} values for ${n} rows of ${H}`);
-  const rc = rounder(dtype);
-  const outDType = wider(dtype, weightsDType);
-  const rw = rounder(outDType);
+  const steps = expertSteps(fn, dtype, m, weightsDType);
   const proj = new Float32Array(n * 2 * I);
   const out = new Float64Array(n * H);
-  const h = new Float64Array(I);
-  const act = fn.gate === "clamped_swiglu" ? undefined : ACTIVATIONS[fn.activation];
-  if (fn.gate !== "clamped_swiglu" && !act) throw new Error(unsupported(fn));
-  // The clamped SwiGLU's scalars meet the tensor in float32 (torch's opmath for these dtypes).
-  const alpha = fr(fn.alpha);
-  const limit = fr(fn.limit);
+  // h's values are of the compute dtype (float32 at widest): a Float32Array holds them exactly.
+  const h = new Float32Array(I);
   for (let r = 0; r < n; r++) {
     const x = r * H;
     const p = r * 2 * I;
@@ -243,42 +315,19 @@ export function jsExpertForward(
       let s = 0;
       const row = j * H;
       for (let k = 0; k < H; k++) s += GU[row + k]! * rows[x + k]!;
-      let v = rc(s);
-      if (m.biasGU) v = rc(v + m.biasGU[j]!);
-      proj[p + j] = v;
+      proj[p + j] = steps.proj(s, j);
     }
-    for (let j = 0; j < I; j++) {
-      const g = proj[p + j]!;
-      const u = proj[p + I + j]!;
-      if (act && fn.gate === "glu") {
-        h[j] = rc(rc(act(g)) * u);
-      } else if (act) {
-        // the clamped GLU: h = act(min(g, limit)) * clamp(u, -limit, limit)
-        const gc = g > limit ? limit : g;
-        const uc = u > limit ? limit : u < -limit ? -limit : u;
-        h[j] = rc(rc(act(gc)) * uc);
-      } else {
-        // gpt-oss: g' = min(g, limit), u' = clamp(u, -limit, limit), h = (u' + 1) * (g' * sigmoid(g' * alpha))
-        const gc = g > limit ? limit : g;
-        const uc = u > limit ? limit : u < -limit ? -limit : u;
-        const t = rc(gc * alpha);
-        const sig = rc(fr(1 / fr(1 + fr(Math.exp(-t)))));
-        const glu = rc(gc * sig);
-        h[j] = rc(rc(uc + 1) * glu);
-      }
-    }
+    steps.gate(proj, p, h, 0);
     const w = weights[r]!;
     const o = r * H;
     for (let i = 0; i < H; i++) {
       let s = 0;
       const row = i * I;
       for (let j = 0; j < I; j++) s += D[row + j]! * h[j]!;
-      let y = rc(s);
-      if (m.biasD) y = rc(y + m.biasD[i]!);
-      out[o + i] = rw(y * w);
+      out[o + i] = steps.out(s, i, w);
     }
   }
-  return { out, outDType, proj };
+  return { out, outDType: steps.outDType, proj };
 }
 
 /** `x` rounded to `dtype` (re-exported for callers that narrow the result to a wire dtype). */

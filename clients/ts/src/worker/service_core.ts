@@ -213,8 +213,9 @@ function allFinite(v: Float32Array): boolean {
   return true;
 }
 
-/** The answer to one DispatchRequest, or DispatchError (its message not yet naming the call). */
-export function computeDispatch(ex: ServedExperts, req: DispatchRequest): DispatchResponse {
+/** The answer to one DispatchRequest, or DispatchError (its message not yet naming the call).
+ * Asynchronous: a kernel may give its results later (WebGPU's); each segment is awaited in turn. */
+export async function computeDispatch(ex: ServedExperts, req: DispatchRequest): Promise<DispatchResponse> {
   const t0 = performance.now();
   let hidden: RawTensor;
   let weights: RawTensor;
@@ -279,7 +280,7 @@ export function computeDispatch(ex: ServedExperts, req: DispatchRequest): Dispat
       const src = index === undefined ? start + r : index[start + r]!;
       xs.set(x.subarray(src * H, (src + 1) * H), r * H);
     }
-    const res = expertForward(ex.fn, ex.dtype, m, xs, w.subarray(start, start + seg.rows), wDType);
+    const res = await expertForward(ex.fn, ex.dtype, m, xs, w.subarray(start, start + seg.rows), wDType);
     out.set(res.out, start * H);
     proj?.set(res.proj, start * 2 * I);
     start += seg.rows;
@@ -377,7 +378,7 @@ export class ExpertServiceCore {
       this.computing += 1;
       let answer: DispatchResponse;
       try {
-        answer = computeDispatch(this.experts, req);
+        answer = await computeDispatch(this.experts, req);
         this.calls += 1;
         this.rows += req.segments.reduce((a, s) => a + s.rows, 0);
       } catch (exc) {
