@@ -12,10 +12,12 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 TS := clients/ts
 NODE_STAMP := $(TS)/node_modules/.installed
-# The worker in a web page (clients/web): its one JS module, bundled by esbuild from clients/web/src
-# and the Node-free modules of clients/ts/src it imports, and kernel.wasm beside it (dist/, ignored).
+# The worker in a web page (clients/web): two JS modules (the page's, and its worker thread's),
+# bundled by esbuild from clients/web/src and the Node-free modules of clients/ts/src they import,
+# and kernel.wasm beside them (dist/, ignored).
 WEB_BUNDLE := clients/web/dist/kvasir-web-worker.js
-WEB_SOURCES := $(shell find clients/web/src $(TS)/src/worker $(TS)/src/h2 $(TS)/src/wasm $(TS)/src/gen -name '*.ts') \
+WEB_SOURCES := $(shell find clients/web/src $(TS)/src/worker $(TS)/src/h2 $(TS)/src/wasm $(TS)/src/webgpu $(TS)/src/gen \
+	-name '*.ts') \
 	$(TS)/src/wasm/kernel.wasm
 
 .PHONY: demo test test-fast test-other-cpu fuzz soak bench profile profile-decode proto lint venv clean system-deps bench-deps node-deps bytecode

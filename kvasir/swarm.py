@@ -306,6 +306,14 @@ backend replicas_grpc
     def ledger_address(self) -> str:
         return f"127.0.0.1:{self.ledger_port}"
 
+    @property
+    def ledger_http_url(self) -> str:
+        """The base URL of the ledger's HTTP server (metrics, ``GET /v1/balance/WALLET``);
+        the ledger must have been started with ``http=True``."""
+        if "ledger" not in self.http_ports:
+            raise RuntimeError("the ledger serves no HTTP: start_ledger(http=True)")
+        return f"http://127.0.0.1:{self.http_ports['ledger']}"
+
     def _keep_http_port(self, name: str, info: dict[str, object]) -> None:
         if info.get("http_port") is not None:
             self.http_ports[name] = int(info["http_port"])  # type: ignore[call-overload]
@@ -313,7 +321,8 @@ backend replicas_grpc
     def start_ledger(self, *, db: str | None = None, port: int = 0, http: bool = False,
                      timeout: float = 30.0) -> None:
         """Start the ledger, trusting this swarm's hub key (made now if missing); with ``http``
-        its metrics on a free port (``http_ports["ledger"]``)."""
+        its HTTP server (metrics, wallets' balances) on a free port (``http_ports["ledger"]``,
+        ``ledger_http_url``)."""
         from kvasir_rpc import Wallet
 
         hub_key = Wallet.load_or_create(self.hub_key_file).address

@@ -5,6 +5,9 @@ The page's bundle is built first with esbuild (``npm run --prefix clients/ts bui
 tiny checkpoint from one origin, answering Range requests as a checkpoint host does. Then:
 
 * the page's WebCrypto handshake and channel give the bytes of tests/vectors (handshake, channel);
+  the page runs its worker in a dedicated worker thread, or (thread=main, as where no module
+  worker starts) on its main thread and says so;
+* the session core's send bound (clients/ts/test/session_backpressure.test.ts, in Node);
 * ``kvasir conformance`` starts Chromium itself as the worker (``--worker-cmd``): the page
   fetches its slice by the byte, joins the check's hub and passes every step, in a clear session
   and in one sealed end to end;
@@ -13,7 +16,8 @@ tiny checkpoint from one origin, answering Range requests as a checkpoint host d
   query parameters, joins through the gateway (sealed end to end with AES-256-GCM) and serves the
   other half; ``python -m backbone generate --compare-local`` gives the local run's tokens with
   every answer's row checks and audits passed, the ledger credits the page's wallet every byte
-  the hub counted, and a screenshot of the page is kept (its path printed);
+  the hub counted, the page shows the KVR credited as the ledger's HTTP read
+  (``GET /v1/balance/WALLET``) gives it, and a screenshot of the page is kept (its path printed);
 * every family the swarm serves (tests/test_families.py, bfloat16 as released), one Chromium and
   one static server for all: the tab is sent to the page with each ``kvasir conformance`` hub
   (run_check, in this process) and passes every step; FP8, MXFP4 and compressed-tensors releases
@@ -48,6 +52,8 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 TS = ROOT / "clients" / "ts"
 WEB = ROOT / "clients" / "web"
 BUNDLE = WEB / "dist" / "kvasir-web-worker.js"
+# The worker's own thread (a dedicated module Web Worker the page starts).
+THREAD_BUNDLE = WEB / "dist" / "kvasir-web-thread.js"
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser") or "/usr/bin/chromium"
 BUILD_TIMEOUT_S = 120
 RUN_TIMEOUT_S = 120
@@ -69,7 +75,7 @@ def bundle() -> pathlib.Path:
     out = subprocess.run(["npm", "run", "--prefix", str(TS), "--silent", "build:web"], capture_output=True, text=True,
                          timeout=BUILD_TIMEOUT_S, cwd=ROOT, stdin=subprocess.DEVNULL)
     assert out.returncode == 0, out.stdout + out.stderr
-    assert BUNDLE.exists() and (WEB / "dist" / "kernel.wasm").exists()
+    assert BUNDLE.exists() and THREAD_BUNDLE.exists() and (WEB / "dist" / "kernel.wasm").exists()
     return BUNDLE
 
 
@@ -91,16 +97,37 @@ def _page_url(static, **params: str) -> str:  # type: ignore[no-untyped-def]
 
 
 def test_the_page_bundle_builds_and_typechecks(bundle):
-    """The bundle is one ES module; the page's sources typecheck for the browser (DOM, no Node types)."""
+    """The bundles are one ES module each (the page's, its worker thread's); the page's sources
+    typecheck for the browser (DOM, no Node types)."""
     out = subprocess.run(["npx", "--prefix", str(TS), "tsc", "--noEmit", "-p", str(TS / "tsconfig.web.json")],
                          capture_output=True, text=True, timeout=BUILD_TIMEOUT_S, cwd=TS, stdin=subprocess.DEVNULL)
     assert out.returncode == 0, out.stdout + out.stderr
-    text = bundle.read_text()
-    # No Node API may reach the page: the shared modules are the pure *_core.ts ones.
-    for node_only in ("node:crypto", "node:fs", "node:http2", "require(\"ws\")"):
-        assert node_only not in text, node_only
-    print(f"\npage weight: index.html {(WEB / 'index.html').stat().st_size} B, bundle {bundle.stat().st_size} B, "
-          f"kernel.wasm {(WEB / 'dist' / 'kernel.wasm').stat().st_size} B")
+    for js in (bundle, THREAD_BUNDLE):
+        text = js.read_text()
+        # No Node API may reach the page: the shared modules are the pure *_core.ts ones.
+        for node_only in ("node:crypto", "node:fs", "node:http2", "require(\"ws\")"):
+            assert node_only not in text, (js.name, node_only)
+    print(f"\npage weight: index.html {(WEB / 'index.html').stat().st_size} B, page bundle {bundle.stat().st_size} B, "
+          f"thread bundle {THREAD_BUNDLE.stat().st_size} B, kernel.wasm {(WEB / 'dist' / 'kernel.wasm').stat().st_size} B")
+
+
+def test_send_backpressure_holds_calls_while_the_websocket_is_behind():
+    """The session core's send bound (clients/ts/test/session_backpressure.test.ts, Node's test
+    runner): over 8 MiB of bufferedAmount no new call reaches the service, under 2 MiB they go
+    on, and a queue not drained 30 s after passing the mark closes the session 1001. A browser's WebSocket.send never blocks:
+    this is what keeps the page's replies from queueing without bound."""
+    node = shutil.which("node")
+    if node is None:
+        pytest.skip("node is not on PATH")
+    if not (TS / "node_modules" / "tsx").exists():
+        pytest.fail("clients/ts/node_modules is missing: run `make node-deps` (npm ci in clients/ts)")
+    try:
+        out = subprocess.run([node, "--import", "tsx", "--test", "test/session_backpressure.test.ts"], cwd=TS,
+                             capture_output=True, text=True, timeout=RUN_TIMEOUT_S, stdin=subprocess.DEVNULL)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"node --test test/session_backpressure.test.ts did not finish within {RUN_TIMEOUT_S} s")
+    assert out.returncode == 0, out.stdout[-8000:] + out.stderr[-4000:]
+    assert "# pass 1" in out.stdout and "# fail 0" in out.stdout, out.stdout[-4000:]
 
 
 @needs_chromium
@@ -171,8 +198,20 @@ def test_the_page_crypto_against_the_vectors(static, tmp_path):
         browser.goto(_page_url(static, hub=f"ws://127.0.0.1:{dead}"))
         state = _wait_phase(browser, ("waiting",))
         assert "could not connect" in state["detail"] and "dialling again" in state["detail"], state
+        assert state["thread"] == "worker", state
         assert "not connected" in browser.eval("document.getElementById('status').textContent")
+        assert browser.eval("document.getElementById('thread').textContent") == "a dedicated worker thread"
         browser.eval("window.kvasirWorker.stop()")
+        assert browser.eval("window.kvasirWorker.state().phase") == "stopped"
+        # Where no module worker starts (thread=main stands for such a browser), the page runs the
+        # worker on its main thread, and says so.
+        browser.goto(_page_url(static, hub=f"ws://127.0.0.1:{dead}", thread="main"))
+        state = _wait_phase(browser, ("waiting",))
+        assert "could not connect" in state["detail"] and state["thread"] == "main", state
+        detail = browser.eval("document.getElementById('detail').textContent")
+        assert "on the page's main thread" in detail, detail
+        browser.eval("window.kvasirWorker.stop()")
+        assert browser.eval("window.kvasirWorker.state().phase") == "stopped"
     finally:
         browser.close()
 
@@ -187,15 +226,16 @@ def _console(log: pathlib.Path) -> str:
 
 @needs_chromium
 def test_a_page_joins_a_live_swarm_through_the_gateway_and_is_credited(static, tmp_path):
-    """The page serves half the experts through the TLS gateway; the backbone's decode is the
-    local one's, every answer passes its checks, the ledger credits the page's wallet."""
+    """The page serves half the experts through the TLS gateway, from its own worker thread; the
+    backbone's decode is the local one's, every answer passes its checks, the ledger credits the
+    page's wallet, and the page shows the KVR credited as the ledger's HTTP read gives it."""
     from test_status_page import _Chromium
 
     from kvasir.swarm import LocalSwarm
 
     model = static.model
     with LocalSwarm(tmp_path / "swarm") as sw:
-        sw.start_ledger()
+        sw.start_ledger(http=True)
         sw.start_gateway()
         sw.start_hub(gateway=True, receipt_interval=0.5)
         sw.start_worker("python", model, "*:4-7")
@@ -204,13 +244,15 @@ def test_a_page_joins_a_live_swarm_through_the_gateway_and_is_credited(static, t
         try:
             # The gateway's certificate is the swarm's dev CA's, which this profile does not know.
             browser.send("Security.setIgnoreCertificateErrors", ignore=True)
-            url = _page_url(static, gateway=sw.gateway_url, experts="*:0-3", ledger=sw.ledger_address)
+            url = _page_url(static, gateway=sw.gateway_url, experts="*:0-3", ledger=sw.ledger_address,
+                            balance=sw.ledger_http_url)
             t0 = time.monotonic()
             browser.goto(url)
             state = _wait_phase(browser, ("connected", "refused", "failed"))
             assert state.get("phase") == "connected", json.dumps(state, indent=1)
             joined_s = time.monotonic() - t0
             assert state["encrypted"] is True and state["experts"] == 16, state
+            assert state["thread"] == "worker", state
             address = browser.eval("window.kvasirWorker.address()")
             sessions = sw.wait_sessions(2, watch=["python"])
             page_session = next(s for s in sessions if s.wallet == address)
@@ -239,10 +281,29 @@ def test_a_page_joins_a_live_swarm_through_the_gateway_and_is_credited(static, t
             balance = sw.ledger_balance(address)
             assert int(balance.pending_nano_kvr) > 0, balance
 
+            # The page reads the wallet's balance from the ledger's HTTP every 5 s: it comes to
+            # show what the ledger's gRPC GetBalance answers.
+            def page_shows_the_ledger() -> bool:
+                got = browser.eval("window.kvasirWorker.credited() || null")
+                now = sw.ledger_balance(address)
+                return got is not None and (got["pendingKvr"], got["bytesCredited"], got["creditCount"]) == (
+                    now.pending_kvr, str(now.bytes_credited), str(now.credit_count))
+
+            wait_until(page_shows_the_ledger, DEADLINE_S, "the page's credited() to show the ledger's balance")
+            page_credited = browser.eval("window.kvasirWorker.credited()")
+            balance = sw.ledger_balance(address)
+            assert page_credited == {"wallet": address, "pendingNanoKvr": str(balance.pending_nano_kvr),
+                                     "pendingKvr": balance.pending_kvr, "bytesCredited": str(balance.bytes_credited),
+                                     "units": balance.units, "creditCount": str(balance.credit_count)}, page_credited
+            assert int(page_credited["bytesCredited"]) >= credited[page_now.session_id] > 0, page_credited
+
             shot = tmp_path / "web-worker-page.png"
             browser.eval("window.scrollTo(0, 0)")
-            # The page renders its counters every 0.5 s: the screenshot waits for a render that shows them.
-            want = ("connected", address, f"kvasir balance --wallet {address}")
+            # The page renders each state its thread posts: the screenshot waits for a render that shows them.
+            n = page_credited["creditCount"]
+            shown = (f"KVR credited: {page_credited['pendingKvr']} KVR ({page_credited['bytesCredited']} B in "
+                     f"{n} receipt{'' if n == '1' else 's'})")
+            want = ("connected", address, f"kvasir balance --wallet {address}", shown, "a dedicated worker thread")
             wait_until(lambda: all(w in browser.eval("document.body.innerText") for w in want), DEADLINE_S,
                        "the page's status to show the session, its wallet and the balance command")
             browser.screenshot(shot, full=True)
@@ -253,7 +314,8 @@ def test_a_page_joins_a_live_swarm_through_the_gateway_and_is_credited(static, t
                   f"first call {state['firstCallMs']} ms after start; {state['calls']} calls, {state['rows']} rows "
                   f"in a decode of {decode_s:.2f} s ({state['rows'] / decode_s:.0f} rows/s of decode); "
                   f"{static.weight_bytes()} B of weights fetched in all tests; credited "
-                  f"{credited[page_now.session_id]} B = {int(balance.pending_nano_kvr)} nano-KVR")
+                  f"{credited[page_now.session_id]} B = {int(balance.pending_nano_kvr)} nano-KVR; the page shows "
+                  f"{shown!r}")
 
             # Stop: the page closes its session and says so; the hub drops it.
             browser.eval("window.kvasirWorker.stop()")
@@ -322,11 +384,13 @@ def _wait_phase(browser, phases: tuple[str, ...], timeout: float = DEADLINE_S) -
 
 
 def _page_conformance(browser, static, name: str, model: pathlib.Path,  # type: ignore[no-untyped-def]
-                      log: pathlib.Path, **params: str) -> tuple[dict, dict]:
+                      log: pathlib.Path, *, kernel_line: str = "", log_line: str = "",
+                      **params: str) -> tuple[dict, dict]:
     """``kvasir conformance`` (run_check, its hub in this process) with the shared Chromium's tab
     as the worker: once the check's hub listens, the tab is sent to the page with the hub's URL
     and the model ``/NAME/``'s URL; when the check ends, the tab goes to about:blank (the page's
-    worker ends with it). Returns the steps by name and what the worker said of itself."""
+    worker ends with it). Returns the steps by name and what the worker said of itself; with
+    ``kernel_line``, the page's kernel line must start with it, with ``log_line`` its log hold it."""
     import threading
 
     from kvasir.conformance import run_check
@@ -359,6 +423,8 @@ def _page_conformance(browser, static, name: str, model: pathlib.Path,  # type: 
     steps = {r.step: r for r in results}
     failed = {s: (r.status, r.detail) for s, r in steps.items() if r.status != PASS}
     assert [r.step for r in results] == list(STEPS) and not failed, (name, failed, state)
+    assert state and state["kernel"].startswith(kernel_line), (name, state and state["kernel"])
+    assert log_line in "\n".join(state["log"]), (name, state["log"])
     return steps, worker
 
 
@@ -444,6 +510,41 @@ def _hub_counted(contrib_db: pathlib.Path, session_id: str) -> int:
     finally:
         db.close()
     return int(row[0])
+
+
+@needs_chromium
+def test_the_page_computes_on_webgpu_and_passes_conformance_on_every_served_family(static, tmp_path_factory, tmp_path):
+    """Chromium with WebGPU (``--enable-unsafe-webgpu``: here SwiftShader, a GPU emulated on the
+    CPU): with ``kernel=webgpu`` the page computes its experts' matrix products on the GPU (the
+    elementwise steps in JavaScript, for the activations' exact rounding) and passes every step of
+    ``kvasir conformance`` on the tiny model of every family the swarm serves, its answers within
+    the audit bound and its projections through the row checks. With ``kernel=auto`` (the
+    default) it sees a software adapter, says so, and computes with WebAssembly, faster there."""
+    from test_status_page import _Chromium
+
+    from kvasir.families import make_family_checkpoint
+
+    models = tmp_path_factory.mktemp("webgpu-families")
+    browser = _Chromium(tmp_path, 800, 600, flags=("--enable-unsafe-webgpu",))
+    timings: dict[str, float] = {}
+    try:
+        for model_type in _served_families():
+            model = make_family_checkpoint(models / model_type, model_type, dtype="bfloat16", shard="100KB")
+            t0 = time.monotonic()
+            steps, worker = _page_conformance(browser, static, f"gpu-{model_type}", model,
+                                              tmp_path / f"{model_type}.log", kernel_line="WebGPU on ",
+                                              e2e="auto", kernel="webgpu")
+            timings[model_type] = time.monotonic() - t0
+            assert "its projections pass the row checks" in steps["dispatch"].detail, (model_type, steps["dispatch"])
+            assert any(v in steps["dispatch"].detail for v in ("every row within the audit bound",
+                                                               "every row bitwise equal")), steps["dispatch"]
+        _page_conformance(browser, static, "auto-qwen3_moe", static.model, tmp_path / "auto.log",
+                          kernel_line="WebAssembly SIMD", log_line="a software one on the CPU", e2e="auto",
+                          kernel="auto")
+    finally:
+        browser.close()
+    print("\nWebGPU (SwiftShader) conformance per family, s: "
+          + ", ".join(f"{k} {v:.1f}" for k, v in timings.items()))
 
 
 @needs_chromium

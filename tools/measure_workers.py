@@ -11,17 +11,19 @@ The model is ``kvasir.bench``'s checkpoint: one MoE layer of two experts of Qwen
 * ``torch``: ``python -m worker --threads 1`` (this venv);
 * ``numpy``: the same worker from ``.venv-numpy`` (no torch; ``make venv-numpy``), ``--threads 1``;
 * ``ts-js`` / ``ts-wasm``: the TypeScript worker under Node (clients/ts, ``--kernel js|wasm``);
-* ``page-wasm`` / ``page-js``: the web page (clients/web, bundled now as ``make node-deps`` does)
-  in headless Chromium, a fresh profile each (a cold load), ``kernel=wasm|js``, ``memory=512``
-  (MiB: two such experts take 38 MB, 76 MB with the WASM copy).
+* ``page-wasm`` / ``page-js`` / ``page-webgpu``: the web page (clients/web, bundled now as ``make
+  node-deps`` does) in headless Chromium, a fresh profile each (a cold load), ``kernel=wasm|js|webgpu``,
+  ``memory=512`` (MiB: two such experts take 38 MB, 76 MB with the kernel's copy); ``page-webgpu``
+  with ``--enable-unsafe-webgpu``, which here gives SwiftShader, a GPU emulated on the CPU (no GPU
+  on this machine): its figure is SwiftShader's, not a GPU's.
 
 Calls go as the backbone sends them: to the session's target on the hub's gRPC port with its
 target key, on one Dispatch stream, one call at a time (the next sent when the last is answered),
 of 1 row and of 64 rows (32 to each expert); 3 calls to warm up, then calls for ``--seconds`` (at
-least 3, at most ``--calls``). Every worker but Chromium's is one thread of compute; the page's
-kernel runs on the page's one thread too. Start: from the page's navigation (a new Chromium,
-nothing cached) to the first call it answers (its wallet made, the bundle and the wasm loaded,
-38 MB of weights fetched by Range and digested, the hub dialled)."""
+least 3, at most ``--calls``). Every worker is one thread of compute (the page's kernel runs on
+its worker thread; SwiftShader uses threads of its own). Start: from the page's navigation (a new
+Chromium, nothing cached) to the first call it answers (its wallet made, the bundles and the wasm
+loaded, 38 MB of weights fetched by Range and digested, the hub dialled)."""
 
 from __future__ import annotations
 
@@ -47,7 +49,7 @@ TSX = TS / "node_modules" / "tsx" / "dist" / "loader.mjs"
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser") or "/usr/bin/chromium"
 SESSION_TIMEOUT_S = 180.0
 CALL_TIMEOUT_S = 300.0
-WORKERS = ("torch", "numpy", "ts-js", "ts-wasm", "page-wasm", "page-js")
+WORKERS = ("torch", "numpy", "ts-js", "ts-wasm", "page-wasm", "page-js", "page-webgpu")
 
 
 def _request(call_id: int, segments: list[tuple[int, int]], hidden: int, x: bytes, w: bytes):  # type: ignore
@@ -156,7 +158,7 @@ def _gz(path: pathlib.Path) -> int:
 
 def _page_weight() -> dict[str, int]:
     files = {"index.html": WEB / "index.html", "bundle": WEB / "dist" / "kvasir-web-worker.js",
-             "kernel.wasm": WEB / "dist" / "kernel.wasm"}
+             "thread": WEB / "dist" / "kvasir-web-thread.js", "kernel.wasm": WEB / "dist" / "kernel.wasm"}
     out: dict[str, int] = {}
     for name, f in files.items():
         out[f"{name}_bytes"] = f.stat().st_size
@@ -259,7 +261,8 @@ def main() -> int:
                                                     "experts": "all", "memory": "512", "kernel": kernel}, safe=":/")
                         (work / name).mkdir()
                         t0 = time.monotonic()
-                        browser = _Chromium(work / name, 800, 600)  # a fresh profile: nothing cached
+                        flags = ("--enable-unsafe-webgpu",) if kernel == "webgpu" else ()
+                        browser = _Chromium(work / name, 800, 600, flags=flags)  # a fresh profile: nothing cached
                         try:
                             browser.goto(f"{static.base}/web/index.html?{q}")
                             session = _new_session(sw, known, lambda: browser.proc.poll() is None,  # noqa: B023
@@ -268,7 +271,12 @@ def main() -> int:
                             try:
                                 target.first_call(HIDDEN, deadline)
                                 first_s = time.monotonic() - t0
+                                # The page's state is its thread's last snapshot (posted at most every 0.2 s).
+                                seen = time.monotonic() + 10
                                 state = browser.eval("window.kvasirWorker.state()")
+                                while state.get("firstCallMs") is None and time.monotonic() < seen:
+                                    time.sleep(0.1)
+                                    state = browser.eval("window.kvasirWorker.state()")
                                 results[name] = {"device": session.device, "kernel": state.get("kernel"),
                                                  "cold_load_to_first_call_s": round(first_s, 2),
                                                  "page_first_call_ms": state.get("firstCallMs"),
@@ -299,7 +307,7 @@ def main() -> int:
         w: dict = figures["page_weight"]  # type: ignore[assignment]
         print(f"page weight: {w['total_bytes']} B ({w['total_gzip_bytes']} B gzipped): index.html "
               f"{w['index.html_bytes']} ({w['index.html_gzip_bytes']}), bundle {w['bundle_bytes']} "
-              f"({w['bundle_gzip_bytes']}), kernel.wasm {w['kernel.wasm_bytes']} ({w['kernel.wasm_gzip_bytes']})")
+              f"({w['bundle_gzip_bytes']}), thread {w['thread_bytes']} ({w['thread_gzip_bytes']}), kernel.wasm {w['kernel.wasm_bytes']} ({w['kernel.wasm_gzip_bytes']})")
     print(json.dumps(figures))
     return 0
 

@@ -2,7 +2,9 @@
 // of clients/ts/src/worker/session_core.ts (the handshake, the end-to-end channel, tunnel control
 // with each "open" served by the sans-IO HTTP/2 + gRPC server of clients/ts/src/h2, the sealed
 // heartbeat, close codes). WebCrypto is asynchronous: the core handles received messages one
-// after another, and what is sent goes out in the order it was sealed.
+// after another, and what is sent goes out in the order it was sealed. WebSocket.send never
+// blocks: the core reads bufferedAmount and holds incoming calls while replies queue (send
+// backpressure, SEND_HIGH_WATER_BYTES).
 
 import type { GrpcServer } from "../../ts/src/h2/grpc.js";
 import { closeClass } from "../../ts/src/worker/bytes_core.js";
@@ -22,6 +24,9 @@ export {
   HANDSHAKE_TIMEOUT_MS,
   KEEPALIVE_MS,
   KEEPALIVE_TIMEOUT_MS,
+  SEND_HIGH_WATER_BYTES,
+  SEND_LOW_WATER_BYTES,
+  SEND_STALL_TIMEOUT_MS,
   TUNNEL_SUBPROTOCOL,
 } from "../../ts/src/worker/session_core.js";
 
@@ -76,6 +81,8 @@ export class WebSession extends SessionHandle {
           sent?.();
         },
         // No ping: a browser cannot send one (it answers the hub's).
+        // send() never blocks: what the hub has not read yet queues here (the core's bound).
+        bufferedAmount: () => ws.bufferedAmount,
         close: (code, reason) => {
           if (ws.readyState !== WebSocket.OPEN && ws.readyState !== WebSocket.CONNECTING) return;
           // A page may send 1000 and 3000-4999 only: another code (1001, 1002, 1008, 1011) goes as

@@ -1,16 +1,19 @@
 // The worker of the page, without the page: the wallet, the slice chosen to fit the device's
 // memory and fetched by the byte, the experts checked and digested, the kernel (WebAssembly
 // SIMD where it loads, else JavaScript), and sessions dialled again after each close as the
-// close code says (PROTOCOL.md 7). The page (page.ts) shows `WorkerState` and drives start/stop.
+// close code says (PROTOCOL.md 7). It uses no DOM: it runs in the page's dedicated worker thread
+// (thread.ts), or on the page's main thread where no module worker starts; the page (page.ts)
+// shows `WorkerState` and drives start/stop through thread.ts's messages.
 
 import { closeClass, CloseCode, toHex } from "../../ts/src/worker/bytes_core.js";
 import { AEAD_AES_256_GCM } from "../../ts/src/worker/channel_core.js";
 import { expertDigestChunks, slicesDigestChunks } from "../../ts/src/worker/digest_core.js";
 import { isLittleEndian } from "../../ts/src/worker/dtype.js";
-import { describeFunction, useExpertKernel, type ExpertMatrices } from "../../ts/src/worker/expert.js";
+import { describeFunction, expertForward, useExpertKernel, type ExpertMatrices } from "../../ts/src/worker/expert.js";
 import { functionOfCheckpoint, helloFunction } from "../../ts/src/worker/function.js";
 import { ExpertServiceCore, planExperts, prepareExpert, servedExperts } from "../../ts/src/worker/service_core.js";
 import { WasmKernel, wasmExpertForward } from "../../ts/src/wasm/kernel.js";
+import { WebGpuDeviceLostError, WebGpuKernel, webgpuExpertForward } from "../../ts/src/webgpu/kernel.js";
 import { cryptoSupport, sha256Chunks } from "./crypto.js";
 import { RemoteCheckpoint } from "./fetch.js";
 import { WebSession, type WebSessionEnd } from "./session.js";
@@ -34,11 +37,21 @@ export interface WorkerOptions {
   experts: string;
   /** The weight memory budget in bytes; undefined: from navigator.deviceMemory, else the default. */
   budgetBytes: number | undefined;
-  kernel: "wasm" | "js";
+  /** `auto`: WebGPU on a hardware adapter, else WebAssembly SIMD; `webgpu`: WebGPU on any adapter,
+   * a software one too (SwiftShader: slower than WebAssembly), else WebAssembly; `wasm`; `js`. */
+  kernel: KernelChoice;
   /** Where kernel.wasm is (beside the bundle). */
   wasmUrl: string;
   /** Refuse a session not sealed end to end; undefined: required through a gateway (wss://) only. */
   requireEncryption?: boolean | undefined;
+}
+
+export type KernelChoice = "auto" | "webgpu" | "wasm" | "js";
+export const KERNEL_CHOICES: readonly KernelChoice[] = ["auto", "webgpu", "wasm", "js"];
+
+/** A kernel choice from text (a query parameter): unknown text is `auto`. */
+export function kernelChoice(text: string | null | undefined): KernelChoice {
+  return (KERNEL_CHOICES as readonly string[]).includes(text ?? "") ? (text as KernelChoice) : "auto";
 }
 
 export type Phase = "idle" | "loading" | "connecting" | "connected" | "waiting" | "stopped" | "refused" | "failed";
@@ -133,10 +146,11 @@ function formatSlices(slices: Map<number, number[]>): string {
 
 const sleep = (ms: number): Promise<void> => new Promise((r) => setTimeout(r, ms));
 
-export class PageWorker {
-  readonly state: WorkerState = {
-    phase: "idle",
-    detail: "not started",
+/** The state of a worker not started: `phase` with `detail`. */
+export function initialState(phase: Phase = "idle", detail = "not started"): WorkerState {
+  return {
+    phase,
+    detail,
     lastClose: undefined,
     experts: 0,
     layers: 0,
@@ -151,6 +165,10 @@ export class PageWorker {
     firstCallMs: undefined,
     log: [],
   };
+}
+
+export class PageWorker {
+  readonly state: WorkerState = initialState();
   private service: ExpertServiceCore | undefined;
   private session: WebSession | undefined;
   private stopping = false;
@@ -171,6 +189,7 @@ export class PageWorker {
   }
 
   private set(phase: Phase, detail: string): void {
+    if (this.stopping && phase !== "stopped") return; // a load still under way after stop() changes nothing
     this.state.phase = phase;
     this.state.detail = detail;
     this.changed();
@@ -213,8 +232,9 @@ export class PageWorker {
     const info = index.info;
     const fn = functionOfCheckpoint(index);
     const { dtype, wanted } = planExperts(index, o.experts, fn);
-    // Memory: the kernel's float32 matrices (3 H I values), twice with the WebAssembly kernel's copy.
-    const perExpert = 3 * info.hiddenSize * info.intermediateSize * 4 * (o.kernel === "wasm" ? 2 : 1);
+    // Memory: the kernel's float32 matrices (3 H I values), twice with the WebAssembly kernel's copy
+    // (and with WebGPU's, which on a phone's GPU shares the same memory).
+    const perExpert = 3 * info.hiddenSize * info.intermediateSize * 4 * (o.kernel === "js" ? 1 : 2);
     const budget = memoryBudget(o.budgetBytes);
     const fits = Math.max(1, Math.floor(budget.bytes / perExpert));
     const chosen = wanted.slice(0, fits);
@@ -239,18 +259,7 @@ export class PageWorker {
     }
     ckpt.release();
     const experts = servedExperts(index, fn, dtype, weights, await sha256Chunks(slicesDigestChunks(digests)));
-    let kernel = "JavaScript";
-    if (o.kernel === "wasm") {
-      try {
-        const k = await WasmKernel.load(fetch(o.wasmUrl));
-        for (const [layer, ids] of experts.slices) for (const id of ids) k.place(experts.get(layer, id)!);
-        useExpertKernel(wasmExpertForward(k));
-        kernel = `WebAssembly SIMD (${(k.placedBytes / 2 ** 20).toFixed(1)} MiB placed)`;
-      } catch (exc) {
-        const why = exc instanceof Error ? exc.message : String(exc);
-        this.log(`WebAssembly kernel unavailable, computing in JavaScript: ${why}`);
-      }
-    }
+    const kernel = await this.chooseKernel(experts);
     this.service = new ExpertServiceCore(experts, { wallet: o.wallet.address, device: "browser" });
     this.state.experts = experts.count;
     this.state.layers = experts.slices.size;
@@ -263,6 +272,73 @@ export class PageWorker {
         `${(stored / 2 ** 20).toFixed(2)} MiB fetched; ` +
         `digest ${toHex(experts.weightsDigest).slice(0, 16)}…; kernel ${kernel}`,
     );
+  }
+
+  /** The kernel the choice asks for, where it loads (else the next: WebGPU, WebAssembly, JavaScript),
+   * every expert placed; its line for the page. */
+  private async chooseKernel(experts: ReturnType<typeof servedExperts>): Promise<string> {
+    const o = this.opts;
+    const each = (place: (m: ExpertMatrices) => void): void => {
+      for (const [layer, ids] of experts.slices) for (const id of ids) place(experts.get(layer, id)!);
+    };
+    const why = (exc: unknown): string => (exc instanceof Error ? exc.message : String(exc));
+    const loadWasm = async (): Promise<string> => {
+      const k = await WasmKernel.load(fetch(o.wasmUrl));
+      each((m) => k.place(m));
+      useExpertKernel(wasmExpertForward(k));
+      return `WebAssembly SIMD (${(k.placedBytes / 2 ** 20).toFixed(1)} MiB placed)`;
+    };
+    if (o.kernel === "auto" || o.kernel === "webgpu") {
+      try {
+        const gpu = await WebGpuKernel.create();
+        if (gpu.isFallbackAdapter && o.kernel === "auto") {
+          gpu.destroy();
+          this.log(`WebGPU's adapter here is ${gpu.adapterInfo}, a software one on the CPU, slower than ` +
+            "WebAssembly: computing with WebAssembly (kernel=webgpu insists on it)");
+        } else {
+          each((m) => gpu.place(m));
+          const onGpu = webgpuExpertForward(gpu);
+          let fallback: Promise<unknown> | undefined;
+          // A lost device (a driver reset, the GPU process gone) fails the calls under way (the
+          // backbone computes those itself); the next ones go to WebAssembly, or JavaScript.
+          useExpertKernel((...args) => {
+            if (gpu.lost === undefined) {
+              return Promise.resolve(onGpu(...args)).catch((exc: unknown) => {
+                if (exc instanceof WebGpuDeviceLostError) switchAway(exc);
+                throw exc;
+              });
+            }
+            return switchAway(new WebGpuDeviceLostError(gpu.lost)).then(() => expertForward(...args));
+          });
+          const switchAway = (exc: Error): Promise<unknown> => {
+            fallback ??= (async () => {
+              this.log(`WebGPU stopped working (${exc.message}): computing with WebAssembly from now on`);
+              try {
+                this.state.kernel = await loadWasm();
+              } catch (e) {
+                useExpertKernel();
+                this.state.kernel = "JavaScript";
+                this.log(`WebAssembly kernel unavailable, computing in JavaScript: ${why(e)}`);
+              }
+              this.changed();
+            })();
+            return fallback;
+          };
+          return `WebGPU on ${gpu.adapterInfo} (${(gpu.placedBytes / 2 ** 20).toFixed(1)} MiB placed)`;
+        }
+      } catch (exc) {
+        this.log(`WebGPU kernel unavailable, computing with WebAssembly: ${why(exc)}`);
+      }
+    }
+    if (o.kernel !== "js") {
+      try {
+        return await loadWasm();
+      } catch (exc) {
+        this.log(`WebAssembly kernel unavailable, computing in JavaScript: ${why(exc)}`);
+      }
+    }
+    useExpertKernel();
+    return "JavaScript";
   }
 
   private async serve(): Promise<void> {

@@ -118,6 +118,8 @@ export class Session extends SessionHandle {
           });
         },
         ping: () => ws.ping(),
+        // ws queues what the socket has not taken yet: the core holds incoming calls above the mark.
+        bufferedAmount: () => ws.bufferedAmount,
         close: (code, reason) => {
           if (ws.readyState !== WebSocket.OPEN && ws.readyState !== WebSocket.CONNECTING) return;
           try {

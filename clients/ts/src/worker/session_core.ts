@@ -18,6 +18,15 @@ export const TUNNEL_SUBPROTOCOLS = [TUNNEL_SUBPROTOCOL];
 export const KEEPALIVE_MS = 15_000;
 export const KEEPALIVE_TIMEOUT_MS = 10_000;
 export const HANDSHAKE_TIMEOUT_MS = 15_000;
+/** Send backpressure: with more than this many bytes queued on the WebSocket (its
+ * bufferedAmount), no received tunnel data goes to the local server (no new calls start). */
+export const SEND_HIGH_WATER_BYTES = 8 << 20;
+/** ... until the queue is down to this many bytes. */
+export const SEND_LOW_WATER_BYTES = 2 << 20;
+/** How often the queue is looked at while over the high-water mark (a browser fires no drain event). */
+export const SEND_DRAIN_POLL_MS = 50;
+/** Not drained under the low-water mark this long after passing the high one: the session is closed (1001). */
+export const SEND_STALL_TIMEOUT_MS = 30_000;
 
 type Maybe<T> = T | Promise<T>;
 type Message = Uint8Array | string;
@@ -49,6 +58,9 @@ export interface SessionTransport {
   send(msg: Message, sent?: () => void): void;
   /** A WebSocket ping; undefined where there is none (a browser): then only a sealed session is checked. */
   ping?: () => void;
+  /** Bytes sent but not yet written to the network (WebSocket.bufferedAmount): above
+   * SEND_HIGH_WATER_BYTES the core holds received tunnel data; undefined: no bound. */
+  bufferedAmount?: () => number;
   /** Close with `code`; `reason` may be longer than a close frame takes (closeReason). */
   close(code: number, reason: string): void;
   /** The close did not complete within 5 s. */
@@ -156,6 +168,18 @@ export class SessionCore {
   private timers = new Set<unknown>();
   private keepalive: unknown;
   private answerTimer: unknown;
+  /** Why the answer timer, when it fires, ends the session (a heartbeat's or a ping's). */
+  private answerWhy = "";
+  /** A heartbeat or ping is unanswered, its timer suspended while sending is backpressured. */
+  private answerSuspended = false;
+  /** Over the high-water mark: received tunnel data is held, not delivered (send backpressure). */
+  private paused = false;
+  private pausedAt = 0;
+  private pollTimer: unknown;
+  private stallTimer: unknown;
+  /** Tunnel data held while paused, delivered in order once the queue drains. */
+  private held: Uint8Array[] = [];
+  private heldCount = 0;
   private established = false;
   private ended: SessionEnd | undefined;
   private resolve!: (end: SessionEnd) => void;
@@ -182,6 +206,16 @@ export class SessionCore {
 
   get encrypted(): boolean {
     return this.cipher !== undefined;
+  }
+
+  /** Received tunnel data is being held: the WebSocket's send queue is over the high-water mark. */
+  get backpressured(): boolean {
+    return this.paused;
+  }
+
+  /** Bytes of received tunnel data held now (send backpressure). */
+  get heldBytes(): number {
+    return this.heldCount;
   }
 
   timer(ms: number, fn: () => void): unknown {
@@ -225,10 +259,21 @@ export class SessionCore {
 
   /** A WebSocket pong arrived. */
   pong(): void {
-    if (!this.cipher) {
-      this.clearTimer(this.answerTimer);
-      this.answerTimer = undefined;
-    }
+    if (!this.cipher) this.answered();
+  }
+
+  /** The hub answered the heartbeat or ping waiting: its timer is done. */
+  private answered(): void {
+    this.clearTimer(this.answerTimer);
+    this.answerTimer = undefined;
+    this.answerSuspended = false;
+  }
+
+  private armAnswerTimer(why: string): void {
+    this.answerWhy = why;
+    this.answerTimer = this.timer(KEEPALIVE_TIMEOUT_MS, () =>
+      this.fail(new ProtocolError(CloseCode.GOING_AWAY, this.answerWhy)),
+    );
   }
 
   private async onMessage(msg: Message): Promise<void> {
@@ -265,8 +310,7 @@ export class SessionCore {
               return;
             case "ack":
               this.monitor.receiveAck(opened.seq);
-              this.clearTimer(this.answerTimer);
-              this.answerTimer = undefined;
+              this.answered();
               return;
             case "data":
               this.onTunnel(opened.data);
@@ -308,12 +352,89 @@ export class SessionCore {
         this.conn = this.opts.connect(this);
         return;
       case "data":
-        if (!ev.drop && this.conn && !this.conn.destroyed) this.conn.deliver(ev.data);
+        if (!ev.drop && this.conn && !this.conn.destroyed) this.deliver(ev.data);
         return;
       case "close":
         this.dropConnection();
         this.sendControl(this.tunnel.closed());
         return;
+    }
+  }
+
+  /** Received tunnel data to the local server, unless sending is backpressured: then it waits. */
+  private deliver(data: Uint8Array): void {
+    if (!this.paused && this.held.length === 0 && this.overHighWater()) this.pause();
+    if (this.paused || this.held.length > 0) {
+      this.held.push(data);
+      this.heldCount += data.byteLength;
+      return;
+    }
+    this.conn!.deliver(data);
+  }
+
+  private overHighWater(): boolean {
+    const buffered = this.transport?.bufferedAmount;
+    return buffered !== undefined && buffered() > SEND_HIGH_WATER_BYTES;
+  }
+
+  /**
+   * The WebSocket's send queue is over the high-water mark (the hub reads slower than the calls
+   * answer): hold received tunnel data, so the local server starts no new call and sends the hub
+   * no window to send more, until the queue drains below the low-water mark; close 1001 if it
+   * has not within SEND_STALL_TIMEOUT_MS. A heartbeat's answer waits behind the queue:
+   * its timer is suspended meanwhile, and no heartbeat is sent.
+   */
+  private pause(): void {
+    if (this.paused || this.phase !== "live") return;
+    const buffered = this.transport!.bufferedAmount!;
+    this.paused = true;
+    this.pausedAt = Date.now();
+    const mib = (n: number): string => (n / 2 ** 20).toFixed(1);
+    this.opts.log(
+      `${mib(buffered())} MiB of replies wait to be sent: taking no new calls until under ` +
+        `${mib(SEND_LOW_WATER_BYTES)} MiB (closing if still over ${mib(SEND_HIGH_WATER_BYTES)} MiB in ` +
+        `${SEND_STALL_TIMEOUT_MS / 1000} s)`,
+    );
+    if (this.answerTimer !== undefined) {
+      this.clearTimer(this.answerTimer);
+      this.answerTimer = undefined;
+      this.answerSuspended = true;
+    }
+    this.stallTimer = this.timer(SEND_STALL_TIMEOUT_MS, () => {
+      const why =
+        `send queue not drained: ${mib(buffered())} MiB unsent ${SEND_STALL_TIMEOUT_MS / 1000} s ` +
+        `after passing ${mib(SEND_HIGH_WATER_BYTES)} MiB (the hub reads too slowly)`;
+      this.fail(new ProtocolError(CloseCode.GOING_AWAY, why));
+    });
+    const poll = (): void => {
+      this.pollTimer = undefined;
+      if (this.phase !== "live") return;
+      if (buffered() <= SEND_LOW_WATER_BYTES) this.resume();
+      else this.pollTimer = this.timer(SEND_DRAIN_POLL_MS, poll);
+    };
+    this.pollTimer = this.timer(SEND_DRAIN_POLL_MS, poll);
+  }
+
+  private resume(): void {
+    this.paused = false;
+    this.clearTimer(this.stallTimer);
+    this.clearTimer(this.pollTimer);
+    this.stallTimer = this.pollTimer = undefined;
+    const held = this.heldCount;
+    this.opts.log(
+      `send queue drained after ${((Date.now() - this.pausedAt) / 1000).toFixed(1)} s: ` +
+        `taking calls again (${held} B held meanwhile)`,
+    );
+    if (this.answerSuspended) {
+      this.answerSuspended = false;
+      this.armAnswerTimer(this.answerWhy);
+    }
+    // Held data goes in order; a delivery whose answers fill the queue again pauses the rest.
+    while (this.held.length > 0 && !this.paused && this.phase === "live") {
+      const data = this.held.shift()!;
+      this.heldCount -= data.byteLength;
+      if (this.conn && !this.conn.destroyed) this.conn.deliver(data);
+      if (this.held.length > 0 && this.overHighWater()) this.pause();
     }
   }
 
@@ -355,19 +476,19 @@ export class SessionCore {
     const ping = this.transport?.ping;
     if (!this.cipher && !ping) return;
     const every = this.opts.keepaliveMs ?? KEEPALIVE_MS;
-    const gone = (why: string) => (): void => this.fail(new ProtocolError(CloseCode.GOING_AWAY, why));
     const beat = (): void => {
       this.keepalive = this.timer(every, beat);
-      if (this.phase !== "live" || this.answerTimer !== undefined) return;
+      if (this.phase !== "live" || this.answerTimer !== undefined || this.answerSuspended) return;
+      // Behind a full send queue a heartbeat would wait its turn: the stall timer watches instead.
+      if (this.overHighWater()) this.pause();
+      if (this.paused) return;
       if (this.cipher) {
         const seq = this.monitor.beat();
         this.send(this.cipher.sealHeartbeat(seq, false));
-        const why = "no sealed heartbeat answer within 10 s: the hub is gone or a relay is answering for it";
-        this.answerTimer = this.timer(KEEPALIVE_TIMEOUT_MS, gone(why));
+        this.armAnswerTimer("no sealed heartbeat answer within 10 s: the hub is gone or a relay is answering for it");
       } else if (ping) {
         ping();
-        const why = "no pong within 10 s";
-        this.answerTimer = this.timer(KEEPALIVE_TIMEOUT_MS, gone(why));
+        this.armAnswerTimer("no pong within 10 s");
       }
     };
     this.keepalive = this.timer(every, beat);
@@ -400,6 +521,9 @@ export class SessionCore {
   private dropConnection(): void {
     const conn = this.conn;
     this.conn = undefined;
+    // Data held for the connection goes with it (5.4).
+    this.held = [];
+    this.heldCount = 0;
     if (conn) {
       conn.active = false;
       conn.destroy();
