@@ -195,9 +195,21 @@ def test_the_page_crypto_against_the_vectors(static, tmp_path):
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             dead = s.getsockname()[1]
-        browser.goto(_page_url(static, hub=f"ws://127.0.0.1:{dead}"))
+        # And no ledger at the balance URL: the page says why it shows no KVR credited.
+        browser.goto(_page_url(static, hub=f"ws://127.0.0.1:{dead}", balance=f"http://127.0.0.1:{dead}"))
         state = _wait_phase(browser, ("waiting",))
         assert "could not connect" in state["detail"] and "dialling again" in state["detail"], state
+        credited_at = "document.getElementById('credited-at').textContent"
+        wait_until(lambda: "network error" in browser.eval(credited_at), DEADLINE_S, "the page to say why no balance")
+        assert "is the ledger serving --http there" in browser.eval(credited_at)
+        assert browser.eval("window.kvasirWorker.credited()") is None
+        browser.eval("window.kvasirWorker.stop()")
+        # A server there that is not a ledger: its answer, status first.
+        browser.goto(_page_url(static, autostart="0", balance=static.base))
+        wait_until(lambda: "HTTP 404" in browser.eval(credited_at), DEADLINE_S, "the page to show the HTTP status")
+        assert browser.eval("window.kvasirWorker.credited()") is None
+        browser.goto(_page_url(static, hub=f"ws://127.0.0.1:{dead}"))
+        _wait_phase(browser, ("waiting",))
         assert state["thread"] == "worker", state
         assert "not connected" in browser.eval("document.getElementById('status').textContent")
         assert browser.eval("document.getElementById('thread').textContent") == "a dedicated worker thread"
