@@ -6,9 +6,12 @@ The page's checks (clients/ts/test/webgpu_page.ts) are bundled now with esbuild,
 tests/web_static.py and called over the DevTools protocol; each returns its failures:
 
 * against the JS kernel (jsExpertForward) for every gate and activation it computes, float32,
-  bfloat16 and float16, biases on and off, odd sizes ([H 72, I 40], [H 131, I 33]) and 1, 5, 64
-  and 300 rows: projections and outputs within the first-order bound of the WASM kernel's tests
-  (for one float32 sum per output) and outputs within PROTOCOL.md 11's audit bound;
+  bfloat16 and float16, biases on and off, odd sizes ([H 72, I 40], [H 131, I 33]) and 1, 5, 8,
+  9, 64 and 300 rows (up to 8 the small-batch shader, from 9 the tiled one): projections and
+  outputs within the first-order bound of the WASM kernel's tests (for one float32 sum per
+  output) and outputs within PROTOCOL.md 11's audit bound;
+* the small-batch shader's 2-D grid (more outputs than a dimension of workgroups allows), and
+  the tiled shader at 1 row;
 * tests/vectors/expert_compute.json: projections exact, outputs within 2 units in the last place
   and the audit bound, and the 'dispatch' calls through computeDispatch with the kernel in use;
 * two experts placed and called in turn (and concurrently): each gives its own results, bit for
@@ -83,13 +86,21 @@ def _run(page, call: str, timeout: float = EVAL_TIMEOUT_S) -> dict:  # type: ign
 
 
 def test_webgpu_kernel_agrees_with_the_js_kernel(page):
-    """Every function, dtype, biases on and off, odd sizes, 1 to 300 rows: within the bounds."""
+    """Every function, dtype, biases on and off, odd sizes, 1 to 300 rows (both shaders): within the bounds."""
     res = _run(page, "agreesWithJs()")
     assert res["failures"] == [], "\n".join(res["failures"])
-    assert res["cases"] == 3 * 2 * 8 * 2 * 4, res
+    assert res["cases"] == 3 * 2 * 8 * 2 * 6, res
     print(f"\n{res['cases']} cases in {res['seconds']:.1f} s: largest |WebGPU - JS| / first-order bound "
           f"{res['largestRatioToTolerance']:.4f}, / audit bound {res['largestRatioToAuditBound']:.5f}; "
           f"{100 * res['outputsEqualToJs']:.1f}% of outputs equal to JS's")
+
+
+def test_webgpu_kernel_small_batch_grid_and_tiled_at_one_row(page):
+    """2I = 65 602 outputs (past 65 535 workgroups a dimension) at 1, 8 and 9 rows, float32 and
+    bfloat16 weights; the tiled shader alone at 1 row: within the bounds."""
+    res = _run(page, "wideExpert()")
+    assert res["failures"] == [], "\n".join(res["failures"])
+    assert res["cases"] == 8, res
 
 
 def test_webgpu_kernel_on_the_vectors(page):

@@ -33,6 +33,7 @@ import { functionFromProto } from "../src/worker/function.js";
 import { kernelTolerance, worst } from "./kernel_bounds.js";
 import { computeDispatch, ServedExperts } from "../src/worker/service.js";
 import { WASM_ACTIVATIONS, WasmKernel, WasmMemoryError, wasmExpertForward } from "../src/wasm/kernel.js";
+import { prng, randomValues } from "../src/worker/seeded.js";
 
 const ROOT = join(import.meta.dirname, "..");
 const WASM = join(ROOT, "src", "wasm", "kernel.wasm");
@@ -68,23 +69,7 @@ test("kernel.wasm is what `npm run build:wasm` builds from kernel.as.ts (rebuild
 
 // -- random experts --------------------------------------------------------------------------
 
-/** A seeded generator of uniform [0, 1) (mulberry32): the same experts on every run. */
-function prng(seed: number): () => number {
-  let a = seed >>> 0;
-  return () => {
-    a = (a + 0x6d2b79f5) >>> 0;
-    let t = a;
-    t = Math.imul(t ^ (t >>> 15), t | 1);
-    t ^= t + Math.imul(t ^ (t >>> 7), t | 61);
-    return ((t ^ (t >>> 14)) >>> 0) / 4294967296;
-  };
-}
 
-/** `len` values uniform in [-scale, scale), rounded to `dtype`. */
-function randomValues(rand: () => number, len: number, scale: number, dtype: FloatDType): Float32Array {
-  const r = rounder(dtype);
-  return Float32Array.from({ length: len }, () => r((2 * rand() - 1) * scale));
-}
 
 interface Case {
   name: string;

@@ -28,6 +28,7 @@ import {
   webgpuExpertForward,
 } from "../src/webgpu/kernel.js";
 import { auditBound, kernelTolerance, worst, type ExpertInputs } from "./kernel_bounds.js";
+import { prng, randomValues } from "../src/worker/seeded.js";
 
 export { measureKernels } from "../src/webgpu/measure.js";
 
@@ -39,22 +40,7 @@ export interface Summary {
   [figure: string]: unknown;
 }
 
-/** A seeded generator of uniform [0, 1) (mulberry32): the same experts on every run. */
-function prng(seed: number): () => number {
-  let a = seed >>> 0;
-  return () => {
-    a = (a + 0x6d2b79f5) >>> 0;
-    let t = a;
-    t = Math.imul(t ^ (t >>> 15), t | 1);
-    t ^= t + Math.imul(t ^ (t >>> 7), t | 61);
-    return ((t ^ (t >>> 14)) >>> 0) / 4294967296;
-  };
-}
 
-function randomValues(rand: () => number, len: number, scale: number, dtype: FloatDType): Float32Array {
-  const r = rounder(dtype);
-  return Float32Array.from({ length: len }, () => r((2 * rand() - 1) * scale));
-}
 
 function randomExpert(fn: ExpertFunction, dtype: FloatDType, H: number, I: number, n: number, xScale: number, seed: number): ExpertInputs {
   const rand = prng(seed);
@@ -102,13 +88,15 @@ export async function adapter(): Promise<string> {
 
 /**
  * WebGPU against jsExpertForward: every function, float32 / bfloat16 / float16, biases on and
- * off (bfloat16 weights held as 16 bits), the shapes [H, I] and the row counts given: projections and outputs within the
+ * off (bfloat16 weights held as 16 bits), the shapes [H, I] and the row counts given (both
+ * shaders, each of the small-batch one's loads: K = 72 and 40 by vec4, 131 and 33 one value or
+ * one bfloat16 pair at a time): projections and outputs within the
  * first-order bound (kernel_bounds.ts, for one float32 sum per output), outputs within
  * PROTOCOL.md 11's audit bound, every value one of its dtype's.
  */
 export async function agreesWithJs(
   shapes: [number, number][] = [[72, 40], [131, 33]],
-  counts: number[] = [1, 5, 64, 300],
+  counts: number[] = [1, 5, 8, 9, 64, 300], // up to 8 rows the small-batch shader, from 9 the tiled one
 ): Promise<Summary> {
   const k = await kernel();
   const failures: string[] = [];
@@ -316,10 +304,16 @@ export async function twoExperts(): Promise<Summary> {
     check("concurrent A", together[0]!, first.a);
     check("concurrent B", together[1]!, first.b);
     check("concurrent A again", together[2]!, first.a);
-    // One row of A alone: the same as that row in the call of 64 (each row's sums are its own).
+    // Each row's sums are its own: row 17 alone (the small-batch shader) as in a call of rows
+    // 15 to 19; rows 10 to 29 (the tiled shader) as in the call of 64.
     const r = 17;
-    const one = await k.expertForward(fnA, "float32", a.m, a.rows.subarray(r * 72, r * 72 + 72), a.weights.subarray(r, r + 1), "float32");
-    if (one.out.some((v, i) => v !== first.a.out[r * 72 + i])) failures.push("row 17 alone differs from row 17 of the call");
+    const part = async (from: number, to: number) =>
+      k.expertForward(fnA, "float32", a.m, a.rows.subarray(from * 72, to * 72), a.weights.subarray(from, to), "float32");
+    const one = await part(r, r + 1);
+    const five = await part(15, 20);
+    if (one.out.some((v, i) => v !== five.out[(r - 15) * 72 + i])) failures.push("row 17 alone differs from row 17 of rows 15 to 19");
+    const twenty = await part(10, 30);
+    if (twenty.out.some((v, i) => v !== first.a.out[720 + i])) failures.push("rows 10 to 29 differ from those of the call");
     // More rows than a block: the same results as one block.
     const small = await WebGpuKernel.create(undefined, { blockRows: 7 });
     try {
@@ -341,6 +335,44 @@ export async function twoExperts(): Promise<Summary> {
     k.destroy();
   }
   return { failures };
+}
+
+/**
+ * The small-batch shader's 2-D grid: an expert whose gate_up pass has more outputs (2I = 65 602)
+ * than a dimension of workgroups allows (65 535, WebGPU's default limit, the kernel's device's),
+ * at 1 and 8 rows (the small-batch shader) and 9 (the tiled one), float32 and bfloat16 weights;
+ * and the tiled shader alone (smallRows 0) at 1 row: within the bounds, as agreesWithJs checks.
+ */
+export async function wideExpert(): Promise<Summary> {
+  const k = await kernel();
+  const tiledOnly = await WebGpuKernel.create(undefined, { smallRows: 0 });
+  const failures: string[] = [];
+  const fn = defaultFunction("silu");
+  let cases = 0;
+  try {
+    for (const dtype of ["float32", "bfloat16"] as FloatDType[]) {
+      for (const [H, I, n, kk] of [[5, 32801, 1, k], [5, 32801, 8, k], [5, 32801, 9, k], [72, 40, 1, tiledOnly]] as const) {
+        const what = `${dtype}, H ${H}, I ${I}, ${n} rows${kk === tiledOnly ? ", tiled shader only" : ""}`;
+        const e = randomExpert(fn, dtype, H, I, n, 2, 300 + cases);
+        try {
+          const js = jsExpertForward(fn, dtype, e.m, e.rows, e.weights, dtype);
+          const gpu = await kk.expertForward(fn, dtype, e.m, e.rows, e.weights, dtype);
+          const tol = kernelTolerance(fn, dtype, dtype, e, js, GPU_ROUNDINGS);
+          const p = worst(gpu.proj, js.proj, tol.proj);
+          if (!(p.ratio <= 1)) failures.push(`${what}: proj ${p.at}: ${gpu.proj[p.at]} vs ${js.proj[p.at]} (bound ${tol.proj[p.at]})`);
+          const o = worst(gpu.out, js.out, tol.out);
+          if (!(o.ratio <= 1)) failures.push(`${what}: out ${o.at}: ${gpu.out[o.at]} vs ${js.out[o.at]} (bound ${tol.out[o.at]})`);
+          cases++;
+        } catch (exc) {
+          failures.push(`${what}: ${exc instanceof Error ? exc.stack ?? exc.message : String(exc)}`);
+        }
+        k.reset();
+      }
+    }
+  } finally {
+    tiledOnly.destroy();
+  }
+  return { failures, cases };
 }
 
 /**

@@ -9,6 +9,12 @@
 //   pass 1  S1[r, j] = sum_k GU[j, k] x[r, k]     GU [2I, H]: the gate rows, then the up rows
 //   pass 2  S2[r, i] = sum_j  D[i, j] h[r, j]     D [H, I]
 //
+// with one of two shaders, by the call's row count n: up to SMALL_ROWS (8) rows (a decode step's
+// 1 to a few rows per expert) matvecSmallWgsl, a workgroup of 64 invocations per 8 outputs (8
+// lanes each) that reads W's rows once for all n rows (vec4 loads where K allows) and sums in a tree in workgroup
+// memory; more rows matvecWgsl, 16 x 16 tiles of S (which at n = 1 leave 15/16 of the
+// invocations idle).
+//
 // Everything elementwise (each sum rounded once to the compute dtype, the biases, the activation,
 // h = act(g) * u with its rounding at each step, the routing weight, the rounding to the output
 // dtype) is JavaScript: expert.ts's expertSteps, the very functions jsExpertForward uses. WGSL's
@@ -52,6 +58,9 @@ export interface GpuBuffer {
 interface GpuBindGroupLayout {
   readonly label: string;
 }
+interface GpuPipelineLayout {
+  readonly label: string;
+}
 interface GpuBindGroup {
   readonly label: string;
 }
@@ -88,8 +97,13 @@ export interface GpuDevice {
   readonly lost: Promise<{ readonly reason: string; readonly message: string }>;
   createBuffer(descriptor: { size: number; usage: number; mappedAtCreation?: boolean; label?: string }): GpuBuffer;
   createShaderModule(descriptor: { code: string; label?: string }): GpuShaderModule;
+  createBindGroupLayout(descriptor: {
+    entries: { binding: number; visibility: number; buffer: { type: "uniform" | "storage" | "read-only-storage" } }[];
+    label?: string;
+  }): GpuBindGroupLayout;
+  createPipelineLayout(descriptor: { bindGroupLayouts: GpuBindGroupLayout[]; label?: string }): GpuPipelineLayout;
   createComputePipelineAsync(descriptor: {
-    layout: "auto";
+    layout: GpuPipelineLayout | "auto";
     compute: { module: GpuShaderModule; entryPoint: string };
     label?: string;
   }): Promise<GpuComputePipeline>;
@@ -127,6 +141,7 @@ const COPY_DST = 0x0008;
 const UNIFORM = 0x0040;
 const STORAGE = 0x0080;
 const MAP_MODE_READ = 0x0001;
+const SHADER_STAGE_COMPUTE = 0x4;
 
 // -- errors --------------------------------------------------------------------------------
 
@@ -221,6 +236,162 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_id) lid:
 `;
 }
 
+/** The most rows the small-batch shader computes in one pass (its accumulators per invocation). */
+export const SMALL_ROWS = 8;
+/** Invocations per workgroup of the small-batch shader. */
+const SMALL_GROUP = 64;
+/** Outputs j per workgroup of the small-batch shader (its 64 invocations split among them, 8
+ * lanes each: 128 contiguous bytes of a row per vec4 load). On SwiftShader, where a workgroup and
+ * a barrier cost much, 1 output gave 4.7 rows/s at n = 1 (H 2048, I 768), 8 outputs 15.8, 16
+ * outputs 19.4, 64 (one per invocation) 22.8; 8 keeps a GPU's reads in whole 128-byte lines. */
+const SMALL_OUTPUTS = 8;
+
+/** How the small-batch shader reads W and X: one value at a time (any K), four float32 values
+ * (K a multiple of 4), one u32 of two bfloat16 values (any K), or a vec4<u32> of eight (K a
+ * multiple of 8). */
+export type SmallLoad = "f32" | "f32x4" | "bf16x2" | "bf16x8";
+
+/** The small-batch shader's load for W of `bf16` weights and rows of K values. */
+export function smallLoad(bf16: boolean, K: number): SmallLoad {
+  return bf16 ? (K % 8 === 0 ? "bf16x8" : "bf16x2") : K % 4 === 0 ? "f32x4" : "f32";
+}
+
+/**
+ * The small-batch matrix-vector shader, for n <= SMALL_ROWS rows (a decode step's 1 to a few
+ * rows per expert), where matvecWgsl's 16 x 16 tiles would leave most invocations idle: the same
+ * S[r, j] = sum_k W[j, k] X[r, k] (W [J, K] with rows `stride` values apart, X [n, K], S [n, J]).
+ *
+ * Each workgroup of SMALL_GROUP (64) invocations computes `outputs` consecutive outputs j, `lanes`
+ * = 64 / outputs invocations each (default SMALL_OUTPUTS, 8 outputs of 8 lanes): the lanes
+ * stride over k, lane l reading W[j, l], W[j, l + lanes], ... (with `load` "f32x4" / "bf16x8", a
+ * vec4 of 4 float32 / 8 bfloat16 values a lane: consecutive lanes read consecutive 16 bytes, so
+ * 8 lanes read a 128-byte line of W's row), and accumulate every row r < n in registers in the same
+ * loop (W is read once for all n rows); then a tree reduction over the lanes in workgroup memory
+ * (log2(lanes) steps), and lanes t < n * outputs write the sums. Float32 throughout. The workgroups form
+ * a 2-D grid (j = (wg.x + wg.y * num_workgroups.x) * outputs + o): J may exceed the device's
+ * maxComputeWorkgroupsPerDimension. Any J, K.
+ */
+export function matvecSmallWgsl(load: SmallLoad, outputs = SMALL_OUTPUTS): string {
+  if (!(Number.isInteger(outputs) && outputs >= 1 && SMALL_GROUP % outputs === 0)) {
+    throw new Error(`matvecSmallWgsl: ${outputs} outputs per workgroup do not divide ${SMALL_GROUP} invocations`);
+  }
+  const lanes = SMALL_GROUP / outputs;
+  const R = SMALL_ROWS;
+  const rows = Array.from({ length: R }, (_, r) => r);
+  const decl = rows.map((r) => `var a${r}: f32 = 0.0;`).join("\n  ");
+  // One W load (w) and, for each row r < n, its products with the matching X values added to a<r>.
+  const each = (body: (r: number) => string): string =>
+    rows.map((r) => `if (n > ${r}u) { ${body(r)} }`).join("\n      ");
+  let wType: string;
+  let xType: string;
+  let loop: string;
+  switch (load) {
+    case "f32":
+      wType = "f32";
+      xType = "f32";
+      loop = `let wrow = j * dims.stride;
+    for (var k: u32 = l; k < K; k = k + L) {
+      let w = W[wrow + k];
+      ${each((r) => `a${r} = a${r} + w * X[${r}u * K + k];`)}
+    }`;
+      break;
+    case "f32x4":
+      wType = "vec4<f32>";
+      xType = "vec4<f32>";
+      loop = `let K4 = K >> 2u;
+    let wrow = j * (dims.stride >> 2u);
+    for (var q: u32 = l; q < K4; q = q + L) {
+      let w = W[wrow + q];
+      ${each((r) => `a${r} = a${r} + dot(w, X[${r}u * K4 + q]);`)}
+    }`;
+      break;
+    case "bf16x2":
+      // A u32 holds W[j, 2q] (low half) and W[j, 2q + 1] (high half); an odd K's last value
+      // (with a zero beside it in the row's padding) by lane 0 after the loop.
+      wType = "u32";
+      xType = "f32";
+      loop = `let wrow = j * (dims.stride >> 1u);
+    let K2 = K >> 1u;
+    for (var q: u32 = l; q < K2; q = q + L) {
+      let word = W[wrow + q];
+      let w0 = bitcast<f32>(word << 16u);
+      let w1 = bitcast<f32>(word & 0xffff0000u);
+      let k = q << 1u;
+      ${each((r) => `a${r} = a${r} + w0 * X[${r}u * K + k] + w1 * X[${r}u * K + k + 1u];`)}
+    }
+    if ((K & 1u) == 1u && l == 0u) {
+      let w = bitcast<f32>(W[wrow + K2] << 16u);
+      let k = K - 1u;
+      ${each((r) => `a${r} = a${r} + w * X[${r}u * K + k];`)}
+    }`;
+      break;
+    case "bf16x8":
+      // A vec4<u32> holds W[j, 8q .. 8q + 7]: the low halves are the even k, the high halves the odd.
+      wType = "vec4<u32>";
+      xType = "vec4<f32>";
+      loop = `let K4 = K >> 2u;
+    let wrow = j * (dims.stride >> 3u);
+    for (var q: u32 = l; q < (K >> 3u); q = q + L) {
+      let word = W[wrow + q];
+      let we = bitcast<vec4<f32>>(word << vec4<u32>(16u));
+      let wo = bitcast<vec4<f32>>(word & vec4<u32>(0xffff0000u));
+      ${each(
+        (r) => `let xa = X[${r}u * K4 + 2u * q]; let xb = X[${r}u * K4 + 2u * q + 1u];
+        a${r} = a${r} + dot(we, vec4<f32>(xa.x, xa.z, xb.x, xb.z)) + dot(wo, vec4<f32>(xa.y, xa.w, xb.y, xb.w));`,
+      )}
+    }`;
+      break;
+  }
+  const store = rows.map((r) => `if (n > ${r}u) { part[${r}u * G + t] = a${r}; }`).join("\n  ");
+  return /* wgsl */ `
+struct Dims { n: u32, J: u32, K: u32, stride: u32 }
+@group(0) @binding(0) var<storage, read> W: array<${wType}>;
+@group(0) @binding(1) var<storage, read> X: array<${xType}>;
+@group(0) @binding(2) var<storage, read_write> S: array<f32>;
+@group(0) @binding(3) var<uniform> dims: Dims;
+
+const G: u32 = ${SMALL_GROUP}u; // invocations per workgroup
+const L: u32 = ${lanes}u;       // lanes per output
+const O: u32 = ${outputs}u;     // outputs per workgroup
+// Each lane's partial sum of each row: row r's at [r * G + t], consecutive lanes consecutive words.
+var<workgroup> part: array<f32, ${R * SMALL_GROUP}>;
+
+@compute @workgroup_size(${SMALL_GROUP}, 1, 1)
+fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) ng: vec3<u32>,
+        @builtin(local_invocation_index) t: u32) {
+  let n = min(dims.n, ${R}u);
+  let J = dims.J;
+  let K = dims.K;
+  let j0 = (wg.x + wg.y * ng.x) * O;
+  let o = t / L;
+  let l = t % L;
+  let j = j0 + o;
+  ${decl}
+  if (j < J) {
+    ${loop}
+  }
+  ${store}
+  workgroupBarrier();
+  for (var s: u32 = L >> 1u; s > 0u; s = s >> 1u) {
+    if (l < s) {
+      for (var r: u32 = 0u; r < n; r = r + 1u) {
+        part[r * G + t] = part[r * G + t] + part[r * G + t + s];
+      }
+    }
+    workgroupBarrier();
+  }
+  // Lane t < n * O writes row t / O of output j0 + t % O (consecutive lanes, consecutive j).
+  if (t < n * O) {
+    let r = t / O;
+    let jj = j0 + t % O;
+    if (jj < J) {
+      S[r * J + jj] = part[r * G + (t % O) * L];
+    }
+  }
+}
+`;
+}
+
 // -- the kernel ----------------------------------------------------------------------------
 
 /** An expert's matrices in GPU buffers. */
@@ -257,6 +428,9 @@ export interface WebGpuKernelOptions {
   maxBufferBytes?: number;
   /** Passed to requestAdapter. Default "high-performance". */
   powerPreference?: "low-power" | "high-performance";
+  /** Calls of at most this many rows use the small-batch shader (matvecSmallWgsl), larger ones the
+   * tiled one (matvecWgsl); 0 to use the tiled one always. Default (and at most) SMALL_ROWS, 8. */
+  smallRows?: number;
 }
 
 const mib = (bytes: number): string =>
@@ -274,11 +448,19 @@ function isFallback(adapter: GpuAdapter): boolean {
   return Boolean(adapter.info?.isFallbackAdapter ?? adapter.isFallbackAdapter);
 }
 
+/** The compiled shaders: the tiled one for float32 and for bfloat16 weights, the small-batch one for each of its loads. */
+interface Pipelines {
+  tiled: [GpuComputePipeline, GpuComputePipeline];
+  small: Record<SmallLoad, GpuComputePipeline>;
+}
+const SMALL_LOADS: SmallLoad[] = ["f32", "f32x4", "bf16x2", "bf16x8"];
+
 export class WebGpuKernel {
   readonly #device: GpuDevice;
-  /** The pipelines for float32 weights and for bfloat16 ones, and their bind group layouts. */
-  readonly #pipelines: [GpuComputePipeline, GpuComputePipeline];
-  readonly #layouts: [GpuBindGroupLayout, GpuBindGroupLayout];
+  readonly #pipelines: Pipelines;
+  /** The one bind group layout every pipeline shares (W, X, S, dims). */
+  readonly #layout: GpuBindGroupLayout;
+  readonly #smallRows: number;
   readonly #dims: GpuBuffer;
   readonly #maxBuffer: number;
   readonly #maxGroups: number;
@@ -300,13 +482,15 @@ export class WebGpuKernel {
 
   private constructor(
     device: GpuDevice,
-    pipelines: [GpuComputePipeline, GpuComputePipeline],
+    pipelines: Pipelines,
+    layout: GpuBindGroupLayout,
     adapter: GpuAdapter,
     options: WebGpuKernelOptions,
   ) {
     this.#device = device;
     this.#pipelines = pipelines;
-    this.#layouts = [pipelines[0].getBindGroupLayout(0), pipelines[1].getBindGroupLayout(0)];
+    this.#layout = layout;
+    this.#smallRows = Math.max(0, Math.min(SMALL_ROWS, Math.floor(options.smallRows ?? SMALL_ROWS)));
     this.adapterInfo = describeAdapter(adapter);
     this.isFallbackAdapter = isFallback(adapter);
     const limits = device.limits;
@@ -366,13 +550,31 @@ export class WebGpuKernel {
       throw new WebGpuUnavailableError(`WebGPU is not available here: the adapter (${info}) gave no device: ${errorText(exc)}`);
     }
     try {
-      const pipeline = (bf16: boolean): Promise<GpuComputePipeline> => {
-        const label = `kvasir matvec (${bf16 ? "bfloat16" : "float32"} weights)`;
-        const module = device.createShaderModule({ code: matvecWgsl(bf16), label });
-        return device.createComputePipelineAsync({ layout: "auto", compute: { module, entryPoint: "main" }, label });
+      // One layout for every pipeline, so that an expert's bind groups serve both shaders.
+      const layout = device.createBindGroupLayout({
+        entries: [
+          { binding: 0, visibility: SHADER_STAGE_COMPUTE, buffer: { type: "read-only-storage" } },
+          { binding: 1, visibility: SHADER_STAGE_COMPUTE, buffer: { type: "read-only-storage" } },
+          { binding: 2, visibility: SHADER_STAGE_COMPUTE, buffer: { type: "storage" } },
+          { binding: 3, visibility: SHADER_STAGE_COMPUTE, buffer: { type: "uniform" } },
+        ],
+        label: "kvasir matvec bindings",
+      });
+      const pipelineLayout = device.createPipelineLayout({ bindGroupLayouts: [layout], label: "kvasir matvec" });
+      const pipeline = (code: string, label: string): Promise<GpuComputePipeline> => {
+        const module = device.createShaderModule({ code, label });
+        return device.createComputePipelineAsync({ layout: pipelineLayout, compute: { module, entryPoint: "main" }, label });
       };
-      const pipelines = await Promise.all([pipeline(false), pipeline(true)]);
-      return new WebGpuKernel(device, pipelines, adapter, options);
+      const [tiled, small] = await Promise.all([
+        Promise.all([false, true].map((bf16) =>
+          pipeline(matvecWgsl(bf16), `kvasir matvec (${bf16 ? "bfloat16" : "float32"} weights)`))),
+        Promise.all(SMALL_LOADS.map((load) => pipeline(matvecSmallWgsl(load), `kvasir small-batch matvec (${load})`))),
+      ]);
+      const pipelines: Pipelines = {
+        tiled: [tiled[0]!, tiled[1]!],
+        small: Object.fromEntries(SMALL_LOADS.map((load, i) => [load, small[i]!])) as Record<SmallLoad, GpuComputePipeline>,
+      };
+      return new WebGpuKernel(device, pipelines, layout, adapter, options);
     } catch (exc) {
       device.destroy();
       throw new WebGpuUnavailableError(`the WebGPU expert kernel does not compile on ${info}: ${errorText(exc)}`);
@@ -532,20 +734,21 @@ export class WebGpuKernel {
     const n = weights.length;
     const J = 2 * I;
     const wide = Math.max(J, H);
+    // The shader, by the call's row count (so a row's sums do not depend on the block it falls
+    // in): the small-batch one up to smallRows rows, else the tiled one; and the small-batch one
+    // in blocks of SMALL_ROWS where the tiled one's grid would be too wide (its 2-D grid is not).
+    const tooWide = Math.ceil(wide / TILE) > this.#maxGroups;
+    const small = n <= this.#smallRows || tooWide;
     // Rows per block: the option's, and what the largest buffer and the workgroup grid allow.
     const block = Math.max(
       1,
-      Math.min(n, this.#blockRows, Math.floor(this.#maxBuffer / (wide * 4)), this.#maxGroups * TILE),
+      Math.min(n, this.#blockRows, Math.floor(this.#maxBuffer / (wide * 4)), small ? SMALL_ROWS : this.#maxGroups * TILE),
     );
-    if (Math.ceil(wide / TILE) > this.#maxGroups) {
-      throw new WebGpuMemoryError(`the WebGPU kernel cannot compute expert [H ${H}, I ${I}]: ${wide} outputs of a pass ` +
-        `need more than the device's ${this.#maxGroups} workgroups`);
-    }
     const s = await this.#ensureScratch(block * Math.max(H, I) * 4, block * wide * 4, H, I);
     if (p.gen !== s.gen || !p.pass1 || !p.pass2) {
       const group = (w: GpuBuffer): GpuBindGroup =>
         this.#device.createBindGroup({
-          layout: this.#layouts[p.bf16 ? 1 : 0],
+          layout: this.#layout,
           entries: [
             { binding: 0, resource: { buffer: w } },
             { binding: 1, resource: { buffer: s.inBuf } },
@@ -563,7 +766,7 @@ export class WebGpuKernel {
       const b = Math.min(block, n - r0);
       // Pass 1: the sums of gate and up; each rounded once and its bias added here (expertSteps).
       this.#device.queue.writeBuffer(s.inBuf, 0, rows, r0 * H, b * H);
-      const s1 = await this.#pass(s, p, p.pass1, dims, b, J, H);
+      const s1 = await this.#pass(s, p, p.pass1, dims, small, b, J, H);
       const pBase = r0 * J;
       for (let r = 0; r < b; r++) {
         const o = r * J;
@@ -574,7 +777,7 @@ export class WebGpuKernel {
       for (let r = 0; r < b; r++) steps.gate(proj, pBase + r * J, h, r * I);
       // Pass 2: the sums of down; rounded, its bias added, times the routing weight (expertSteps).
       this.#device.queue.writeBuffer(s.inBuf, 0, h, 0, b * I);
-      const s2 = await this.#pass(s, p, p.pass2, dims, b, H, I);
+      const s2 = await this.#pass(s, p, p.pass2, dims, small, b, H, I);
       for (let r = 0; r < b; r++) {
         const w = weights[r0 + r]!;
         const o = r * H;
@@ -586,12 +789,13 @@ export class WebGpuKernel {
   }
 
   /** One pass over `b` rows (S [b, J] from W [J, K] and the rows in s.inBuf), its sums mapped for
-   * reading in s.staging (the caller unmaps it). */
+   * reading in s.staging (the caller unmaps it); `small`: with the small-batch shader (b <= SMALL_ROWS). */
   async #pass(
     s: Scratch,
     p: Placed,
     group: GpuBindGroup,
     dims: Uint32Array,
+    small: boolean,
     b: number,
     J: number,
     K: number,
@@ -606,9 +810,17 @@ export class WebGpuKernel {
     device.pushErrorScope("validation");
     const enc = device.createCommandEncoder();
     const pass = enc.beginComputePass({ label: "kvasir matvec" });
-    pass.setPipeline(this.#pipelines[p.bf16 ? 1 : 0]);
     pass.setBindGroup(0, group);
-    pass.dispatchWorkgroups(Math.ceil(J / TILE), Math.ceil(b / TILE), 1);
+    if (small) {
+      // A workgroup per SMALL_OUTPUTS outputs, in a 2-D grid no wider than the device allows.
+      pass.setPipeline(this.#pipelines.small[smallLoad(p.bf16, K)]);
+      const groups = Math.ceil(J / SMALL_OUTPUTS);
+      const x = Math.min(groups, this.#maxGroups);
+      pass.dispatchWorkgroups(x, Math.ceil(groups / x), 1);
+    } else {
+      pass.setPipeline(this.#pipelines.tiled[p.bf16 ? 1 : 0]);
+      pass.dispatchWorkgroups(Math.ceil(J / TILE), Math.ceil(b / TILE), 1);
+    }
     pass.end();
     enc.copyBufferToBuffer(s.outBuf, 0, s.staging, 0, bytes);
     device.queue.submit([enc.finish()]);

@@ -15,10 +15,11 @@
 // Vulkan, where there is no GPU). A kernel that cannot run here is left out of rowsPerSecond and
 // its reason is in errors (no WebGPU adapter, no kernel.wasm beside the bundle).
 
-import { rounder, type FloatDType } from "../worker/dtype.js";
+import type { FloatDType } from "../worker/dtype.js";
 import { defaultFunction, jsExpertForward, type ExpertMatrices } from "../worker/expert.js";
 import { WasmKernel } from "../wasm/kernel.js";
-import { WebGpuKernel, type Gpu } from "./kernel.js";
+import { WebGpuKernel, type Gpu, type WebGpuKernelOptions } from "./kernel.js";
+import { prng, randomValues } from "../worker/seeded.js";
 
 export interface MeasureOptions {
   H?: number;
@@ -30,8 +31,10 @@ export interface MeasureOptions {
   seconds?: number;
   /** kernel.wasm's bytes, a Response, or its URL (default: beside the WASM kernel's module, as WasmKernel.load() fetches it). */
   wasm?: ArrayBuffer | Uint8Array | string;
-  /** A WebGPU kernel already made (default: WebGpuKernel.create(gpu)). */
+  /** A WebGPU kernel already made (default: WebGpuKernel.create(gpu, webgpuOptions)). */
   webgpu?: WebGpuKernel;
+  /** The options of the WebGPU kernel made here, e.g. `{ smallRows: 0 }` for the tiled shader at every row count. */
+  webgpuOptions?: WebGpuKernelOptions;
   gpu?: Gpu;
   /** Which kernels (default all three). */
   kernels?: ("js" | "wasm" | "webgpu")[];
@@ -70,26 +73,13 @@ async function rate(run: () => unknown, seconds: number): Promise<number> {
   return best;
 }
 
-/** A seeded generator of uniform [0, 1) (mulberry32). */
-function prng(seed: number): () => number {
-  let a = seed >>> 0;
-  return () => {
-    a = (a + 0x6d2b79f5) >>> 0;
-    let t = a;
-    t = Math.imul(t ^ (t >>> 15), t | 1);
-    t ^= t + Math.imul(t ^ (t >>> 7), t | 61);
-    return ((t ^ (t >>> 14)) >>> 0) / 4294967296;
-  };
-}
 
 /** Rows per second of one expert (a GLU with silu, random weights) at `n` rows per call, by each kernel. */
 export async function measureKernels(options: MeasureOptions = {}): Promise<Measurement> {
   const { H = 64, I = 32, n = 64, dtype = "float32", seconds = 1 } = options;
   const kernels = options.kernels ?? ["js", "wasm", "webgpu"];
   const rand = prng(7);
-  const r = rounder(dtype);
-  const random = (len: number, scale: number): Float32Array =>
-    Float32Array.from({ length: len }, () => r((2 * rand() - 1) * scale));
+  const random = (len: number, scale: number): Float32Array => randomValues(rand, len, scale, dtype);
   const m: ExpertMatrices = { H, I, GU: random(2 * I * H, Math.sqrt(3 / H)), D: random(H * I, Math.sqrt(3 / I)) };
   const rows = random(n * H, 1);
   const w = random(n, 1);
@@ -119,7 +109,7 @@ export async function measureKernels(options: MeasureOptions = {}): Promise<Meas
   if (kernels.includes("webgpu")) {
     let made: WebGpuKernel | undefined;
     try {
-      const k = options.webgpu ?? (made = await WebGpuKernel.create(options.gpu));
+      const k = options.webgpu ?? (made = await WebGpuKernel.create(options.gpu, options.webgpuOptions));
       result.adapter = k.adapterInfo;
       k.place(m);
       result.rowsPerSecond.webgpu = n * (await rate(() => k.expertForward(fn, dtype, m, rows, w, dtype), seconds));
