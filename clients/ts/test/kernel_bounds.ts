@@ -3,7 +3,11 @@
 // float32 summation scheme, and PROTOCOL.md 11's audit bound. No Node API: the WebGPU kernel's
 // tests run these in a web page (test/webgpu_page.ts).
 
-import { unitRoundoff, wider, type FloatDType } from "../src/worker/dtype.js";
+import { create } from "@bufbuild/protobuf";
+
+import { TensorSchema } from "../src/gen/kvasir/v1/tensor_pb.js";
+import { fromHex } from "../src/worker/bytes_core.js";
+import { decodeTensor, floatValues, unitRoundoff, wider, type FloatDType } from "../src/worker/dtype.js";
 import { activation, type ExpertFunction, type ExpertMatrices, type ExpertResult } from "../src/worker/expert.js";
 
 /** One expert's inputs. */
@@ -206,4 +210,17 @@ export function worst(
     }
   }
   return { ratio, at };
+}
+
+/** A JSON tensor of tests/vectors ({dtype, shape, data_hex}) as float32 values. */
+export function vectorValues(t: { dtype: string; shape: number[]; data_hex: string }): Float32Array {
+  const dtype = { float32: 1, float16: 2, bfloat16: 3 }[t.dtype]!;
+  return floatValues(decodeTensor(create(TensorSchema, { dtype, shape: t.shape.map(BigInt), data: fromHex(t.data_hex) })));
+}
+
+/** Within `ulps` units in the last place of `want` (of `dtype`; values near zero: of 2^-10), as the
+ * kernels' tests check the Python worker's vectors. */
+export function closeUlps(got: number, want: number, ulps: number, dtype: FloatDType): boolean {
+  const u = dtype === "float32" ? 2 ** -23 : dtype === "bfloat16" ? 2 ** -7 : 2 ** -10;
+  return Math.abs(got - want) <= ulps * u * Math.max(Math.abs(want), 2 ** -10);
 }

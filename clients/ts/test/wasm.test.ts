@@ -5,7 +5,7 @@ import { readFileSync } from "node:fs";
 import { join } from "node:path";
 import { test } from "node:test";
 
-import { create, fromBinary, toBinary } from "@bufbuild/protobuf";
+import { fromBinary, toBinary } from "@bufbuild/protobuf";
 import asc from "assemblyscript/asc";
 
 import { DispatchRequestSchema } from "../src/gen/kvasir/v1/expert_pb.js";
@@ -30,7 +30,7 @@ import {
   type ExpertResult,
 } from "../src/worker/expert.js";
 import { functionFromProto } from "../src/worker/function.js";
-import { kernelTolerance, worst } from "./kernel_bounds.js";
+import { closeUlps, kernelTolerance, vectorValues, worst } from "./kernel_bounds.js";
 import { computeDispatch, ServedExperts } from "../src/worker/service.js";
 import { WASM_ACTIVATIONS, WasmKernel, WasmMemoryError, wasmExpertForward } from "../src/wasm/kernel.js";
 import { prng, randomValues } from "../src/worker/seeded.js";
@@ -238,17 +238,7 @@ function vectors(name: string): Json {
   return JSON.parse(readFileSync(join(VECTORS, `${name}.json`), "utf8"));
 }
 
-function values(t: Json): Float32Array {
-  const dtype = { float32: 1, float16: 2, bfloat16: 3 }[t.dtype as string]!;
-  const shape = (t.shape as number[]).map(BigInt);
-  return floatValues(decodeTensor(create(TensorSchema, { dtype, shape, data: fromHex(t.data_hex) })));
-}
 
-/** As test/worker.test.ts: within a few units in the last place of the vectors (the Python worker's). */
-function close(got: number, want: number, ulps: number, dtype: FloatDType): boolean {
-  const u = dtype === "float32" ? 2 ** -23 : dtype === "bfloat16" ? 2 ** -7 : 2 ** -10;
-  return Math.abs(got - want) <= ulps * u * Math.max(Math.abs(want), 2 ** -10);
-}
 
 test("expert_compute vectors through the WASM kernel: 'single' and every function (projections exact)", async () => {
   const k = await kernel;
@@ -257,28 +247,28 @@ test("expert_compute vectors through the WASM kernel: 'single' and every functio
   const [, H] = s.hidden.shape as [number, number];
   const I = s.down.shape[1] as number;
   const fn0 = defaultFunction(s.activation);
-  const m0 = matricesFromStored(fn0, H, I, values(s.gate_up), values(s.down));
-  const r0 = k.expertForward(fn0, "float32", m0, values(s.hidden), values(s.routing_weights), "float32");
-  const want0 = values(s.output);
+  const m0 = matricesFromStored(fn0, H, I, vectorValues(s.gate_up), vectorValues(s.down));
+  const r0 = k.expertForward(fn0, "float32", m0, vectorValues(s.hidden), vectorValues(s.routing_weights), "float32");
+  const want0 = vectorValues(s.output);
   assert.equal(r0.out.length, want0.length);
   for (let i = 0; i < want0.length; i++) {
-    assert.ok(close(r0.out[i]!, want0[i]!, 2, "float32"), `single ${i}: ${r0.out[i]} vs ${want0[i]}`);
+    assert.ok(closeUlps(r0.out[i]!, want0[i]!, 2, "float32"), `single ${i}: ${r0.out[i]} vs ${want0[i]}`);
   }
   for (const c of v.functions) {
     const fn = functionFromProto(fromBinary(ExpertFunctionSchema, fromHex(c.function_proto_hex)), "silu");
     const dtype = c.dtype as FloatDType;
     const [n, Hc] = c.hidden.shape as [number, number];
     const Ic = (c.projections.shape[1] as number) / 2;
-    const biases = fn.bias ? { gateUp: values(c.gate_up_bias), down: values(c.down_bias) } : undefined;
-    const m = matricesFromStored(fn, Hc, Ic, values(c.gate_up), values(c.down), biases);
-    const res = k.expertForward(fn, dtype, m, values(c.hidden), values(c.routing_weights), c.routing_weights.dtype);
+    const biases = fn.bias ? { gateUp: vectorValues(c.gate_up_bias), down: vectorValues(c.down_bias) } : undefined;
+    const m = matricesFromStored(fn, Hc, Ic, vectorValues(c.gate_up), vectorValues(c.down), biases);
+    const res = k.expertForward(fn, dtype, m, vectorValues(c.hidden), vectorValues(c.routing_weights), c.routing_weights.dtype);
     // The vectors' inputs make every step before the activation exact, in any summation order.
     const projHex = toHex(encodeTensor(dtype, [n, 2 * Ic], res.proj).data);
     assert.equal(projHex, c.projections.data_hex, `${c.name}: projections`);
     const got = floatValues(decodeTensor(encodeTensor(dtype, [n, Hc], res.out)));
-    const want = values(c.output);
+    const want = vectorValues(c.output);
     for (let i = 0; i < want.length; i++) {
-      assert.ok(close(got[i]!, want[i]!, 2, dtype), `${c.name}: element ${i}: ${got[i]} vs ${want[i]}`);
+      assert.ok(closeUlps(got[i]!, want[i]!, 2, dtype), `${c.name}: element ${i}: ${got[i]} vs ${want[i]}`);
     }
   }
 });
@@ -290,7 +280,7 @@ test("expert_compute 'dispatch' vectors: Dispatch computed by the WASM kernel (-
   const fn = defaultFunction(v.model.hidden_act);
   const weights = new Map<string, ExpertMatrices>();
   for (const [e, w] of Object.entries(v.experts as Record<string, Json>)) {
-    weights.set(`0:${e}`, matricesFromStored(fn, H, I, values(w.gate_up), values(w.down)));
+    weights.set(`0:${e}`, matricesFromStored(fn, H, I, vectorValues(w.gate_up), vectorValues(w.down)));
   }
   const experts = Object.keys(v.experts).map(Number);
   const slices = new Map([[0, experts]]);
@@ -304,11 +294,11 @@ test("expert_compute 'dispatch' vectors: Dispatch computed by the WASM kernel (-
       assert.equal(p.callId, BigInt(c.call_id), c.name);
       const got = decodeTensor(p.partials);
       assert.deepEqual(got.shape, c.partials.shape, c.name);
-      const want = values(c.partials);
+      const want = vectorValues(c.partials);
       const gv = floatValues(got);
       const dtype = c.partials.dtype as FloatDType;
       for (let i = 0; i < want.length; i++) {
-        assert.ok(close(gv[i]!, want[i]!, 2, dtype), `${c.name}: element ${i}: ${gv[i]} vs ${want[i]}`);
+        assert.ok(closeUlps(gv[i]!, want[i]!, 2, dtype), `${c.name}: element ${i}: ${gv[i]} vs ${want[i]}`);
       }
       if (c.projections) {
         assert.equal(toHex(toBinary(TensorSchema, p.projections!)), c.projections_tensor_hex, `${c.name}: projections`);

@@ -27,7 +27,7 @@ import {
   WebGpuMemoryError,
   webgpuExpertForward,
 } from "../src/webgpu/kernel.js";
-import { auditBound, kernelTolerance, worst, type ExpertInputs } from "./kernel_bounds.js";
+import { auditBound, closeUlps, kernelTolerance, vectorValues, worst, type ExpertInputs } from "./kernel_bounds.js";
 import { prng, randomValues } from "../src/worker/seeded.js";
 
 export { measureKernels } from "../src/webgpu/measure.js";
@@ -163,17 +163,7 @@ export async function agreesWithJs(
   };
 }
 
-function tensorValues(t: Json): Float32Array {
-  const dtype = { float32: 1, float16: 2, bfloat16: 3 }[t.dtype as string]!;
-  const shape = (t.shape as number[]).map(BigInt);
-  return floatValues(decodeTensor(create(TensorSchema, { dtype, shape, data: fromHex(t.data_hex) })));
-}
 
-/** Within a few units in the last place of the vectors (the Python worker's), as test/wasm.test.ts checks. */
-function close(got: number, want: number, ulps: number, dtype: FloatDType): boolean {
-  const u = dtype === "float32" ? 2 ** -23 : dtype === "bfloat16" ? 2 ** -7 : 2 ** -10;
-  return Math.abs(got - want) <= ulps * u * Math.max(Math.abs(want), 2 ** -10);
-}
 
 /**
  * tests/vectors/expert_compute.json (`v`) through the WebGPU kernel: 'single' and every
@@ -188,13 +178,13 @@ export async function vectors(v: Json): Promise<Summary> {
   const [, H] = s.hidden.shape as [number, number];
   const I = s.down.shape[1] as number;
   const fn0 = defaultFunction(s.activation);
-  const m0 = matricesFromStored(fn0, H, I, tensorValues(s.gate_up), tensorValues(s.down));
-  const e0 = { m: m0, rows: tensorValues(s.hidden), weights: tensorValues(s.routing_weights) };
+  const m0 = matricesFromStored(fn0, H, I, vectorValues(s.gate_up), vectorValues(s.down));
+  const e0 = { m: m0, rows: vectorValues(s.hidden), weights: vectorValues(s.routing_weights) };
   const r0 = await k.expertForward(fn0, "float32", m0, e0.rows, e0.weights, "float32");
-  const want0 = tensorValues(s.output);
+  const want0 = vectorValues(s.output);
   const audit0 = auditBound(fn0, "float32", e0, want0);
   for (let i = 0; i < want0.length; i++) {
-    if (!close(r0.out[i]!, want0[i]!, 2, "float32") || !(Math.abs(r0.out[i]! - want0[i]!) <= audit0[i]!)) {
+    if (!closeUlps(r0.out[i]!, want0[i]!, 2, "float32") || !(Math.abs(r0.out[i]! - want0[i]!) <= audit0[i]!)) {
       failures.push(`single ${i}: ${r0.out[i]} vs ${want0[i]}`);
     }
   }
@@ -204,17 +194,17 @@ export async function vectors(v: Json): Promise<Summary> {
     const dtype = c.dtype as FloatDType;
     const [n, Hc] = c.hidden.shape as [number, number];
     const Ic = (c.projections.shape[1] as number) / 2;
-    const biases = fn.bias ? { gateUp: tensorValues(c.gate_up_bias), down: tensorValues(c.down_bias) } : undefined;
-    const m = matricesFromStored(fn, Hc, Ic, tensorValues(c.gate_up), tensorValues(c.down), biases);
-    const e = { m, rows: tensorValues(c.hidden), weights: tensorValues(c.routing_weights) };
+    const biases = fn.bias ? { gateUp: vectorValues(c.gate_up_bias), down: vectorValues(c.down_bias) } : undefined;
+    const m = matricesFromStored(fn, Hc, Ic, vectorValues(c.gate_up), vectorValues(c.down), biases);
+    const e = { m, rows: vectorValues(c.hidden), weights: vectorValues(c.routing_weights) };
     const res = await k.expertForward(fn, dtype, m, e.rows, e.weights, c.routing_weights.dtype);
     const projHex = toHex(encodeTensor(dtype, [n, 2 * Ic], res.proj).data);
     if (projHex !== c.projections.data_hex) failures.push(`${c.name}: projections differ`);
     const got = floatValues(decodeTensor(encodeTensor(dtype, [n, Hc], res.out)));
-    const want = tensorValues(c.output);
+    const want = vectorValues(c.output);
     const audit = auditBound(fn, dtype, e, want);
     for (let i = 0; i < want.length; i++) {
-      if (!close(got[i]!, want[i]!, 2, dtype) || !(Math.abs(got[i]! - want[i]!) <= audit[i]!)) {
+      if (!closeUlps(got[i]!, want[i]!, 2, dtype) || !(Math.abs(got[i]! - want[i]!) <= audit[i]!)) {
         failures.push(`${c.name}: element ${i}: ${got[i]} vs ${want[i]} (audit bound ${audit[i]})`);
       }
     }
@@ -226,7 +216,7 @@ export async function vectors(v: Json): Promise<Summary> {
   const fn = defaultFunction(v.model.hidden_act);
   const weights = new Map<string, ExpertMatrices>();
   for (const [e, w] of Object.entries(v.experts as Record<string, Json>)) {
-    weights.set(`0:${e}`, matricesFromStored(fn, Hm, Im, tensorValues(w.gate_up), tensorValues(w.down)));
+    weights.set(`0:${e}`, matricesFromStored(fn, Hm, Im, vectorValues(w.gate_up), vectorValues(w.down)));
   }
   const slices = new Map([[0, Object.keys(v.experts).map(Number)]]);
   const served = new ServedExperts(weights, fn, v.model.dtype, Hm, Im, "qwen3_moe", slices, new Uint8Array(32));
@@ -240,11 +230,11 @@ export async function vectors(v: Json): Promise<Summary> {
       if (p.callId !== BigInt(c.call_id)) failures.push(`${c.name}: call id ${p.callId}`);
       const got = decodeTensor(p.partials);
       if (got.shape.join() !== (c.partials.shape as number[]).join()) failures.push(`${c.name}: shape ${got.shape}`);
-      const want = tensorValues(c.partials);
+      const want = vectorValues(c.partials);
       const gv = floatValues(got);
       const dtype = c.partials.dtype as FloatDType;
       for (let i = 0; i < want.length; i++) {
-        if (!close(gv[i]!, want[i]!, 2, dtype)) failures.push(`${c.name}: element ${i}: ${gv[i]} vs ${want[i]}`);
+        if (!closeUlps(gv[i]!, want[i]!, 2, dtype)) failures.push(`${c.name}: element ${i}: ${gv[i]} vs ${want[i]}`);
       }
       if (c.projections && toHex(toBinary(TensorSchema, p.projections!)) !== c.projections_tensor_hex) {
         failures.push(`${c.name}: projections differ`);

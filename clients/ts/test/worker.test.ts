@@ -41,6 +41,7 @@ import {
 import { acceptSignedMessage, transcriptHash, verifySignature, Wallet, WorkerHandshake } from "../src/worker/handshake.js";
 import { computeDispatch, DispatchError, ExpertServiceCore, loadExperts, ServedExperts } from "../src/worker/service.js";
 import { WorkerTunnel } from "../src/worker/tunnel.js";
+import { closeUlps, vectorValues } from "./kernel_bounds.js";
 
 const VECTORS = join(import.meta.dirname, "..", "..", "..", "tests", "vectors");
 
@@ -52,11 +53,6 @@ function vectors(name: string): Json {
 
 const TORCH: Record<string, string> = { float32: "torch.float32", bfloat16: "torch.bfloat16", float16: "torch.float16" };
 
-/** A JSON tensor of the vectors ({dtype, shape, data_hex}) as float32 values. */
-function values(t: Json): Float32Array {
-  const dtype = { float32: 1, float16: 2, bfloat16: 3 }[t.dtype as string]!;
-  return floatValues(decodeTensor(create(TensorSchema, { dtype, shape: (t.shape as number[]).map(BigInt), data: fromHex(t.data_hex) })));
-}
 
 // -- tensors -------------------------------------------------------------------------------
 
@@ -317,22 +313,17 @@ test("tunnel_control: every worker sequence", () => {
 
 // -- what an expert computes -----------------------------------------------------------------------
 
-/** |got - want| within the backbone's audit bound's spirit for these small vectors: a few float32 ulps. */
-function close(got: number, want: number, ulps: number, dtype: FloatDType): boolean {
-  const u = dtype === "float32" ? 2 ** -23 : dtype === "bfloat16" ? 2 ** -7 : 2 ** -10;
-  return Math.abs(got - want) <= ulps * u * Math.max(Math.abs(want), 2 ** -10);
-}
 
 test("expert_compute 'single': one expert over three rows", async () => {
   const v = vectors("expert_compute");
   const s = v.single;
   const [n, H] = s.hidden.shape as [number, number];
   const I = s.down.shape[1] as number;
-  const m = matricesFromStored(defaultFunction(s.activation), H, I, values(s.gate_up), values(s.down));
-  const res = await expertForward(defaultFunction(s.activation), "float32", m, values(s.hidden), values(s.routing_weights), "float32");
+  const m = matricesFromStored(defaultFunction(s.activation), H, I, vectorValues(s.gate_up), vectorValues(s.down));
+  const res = await expertForward(defaultFunction(s.activation), "float32", m, vectorValues(s.hidden), vectorValues(s.routing_weights), "float32");
   assert.equal(res.out.length, n * H);
-  const want = values(s.output);
-  for (let i = 0; i < want.length; i++) assert.ok(close(res.out[i]!, want[i]!, 2, "float32"), `element ${i}: ${res.out[i]} vs ${want[i]}`);
+  const want = vectorValues(s.output);
+  for (let i = 0; i < want.length; i++) assert.ok(closeUlps(res.out[i]!, want[i]!, 2, "float32"), `element ${i}: ${res.out[i]} vs ${want[i]}`);
 });
 
 test("expert_compute 'functions': each expert function's announcement, projections (exact) and partials", async () => {
@@ -347,13 +338,13 @@ test("expert_compute 'functions': each expert function's announcement, projectio
     const dtype = c.dtype as FloatDType;
     const [n, H] = c.hidden.shape as [number, number];
     const I = (c.projections.shape[1] as number) / 2;
-    const biases = fn.bias ? { gateUp: values(c.gate_up_bias), down: values(c.down_bias) } : undefined;
-    const m = matricesFromStored(fn, H, I, values(c.gate_up), values(c.down), biases);
-    const res = await expertForward(fn, dtype, m, values(c.hidden), values(c.routing_weights), c.routing_weights.dtype);
+    const biases = fn.bias ? { gateUp: vectorValues(c.gate_up_bias), down: vectorValues(c.down_bias) } : undefined;
+    const m = matricesFromStored(fn, H, I, vectorValues(c.gate_up), vectorValues(c.down), biases);
+    const res = await expertForward(fn, dtype, m, vectorValues(c.hidden), vectorValues(c.routing_weights), c.routing_weights.dtype);
     assert.equal(toHex(encodeTensor(dtype, [n, 2 * I], res.proj).data), c.projections.data_hex, `${c.name}: projections`);
     const got = floatValues(decodeTensor(encodeTensor(dtype, [n, H], res.out)));
-    const want = values(c.output);
-    for (let i = 0; i < want.length; i++) assert.ok(close(got[i]!, want[i]!, 2, dtype), `${c.name}: element ${i}: ${got[i]} vs ${want[i]}`);
+    const want = vectorValues(c.output);
+    for (let i = 0; i < want.length; i++) assert.ok(closeUlps(got[i]!, want[i]!, 2, dtype), `${c.name}: element ${i}: ${got[i]} vs ${want[i]}`);
   }
 });
 
@@ -375,7 +366,7 @@ function vectorExperts(v: Json, fn: ExpertFunction = defaultFunction(v.model.hid
   const I = v.model.intermediate_size as number;
   const weights = new Map<string, ReturnType<typeof matricesFromStored>>();
   for (const [e, w] of Object.entries(v.experts as Record<string, Json>)) {
-    weights.set(`0:${e}`, matricesFromStored(fn, H, I, values(w.gate_up), values(w.down)));
+    weights.set(`0:${e}`, matricesFromStored(fn, H, I, vectorValues(w.gate_up), vectorValues(w.down)));
   }
   const experts = Object.keys(v.experts).map(Number);
   return new ServedExperts(weights, fn, v.model.dtype, H, I, "qwen3_moe", new Map([[0, experts]]), new Uint8Array(32));
@@ -390,10 +381,10 @@ test("expert_compute 'dispatch': partials (within a few ulps) and projections (e
     assert.equal(p.callId, BigInt(c.call_id), c.name);
     const got = decodeTensor(p.partials);
     assert.deepEqual(got.shape, c.partials.shape, c.name);
-    const want = values(c.partials);
+    const want = vectorValues(c.partials);
     const gv = floatValues(got);
     const dtype = c.partials.dtype as FloatDType;
-    for (let i = 0; i < want.length; i++) assert.ok(close(gv[i]!, want[i]!, 2, dtype), `${c.name}: element ${i}: ${gv[i]} vs ${want[i]}`);
+    for (let i = 0; i < want.length; i++) assert.ok(closeUlps(gv[i]!, want[i]!, 2, dtype), `${c.name}: element ${i}: ${gv[i]} vs ${want[i]}`);
     if (c.projections) {
       assert.equal(toHex(toBinary(TensorSchema, p.projections!)), c.projections_tensor_hex, `${c.name}: projections`);
     } else {
