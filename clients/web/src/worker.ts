@@ -200,8 +200,9 @@ export class PageWorker {
     if (!this.service) return;
     this.state.calls = this.service.calls;
     this.state.rows = this.service.rows;
-    if (this.state.firstCallMs === undefined && this.service.calls > 0) {
-      this.state.firstCallMs = Math.round(performance.now() - this.t0);
+    const first = this.service.firstAnsweredAt;
+    if (this.state.firstCallMs === undefined && first !== undefined) {
+      this.state.firstCallMs = Math.round(first - this.t0);
       this.log(`first call served ${this.state.firstCallMs} ms after start`);
     }
   }

@@ -310,6 +310,8 @@ export class ExpertServiceCore {
   /** Calls being computed now. */
   computing = 0;
   calls = 0;
+  /** performance.now() when the first call was answered (undefined before). */
+  firstAnsweredAt: number | undefined;
   rows = 0;
   /** The same service on the sans-IO server (src/h2): GrpcServer.connect() per tunnel connection. */
   readonly grpc: GrpcServer;
@@ -380,6 +382,7 @@ export class ExpertServiceCore {
       try {
         answer = await computeDispatch(this.experts, req);
         this.calls += 1;
+        this.firstAnsweredAt ??= performance.now();
         this.rows += req.segments.reduce((a, s) => a + s.rows, 0);
       } catch (exc) {
         if (exc instanceof DispatchError) throw new ConnectError(`call ${req.callId}: ${exc.message}`, exc.code);
