@@ -13,8 +13,8 @@ record); ``StatsCollector`` turns that record into metric families only when scr
 from __future__ import annotations
 
 import socket
-import sys
 import socketserver
+import sys
 import threading
 from collections.abc import Callable, Iterable, Mapping
 from socketserver import ThreadingMixIn
@@ -108,13 +108,11 @@ class _Server(ThreadingMixIn, WSGIServer):
 
     def __init__(self, *args: Any, **kw: Any) -> None:
         self._slots = threading.BoundedSemaphore(self.max_connections)
-        self.refused = 0
         super().__init__(*args, **kw)
 
     def process_request(self, request: Any, client_address: Any) -> None:
         # Before a thread is made: past the cap the connection is closed unanswered.
         if not self._slots.acquire(blocking=False):
-            self.refused += 1
             self.shutdown_request(request)
             return
         try:

@@ -16,8 +16,8 @@ from typing import Any
 
 from google.protobuf import json_format
 
-from kvasir_rpc import get_logger, is_address
-from ledger._service import balance_response
+from kvasir_rpc import get_logger
+from ledger._service import balance_response, wallet_problem
 from ledger._store import LedgerStore, StoreError, StoreUnavailable
 
 __all__ = ["BALANCE_PREFIX", "balance_app"]
@@ -58,10 +58,9 @@ def balance_app(store: LedgerStore) -> Callable[[dict[str, Any], Any], Iterable[
         if method not in ("GET", "HEAD"):
             return answer(405, f"{method} is not served here; GET {BALANCE_PREFIX}<wallet> reads a balance\n".encode())
         wallet = (environ.get("PATH_INFO") or "").removeprefix(BALANCE_PREFIX)
-        if not is_address(wallet):
-            shown = wallet if len(wallet) <= 80 else wallet[:80] + "..."
-            return answer(400, f"the wallet must be 64 lowercase hex characters (an Ed25519 public key), got "
-                               f"{shown!r}: GET {BALANCE_PREFIX}<wallet>\n".encode())
+        problem = wallet_problem(wallet)
+        if problem is not None:
+            return answer(400, f"{problem}: GET {BALANCE_PREFIX}<wallet>\n".encode())
         try:
             body = balance_json(store, wallet)
         except StoreUnavailable as exc:

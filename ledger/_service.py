@@ -29,7 +29,7 @@ if TYPE_CHECKING:
     from ledger._metrics import LedgerMetrics
 
 __all__ = ["DEFAULT_PAGE_SIZE", "MAX_BATCH", "MAX_PAGE_SIZE", "LedgerServicer", "balance_response", "create_server",
-           "serve_ledger"]
+           "serve_ledger", "wallet_problem"]
 
 log = get_logger("ledger.service")
 
@@ -53,11 +53,19 @@ def balance_response(b: Balance) -> ledger_pb2.GetBalanceResponse:
     )
 
 
+def wallet_problem(wallet: str) -> str | None:
+    """What is wrong with ``wallet`` as a request names it (at most 80 of its characters
+    echoed), or None for a wallet address; for GetBalance, ListCredits and the HTTP read."""
+    if is_address(wallet):
+        return None
+    shown = wallet if len(wallet) <= 80 else wallet[:80] + "..."
+    return f"wallet must be 64 lowercase hex characters (an Ed25519 public key), got {shown!r}"
+
+
 def _check_wallet(context: grpc.ServicerContext, wallet: str) -> None:
-    if not is_address(wallet):
-        shown = wallet if len(wallet) <= 80 else wallet[:80] + "..."
-        _abort(context, grpc.StatusCode.INVALID_ARGUMENT,
-               f"wallet must be 64 lowercase hex characters (an Ed25519 public key), got {shown!r}")
+    problem = wallet_problem(wallet)
+    if problem is not None:
+        _abort(context, grpc.StatusCode.INVALID_ARGUMENT, problem)
 
 
 def _encode_token(wallet: str, last_id: int) -> str:
