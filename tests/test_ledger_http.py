@@ -16,13 +16,13 @@ import socket
 import subprocess
 import sys
 import threading
-import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
 
 import grpc
 import pytest
+from helpers import wait_until
 from prometheus_client import CollectorRegistry
 
 from kvasir_rpc import Wallet, ledger_pb2, ledger_pb2_grpc, serve_metrics, sign_receipt
@@ -124,10 +124,8 @@ def test_clients_that_connect_and_send_nothing_hold_at_most_the_cap(served) -> N
         for _ in range(MAX_HTTP_CONNECTIONS):
             idle.append(socket.create_connection(("127.0.0.1", port), timeout=HTTP_TIMEOUT_S))
         # Each accepted connection has its thread once the server has accepted it.
-        deadline = time.monotonic() + HTTP_TIMEOUT_S
-        while threading.active_count() < threads_before + MAX_HTTP_CONNECTIONS:
-            assert time.monotonic() < deadline, "the server did not accept the idle connections"
-            time.sleep(0.01)
+        wait_until(lambda: threading.active_count() >= threads_before + MAX_HTTP_CONNECTIONS, HTTP_TIMEOUT_S,
+                   "the server to accept the idle connections")
         extra = [socket.create_connection(("127.0.0.1", port), timeout=HTTP_TIMEOUT_S) for _ in range(40)]
         idle += extra
         for s in extra:  # closed unanswered: end of stream (or a reset), long before the 10 s timeout
@@ -140,16 +138,14 @@ def test_clients_that_connect_and_send_nothing_hold_at_most_the_cap(served) -> N
     finally:
         for s in idle:
             s.close()
-    deadline = time.monotonic() + HTTP_TIMEOUT_S
-    while True:  # the idle ones' threads see their clients go and end
+
+    def reads() -> bool:  # the idle ones' threads see their clients go and end
         try:
-            status, _, _ = _get(f"{base}/v1/balance/{'0' * 64}")
-            if status == 200:
-                break
+            return _get(f"{base}/v1/balance/{'0' * 64}")[0] == 200
         except (ConnectionError, http.client.RemoteDisconnected, urllib.error.URLError):
-            pass
-        assert time.monotonic() < deadline, "reads did not come back once the idle connections closed"
-        time.sleep(0.05)
+            return False
+
+    wait_until(reads, HTTP_TIMEOUT_S, "reads to come back once the idle connections closed")
 
 
 @pytest.mark.integration
@@ -163,10 +159,8 @@ def test_a_ledger_process_serves_over_http_the_balance_grpc_credits(tmp_path: pa
         env=dict(os.environ, PYTHONUNBUFFERED="1"))
     log.close()
     try:
-        deadline = time.monotonic() + 30
-        while not ready.exists():
-            assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "ledger.log").read_text()
-            time.sleep(0.05)
+        wait_until(lambda: ready.exists() or proc.poll() is not None, 30, "the ledger to say it listens")
+        assert proc.poll() is None, (tmp_path / "ledger.log").read_text()
         info = json.loads(ready.read_text())
         base = f"http://127.0.0.1:{info['http_port']}"
         w = Wallet.generate().address
