@@ -283,11 +283,18 @@ export class PageWorker {
       for (const [layer, ids] of experts.slices) for (const id of ids) place(experts.get(layer, id)!);
     };
     const why = (exc: unknown): string => (exc instanceof Error ? exc.message : String(exc));
-    const loadWasm = async (): Promise<string> => {
-      const k = await WasmKernel.load(fetch(o.wasmUrl));
-      each((m) => k.place(m));
-      useExpertKernel(wasmExpertForward(k));
-      return `WebAssembly SIMD (${(k.placedBytes / 2 ** 20).toFixed(1)} MiB placed)`;
+    // WebAssembly where it loads, else JavaScript: the kernel in use from now on, and its line.
+    const wasmOrJs = async (): Promise<string> => {
+      try {
+        const k = await WasmKernel.load(fetch(o.wasmUrl));
+        each((m) => k.place(m));
+        useExpertKernel(wasmExpertForward(k));
+        return `WebAssembly SIMD (${(k.placedBytes / 2 ** 20).toFixed(1)} MiB placed)`;
+      } catch (exc) {
+        this.log(`WebAssembly kernel unavailable, computing in JavaScript: ${why(exc)}`);
+        useExpertKernel();
+        return "JavaScript";
+      }
     };
     if (o.kernel === "auto" || o.kernel === "webgpu") {
       try {
@@ -314,13 +321,7 @@ export class PageWorker {
           const switchAway = (exc: Error): Promise<unknown> => {
             fallback ??= (async () => {
               this.log(`WebGPU stopped working (${exc.message}): computing with WebAssembly from now on`);
-              try {
-                this.state.kernel = await loadWasm();
-              } catch (e) {
-                useExpertKernel();
-                this.state.kernel = "JavaScript";
-                this.log(`WebAssembly kernel unavailable, computing in JavaScript: ${why(e)}`);
-              }
+              this.state.kernel = await wasmOrJs();
               this.changed();
             })();
             return fallback;
@@ -331,13 +332,7 @@ export class PageWorker {
         this.log(`WebGPU kernel unavailable, computing with WebAssembly: ${why(exc)}`);
       }
     }
-    if (o.kernel !== "js") {
-      try {
-        return await loadWasm();
-      } catch (exc) {
-        this.log(`WebAssembly kernel unavailable, computing in JavaScript: ${why(exc)}`);
-      }
-    }
+    if (o.kernel !== "js") return wasmOrJs();
     useExpertKernel();
     return "JavaScript";
   }
