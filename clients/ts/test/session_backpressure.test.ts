@@ -11,16 +11,14 @@
 // sets, and the core's timers run on a clock the test advances (the real 30 s deadline, at once).
 
 import assert from "node:assert/strict";
-import { readFileSync } from "node:fs";
 import http2 from "node:http2";
-import { join } from "node:path";
 import { Duplex } from "node:stream";
 import { test } from "node:test";
 
 import { frameMessage, GrpcServer } from "../src/h2/grpc.js";
 import { CloseCode, fromHex } from "../src/worker/bytes.js";
 import { deriveTunnelKeys, KeyExchange, TunnelCipher } from "../src/worker/channel.js";
-import { parseAccept, transcriptHash, Wallet, WorkerHandshake } from "../src/worker/handshake.js";
+import { parseAccept, transcriptHash } from "../src/worker/handshake.js";
 import {
   type Clock,
   SansIoConnection,
@@ -32,12 +30,9 @@ import {
   type SessionTransport,
   TUNNEL_SUBPROTOCOL,
 } from "../src/worker/session_core.js";
+import { vectorHandshake, vectors } from "./vectors.js";
 
-const VECTORS = join(import.meta.dirname, "..", "..", "..", "tests", "vectors");
 const DEADLINE_MS = 20_000;
-
-// eslint-disable-next-line @typescript-eslint/no-explicit-any
-type Json = any;
 
 /** Resolve with `p`, or fail after `ms` (every wait in these tests has a deadline). */
 function within<T>(p: Promise<T>, what: string, ms = DEADLINE_MS): Promise<T> {
@@ -140,7 +135,7 @@ function call(client: http2.ClientHttp2Session, path: string, message: Uint8Arra
 }
 
 test("send backpressure: calls wait over the high-water mark, go on under the low one, and the session closes past the deadline", async () => {
-  const h: Json = JSON.parse(readFileSync(join(VECTORS, "handshake.json"), "utf8"));
+  const h = vectors("handshake");
   const clock = new ManualClock();
   const log: string[] = [];
 
@@ -184,19 +179,7 @@ test("send backpressure: calls wait over the high-water mark, go on under the lo
     clock,
   });
   const socket = new FakeSocket(() => core, fromWorker);
-  const wallet = new Wallet(fromHex(h.wallet_seed_hex));
-  const hs = new WorkerHandshake(
-    {
-      wallet,
-      slices: new Map((h.hello.slices as { layer: number; experts: number[] }[]).map((s) => [s.layer, s.experts])),
-      weightsDigest: fromHex(h.hello.weights_digest_hex),
-      device: h.hello.device,
-      modelType: h.hello.model_type,
-      workerVersion: h.hello.worker_version,
-      projections: Boolean(h.hello.projections),
-    },
-    { requireEncryption: true, aeads: [], kxPrivate: fromHex(h.worker_kx_private_hex) },
-  );
+  const hs = vectorHandshake(h);
 
   // The handshake of the vectors, sealed end to end.
   core.attach(socket, hs);

@@ -1,7 +1,7 @@
 // The TypeScript worker (src/worker/) against tests/vectors/*.json: no server, no Python.
 // The end-to-end check against `kvasir conformance` is tests/test_ts_worker.py.
 import assert from "node:assert/strict";
-import { mkdirSync, mkdtempSync, readFileSync, rmSync, writeFileSync } from "node:fs";
+import { mkdirSync, mkdtempSync, rmSync, writeFileSync } from "node:fs";
 import { tmpdir } from "node:os";
 import { join } from "node:path";
 import { test } from "node:test";
@@ -42,14 +42,8 @@ import { acceptSignedMessage, transcriptHash, verifySignature, Wallet, WorkerHan
 import { computeDispatch, DispatchError, ExpertServiceCore, loadExperts, ServedExperts } from "../src/worker/service.js";
 import { WorkerTunnel } from "../src/worker/tunnel.js";
 import { closeUlps, vectorValues } from "./kernel_bounds.js";
+import { vectorHandshake, vectors, type Json } from "./vectors.js";
 
-const VECTORS = join(import.meta.dirname, "..", "..", "..", "tests", "vectors");
-
-// eslint-disable-next-line @typescript-eslint/no-explicit-any
-type Json = any;
-function vectors(name: string): Json {
-  return JSON.parse(readFileSync(join(VECTORS, `${name}.json`), "utf8"));
-}
 
 const TORCH: Record<string, string> = { float32: "torch.float32", bfloat16: "torch.bfloat16", float16: "torch.float16" };
 
@@ -125,22 +119,6 @@ test("weights_digest: each expert's preimage and digest, and the slices digests"
 });
 
 // -- the handshake and the channel ---------------------------------------------------------------
-
-function vectorHandshake(h: Json, aeads: number[] = []): WorkerHandshake {
-  const wallet = new Wallet(fromHex(h.wallet_seed_hex));
-  return new WorkerHandshake(
-    {
-      wallet,
-      slices: new Map((h.hello.slices as { layer: number; experts: number[] }[]).map((s) => [s.layer, s.experts])),
-      weightsDigest: fromHex(h.hello.weights_digest_hex),
-      device: h.hello.device,
-      modelType: h.hello.model_type,
-      workerVersion: h.hello.worker_version,
-      projections: Boolean(h.hello.projections),
-    },
-    { requireEncryption: h.hello.require_encryption, aeads, kxPrivate: fromHex(h.worker_kx_private_hex) },
-  );
-}
 
 test("handshake: the wallet's address, the hello's exact bytes, the accept's signature and the transcript", () => {
   const h = vectors("handshake");
