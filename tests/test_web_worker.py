@@ -208,6 +208,23 @@ def test_the_page_crypto_against_the_vectors(static, tmp_path):
         browser.goto(_page_url(static, autostart="0", balance=static.base))
         wait_until(lambda: "HTTP 404" in browser.eval(credited_at), DEADLINE_S, "the page to show the HTTP status")
         assert browser.eval("window.kvasirWorker.credited()") is None
+        # A server that answers with another wallet's balance, or with one that does not parse: shown
+        # as not this wallet's, never as its KVR credited.
+        address = browser.eval("window.kvasirWorker.address()")
+        fake = tmp_path / "fake-ledger"
+        (fake / "v1" / "balance").mkdir(parents=True)
+        static.mounts["fakeledger"] = fake.resolve()
+        good = {"wallet": address, "pendingNanoKvr": "5", "pendingKvr": "0.000000005", "bytesCredited": "1",
+                "units": "0.000001", "creditCount": "1"}
+        for lie, says in (({**good, "wallet": "ab" * 32}, "for another wallet"),
+                          ({**good, "pendingKvr": "lots"}, "no pendingKvr in the answer")):
+            (fake / "v1" / "balance" / address).write_text(json.dumps(lie))
+            browser.goto(_page_url(static, autostart="0", balance=f"{static.base}/fakeledger"))
+            wait_until(lambda: "not this wallet's balance" in browser.eval(credited_at), DEADLINE_S,  # noqa: B023
+                       "the page to refuse the answer")
+            assert says in browser.eval(credited_at), browser.eval(credited_at)
+            assert browser.eval("window.kvasirWorker.credited()") is None
+            assert browser.eval("document.getElementById('credited').textContent") == "KVR credited: —"
         browser.goto(_page_url(static, hub=f"ws://127.0.0.1:{dead}"))
         _wait_phase(browser, ("waiting",))
         assert state["thread"] == "worker", state

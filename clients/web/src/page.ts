@@ -368,7 +368,12 @@ async function readBalance(base: string, address: string): Promise<{ line: strin
       const first = body.trim().split("\n")[0]?.slice(0, 200) ?? "";
       return { line: `HTTP ${res.status}${first ? `: ${first}` : ""} from ${url}` };
     }
-    return { line: `read at ${clock()} from ${base}`, got: parseCredited(body, address) };
+    try {
+      return { line: `read at ${clock()} from ${base}`, got: parseCredited(body, address) };
+    } catch (exc) {
+      // An answer, but not this wallet's balance: a server that is not a ledger, or one that lies.
+      return { line: `not this wallet's balance from ${url}: ${message(exc)}` };
+    }
   } catch (exc) {
     if (ctl.signal.aborted) return { line: `no answer within ${BALANCE_TIMEOUT_MS / 1000} s from ${url}` };
     let why = `network error (${message(exc)}): is the ledger serving --http there, and reachable from this page?`;
